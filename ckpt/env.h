@@ -1,0 +1,80 @@
+// Env is the one interface through which checkpoint code touches the file
+// system (as in LevelDB). The default is POSIX; tests substitute an Env that
+// injects failed writes, ENOSPC, short writes or a crash at a chosen point.
+// Every method reports failure by throwing ckpt::Error naming the path and
+// the OS error.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace ckpt {
+
+// A file being written, appended to in order.
+class WritableFile {
+ public:
+  virtual ~WritableFile() = default;
+  virtual void Append(std::span<const uint8_t> data) = 0;
+  // Flushes buffers and makes the contents durable (fsync).
+  virtual void Sync() = 0;
+  virtual void Close() = 0;
+  // Bytes appended so far.
+  virtual uint64_t Size() const = 0;
+};
+
+// A whole file mapped read-only (or an in-memory buffer standing in for one).
+// Tensors loaded from the file borrow its bytes and keep it alive.
+class MappedFile {
+ public:
+  virtual ~MappedFile() = default;
+  virtual const uint8_t* data() const = 0;
+  virtual uint64_t size() const = 0;
+  // The name used in error messages.
+  virtual const std::string& path() const = 0;
+  std::span<const uint8_t> bytes() const { return {data(), static_cast<size_t>(size())}; }
+
+  // An in-memory file (tests, fuzzing).
+  static std::shared_ptr<const MappedFile> FromBuffer(std::string name, std::string contents);
+};
+
+class Env {
+ public:
+  virtual ~Env() = default;
+  static Env* Default();
+
+  // Creates or truncates `path`.
+  virtual std::unique_ptr<WritableFile> NewWritableFile(const std::string& path) = 0;
+  virtual std::shared_ptr<const MappedFile> MapFile(const std::string& path) = 0;
+  // Atomically replaces `to` with `from`.
+  virtual void RenameFile(const std::string& from, const std::string& to) = 0;
+  // fsyncs a directory so renames and creations inside it are durable.
+  virtual void SyncDir(const std::string& dir) = 0;
+  virtual void RemoveFile(const std::string& path) = 0;
+  // Removes a directory tree; absent is fine.
+  virtual void RemoveAll(const std::string& path) = 0;
+  // Creates a directory and its parents; existing is fine.
+  virtual void CreateDirs(const std::string& path) = 0;
+  virtual bool Exists(const std::string& path) = 0;
+  virtual bool IsDirectory(const std::string& path) = 0;
+  // Names (not paths) of the entries of a directory, sorted.
+  virtual std::vector<std::string> ListDir(const std::string& path) = 0;
+  virtual uint64_t FileSize(const std::string& path) = 0;
+};
+
+// Writes `path` so that a crash leaves either the old file or the complete
+// new one: `fill` writes a temporary sibling, which is fsynced, renamed over
+// `path`, and the directory is fsynced. On failure the temporary is removed,
+// `path` is untouched, and the error propagates.
+void WriteFileAtomically(Env* env, const std::string& path,
+                         const std::function<void(WritableFile&)>& fill);
+
+// The name of the temporary sibling WriteFileAtomically uses for `path`;
+// anything with this shape is debris from an interrupted write.
+std::string TempPathFor(const std::string& path);
+bool IsTempPath(const std::string& name);
+
+}  // namespace ckpt

@@ -1,0 +1,241 @@
+// The POSIX Env: buffered appends, mmap for reads, fsync for durability.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "ckpt/env.h"
+#include "ckpt/error.h"
+
+namespace ckpt {
+namespace {
+
+namespace fs = std::filesystem;
+
+[[noreturn]] void ThrowErrno(const std::string& path, const char* what, int err = errno) {
+  throw Error(path + ": " + what + ": " + std::strerror(err));
+}
+
+class PosixWritableFile final : public WritableFile {
+ public:
+  PosixWritableFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) { buf_.reserve(kBuf); }
+  ~PosixWritableFile() override {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  void Append(std::span<const uint8_t> data) override {
+    size_ += data.size();
+    if (buf_.size() + data.size() <= kBuf) {
+      buf_.insert(buf_.end(), data.begin(), data.end());
+      return;
+    }
+    Flush();
+    if (data.size() >= kBuf) WriteAll(data);  // large: straight from the caller's memory
+    else buf_.assign(data.begin(), data.end());
+  }
+
+  void Sync() override {
+    Flush();
+    if (::fdatasync(fd_) != 0) ThrowErrno(path_, "fsync failed");
+  }
+
+  void Close() override {
+    if (fd_ < 0) return;
+    Flush();
+    int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) ThrowErrno(path_, "close failed");
+  }
+
+  uint64_t Size() const override { return size_; }
+
+ private:
+  static constexpr size_t kBuf = 1 << 20;
+
+  void Flush() {
+    if (buf_.empty()) return;
+    WriteAll(buf_);
+    buf_.clear();
+  }
+
+  void WriteAll(std::span<const uint8_t> data) {
+    const uint8_t* p = data.data();
+    size_t left = data.size();
+    while (left > 0) {
+      ssize_t n = ::write(fd_, p, std::min<size_t>(left, size_t{1} << 30));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        ThrowErrno(path_, "write failed");
+      }
+      p += n;
+      left -= static_cast<size_t>(n);
+    }
+  }
+
+  std::string path_;
+  int fd_;
+  std::vector<uint8_t> buf_;
+  uint64_t size_ = 0;
+};
+
+class PosixMappedFile final : public MappedFile {
+ public:
+  PosixMappedFile(std::string path, const uint8_t* data, uint64_t size)
+      : path_(std::move(path)), data_(data), size_(size) {}
+  ~PosixMappedFile() override {
+    if (size_ > 0) ::munmap(const_cast<uint8_t*>(data_), size_);
+  }
+  const uint8_t* data() const override { return data_; }
+  uint64_t size() const override { return size_; }
+  const std::string& path() const override { return path_; }
+
+ private:
+  std::string path_;
+  const uint8_t* data_;
+  uint64_t size_;
+};
+
+class BufferFile final : public MappedFile {
+ public:
+  BufferFile(std::string name, std::string contents) : name_(std::move(name)), buf_(std::move(contents)) {}
+  const uint8_t* data() const override { return reinterpret_cast<const uint8_t*>(buf_.data()); }
+  uint64_t size() const override { return buf_.size(); }
+  const std::string& path() const override { return name_; }
+
+ private:
+  std::string name_, buf_;
+};
+
+class PosixEnv final : public Env {
+ public:
+  std::unique_ptr<WritableFile> NewWritableFile(const std::string& path) override {
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) ThrowErrno(path, "cannot create");
+    return std::make_unique<PosixWritableFile>(path, fd);
+  }
+
+  std::shared_ptr<const MappedFile> MapFile(const std::string& path) override {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) ThrowErrno(path, "cannot open");
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      int e = errno;
+      ::close(fd);
+      ThrowErrno(path, "cannot stat", e);
+    }
+    if (S_ISDIR(st.st_mode)) {
+      ::close(fd);
+      throw Error(path + ": is a directory, not a file");
+    }
+    const uint64_t size = static_cast<uint64_t>(st.st_size);
+    void* p = nullptr;
+    if (size > 0) {
+      p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+      if (p == MAP_FAILED) {
+        int e = errno;
+        ::close(fd);
+        ThrowErrno(path, "mmap failed", e);
+      }
+    }
+    ::close(fd);
+    return std::make_shared<PosixMappedFile>(path, static_cast<const uint8_t*>(p), size);
+  }
+
+  void RenameFile(const std::string& from, const std::string& to) override {
+    if (::rename(from.c_str(), to.c_str()) != 0) ThrowErrno(from, ("cannot rename to " + to).c_str());
+  }
+
+  void SyncDir(const std::string& dir) override {
+    int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) ThrowErrno(dir, "cannot open directory");
+    int rc = ::fsync(fd);
+    int e = errno;
+    ::close(fd);
+    if (rc != 0) ThrowErrno(dir, "directory fsync failed", e);
+  }
+
+  void RemoveFile(const std::string& path) override {
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) ThrowErrno(path, "cannot remove");
+  }
+
+  void RemoveAll(const std::string& path) override {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+    if (ec) throw Error(path + ": cannot remove: " + ec.message());
+  }
+
+  void CreateDirs(const std::string& path) override {
+    std::error_code ec;
+    fs::create_directories(path, ec);
+    if (ec) throw Error(path + ": cannot create directory: " + ec.message());
+  }
+
+  bool Exists(const std::string& path) override {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0;
+  }
+
+  bool IsDirectory(const std::string& path) override {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+  }
+
+  std::vector<std::string> ListDir(const std::string& path) override {
+    std::error_code ec;
+    std::vector<std::string> names;
+    for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec))
+      names.push_back(it->path().filename().string());
+    if (ec) throw Error(path + ": cannot list directory: " + ec.message());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  uint64_t FileSize(const std::string& path) override {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) ThrowErrno(path, "cannot stat");
+    return static_cast<uint64_t>(st.st_size);
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<const MappedFile> MappedFile::FromBuffer(std::string name, std::string contents) {
+  return std::make_shared<BufferFile>(std::move(name), std::move(contents));
+}
+
+Env* Env::Default() {
+  static PosixEnv env;
+  return &env;
+}
+
+std::string TempPathFor(const std::string& path) {
+  return path + ".tmp-shardkit-" + std::to_string(::getpid());
+}
+
+bool IsTempPath(const std::string& name) { return name.find(".tmp-shardkit-") != std::string::npos; }
+
+void WriteFileAtomically(Env* env, const std::string& path,
+                         const std::function<void(WritableFile&)>& fill) {
+  const std::string tmp = TempPathFor(path);
+  try {
+    auto file = env->NewWritableFile(tmp);
+    fill(*file);
+    file->Sync();
+    file->Close();
+    env->RenameFile(tmp, path);
+  } catch (...) {
+    try {
+      env->RemoveFile(tmp);
+    } catch (...) {
+    }
+    throw;
+  }
+  env->SyncDir(fs::path(path).parent_path().string());
+}
+
+}  // namespace ckpt

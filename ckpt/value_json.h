@@ -1,0 +1,27 @@
+// A canonical JSON form of a Value tree, exact enough to compare trees across
+// languages: floats as their IEEE bits, big ints as two's-complement bytes,
+// tensors with dtype, shape, stride, offset, storage identity (numbered in
+// order of first appearance) and optionally their bytes. The interop tests
+// compare this form against the one Python computes from torch objects, and
+// ckpt-inspect --json uses it (without tensor bytes) for non-tensor values.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include "ckpt/value.h"
+
+namespace ckpt {
+
+struct JsonOptions {
+  // Include "data" (element bytes, row-major) and "storage_hex" (whole storage) as hex.
+  bool tensor_bytes = false;
+};
+
+nlohmann::ordered_json ValueToJson(const Value& v, const JsonOptions& opts = {});
+// Inverse of ValueToJson with tensor_bytes; tensors sharing a storage number
+// share one storage. Throws ckpt::Error on malformed input.
+Value ValueFromJson(const nlohmann::json& j);
+
+std::string HexEncode(const uint8_t* data, size_t n);
+
+}  // namespace ckpt

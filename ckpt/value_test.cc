@@ -1,0 +1,44 @@
+#include "ckpt/value.h"
+
+#include <gtest/gtest.h>
+
+#include "ckpt/error.h"
+
+namespace ckpt {
+
+TEST(Value, DictEditsKeepOrderAndShareTensors) {
+  Value d = Value::NewDict();
+  Tensor t = Tensor::Zeros(DType::kFloat32, {4});
+  d.as_dict().Set("b", Value(1));
+  d.as_dict().Set("a", Value(t));
+  d.as_dict().Set("c", Value("x"));
+  ASSERT_TRUE(d.as_dict().Rename("a", "z"));
+  ASSERT_TRUE(d.as_dict().Erase("b"));
+  ASSERT_EQ(d.as_dict().items.size(), 2u);
+  EXPECT_EQ(d.as_dict().items[0].first.as_str(), "z");
+  EXPECT_EQ(d.as_dict().At("z").as_tensor().storage(), t.storage());  // no copy
+  EXPECT_THROW(d.as_dict().At("missing"), Error);
+  EXPECT_FALSE(d.as_dict().Rename("missing", "q"));
+}
+
+TEST(Value, AccessorsNameTheKindOnMismatch) {
+  try {
+    Value(3).as_str();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "expected str, found int");
+  }
+}
+
+TEST(Value, DeepEqualComparesContentNotIdentity) {
+  Tensor a = Tensor::Zeros(DType::kFloat32, {2});
+  Tensor b = Tensor::Zeros(DType::kFloat32, {2});
+  EXPECT_TRUE(DeepEqual(Value::List({Value(a), Value(1.5)}), Value::List({Value(b), Value(1.5)})));
+  reinterpret_cast<float*>(b.mutable_data())[1] = 1.f;
+  EXPECT_FALSE(DeepEqual(Value(a), Value(b)));
+  EXPECT_FALSE(DeepEqual(Value::List(), Value::Tuple()));
+  EXPECT_FALSE(DeepEqual(Value(1), Value(true)));
+  EXPECT_FALSE(DeepEqual(Value::NewDict(true), Value::NewDict(false)));
+}
+
+}  // namespace ckpt

@@ -1,0 +1,45 @@
+// ZipWriter streams an uncompressed (STORED) zip archive the way torch.save
+// lays it out: every record under one prefix folder, each record's data
+// starting at a multiple of 64 bytes (padding in a local 'FB' extra field),
+// correct CRC-32s in the headers, and ZIP64 fields whenever a size, an offset
+// or the entry count passes the classic limits. Output is deterministic
+// (fixed timestamps), so equal content gives equal bytes.
+//
+// libzip is not used for writing: it cannot place data at an alignment, and
+// it writes through its own file layer, not through ckpt::Env.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ckpt/env.h"
+
+namespace ckpt {
+
+class ZipWriter {
+ public:
+  static constexpr uint64_t kAlignment = 64;
+
+  ZipWriter(WritableFile& out, std::string prefix);
+
+  // Appends `prefix/name` holding `data`; `crc` is its CRC-32.
+  void AddRecord(const std::string& name, std::span<const uint8_t> data, uint32_t crc);
+  void AddRecord(const std::string& name, std::span<const uint8_t> data);
+  // Writes the central directory and end records. No records may follow.
+  void Finish();
+
+ private:
+  struct Entry {
+    std::string name;
+    uint64_t offset, size;
+    uint32_t crc;
+  };
+  WritableFile& out_;
+  std::string prefix_;
+  std::vector<Entry> entries_;
+  bool finished_ = false;
+};
+
+}  // namespace ckpt

@@ -1,0 +1,107 @@
+// ckpt-sample DIR: writes a small Llama-shaped checkpoint in the NxDT file
+// layout (model/ and optim/ rank files) with the C++ writer, so the main job
+// has something real to inspect before a training run exists.
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <random>
+
+#include "ckpt/env.h"
+#include "ckpt/error.h"
+#include "ckpt/pt_file.h"
+
+using ckpt::DType;
+using ckpt::Tensor;
+using ckpt::Value;
+
+namespace {
+
+Tensor Random(std::mt19937& rng, DType dt, std::vector<int64_t> shape, float std) {
+  Tensor t = Tensor::Zeros(dt, std::move(shape));
+  std::normal_distribution<float> dist(0.f, std);
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    float x = dist(rng);
+    if (dt == DType::kFloat32) {
+      reinterpret_cast<float*>(t.mutable_data())[i] = x;
+    } else {  // bfloat16: the top half of the float32 bits, rounded to nearest even
+      uint32_t bits;
+      std::memcpy(&bits, &x, 4);
+      bits += 0x7fff + ((bits >> 16) & 1);
+      reinterpret_cast<uint16_t*>(t.mutable_data())[i] = static_cast<uint16_t>(bits >> 16);
+    }
+  }
+  return t;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Write a sample Llama-shaped checkpoint in the NxDT layout"};
+  std::string dir;
+  int layers = 2, hidden = 64, vocab = 256;
+  app.add_option("dir", dir, "output directory")->required();
+  app.add_option("--layers", layers)->check(CLI::Range(1, 64));
+  app.add_option("--hidden", hidden)->check(CLI::Range(8, 8192));
+  app.add_option("--vocab", vocab)->check(CLI::Range(8, 1 << 20));
+  CLI11_PARSE(app, argc, argv);
+  try {
+    std::mt19937 rng(1234);
+    const int64_t H = hidden, F = hidden * 8 / 3, V = vocab;
+    Value model = Value::NewDict();
+    auto& m = model.as_dict();
+    std::vector<std::string> names;
+    auto add = [&](const std::string& name, Tensor t) {
+      names.push_back(name);
+      m.Set(name, Value(std::move(t)));
+    };
+    add("language_model.embedding.word_embeddings.weight", Random(rng, DType::kBFloat16, {V, H}, 0.02f));
+    for (int l = 0; l < layers; ++l) {
+      const std::string p = "language_model.encoder.layers." + std::to_string(l) + ".";
+      add(p + "input_layernorm.weight", Random(rng, DType::kBFloat16, {H}, 0.f));
+      add(p + "self_attention.query_key_value.weight", Random(rng, DType::kBFloat16, {3 * H, H}, 0.02f));
+      add(p + "self_attention.dense.weight", Random(rng, DType::kBFloat16, {H, H}, 0.02f));
+      add(p + "post_attention_layernorm.weight", Random(rng, DType::kBFloat16, {H}, 0.f));
+      add(p + "mlp.dense_h_to_4h.weight", Random(rng, DType::kBFloat16, {2 * F, H}, 0.02f));
+      add(p + "mlp.dense_4h_to_h.weight", Random(rng, DType::kBFloat16, {H, F}, 0.02f));
+    }
+    add("language_model.encoder.final_layernorm.weight", Random(rng, DType::kBFloat16, {H}, 0.f));
+    add("language_model.output_layer.weight", Random(rng, DType::kBFloat16, {V, H}, 0.02f));
+
+    // A torch.optim AdamW state dict: moments in fp32, positional parameter ids.
+    Value state = Value::NewDict(), ids = Value::List();
+    for (size_t i = 0; i < names.size(); ++i) {
+      const auto& shape = m.At(names[i]).as_tensor().shape();
+      Value s = Value::NewDict();
+      Tensor step = Tensor::Zeros(DType::kFloat32, {});
+      reinterpret_cast<float*>(step.mutable_data())[0] = 1.f;
+      s.as_dict().Set("step", Value(step));
+      s.as_dict().Set("exp_avg", Value(Random(rng, DType::kFloat32, shape, 1e-3f)));
+      s.as_dict().Set("exp_avg_sq", Value(Random(rng, DType::kFloat32, shape, 1e-6f)));
+      state.as_dict().items.emplace_back(Value(static_cast<int64_t>(i)), s);
+      ids.as_seq().items.push_back(Value(static_cast<int64_t>(i)));
+    }
+    Value group = Value::NewDict();
+    for (auto [k, v] : std::vector<std::pair<const char*, Value>>{
+             {"lr", Value(3e-4)}, {"betas", Value::Tuple({Value(0.9), Value(0.95)})}, {"eps", Value(1e-8)},
+             {"weight_decay", Value(0.1)}, {"amsgrad", Value(false)}, {"maximize", Value(false)}})
+      group.as_dict().Set(k, v);
+    group.as_dict().Set("params", ids);
+    Value optim = Value::NewDict();
+    optim.as_dict().Set("state", state);
+    optim.as_dict().Set("param_groups", Value::List({group}));
+
+    auto* env = ckpt::Env::Default();
+    const std::string shard = "dp_rank_00_tp_rank_00_pp_rank_00.pt";
+    env->CreateDirs(dir + "/model");
+    env->CreateDirs(dir + "/optim");
+    ckpt::SavePt(dir + "/model/" + shard, model, {.weights_only = true});
+    ckpt::SavePt(dir + "/optim/" + shard, optim);
+    std::cout << "ckpt-sample: wrote " << names.size() << " parameters and their AdamW state to " << dir << "\n";
+    return 0;
+  } catch (const ckpt::Error& e) {
+    std::cerr << "ckpt-sample: " << e.what() << "\n";
+    return 1;
+  }
+}

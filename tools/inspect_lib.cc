@@ -1,0 +1,187 @@
+#include "tools/inspect_lib.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+
+#include "ckpt/error.h"
+#include "ckpt/pt_file.h"
+#include "ckpt/value_json.h"
+#include "ckpt/xser.h"
+
+namespace shardkit {
+namespace fs = std::filesystem;
+using ckpt::Value;
+
+namespace {
+
+std::string KeyString(const Value& k, size_t index) {
+  if (k.is_str()) return k.as_str();
+  if (k.is_int()) return std::to_string(k.as_int());
+  return "[" + std::to_string(index) + "]";
+}
+
+std::string Join(const std::string& prefix, const std::string& part) { return prefix.empty() ? part : prefix + "/" + part; }
+
+void CollectFiles(ckpt::Env* env, const std::string& root, const std::string& rel, std::vector<std::string>* out) {
+  const std::string dir = rel.empty() ? root : root + "/" + rel;
+  for (const std::string& name : env->ListDir(dir)) {
+    const std::string child_rel = rel.empty() ? name : rel + "/" + name;
+    const std::string child = root + "/" + child_rel;
+    if (ckpt::IsTempPath(name)) continue;
+    if (env->IsDirectory(child)) {
+      if (!name.ends_with(".tensors")) CollectFiles(env, root, child_rel, out);
+    } else if (name.ends_with(".pt") || name.ends_with(".ckpt") || name.ends_with(".pth") || name.ends_with(".bin")) {
+      out->push_back(child_rel);
+    }
+  }
+}
+
+InspectedFile InspectFile(const std::string& full, const std::string& rel, bool verify_crc, ckpt::Env* env) {
+  InspectedFile f;
+  f.file = rel;
+  const bool xser = ckpt::IsXser(full, env);
+  f.format = xser ? "xser" : "pt";
+  ckpt::LoadOptions opts{verify_crc};
+  Value v = xser ? ckpt::LoadXser(full, opts, env) : ckpt::LoadPt(full, opts, env);
+  Flatten(v, "", &f.entries);
+  return f;
+}
+
+std::string ShapeString(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+void Flatten(const Value& v, const std::string& prefix, std::vector<InspectEntry>* out) {
+  if (v.is_tensor()) {
+    const auto& t = v.as_tensor();
+    InspectEntry e;
+    e.key = prefix;
+    e.is_tensor = true;
+    e.dtype = std::string(ckpt::DTypeName(t.dtype()));
+    e.shape = t.shape();
+    e.bytes = t.nbytes();
+    out->push_back(std::move(e));
+    return;
+  }
+  const bool seq = v.is_seq() && v.as_seq().kind != ckpt::SeqKind::kTorchSize;
+  if (v.is_dict() && !v.as_dict().items.empty()) {
+    size_t i = 0;
+    for (const auto& [k, c] : v.as_dict().items) Flatten(c, Join(prefix, KeyString(k, i++)), out);
+    return;
+  }
+  if (seq && !v.as_seq().items.empty() && v.as_seq().items.size() <= 64) {
+    bool scalars = true;
+    for (const auto& c : v.as_seq().items) scalars &= !(c.is_tensor() || c.is_dict() || c.is_seq() || c.is_object());
+    if (!scalars) {
+      for (size_t i = 0; i < v.as_seq().items.size(); ++i)
+        Flatten(v.as_seq().items[i], Join(prefix, "[" + std::to_string(i) + "]"), out);
+      return;
+    }
+  }
+  InspectEntry e;
+  e.key = prefix.empty() ? "<root>" : prefix;
+  e.value = v.is_object() ? nlohmann::ordered_json{{"object", v.as_object().cls.full()}} : ckpt::ValueToJson(v);
+  out->push_back(std::move(e));
+}
+
+InspectReport Inspect(const std::string& path, bool verify_crc, ckpt::Env* env) {
+  InspectReport r;
+  r.path = path;
+  if (!env->Exists(path)) throw ckpt::Error(path + ": no such file or directory");
+  if (!env->IsDirectory(path)) {
+    r.kind = ckpt::IsXser(path, env) ? "xser" : "file";
+    r.files.push_back(InspectFile(path, "", verify_crc, env));
+    return r;
+  }
+  const auto names = env->ListDir(path);
+  auto has = [&](const std::string& n) { return std::find(names.begin(), names.end(), n) != names.end(); };
+  for (const char* m : {"checkpoint", "done", "newest", "manifest.json"})
+    if (has(m)) r.markers.push_back(m);
+  bool rank_dirs = false;
+  for (const auto& n : names) rank_dirs |= n.starts_with("tp_rank_") || n.starts_with("mp_rank_");
+  r.kind = has("model") || has("checkpoint") || has("done") ? "nxdt_tag" : rank_dirs ? "nnm_folder" : "directory";
+  std::vector<std::string> files;
+  CollectFiles(env, path, "", &files);
+  if (files.empty()) throw ckpt::Error(path + ": directory holds no .pt or .ckpt files");
+  for (const auto& rel : files) r.files.push_back(InspectFile(path + "/" + rel, rel, verify_crc, env));
+  return r;
+}
+
+nlohmann::ordered_json ReportToJson(const InspectReport& r) {
+  nlohmann::ordered_json j = {{"path", r.path}, {"kind", r.kind}, {"markers", r.markers}};
+  uint64_t tensors = 0, bytes = 0;
+  auto files = nlohmann::ordered_json::array();
+  for (const auto& f : r.files) {
+    auto entries = nlohmann::ordered_json::array();
+    for (const auto& e : f.entries) {
+      if (e.is_tensor) {
+        entries.push_back({{"key", e.key}, {"dtype", e.dtype}, {"shape", e.shape}, {"bytes", e.bytes}});
+        ++tensors;
+        bytes += e.bytes;
+      } else {
+        entries.push_back({{"key", e.key}, {"value", e.value}});
+      }
+    }
+    files.push_back({{"file", f.file}, {"format", f.format}, {"entries", entries}});
+  }
+  j["files"] = files;
+  j["totals"] = {{"files", r.files.size()}, {"tensors", tensors}, {"tensor_bytes", bytes}};
+  return j;
+}
+
+namespace {
+std::string Scalar(const nlohmann::ordered_json& v) {
+  if (v.contains("object")) return "<object " + v["object"].get<std::string>() + ">";
+  const std::string t = v.value("t", "");
+  if (t == "none") return "None";
+  if (t == "str") return v["v"].dump();
+  if (t == "bool") return v["v"].get<bool>() ? "True" : "False";
+  if (t == "int" && v.contains("v")) return v["v"].dump();
+  if (t == "float") {
+    std::string be = v["bits"];
+    uint64_t bits = std::stoull(be, nullptr, 16);
+    double d;
+    std::memcpy(&d, &bits, 8);
+    std::ostringstream s;
+    s << d;
+    return s.str();
+  }
+  if ((t == "list" || t == "tuple" || t == "size") && v["items"].empty()) return t == "list" ? "[]" : "()";
+  if (t == "dict" || t == "odict") return "{}";
+  std::string d = v.dump();
+  return d.size() > 120 ? d.substr(0, 117) + "..." : d;
+}
+}  // namespace
+
+std::string ReportToText(const InspectReport& r) {
+  std::ostringstream o;
+  o << r.path << ": " << r.kind;
+  if (!r.markers.empty()) {
+    o << " (markers:";
+    for (const auto& m : r.markers) o << " " << m;
+    o << ")";
+  }
+  o << "\n";
+  uint64_t total_t = 0, total_b = 0;
+  for (const auto& f : r.files) {
+    uint64_t nt = 0, nb = 0;
+    for (const auto& e : f.entries)
+      if (e.is_tensor) ++nt, nb += e.bytes;
+    total_t += nt, total_b += nb;
+    o << "== " << (f.file.empty() ? r.path : f.file) << " [" << f.format << "] " << nt << " tensors, " << nb << " bytes\n";
+    for (const auto& e : f.entries) {
+      if (e.is_tensor) o << "  " << e.key << "  " << e.dtype << " " << ShapeString(e.shape) << "  " << e.bytes << " B\n";
+      else o << "  " << e.key << " = " << Scalar(e.value) << "\n";
+    }
+  }
+  o << "total: " << r.files.size() << " files, " << total_t << " tensors, " << total_b << " bytes\n";
+  return o.str();
+}
+
+}  // namespace shardkit

@@ -1,0 +1,60 @@
+#include "tools/inspect_lib.h"
+
+#include <gtest/gtest.h>
+
+#include "ckpt/error.h"
+#include "ckpt/pt_file.h"
+#include "ckpt/test_util.h"
+
+namespace shardkit {
+namespace {
+
+using ckpt::Value;
+
+TEST(Inspect, NxdtTagListsEveryRankFileAndEntry) {
+  ckpt::testing::TempDir dir("inspect");
+  auto* env = ckpt::Env::Default();
+  for (const char* sub : {"model", "optim"}) env->CreateDirs(dir / sub);
+  for (int tp = 0; tp < 2; ++tp) {
+    Value m = Value::NewDict();
+    m.as_dict().Set("language_model.output_layer.weight", Value(ckpt::testing::Arange({4, 3})));
+    ckpt::SavePt(dir / ("model/dp_rank_00_tp_rank_0" + std::to_string(tp) + "_pp_rank_00.pt"), m);
+  }
+  Value sched = Value::NewDict();
+  sched.as_dict().Set("last_epoch", Value(5));
+  sched.as_dict().Set("base_lrs", Value::List({Value(3e-4)}));
+  ckpt::SavePt(dir / "scheduler.pt", sched);
+  ckpt::WriteFileAtomically(env, dir / "done", [](ckpt::WritableFile& f) { f.Append({reinterpret_cast<const uint8_t*>("1"), 1}); });
+
+  InspectReport r = Inspect(dir.path(), true);
+  EXPECT_EQ(r.kind, "nxdt_tag");
+  EXPECT_EQ(r.markers, std::vector<std::string>{"done"});
+  ASSERT_EQ(r.files.size(), 3u);
+  EXPECT_EQ(r.files[0].file, "model/dp_rank_00_tp_rank_00_pp_rank_00.pt");
+  EXPECT_EQ(r.files[1].file, "model/dp_rank_00_tp_rank_01_pp_rank_00.pt");
+  EXPECT_EQ(r.files[2].file, "scheduler.pt");
+  const auto& e = r.files[0].entries.at(0);
+  EXPECT_TRUE(e.is_tensor);
+  EXPECT_EQ(e.dtype, "float32");
+  EXPECT_EQ(e.shape, (std::vector<int64_t>{4, 3}));
+  EXPECT_EQ(e.bytes, 48u);
+  const auto j = ReportToJson(r);
+  EXPECT_EQ(j["totals"]["tensors"], 2);
+  EXPECT_EQ(j["files"][2]["entries"][0]["key"], "last_epoch");
+  EXPECT_EQ(j["files"][2]["entries"][0]["value"]["v"], 5);
+  EXPECT_NE(ReportToText(r).find("base_lrs = "), std::string::npos);
+}
+
+TEST(Inspect, BadInputsNameThePath) {
+  ckpt::testing::TempDir dir("inspect");
+  EXPECT_THROW(Inspect(dir / "absent.pt", false), ckpt::Error);
+  try {
+    Inspect(dir.path(), false);
+    FAIL();
+  } catch (const ckpt::Error& e) {
+    EXPECT_EQ(std::string(e.what()), dir.path() + ": directory holds no .pt or .ckpt files");
+  }
+}
+
+}  // namespace
+}  // namespace shardkit
