@@ -316,13 +316,13 @@ Value Call(const Global& g, const Value& args) {
     const auto& a = Args(args, 1, f);
     return Value(Bytes{Latin1FromUtf8(a[0].as_str())});
   }
-  if (f == "__builtin__.bytes" || f == "builtins.bytes" || f == "__builtin__.bytearray" || f == "builtins.bytearray") {
+  if (f == "builtins.bytes" || f == "builtins.bytearray") {
     const auto& a = Args(args, 0, f);
     if (a.empty()) return Value(Bytes{});
     if (a[0].is_bytes()) return a[0];
     if (a[0].is_str() && a.size() > 1) return Value(Bytes{Latin1FromUtf8(a[0].as_str())});
   }
-  if (f == "__builtin__.set" || f == "builtins.set" || f == "__builtin__.frozenset" || f == "builtins.frozenset") {
+  if (f == "builtins.set" || f == "builtins.frozenset") {
     const auto& a = Args(args, 0, f);
     const SeqKind k = g.name == "set" ? SeqKind::kSet : SeqKind::kFrozenSet;
     return Value::NewSeq(k, a.empty() ? std::vector<Value>{} : a[0].as_seq().items);
@@ -425,7 +425,9 @@ class Unpickler {
   }
 
   static Global MakeGlobal(std::string module, std::string name) {
-    // Python 3 maps Python 2 module names (fix_imports); keep what was written.
+    // Python 2 module names, mapped as Python 3's unpickler does (fix_imports).
+    if (module == "__builtin__") module = "builtins";
+    else if (module == "copy_reg") module = "copyreg";
     return Global{std::move(module), std::move(name)};
   }
 

@@ -2,6 +2,10 @@
 //   pt_canonical dump FILE             canonical JSON (with tensor bytes) of FILE
 //   pt_canonical build JSON OUT [-w]   write OUT from canonical JSON
 //   pt_canonical copy IN OUT [-w]      read IN, write OUT (round trip)
+//   pt_canonical big OUT MIB           a file past 4 GiB: one MIB-MiB uint8 storage
+//                                      (byte i = i*7 mod 251) viewed by three tensors,
+//                                      then a small tensor whose record lies past 4 GiB
+//   pt_canonical check-big FILE MIB    read such a file back and verify every byte
 // -w: weights-only mode. Errors print on stderr and exit 1.
 #include <fstream>
 #include <iostream>
@@ -24,6 +28,31 @@ int main(int argc, char** argv) {
     } else if (cmd == "build" && argc >= 4) {
       std::ifstream in(argv[2]);
       ckpt::SavePt(argv[3], ckpt::ValueFromJson(nlohmann::json::parse(in)), {.weights_only = weights_only});
+    } else if (cmd == "big" && argc >= 4) {
+      const int64_t n = std::stoll(argv[3]) << 20;
+      ckpt::Tensor all = ckpt::Tensor::Zeros(ckpt::DType::kUInt8, {n});
+      uint8_t* p = all.mutable_data();
+      for (int64_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(i * 7 % 251);
+      ckpt::Value root = ckpt::Value::NewDict();
+      root.as_dict().Set("all", ckpt::Value(all));
+      root.as_dict().Set("head", ckpt::Value(all.Narrow0(0, 16)));
+      root.as_dict().Set("tail", ckpt::Value(all.Narrow0(n - 16, n)));
+      ckpt::Tensor after = ckpt::Tensor::Zeros(ckpt::DType::kInt64, {4});
+      for (int i = 0; i < 4; ++i) reinterpret_cast<int64_t*>(after.mutable_data())[i] = 1000 + i;
+      root.as_dict().Set("after", ckpt::Value(after));
+      ckpt::SavePt(argv[2], root);
+    } else if (cmd == "check-big" && argc >= 4) {
+      const int64_t n = std::stoll(argv[3]) << 20;
+      ckpt::Value root = ckpt::LoadPt(argv[2], {.verify_crc = true});
+      const ckpt::Tensor& all = root.as_dict().At("all").as_tensor();
+      if (all.numel() != n) throw ckpt::Error("size mismatch");
+      const uint8_t* p = all.data();
+      for (int64_t i = 0; i < n; ++i)
+        if (p[i] != static_cast<uint8_t>(i * 7 % 251)) throw ckpt::Error("byte " + std::to_string(i) + " differs");
+      if (root.as_dict().At("tail").as_tensor().storage() != all.storage()) throw ckpt::Error("views lost sharing");
+      const auto* after = reinterpret_cast<const int64_t*>(root.as_dict().At("after").as_tensor().data());
+      if (after[3] != 1003) throw ckpt::Error("tensor after 4 GiB is wrong");
+      std::cout << "ok\n";
     } else if (cmd == "copy" && argc >= 4) {
       ckpt::SavePt(argv[3], ckpt::LoadPt(argv[2]), {.weights_only = weights_only});
     } else {
