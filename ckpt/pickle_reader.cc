@@ -445,20 +445,27 @@ class Unpickler {
 
   void SetItems(Value& target, std::vector<Value> kv) {
     if (kv.size() % 2) throw Error("SETITEMS with an odd number of values");
-    std::vector<std::pair<Value, Value>>* dst;
-    if (target.is_dict()) dst = &target.as_dict().items;
-    else if (target.is_object()) dst = &target.as_object().dict_items;
-    else throw Error("SETITEM on a " + target.kind_name());
+    if (target.is_object()) {
+      auto& dst = target.as_object().dict_items;
+      for (size_t i = 0; i < kv.size(); i += 2) dst.emplace_back(std::move(kv[i]), std::move(kv[i + 1]));
+      return;
+    }
+    if (!target.is_dict()) throw Error("SETITEM on a " + target.kind_name());
+    // A repeated key replaces the value, as in Python; indexed so big dicts stay linear.
+    Dict& d = target.as_dict();
+    auto& index = key_index_[&d];
     for (size_t i = 0; i < kv.size(); i += 2) {
-      bool replaced = false;
-      if (target.is_dict() && (kv[i].is_str() || kv[i].is_int()))
-        for (auto& [k, v] : *dst)
-          if (DeepEqual(k, kv[i])) {
-            v = kv[i + 1];
-            replaced = true;
-            break;
-          }
-      if (!replaced) dst->emplace_back(kv[i], kv[i + 1]);
+      std::string key;
+      if (kv[i].is_str()) key = "s" + kv[i].as_str();
+      else if (kv[i].is_int()) key = "i" + std::to_string(kv[i].as_int());
+      if (!key.empty()) {
+        auto [it, fresh] = index.emplace(std::move(key), d.items.size());
+        if (!fresh) {
+          d.items[it->second].second = std::move(kv[i + 1]);
+          continue;
+        }
+      }
+      d.items.emplace_back(std::move(kv[i]), std::move(kv[i + 1]));
     }
   }
 
@@ -693,6 +700,7 @@ class Unpickler {
   std::vector<Value> stack_, pending_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, Value> memo_;
+  std::unordered_map<const Dict*, std::unordered_map<std::string, size_t>> key_index_;
 };
 
 }  // namespace
