@@ -41,6 +41,12 @@ class MappedFile {
   static std::shared_ptr<const MappedFile> FromBuffer(std::string name, std::string contents);
 };
 
+// An advisory lock held until destroyed.
+class FileLock {
+ public:
+  virtual ~FileLock() = default;
+};
+
 class Env {
  public:
   virtual ~Env() = default;
@@ -63,6 +69,11 @@ class Env {
   // Names (not paths) of the entries of a directory, sorted.
   virtual std::vector<std::string> ListDir(const std::string& path) = 0;
   virtual uint64_t FileSize(const std::string& path) = 0;
+  // Modification time in nanoseconds since the epoch.
+  virtual int64_t FileMTimeNs(const std::string& path) = 0;
+  // flock()s `path` (created if absent). Shared locks coexist; an exclusive
+  // lock excludes all others. Returns null when !wait and the lock is taken.
+  virtual std::unique_ptr<FileLock> LockFile(const std::string& path, bool exclusive, bool wait) = 0;
 };
 
 // Writes `path` so that a crash leaves either the old file or the complete

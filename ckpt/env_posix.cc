@@ -1,5 +1,6 @@
 // The POSIX Env: buffered appends, mmap for reads, fsync for durability.
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -212,6 +213,30 @@ class PosixEnv final : public Env {
     struct stat st;
     if (::stat(path.c_str(), &st) != 0) ThrowErrno(path, "cannot stat");
     return static_cast<uint64_t>(st.st_size);
+  }
+
+  int64_t FileMTimeNs(const std::string& path) override {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) ThrowErrno(path, "cannot stat");
+    return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  }
+
+  std::unique_ptr<FileLock> LockFile(const std::string& path, bool exclusive, bool wait) override {
+    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) ThrowErrno(path, "cannot open lock file");
+    while (::flock(fd, (exclusive ? LOCK_EX : LOCK_SH) | (wait ? 0 : LOCK_NB)) != 0) {
+      if (errno == EINTR) continue;
+      int e = errno;
+      ::close(fd);
+      if (e == EWOULDBLOCK) return nullptr;
+      ThrowErrno(path, "cannot lock", e);
+    }
+    struct Lock : FileLock {
+      explicit Lock(int f) : fd(f) {}
+      ~Lock() override { ::close(fd); }
+      int fd;
+    };
+    return std::make_unique<Lock>(fd);
   }
 };
 

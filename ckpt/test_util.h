@@ -6,6 +6,9 @@
 #include <filesystem>
 #include <string>
 
+#include <random>
+
+#include "ckpt/checkpoint_store.h"
 #include "ckpt/tensor.h"
 
 namespace ckpt::testing {
@@ -33,6 +36,47 @@ inline Tensor Arange(std::vector<int64_t> shape) {
   float* p = reinterpret_cast<float*>(t.mutable_data());
   for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<float>(i);
   return t;
+}
+
+// A snapshot of the whole grid written by one process: model files for dp 0,
+// optim files per the grid, scheduler.pt and user_content.pt. Each model file
+// holds `floats_per_file` random float32 values; contents depend on `seed`.
+inline Snapshot MakeSnapshot(const std::string& name, int64_t step, const RankGrid& grid, int64_t floats_per_file,
+                             uint64_t seed) {
+  std::mt19937_64 rng(seed * 1000003 + static_cast<uint64_t>(step));
+  auto random = [&](int64_t n) {
+    Tensor t = Tensor::Zeros(DType::kFloat32, {n});
+    float* p = reinterpret_cast<float*>(t.mutable_data());
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(static_cast<int64_t>(rng() % 2001) - 1000) / 1000.f;
+    return t;
+  };
+  Snapshot s;
+  s.tag = TagName{name, step, static_cast<double>(step * 8), false};
+  s.grid = grid;
+  for (const auto& f : grid.ModelFiles()) {
+    Value m = Value::NewDict();
+    m.as_dict().Set("language_model.encoder.layers.0.mlp.dense_h_to_4h.weight", Value(random(floats_per_file)));
+    s.files.push_back({f, m, {.weights_only = true}});
+  }
+  for (const auto& f : grid.OptimFiles()) {
+    Value st = Value::NewDict();
+    st.as_dict().Set("step", Value(step));
+    st.as_dict().Set("exp_avg", Value(random(floats_per_file / 2)));
+    Value state = Value::NewDict();
+    state.as_dict().items.emplace_back(Value(0), st);
+    Value o = Value::NewDict();
+    o.as_dict().Set("state", state);
+    o.as_dict().Set("param_groups", Value::List({Value::NewDict()}));
+    s.files.push_back({f, o, {}});
+  }
+  Value sched = Value::NewDict();
+  sched.as_dict().Set("last_epoch", Value(step));
+  s.files.push_back({kSchedulerFile, sched, {}});
+  Value uc = Value::NewDict();
+  uc.as_dict().Set("global_step", Value(step));
+  uc.as_dict().Set("consumed_samples", Value(static_cast<double>(step * 8)));
+  s.files.push_back({kUserContentFile, uc, {}});
+  return s;
 }
 
 }  // namespace ckpt::testing

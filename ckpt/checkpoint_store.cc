@@ -1,0 +1,171 @@
+#include "ckpt/checkpoint_store.h"
+
+#include <tbb/parallel_for.h>
+
+#include <random>
+
+#include "ckpt/error.h"
+#include "ckpt/manifest.h"
+#include "ckpt/tag_verify.h"
+
+namespace ckpt {
+
+CheckpointStore::CheckpointStore(StoreOptions opts) : opts_(std::move(opts)) {
+  if (opts_.dir.empty()) throw Error("checkpoint store: no checkpoint directory given");
+  if (opts_.max_in_flight < 1) throw Error("checkpoint store: max_in_flight must be at least 1");
+  if (opts_.run_id.empty()) {
+    if (opts_.world_size > 1) throw Error("checkpoint store: a multi-rank store needs a run_id shared by all ranks");
+    std::random_device rd;
+    opts_.run_id = DigestHex((static_cast<uint64_t>(rd()) << 32) ^ rd());
+  }
+  opts_.env->CreateDirs(opts_.dir);
+  lock_ = opts_.env->LockFile(opts_.dir + "/" + kStoreLockFile, /*exclusive=*/false, /*wait=*/true);
+  if (opts_.async) writer_ = std::thread([this] { WriterLoop(); });
+}
+
+CheckpointStore::~CheckpointStore() {
+  try {
+    Finalize();
+  } catch (const std::exception& e) {
+    if (opts_.log) opts_.log(std::string("checkpoint: unreported failure at shutdown: ") + e.what());
+  }
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (writer_.joinable()) writer_.join();
+}
+
+void CheckpointStore::ThrowPendingError() {
+  if (!error_) return;
+  std::exception_ptr e = error_;
+  error_ = nullptr;
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    throw Error(std::string("an earlier background checkpoint save failed: ") + x.what());
+  }
+}
+
+void CheckpointStore::Save(Snapshot snap) {
+  if (!opts_.async) {
+    Persist(snap);
+    return;
+  }
+  std::unique_lock<std::mutex> l(mu_);
+  ThrowPendingError();
+  cv_.wait(l, [&] { return in_flight_ < opts_.max_in_flight || error_; });
+  ThrowPendingError();
+  ++in_flight_;
+  queue_.push_back(std::move(snap));
+  cv_.notify_all();
+}
+
+void CheckpointStore::Finalize() {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [&] { return in_flight_ == 0; });
+  ThrowPendingError();
+}
+
+std::vector<std::string> CheckpointStore::committed() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return committed_;
+}
+
+void CheckpointStore::WriterLoop() {
+  std::unique_lock<std::mutex> l(mu_);
+  while (true) {
+    cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;
+    Snapshot snap = std::move(queue_.front());
+    queue_.pop_front();
+    l.unlock();
+    std::exception_ptr failure;
+    try {
+      Persist(snap);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    snap = Snapshot{};  // release the snapshot's memory before admitting the next
+    l.lock();
+    if (failure && !error_) error_ = failure;
+    --in_flight_;
+    cv_.notify_all();
+  }
+}
+
+void CheckpointStore::Persist(const Snapshot& snap) {
+  Env* env = opts_.env;
+  const std::string tag_dir = opts_.dir + "/" + FormatTagName(snap.tag);
+  const std::string save_id = opts_.run_id + "/step=" + std::to_string(snap.tag.step);
+  if (opts_.rank == 0) BeginTag(env, tag_dir, save_id);
+  else WaitForBegin(env, tag_dir, save_id, opts_.rank_timeout);
+  WriteRankFiles(env, tag_dir, opts_.rank, save_id, snap.files);
+  if (opts_.rank != 0) return;
+  CommitTag(env, tag_dir, {save_id, snap.tag.step, snap.tag.consumed_samples, snap.grid, opts_.world_size, opts_.rank_timeout});
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    committed_.push_back(tag_dir);
+  }
+  if (opts_.log) opts_.log("checkpoint: saved " + tag_dir);
+  ApplyRetention();
+}
+
+void DeleteTag(Env* env, const std::string& tag_dir) {
+  const std::string done = tag_dir + "/" + kDoneMarker;
+  if (env->Exists(done)) {
+    env->RemoveFile(done);
+    env->SyncDir(tag_dir);
+  }
+  env->RemoveAll(tag_dir);
+}
+
+void CheckpointStore::ApplyRetention() {
+  if (opts_.save_top_k < 0) return;
+  std::vector<TagEntry> complete;
+  for (TagEntry& t : ListTags(opts_.env, opts_.dir))
+    if (t.has_done) complete.push_back(std::move(t));  // newest first
+  const size_t keep = std::max(1, opts_.save_top_k);   // the newest complete tag always stays
+  for (size_t i = keep; i < complete.size(); ++i) {
+    DeleteTag(opts_.env, complete[i].path);
+    if (opts_.log) opts_.log("checkpoint: removed " + complete[i].path + " (save_top_k=" + std::to_string(opts_.save_top_k) + ")");
+  }
+  opts_.env->SyncDir(opts_.dir);
+}
+
+namespace {
+
+// Copies the containers; tensors are still shared here and cloned after.
+Value CopyContainers(const Value& v) {
+  if (v.is_seq()) {
+    Value out = Value::NewSeq(v.as_seq().kind);
+    for (const Value& c : v.as_seq().items) out.as_seq().items.push_back(CopyContainers(c));
+    return out;
+  }
+  if (v.is_dict()) {
+    Value out = Value::NewDict(v.as_dict().ordered);
+    for (const auto& [k, c] : v.as_dict().items) out.as_dict().items.emplace_back(k, CopyContainers(c));
+    out.as_dict().attrs = v.as_dict().attrs;
+    return out;
+  }
+  return v;  // tensors (cloned below), scalars, objects (shared: snapshots never mutate them)
+}
+
+void CollectTensors(Value& v, std::vector<Tensor*>& out) {
+  if (v.is_tensor()) out.push_back(&v.as_tensor());
+  else if (v.is_seq()) for (Value& c : v.as_seq().items) CollectTensors(c, out);
+  else if (v.is_dict()) for (auto& [k, c] : v.as_dict().items) CollectTensors(c, out);
+}
+
+}  // namespace
+
+Value CopyForSnapshot(const Value& v) {
+  Value out = CopyContainers(v);
+  std::vector<Tensor*> tensors;
+  CollectTensors(out, tensors);
+  tbb::parallel_for(size_t{0}, tensors.size(), [&](size_t i) { *tensors[i] = tensors[i]->Clone(); });
+  return out;
+}
+
+}  // namespace ckpt

@@ -1,0 +1,98 @@
+// CheckpointStore is the one way training and the tools write checkpoints.
+//
+// Contract:
+//  - Save(snapshot) writes one tag in the NxDT layout through the tag writer
+//    (atomic files, rank completion records, manifest, then `done`).
+//  - async: the caller hands over a snapshot (a host copy it will not touch
+//    again; CopyForSnapshot makes one) and continues at once; one background
+//    thread persists it. At most `max_in_flight` snapshots are held; past
+//    that, Save blocks until one is durable. `done` is written as soon as a
+//    save is durable (NxD waits for the next save).
+//  - A failed background save is reported by the next Save or Finalize,
+//    with its cause; the tag it was writing never gets `done`, and earlier
+//    complete tags are untouched.
+//  - Retention keeps the newest `save_top_k` complete tags by step (-1 keeps
+//    all). Deletes remove `done` first, so an interrupted delete never looks
+//    complete; the newest complete tag and in-progress tags are never deleted.
+//  - While a store exists it holds a shared lock on <dir>/.shardkit.lock, so
+//    `ckpt-verify --gc` never removes an in-progress save of a live job.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ckpt/env.h"
+#include "ckpt/layout.h"
+#include "ckpt/resume.h"
+#include "ckpt/tag_writer.h"
+
+namespace ckpt {
+
+struct Snapshot {
+  TagName tag;
+  RankGrid grid;
+  std::vector<FileToWrite> files;  // this rank's files
+};
+
+struct StoreOptions {
+  std::string dir;  // the checkpoint directory holding the tags
+  int save_top_k = -1;
+  bool async = false;
+  int max_in_flight = 1;
+  int rank = 0, world_size = 1;
+  // Identifies this job's saves; every rank must pass the same value. With
+  // one rank it may be left empty and a random one is made.
+  std::string run_id = "";
+  std::chrono::milliseconds rank_timeout{30 * 60 * 1000};
+  Env* env = Env::Default();
+  LogFn log = nullptr;
+};
+
+inline constexpr const char* kStoreLockFile = ".shardkit.lock";
+
+class CheckpointStore {
+ public:
+  explicit CheckpointStore(StoreOptions opts);
+  // Finalizes; an unreported failure is logged, not thrown.
+  ~CheckpointStore();
+  CheckpointStore(const CheckpointStore&) = delete;
+  CheckpointStore& operator=(const CheckpointStore&) = delete;
+
+  void Save(Snapshot snap);
+  // Waits for every pending save; throws the first unreported failure.
+  void Finalize();
+  // Tags committed by this store, oldest first.
+  std::vector<std::string> committed() const;
+
+ private:
+  void WriterLoop();
+  void Persist(const Snapshot& snap);
+  void ApplyRetention();
+  void ThrowPendingError();
+
+  StoreOptions opts_;
+  std::unique_ptr<FileLock> lock_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Snapshot> queue_;
+  int in_flight_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::vector<std::string> committed_;
+  std::thread writer_;
+};
+
+// A copy of `v` whose tensors own their bytes (containers copied, tensors
+// cloned in parallel), safe to hand to an async save while training goes on.
+Value CopyForSnapshot(const Value& v);
+
+// Deletes a tag so that no interruption leaves it looking complete.
+void DeleteTag(Env* env, const std::string& tag_dir);
+
+}  // namespace ckpt

@@ -1,0 +1,302 @@
+#include "ckpt/checkpoint_store.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "ckpt/error.h"
+#include "ckpt/fault_env.h"
+#include "ckpt/manifest.h"
+#include "ckpt/resume.h"
+#include "ckpt/tag_verify.h"
+#include "ckpt/test_util.h"
+
+namespace ckpt {
+namespace {
+
+using testing::MakeSnapshot;
+using testing::TempDir;
+
+const RankGrid kGrid{2, 1, 2, true};
+
+std::string TagPath(const TempDir& d, int64_t step) {
+  return d.path() + "/" + FormatTagName({"m", step, static_cast<double>(step * 8), false});
+}
+
+void FlipByte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(offset);
+  char c;
+  f.read(&c, 1);
+  c ^= 0x40;
+  f.seekp(offset);
+  f.write(&c, 1);
+}
+
+TEST(CheckpointStore, SyncSaveWritesTheNxdtLayoutAndVerifies) {
+  TempDir d("store");
+  CheckpointStore store({.dir = d.path()});
+  store.Save(MakeSnapshot("m", 5, kGrid, 1000, 1));
+  const std::string tag = TagPath(d, 5);
+  for (const char* f : {"checkpoint", "done", "manifest.json", "scheduler.pt", "user_content.pt",
+                        "model/dp_rank_00_tp_rank_00_pp_rank_00.pt", "model/dp_rank_00_tp_rank_01_pp_rank_00.pt",
+                        "optim/dp_rank_01_tp_rank_01_pp_rank_00.pt", ".shardkit/rank_00000.json"})
+    EXPECT_TRUE(Env::Default()->Exists(tag + "/" + f)) << f;
+  const Manifest m = Manifest::Load(Env::Default(), tag + "/manifest.json");
+  EXPECT_EQ(m.step, 5);
+  EXPECT_EQ(m.grid, kGrid);
+  EXPECT_EQ(m.files.size(), 8u);
+  EXPECT_EQ(m.files.at("scheduler.pt"), DigestFile(Env::Default(), tag + "/scheduler.pt"));
+  const TagReport r = VerifyTag(Env::Default(), tag);
+  EXPECT_TRUE(r.ok()) << (r.problems.empty() ? "" : r.problems[0].file + ": " + r.problems[0].what);
+  EXPECT_EQ(r.files_checked, 8u);
+  EXPECT_EQ(store.committed(), std::vector<std::string>{tag});
+  // The files are real .pt files.
+  Value model = LoadPt(tag + "/model/dp_rank_00_tp_rank_00_pp_rank_00.pt");
+  EXPECT_EQ(model.as_dict().items.size(), 1u);
+}
+
+TEST(CheckpointStore, AsyncSaveCommitsEveryTagAndKeepsLastK) {
+  TempDir d("store");
+  {
+    CheckpointStore store({.dir = d.path(), .save_top_k = 2, .async = true});
+    for (int step = 1; step <= 5; ++step) store.Save(MakeSnapshot("m", step, kGrid, 20000, 2));
+    store.Finalize();
+    EXPECT_EQ(store.committed().size(), 5u);
+  }
+  std::vector<std::string> names;
+  for (const auto& t : ListTags(Env::Default(), d.path())) names.push_back(t.dir_name);
+  EXPECT_EQ(names, (std::vector<std::string>{"m--step=5-consumed_samples=40.0.ckpt", "m--step=4-consumed_samples=32.0.ckpt"}));
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, nullptr), TagPath(d, 5));
+}
+
+TEST(CheckpointStore, EnospcAndShortWritesLeaveThePreviousCheckpointIntact) {
+  for (int mode = 0; mode < 4; ++mode) {
+    SCOPED_TRACE(mode);
+    TempDir d("store");
+    FaultEnv env(Env::Default());
+    {
+      CheckpointStore store({.dir = d.path(), .env = &env});
+      store.Save(MakeSnapshot("m", 1, kGrid, 5000, 3));
+    }
+    const int64_t base = env.bytes_written();
+    if (mode == 0) env.FailWritesAfter(base + 30000);
+    if (mode == 1) env.ShortWriteAt(base + 30000);
+    if (mode == 2) env.FailSyncAt(20);
+    if (mode == 3) env.FailRenameAt(6);
+    CheckpointStore store({.dir = d.path(), .env = &env});
+    try {
+      store.Save(MakeSnapshot("m", 2, kGrid, 5000, 3));
+      FAIL() << "the injected failure was not reported";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("(injected)"), std::string::npos) << what;
+      EXPECT_NE(what.find(d.path()), std::string::npos) << what;  // names the file
+    }
+    EXPECT_FALSE(Env::Default()->Exists(TagPath(d, 2) + "/done"));
+    EXPECT_TRUE(VerifyTag(Env::Default(), TagPath(d, 1)).ok());
+    EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, nullptr), TagPath(d, 1));
+  }
+}
+
+TEST(CheckpointStore, AsyncFailureIsReportedAtTheNextSaveWithItsCause) {
+  TempDir d("store");
+  FaultEnv env(Env::Default());
+  CheckpointStore store({.dir = d.path(), .async = true, .env = &env});
+  store.Save(MakeSnapshot("m", 1, kGrid, 5000, 4));
+  store.Finalize();
+  env.FailWritesAfter(env.bytes_written() + 10000);
+  store.Save(MakeSnapshot("m", 2, kGrid, 5000, 4));  // fails in the background
+  try {
+    store.Finalize();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("an earlier background checkpoint save failed"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos);
+  }
+  EXPECT_NO_THROW(store.Finalize());  // reported once
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, nullptr), TagPath(d, 1));
+}
+
+TEST(CheckpointStore, FlippedByteIsNamedAndResumeFallsBack) {
+  TempDir d("store");
+  {
+    CheckpointStore store({.dir = d.path()});
+    store.Save(MakeSnapshot("m", 1, kGrid, 5000, 5));
+    store.Save(MakeSnapshot("m", 2, kGrid, 5000, 5));
+  }
+  const std::string victim = "optim/dp_rank_01_tp_rank_00_pp_rank_00.pt";
+  FlipByte(TagPath(d, 2) + "/" + victim, 1000);
+  const TagReport r = VerifyTag(Env::Default(), TagPath(d, 2));
+  ASSERT_EQ(r.problems.size(), 1u);
+  EXPECT_EQ(r.problems[0].file, victim);
+  EXPECT_NE(r.problems[0].what.find("checksum"), std::string::npos);
+  // Sizes alone cannot see a flipped byte; checksums can.
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), false, nullptr), TagPath(d, 2));
+  std::vector<std::string> log;
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, [&](const std::string& l) { log.push_back(l); }),
+            TagPath(d, 1));
+  ASSERT_FALSE(log.empty());
+  EXPECT_NE(log[0].find("skipping m--step=2"), std::string::npos);
+  EXPECT_NE(log[0].find(victim), std::string::npos);
+}
+
+TEST(CheckpointStore, TruncatedFileFailsEvenWithoutChecksums) {
+  TempDir d("store");
+  {
+    CheckpointStore store({.dir = d.path()});
+    store.Save(MakeSnapshot("m", 1, kGrid, 5000, 6));
+    store.Save(MakeSnapshot("m", 2, kGrid, 5000, 6));
+  }
+  std::filesystem::resize_file(TagPath(d, 2) + "/model/dp_rank_00_tp_rank_01_pp_rank_00.pt", 100);
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), false, nullptr), TagPath(d, 1));
+}
+
+TEST(Resume, ExpManagerSemantics) {
+  TempDir d("store");
+  auto* env = Env::Default();
+  ResumeOptions o;
+  EXPECT_EQ(ResolveResume(env, d.path(), o, nullptr), std::nullopt);  // resume off
+  o.resume_if_exists = true;
+  EXPECT_THROW(ResolveResume(env, d.path(), o, nullptr), Error);
+  o.resume_ignore_no_checkpoint = true;
+  std::vector<std::string> log;
+  EXPECT_EQ(ResolveResume(env, d.path(), o, [&](const std::string& l) { log.push_back(l); }), std::nullopt);
+  ASSERT_EQ(log.size(), 1u);
+  EXPECT_NE(log[0].find("warning: no complete checkpoint"), std::string::npos);
+  {
+    CheckpointStore store({.dir = d.path()});
+    store.Save(MakeSnapshot("m", 3, kGrid, 100, 7));
+    store.Save(MakeSnapshot("m", 10, kGrid, 100, 7));
+  }
+  // An in-progress (no done) later tag is never picked.
+  BeginTag(env, TagPath(d, 20), "other-run/step=20");
+  EXPECT_EQ(ResolveResume(env, d.path(), o, nullptr), TagPath(d, 10));
+  // Explicit wins, by name or path; incomplete explicit tags are an error.
+  o.resume_from_checkpoint = FormatTagName({"m", 3, 24, false});
+  EXPECT_EQ(ResolveResume(env, d.path(), o, nullptr), TagPath(d, 3));
+  o.resume_from_checkpoint = TagPath(d, 20);
+  EXPECT_THROW(ResolveResume(env, d.path(), o, nullptr), Error);
+}
+
+TEST(Resume, StepBeatsModificationTime) {
+  TempDir d("store");
+  {
+    CheckpointStore store({.dir = d.path()});
+    store.Save(MakeSnapshot("m", 9, kGrid, 100, 8));
+    store.Save(MakeSnapshot("m", 10, kGrid, 100, 8));
+  }
+  // Touch the older tag, as copying a directory does.
+  std::filesystem::last_write_time(TagPath(d, 9), std::filesystem::file_time_type::clock::now() + std::chrono::hours(1));
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), false, nullptr), TagPath(d, 10));
+}
+
+TEST(Resume, NxdWrittenTagsWithoutManifestAndTheNewestFileLayout) {
+  TempDir d("store");
+  auto* env = Env::Default();
+  // An NxD-style tag: markers and rank files, no manifest.
+  const std::string nxd = d / "nxd--step=7-consumed_samples=56.0.ckpt";
+  env->CreateDirs(nxd + "/model");
+  for (int tp = 0; tp < 2; ++tp) SavePt(nxd + "/model/" + RankFileName({0, tp, 0}), Value::NewDict());
+  WriteMarker(env, nxd + "/checkpoint");
+  EXPECT_EQ(FindLatestCheckpoint(env, d.path(), true, nullptr), std::nullopt);  // no done yet
+  WriteMarker(env, nxd + "/done");
+  EXPECT_EQ(FindLatestCheckpoint(env, d.path(), true, nullptr), nxd);
+  const TagReport r = VerifyTag(env, nxd);
+  ASSERT_TRUE(r.grid);
+  EXPECT_EQ(r.grid->tp, 2);
+  // A missing tp rank is a grid problem.
+  env->RemoveFile(nxd + "/model/" + RankFileName({0, 1, 0}));
+  SavePt(nxd + "/model/" + RankFileName({0, 2, 0}), Value::NewDict());
+  EXPECT_EQ(VerifyTag(env, nxd).problems.at(0).file, "model/" + RankFileName({0, 1, 0}));
+  // NxD 2.16: a `newest` file names the tag; there is no done marker.
+  TempDir old("store_old");
+  env->CreateDirs(old / "step_100/model");
+  SavePt(old / ("step_100/model/" + RankFileName({0, 0, 0})), Value::NewDict());
+  std::ofstream(old / "newest") << "step_100\n";
+  EXPECT_EQ(FindLatestCheckpoint(env, old.path(), false, nullptr), old / "step_100");
+}
+
+TEST(CheckpointStore, ResavingATagNeverLeavesOldDoneOverNewFiles) {
+  TempDir d("store");
+  {
+    CheckpointStore store({.dir = d.path()});
+    store.Save(MakeSnapshot("m", 1, kGrid, 5000, 11));
+  }
+  // A second job saves the same tag name and dies midway through.
+  FaultEnv env(Env::Default());
+  env.FailWritesAfter(env.bytes_written() + 20000);
+  CheckpointStore store({.dir = d.path(), .env = &env});
+  EXPECT_THROW(store.Save(MakeSnapshot("m", 1, kGrid, 5000, 12)), Error);
+  EXPECT_FALSE(Env::Default()->Exists(TagPath(d, 1) + "/done"));
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, nullptr), std::nullopt);
+}
+
+TEST(CheckpointStore, StaleRankRecordsOfAnEarlierSaveDoNotCommit) {
+  TempDir d("store");
+  const RankGrid grid{2, 1, 1, false};
+  Snapshot all = MakeSnapshot("m", 1, grid, 100, 13);
+  Snapshot r0 = all, r1 = all;
+  r0.files.clear();
+  r1.files.clear();
+  for (auto& f : all.files) (f.relpath == "model/" + RankFileName({0, 1, 0}) ? r1 : r0).files.push_back(f);
+  {  // first job: both ranks complete
+    CheckpointStore s0({.dir = d.path(), .async = true, .world_size = 2, .run_id = "jobA"});
+    s0.Save(r0);
+    CheckpointStore s1({.dir = d.path(), .rank = 1, .world_size = 2, .run_id = "jobA"});
+    s1.Save(r1);
+    s0.Finalize();
+  }
+  // Second job, same tag: rank 1 never shows up, so no done may appear.
+  CheckpointStore s0({.dir = d.path(), .world_size = 2, .run_id = "jobB", .rank_timeout = std::chrono::milliseconds(300)});
+  EXPECT_THROW(s0.Save(r0), Error);
+  EXPECT_FALSE(Env::Default()->Exists(TagPath(d, 1) + "/done"));
+}
+
+TEST(CheckpointStore, CopyForSnapshotDetachesTensors) {
+  Tensor t = testing::Arange({4});
+  Value v = Value::NewDict();
+  v.as_dict().Set("w", Value(t));
+  Value snap = CopyForSnapshot(v);
+  reinterpret_cast<float*>(t.mutable_data())[0] = 99.f;
+  EXPECT_EQ(reinterpret_cast<const float*>(snap.as_dict().At("w").as_tensor().data())[0], 0.f);
+  EXPECT_NE(snap.as_dict().At("w").as_tensor().storage(), t.storage());
+}
+
+TEST(CheckpointStore, MultiRankCommitWaitsForEveryRank) {
+  TempDir d("store");
+  const RankGrid grid{2, 1, 1, false};
+  Snapshot all = MakeSnapshot("m", 1, grid, 100, 9);
+  // Rank 1 writes its model file only; rank 0 everything else.
+  Snapshot r0 = all, r1 = all;
+  r0.files.clear();
+  r1.files.clear();
+  for (auto& f : all.files) (f.relpath == "model/" + RankFileName({0, 1, 0}) ? r1 : r0).files.push_back(f);
+  CheckpointStore s0({.dir = d.path(), .async = true, .world_size = 2, .run_id = "job1", .rank_timeout = std::chrono::milliseconds(20000)});
+  s0.Save(r0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(Env::Default()->Exists(TagPath(d, 1) + "/done"));  // rank 1 has not voted
+  {
+    CheckpointStore s1({.dir = d.path(), .rank = 1, .world_size = 2, .run_id = "job1"});
+    s1.Save(r1);
+  }
+  s0.Finalize();
+  EXPECT_TRUE(VerifyTag(Env::Default(), TagPath(d, 1)).ok());
+  EXPECT_EQ(Manifest::Load(Env::Default(), TagPath(d, 1) + "/manifest.json").files.size(), all.files.size());
+}
+
+TEST(CheckpointStore, MissingRankTimesOutWithoutDone) {
+  TempDir d("store");
+  EXPECT_THROW(CheckpointStore({.dir = d.path(), .world_size = 3}), Error);  // no shared run_id
+  CheckpointStore s0({.dir = d.path(), .world_size = 3, .run_id = "job2", .rank_timeout = std::chrono::milliseconds(100)});
+  try {
+    s0.Save(MakeSnapshot("m", 1, {1, 1, 1, false}, 10, 10));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks 1, 2 did not finish writing"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(Env::Default()->Exists(TagPath(d, 1) + "/done"));
+}
+
+}  // namespace
+}  // namespace ckpt

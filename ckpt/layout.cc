@@ -1,0 +1,66 @@
+#include "ckpt/layout.h"
+
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <regex>
+
+namespace ckpt {
+
+namespace {
+std::string Pad2(int v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%02d", v);
+  return buf;
+}
+}  // namespace
+
+std::string RankFileName(const RankCoord& r) {
+  return "dp_rank_" + Pad2(r.dp) + "_tp_rank_" + Pad2(r.tp) + "_pp_rank_" + Pad2(r.pp) + ".pt";
+}
+
+std::optional<RankCoord> ParseRankFileName(const std::string& name) {
+  static const std::regex re(R"(dp_rank_(\d+)(?:_ep_rank_\d+)?_tp_rank_(\d+)_pp_rank_(\d+)\.pt)");
+  std::smatch m;
+  if (!std::regex_match(name, m, re)) return std::nullopt;
+  return RankCoord{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3])};
+}
+
+std::vector<std::string> RankGrid::ModelFiles() const {
+  std::vector<std::string> out;
+  for (int p = 0; p < pp; ++p)
+    for (int t = 0; t < tp; ++t) out.push_back("model/" + RankFileName({0, t, p}));
+  return out;
+}
+
+std::vector<std::string> RankGrid::OptimFiles() const {
+  std::vector<std::string> out;
+  for (int d = 0; d < (zero1 ? dp : 1); ++d)
+    for (int p = 0; p < pp; ++p)
+      for (int t = 0; t < tp; ++t) out.push_back("optim/" + RankFileName({d, t, p}));
+  return out;
+}
+
+std::string FormatTagName(const TagName& t) {
+  char c[64];
+  // Python's float repr for the integral values Lightning stores: "5120.0".
+  if (t.consumed_samples == std::floor(t.consumed_samples) && std::fabs(t.consumed_samples) < 1e15)
+    std::snprintf(c, sizeof c, "%.1f", t.consumed_samples);
+  else
+    std::snprintf(c, sizeof c, "%.17g", t.consumed_samples);
+  return t.name + "--step=" + std::to_string(t.step) + "-consumed_samples=" + c + (t.last ? "-last" : "") + ".ckpt";
+}
+
+std::optional<TagName> ParseTagName(const std::string& dir_name) {
+  static const std::regex re(R"((.*)--step=(\d+)-consumed_samples=([0-9.eE+-]+?)(-last)?\.ckpt)");
+  std::smatch m;
+  if (!std::regex_match(dir_name, m, re)) return std::nullopt;
+  TagName t;
+  t.name = m[1];
+  t.step = std::stoll(m[2]);
+  t.consumed_samples = std::stod(m[3]);
+  t.last = m[4].matched;
+  return t;
+}
+
+}  // namespace ckpt

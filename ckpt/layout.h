@@ -1,0 +1,62 @@
+// The NxDT checkpoint layout: rank file names, tag names and markers, and the
+// rank grid that says which files a complete tag holds. This is the one place
+// that knows these rules; the store, resume, verify and every tool use it.
+//
+//   <checkpoint_dir>/<name>--step=S-consumed_samples=C.ckpt/
+//     checkpoint                         "1": the save has begun
+//     model/dp_rank_00_tp_rank_TT_pp_rank_PP.pt
+//     optim/dp_rank_DD_tp_rank_TT_pp_rank_PP.pt   (DD = 00 unless ZeRO-1)
+//     scheduler.pt, user_content.pt
+//     manifest.json                      shardkit: sizes, checksums, grid
+//     done                               "1": every file of every rank is durable
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ckpt {
+
+inline constexpr const char* kCheckpointMarker = "checkpoint";
+inline constexpr const char* kDoneMarker = "done";
+inline constexpr const char* kNewestFile = "newest";  // NxD 2.16's top-level list of tags
+inline constexpr const char* kManifestFile = "manifest.json";
+inline constexpr const char* kSchedulerFile = "scheduler.pt";
+inline constexpr const char* kUserContentFile = "user_content.pt";
+
+struct RankCoord {
+  int dp = 0, tp = 0, pp = 0;
+  bool operator==(const RankCoord&) const = default;
+};
+
+// "dp_rank_00_tp_rank_03_pp_rank_01.pt"; {:02d} is a minimum width.
+std::string RankFileName(const RankCoord& r);
+// Parses a rank file name (an optional _ep_rank_XX is accepted and ignored).
+std::optional<RankCoord> ParseRankFileName(const std::string& name);
+
+// The parallel degrees of a checkpoint and what files they imply.
+struct RankGrid {
+  int tp = 1, pp = 1, dp = 1;
+  // ZeRO-1: one optim file per dp rank; otherwise dp rank 0 only.
+  bool zero1 = false;
+
+  // Relative paths a complete tag holds: model/ files for dp 0, optim/ files
+  // for every dp rank under ZeRO-1 (dp 0 only otherwise).
+  std::vector<std::string> ModelFiles() const;
+  std::vector<std::string> OptimFiles() const;
+  bool operator==(const RankGrid&) const = default;
+};
+
+struct TagName {
+  std::string name;         // e.g. "megatron_llama"
+  int64_t step = 0;
+  double consumed_samples = 0;
+  bool last = false;        // "-last" suffix
+};
+
+// "<name>--step=S-consumed_samples=C.ckpt", C printed as a float ("5120.0").
+std::string FormatTagName(const TagName& t);
+std::optional<TagName> ParseTagName(const std::string& dir_name);
+
+}  // namespace ckpt

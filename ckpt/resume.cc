@@ -1,0 +1,62 @@
+#include "ckpt/resume.h"
+
+#include "ckpt/error.h"
+#include "ckpt/tag_verify.h"
+
+namespace ckpt {
+namespace {
+
+std::string Describe(const TagReport& r) {
+  std::string s;
+  for (size_t i = 0; i < r.problems.size() && i < 3; ++i)
+    s += (i ? "; " : "") + (r.problems[i].file.empty() ? "" : r.problems[i].file + ": ") + r.problems[i].what;
+  if (r.problems.size() > 3) s += "; and " + std::to_string(r.problems.size() - 3) + " more";
+  return s;
+}
+
+}  // namespace
+
+std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& checkpoint_dir, bool verify_checksums,
+                                                const LogFn& log) {
+  if (!env->IsDirectory(checkpoint_dir)) return std::nullopt;
+  for (const TagEntry& t : ListTags(env, checkpoint_dir)) {
+    if (!t.has_done && !t.listed_in_newest) {
+      if (log) log("resume: skipping " + t.dir_name + ": no done marker (incomplete save)");
+      continue;
+    }
+    TagReport r = VerifyTag(env, t.path, {.checksums = verify_checksums});
+    if (!r.has_done && t.listed_in_newest)  // NxD 2.16 marked completion with `newest`, not `done`
+      std::erase_if(r.problems, [](const TagProblem& p) { return p.file == "done"; });
+    if (!r.ok()) {
+      if (log) log("resume: skipping " + t.dir_name + ": " + Describe(r));
+      continue;
+    }
+    return t.path;
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> ResolveResume(Env* env, const std::string& checkpoint_dir, const ResumeOptions& opts,
+                                         const LogFn& log) {
+  if (!opts.resume_from_checkpoint.empty()) {
+    std::string path = opts.resume_from_checkpoint;
+    if (!env->IsDirectory(path) && env->IsDirectory(checkpoint_dir + "/" + path)) path = checkpoint_dir + "/" + path;
+    if (!env->IsDirectory(path)) throw Error("resume_from_checkpoint: " + opts.resume_from_checkpoint + ": no such checkpoint");
+    TagReport r = VerifyTag(env, path, {.checksums = opts.verify_checksums});
+    if (!r.ok()) throw Error("resume_from_checkpoint: " + path + " is not a complete checkpoint: " + Describe(r));
+    return path;
+  }
+  if (!opts.resume_if_exists) return std::nullopt;
+  if (auto latest = FindLatestCheckpoint(env, checkpoint_dir, opts.verify_checksums, log)) {
+    if (log) log("resume: from " + *latest);
+    return latest;
+  }
+  if (opts.resume_ignore_no_checkpoint) {
+    if (log) log("resume: warning: no complete checkpoint in " + checkpoint_dir + "; starting from scratch");
+    return std::nullopt;
+  }
+  throw Error("resume_if_exists: no complete checkpoint in " + checkpoint_dir +
+              " (set resume_ignore_no_checkpoint to start from scratch)");
+}
+
+}  // namespace ckpt

@@ -1,0 +1,171 @@
+#include "ckpt/tag_verify.h"
+
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+#include "ckpt/error.h"
+#include "ckpt/manifest.h"
+#include "ckpt/tag_writer.h"
+
+namespace ckpt {
+namespace {
+
+// Every regular file under `root`, relative, skipping nothing.
+void Walk(Env* env, const std::string& root, const std::string& rel, std::vector<std::string>* out) {
+  const std::string dir = rel.empty() ? root : root + "/" + rel;
+  for (const auto& name : env->ListDir(dir)) {
+    const std::string r = rel.empty() ? name : rel + "/" + name;
+    if (env->IsDirectory(root + "/" + r)) Walk(env, root, r, out);
+    else out->push_back(r);
+  }
+}
+
+bool IsOwnBookkeeping(const std::string& rel) {
+  return rel == kCheckpointMarker || rel == kDoneMarker || rel == kManifestFile ||
+         rel.rfind(std::string(kRankRecordDir) + "/", 0) == 0;
+}
+
+// The grid implied by the rank files present (NxD tags have no manifest).
+std::optional<RankGrid> InferGrid(const std::vector<std::string>& files) {
+  RankGrid g{0, 0, 0, false};
+  bool any = false;
+  for (const auto& f : files) {
+    for (const char* sub : {"model/", "optim/"}) {
+      if (f.rfind(sub, 0) != 0) continue;
+      std::string name = f.substr(6);
+      if (name.find('/') != std::string::npos) continue;  // xser tensors
+      auto rc = ParseRankFileName(name);
+      if (!rc) continue;
+      any = true;
+      g.tp = std::max(g.tp, rc->tp + 1);
+      g.pp = std::max(g.pp, rc->pp + 1);
+      if (sub[0] == 'o') g.dp = std::max(g.dp, rc->dp + 1);
+    }
+  }
+  if (!any) return std::nullopt;
+  g.dp = std::max(g.dp, 1);
+  g.zero1 = g.dp > 1;
+  return g;
+}
+
+}  // namespace
+
+TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& opts) {
+  TagReport r;
+  r.path = tag_dir;
+  auto problem = [&](std::string file, std::string what) { r.problems.push_back({std::move(file), std::move(what)}); };
+  if (!env->IsDirectory(tag_dir)) {
+    problem("", "not a directory");
+    return r;
+  }
+  std::vector<std::string> files;
+  Walk(env, tag_dir, "", &files);
+  const std::set<std::string> present(files.begin(), files.end());
+  r.has_done = present.count(kDoneMarker);
+  r.has_manifest = present.count(kManifestFile);
+  if (!r.has_done) problem(kDoneMarker, "missing: the save never completed");
+
+  for (const auto& f : files)
+    if (IsTempPath(f)) problem(f, "leftover temporary file from an interrupted write");
+
+  if (r.has_manifest) {
+    Manifest m;
+    try {
+      m = Manifest::Load(env, tag_dir + "/" + kManifestFile);
+    } catch (const Error& e) {
+      problem(kManifestFile, e.what());
+      return r;
+    }
+    r.grid = m.grid;
+    if (!present.count(kCheckpointMarker)) problem(kCheckpointMarker, "missing marker");
+    for (const auto& f : files)
+      if (!IsOwnBookkeeping(f) && !IsTempPath(f) && !m.files.count(f)) problem(f, "not listed in the manifest");
+    std::vector<std::pair<std::string, FileDigest>> listed(m.files.begin(), m.files.end());
+    std::mutex mu;
+    tbb::parallel_for(size_t{0}, listed.size(), [&](size_t i) {
+      const auto& [rel, want] = listed[i];
+      const std::string path = tag_dir + "/" + rel;
+      std::string what;
+      uint64_t bytes = 0;
+      if (!present.count(rel)) {
+        what = "missing (listed in the manifest)";
+      } else {
+        try {
+          const uint64_t size = env->FileSize(path);
+          if (size != want.size) {
+            what = "size " + std::to_string(size) + " differs from the manifest's " + std::to_string(want.size);
+          } else if (opts.checksums) {
+            const FileDigest got = DigestFile(env, path);
+            bytes = got.size;
+            if (got.xxh3 != want.xxh3)
+              what = "checksum " + DigestHex(got.xxh3) + " differs from the manifest's " + DigestHex(want.xxh3);
+          }
+        } catch (const Error& e) {
+          what = e.what();
+        }
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      r.files_checked += 1;
+      r.bytes_checked += bytes;
+      if (!what.empty()) problem(rel, what);
+    });
+  } else {
+    r.grid = InferGrid(files);
+    if (!r.grid) problem("model/", "no rank files (model/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt)");
+  }
+
+  if (r.grid) {  // rank-grid completeness
+    for (const auto& f : r.grid->ModelFiles())
+      if (!present.count(f)) problem(f, "missing for the rank grid tp=" + std::to_string(r.grid->tp) + " pp=" + std::to_string(r.grid->pp));
+    // A weights-only save has no optim/ at all; otherwise every optim file
+    // of the grid must be there.
+    const bool any_optim = std::any_of(files.begin(), files.end(), [](const std::string& f) { return f.rfind("optim/", 0) == 0; });
+    if (any_optim)
+      for (const auto& f : r.grid->OptimFiles())
+        if (!present.count(f))
+          problem(f, std::string("missing for the rank grid") + (r.grid->zero1 ? " (ZeRO-1: one optim file per dp rank)" : ""));
+  }
+  std::sort(r.problems.begin(), r.problems.end(), [](const TagProblem& a, const TagProblem& b) {
+    return std::tie(a.file, a.what) < std::tie(b.file, b.what);
+  });
+  return r;
+}
+
+std::vector<TagEntry> ListTags(Env* env, const std::string& checkpoint_dir) {
+  std::set<std::string> newest;
+  const std::string newest_path = checkpoint_dir + "/" + kNewestFile;
+  if (env->Exists(newest_path) && !env->IsDirectory(newest_path)) {
+    auto m = env->MapFile(newest_path);
+    std::istringstream in(std::string(reinterpret_cast<const char*>(m->data()), m->size()));
+    for (std::string line; std::getline(in, line);)
+      if (!line.empty()) newest.insert(line);
+  }
+  std::vector<TagEntry> tags;
+  for (const auto& name : env->ListDir(checkpoint_dir)) {
+    const std::string path = checkpoint_dir + "/" + name;
+    if (!env->IsDirectory(path)) continue;
+    const bool listed = newest.count(name);
+    if (!name.ends_with(".ckpt") && !listed) continue;
+    TagEntry t;
+    t.path = path;
+    t.dir_name = name;
+    t.parsed = ParseTagName(name);
+    t.has_done = env->Exists(path + "/" + kDoneMarker);
+    t.listed_in_newest = listed;
+    t.mtime_ns = env->FileMTimeNs(path);
+    tags.push_back(std::move(t));
+  }
+  std::sort(tags.begin(), tags.end(), [](const TagEntry& a, const TagEntry& b) {
+    const int64_t sa = a.parsed ? a.parsed->step : -1, sb = b.parsed ? b.parsed->step : -1;
+    if (sa != sb) return sa > sb;
+    return a.mtime_ns > b.mtime_ns;
+  });
+  return tags;
+}
+
+}  // namespace ckpt

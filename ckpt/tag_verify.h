@@ -1,0 +1,51 @@
+// Checking a checkpoint tag: markers, files against manifest.json (sizes
+// always, XXH3 checksums when asked, in parallel), files the manifest does not
+// list, leftover temporaries, and rank-grid completeness (every model file for
+// the grid, optim files for every dp rank under ZeRO-1). Tags NxD wrote have
+// no manifest: their grid is inferred from the rank file names present.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckpt/env.h"
+#include "ckpt/layout.h"
+
+namespace ckpt {
+
+struct TagProblem {
+  std::string file;  // relative to the tag; empty for the tag as a whole
+  std::string what;
+};
+
+struct TagReport {
+  std::string path;
+  bool has_done = false, has_manifest = false;
+  std::optional<RankGrid> grid;
+  uint64_t files_checked = 0, bytes_checked = 0;
+  std::vector<TagProblem> problems;
+  bool ok() const { return problems.empty(); }
+};
+
+struct VerifyOptions {
+  bool checksums = true;
+};
+
+TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& opts = {});
+
+// One tag folder in a checkpoint directory, as found on disk.
+struct TagEntry {
+  std::string path, dir_name;
+  std::optional<TagName> parsed;
+  bool has_done = false;
+  bool listed_in_newest = false;  // NxD 2.16 layout
+  int64_t mtime_ns = 0;
+};
+
+// Tag folders under `checkpoint_dir` (names ending .ckpt, or listed in its
+// `newest` file), newest first: by step from the tag name, mtime only as a
+// tie-break (mtime breaks when a directory is copied).
+std::vector<TagEntry> ListTags(Env* env, const std::string& checkpoint_dir);
+
+}  // namespace ckpt

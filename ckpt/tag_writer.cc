@@ -1,0 +1,173 @@
+#include "ckpt/tag_writer.h"
+
+#include <xxhash.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "ckpt/error.h"
+
+namespace ckpt {
+namespace {
+
+// Hashes everything appended on its way to the real file.
+class HashingFile final : public WritableFile {
+ public:
+  explicit HashingFile(WritableFile& out) : out_(out), state_(XXH3_createState()) { XXH3_64bits_reset(state_); }
+  ~HashingFile() override { XXH3_freeState(state_); }
+  void Append(std::span<const uint8_t> d) override {
+    XXH3_64bits_update(state_, d.data(), d.size());
+    out_.Append(d);
+  }
+  void Sync() override { out_.Sync(); }
+  void Close() override { out_.Close(); }
+  uint64_t Size() const override { return out_.Size(); }
+  uint64_t digest() const { return XXH3_64bits_digest(state_); }
+
+ private:
+  WritableFile& out_;
+  XXH3_state_t* state_;
+};
+
+std::string Parent(const std::string& p) { return std::filesystem::path(p).parent_path().string(); }
+
+}  // namespace
+
+std::string RankRecordPath(const std::string& tag_dir, int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "rank_%05d.json", rank);
+  return tag_dir + "/" + kRankRecordDir + "/" + buf;
+}
+
+void WriteMarker(Env* env, const std::string& path) {
+  WriteFileAtomically(env, path, [](WritableFile& f) { f.Append({reinterpret_cast<const uint8_t*>("1"), 1}); });
+}
+
+namespace {
+
+std::string ReadSmallFile(Env* env, const std::string& path) {
+  auto m = env->MapFile(path);
+  return std::string(reinterpret_cast<const char*>(m->data()), m->size());
+}
+
+void WriteText(Env* env, const std::string& path, const std::string& text) {
+  WriteFileAtomically(env, path, [&](WritableFile& f) {
+    f.Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
+  });
+}
+
+std::string BeginPath(const std::string& tag_dir) { return tag_dir + "/" + kRankRecordDir + "/begin"; }
+
+// Polls `ready` until it holds or `timeout` passes.
+bool WaitFor(const std::function<bool()>& ready, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!ready()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+}  // namespace
+
+void BeginTag(Env* env, const std::string& tag_dir, const std::string& save_id) {
+  if (env->Exists(tag_dir)) {  // re-saving a tag: never leave old `done` over new files
+    const std::string done = tag_dir + "/" + kDoneMarker;
+    if (env->Exists(done)) {
+      env->RemoveFile(done);
+      env->SyncDir(tag_dir);
+    }
+    env->RemoveAll(tag_dir);
+  }
+  env->CreateDirs(tag_dir + "/" + kRankRecordDir);
+  env->SyncDir(Parent(tag_dir));
+  WriteText(env, BeginPath(tag_dir), save_id);
+  WriteMarker(env, tag_dir + "/" + kCheckpointMarker);
+}
+
+void WaitForBegin(Env* env, const std::string& tag_dir, const std::string& save_id, std::chrono::milliseconds timeout) {
+  const std::string path = BeginPath(tag_dir);
+  const bool ok = WaitFor([&] {
+    try {
+      return env->Exists(path) && ReadSmallFile(env, path) == save_id;
+    } catch (const Error&) {
+      return false;  // replaced while we looked
+    }
+  }, timeout);
+  if (!ok) throw Error(tag_dir + ": rank 0 did not begin save " + save_id + " within " + std::to_string(timeout.count()) + " ms");
+}
+
+std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& tag_dir, int rank,
+                                                 const std::string& save_id, const std::vector<FileToWrite>& files) {
+  std::map<std::string, FileDigest> digests;
+  std::set<std::string> dirs;
+  for (const auto& f : files) {
+    const std::string path = tag_dir + "/" + f.relpath;
+    const std::string dir = Parent(path);
+    if (dirs.insert(dir).second) env->CreateDirs(dir);
+    FileDigest d;
+    WriteFileAtomically(env, path, [&](WritableFile& out) {
+      HashingFile h(out);
+      WritePt(h, ArchivePrefixFor(path), f.value, f.options);
+      d = FileDigest{h.Size(), h.digest()};
+    });
+    digests[f.relpath] = d;
+  }
+  // WriteFileAtomically synced each file's folder; the folders' own entries
+  // in their parents need syncing too.
+  for (const auto& dir : dirs)
+    if (dir != tag_dir) env->SyncDir(Parent(dir));
+
+  nlohmann::ordered_json rec = {{"rank", rank}, {"save_id", save_id}, {"files", nlohmann::ordered_json::object()}};
+  for (const auto& [p, d] : digests) rec["files"][p] = {{"size", d.size}, {"xxh3", DigestHex(d.xxh3)}};
+  const std::string text = rec.dump() + "\n";
+  const std::string rec_path = RankRecordPath(tag_dir, rank);
+  env->CreateDirs(Parent(rec_path));
+  WriteFileAtomically(env, rec_path, [&](WritableFile& out) {
+    out.Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
+  });
+  env->SyncDir(tag_dir);
+  return digests;
+}
+
+void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
+  Manifest m;
+  m.step = info.step;
+  m.consumed_samples = info.consumed_samples;
+  m.grid = info.grid;
+  m.world_size = info.world_size;
+  // A record counts once it exists and belongs to this save.
+  auto record = [&](int r) -> std::optional<nlohmann::json> {
+    const std::string path = RankRecordPath(tag_dir, r);
+    if (!env->Exists(path)) return std::nullopt;
+    nlohmann::json rec = nlohmann::json::parse(ReadSmallFile(env, path), nullptr, false);
+    if (rec.is_discarded() || !rec.contains("files") || !rec.contains("save_id"))
+      throw Error(path + ": malformed rank completion record");
+    if (rec["save_id"] != info.save_id) return std::nullopt;
+    return rec;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + info.rank_timeout;
+  for (int r = 0; r < info.world_size; ++r) {
+    std::optional<nlohmann::json> rec;
+    const bool ok = WaitFor([&] { return (rec = record(r)).has_value(); },
+                            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()));
+    if (!ok) {
+      std::string missing;
+      for (int q = r; q < info.world_size; ++q)
+        if (!record(q)) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
+      throw Error(tag_dir + ": ranks " + missing + " did not finish writing within " +
+                  std::to_string(info.rank_timeout.count()) + " ms; the tag stays incomplete (no done)");
+    }
+    for (const auto& [p, d] : (*rec)["files"].items()) {
+      if (m.files.count(p)) throw Error(RankRecordPath(tag_dir, r) + ": file '" + p + "' was also written by another rank");
+      m.files[p] = FileDigest{d.at("size"), std::stoull(d.at("xxh3").get<std::string>(), nullptr, 16)};
+    }
+  }
+  m.Save(env, tag_dir + "/" + kManifestFile);
+  WriteMarker(env, tag_dir + "/" + kDoneMarker);
+}
+
+}  // namespace ckpt

@@ -1,0 +1,66 @@
+// Writing one checkpoint tag, possibly from many ranks, so that it never
+// looks complete before it is. Every save has a `save_id` all ranks share
+// (the store's run id and the step), so records of an earlier save of the
+// same tag are never mistaken for this one's.
+//   1. BeginTag (rank 0): deletes an existing tag of that name (`done`
+//      first), creates the folder, .shardkit/begin (the save_id) and the
+//      `checkpoint` marker. Other ranks WaitForBegin before writing.
+//   2. WriteRankFiles (every rank): writes that rank's files, each atomically
+//      (temporary name, fsync, rename), fsyncs their folders, then records
+//      what it wrote (sizes, XXH3 checksums, save_id) in
+//      .shardkit/rank_RRRRR.json, itself written atomically. That record is
+//      the rank's completion vote.
+//   3. CommitTag (rank 0): waits until every rank's record for this save_id
+//      exists, merges them into manifest.json, and only then writes `done`.
+// Completion travels through the file system, not a collective, so it works
+// from a background writer thread and across processes alike; a rank that
+// dies leaves its record missing and the tag stays without `done`.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ckpt/env.h"
+#include "ckpt/layout.h"
+#include "ckpt/manifest.h"
+#include "ckpt/pt_file.h"
+#include "ckpt/value.h"
+
+namespace ckpt {
+
+struct FileToWrite {
+  std::string relpath;  // relative to the tag, e.g. "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+  Value value;
+  SaveOptions options;
+};
+
+inline constexpr const char* kRankRecordDir = ".shardkit";
+std::string RankRecordPath(const std::string& tag_dir, int rank);
+
+void BeginTag(Env* env, const std::string& tag_dir, const std::string& save_id);
+// Ranks other than 0: waits until rank 0 has begun this save.
+void WaitForBegin(Env* env, const std::string& tag_dir, const std::string& save_id, std::chrono::milliseconds timeout);
+
+// Writes the files and this rank's completion record. Returns the digests.
+std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& tag_dir, int rank,
+                                                 const std::string& save_id, const std::vector<FileToWrite>& files);
+
+struct CommitInfo {
+  std::string save_id;
+  int64_t step = 0;
+  double consumed_samples = 0;
+  RankGrid grid;
+  int world_size = 1;
+  std::chrono::milliseconds rank_timeout{30 * 60 * 1000};
+};
+
+// Rank 0: waits for every rank's record, writes manifest.json, then `done`.
+// Throws ckpt::Error naming the missing ranks on timeout (no `done` written).
+void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info);
+
+// Writes a small marker file ("1") atomically.
+void WriteMarker(Env* env, const std::string& path);
+
+}  // namespace ckpt

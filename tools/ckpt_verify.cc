@@ -1,0 +1,105 @@
+// ckpt-verify PATH [--json] [--no-checksums] [--gc [--dry-run]]
+// PATH is a checkpoint tag or a checkpoint directory (every tag in it).
+// Checks markers, every file against manifest.json (size and XXH3, in
+// parallel), missing and extra files, leftover temporaries and rank-grid
+// completeness. Exits 1 with the list of problems, 0 when all is well.
+// --gc removes incomplete tags (no `done`) and leftover temporaries from a
+// checkpoint directory, refusing while a running job holds its lock.
+#include <CLI/CLI.hpp>
+#include <filesystem>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/error.h"
+#include "ckpt/tag_verify.h"
+
+namespace {
+
+bool LooksLikeTag(ckpt::Env* env, const std::string& p) {
+  for (const char* f : {ckpt::kDoneMarker, ckpt::kCheckpointMarker, ckpt::kManifestFile, "model"})
+    if (env->Exists(p + "/" + f)) return true;
+  return ckpt::ParseTagName(std::filesystem::path(p).filename().string()).has_value();
+}
+
+int Gc(ckpt::Env* env, const std::string& dir, bool dry_run, bool json) {
+  auto lock = env->LockFile(dir + "/" + ckpt::kStoreLockFile, /*exclusive=*/true, /*wait=*/false);
+  if (!lock) {
+    std::cerr << "ckpt-verify: " << dir << ": a running job holds " << ckpt::kStoreLockFile
+              << "; not removing anything while it may be saving\n";
+    return 1;
+  }
+  nlohmann::ordered_json removed = nlohmann::ordered_json::array();
+  for (const auto& t : ckpt::ListTags(env, dir)) {
+    if (t.has_done || t.listed_in_newest) continue;
+    removed.push_back({{"path", t.path}, {"why", "incomplete: no done marker"}});
+    if (!dry_run) ckpt::DeleteTag(env, t.path);
+  }
+  for (const auto& name : env->ListDir(dir))
+    if (ckpt::IsTempPath(name)) {
+      removed.push_back({{"path", dir + "/" + name}, {"why", "leftover temporary file"}});
+      if (!dry_run) env->RemoveAll(dir + "/" + name);
+    }
+  if (!dry_run) env->SyncDir(dir);
+  if (json) {
+    std::cout << nlohmann::ordered_json{{"dry_run", dry_run}, {"removed", removed}}.dump(2) << "\n";
+  } else {
+    for (const auto& r : removed)
+      std::cout << (dry_run ? "would remove " : "removed ") << r["path"].get<std::string>() << " ("
+                << r["why"].get<std::string>() << ")\n";
+    if (removed.empty()) std::cout << "nothing to remove\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Verify NxDT checkpoint tags against their manifests and rank grid"};
+  std::string path;
+  bool json = false, no_checksums = false, gc = false, dry_run = false;
+  app.add_option("path", path, "a checkpoint tag or a checkpoint directory")->required();
+  app.add_flag("--json", json, "print the report as JSON");
+  app.add_flag("--no-checksums", no_checksums, "check sizes only");
+  app.add_flag("--gc", gc, "remove incomplete tags and leftover temporaries");
+  app.add_flag("--dry-run", dry_run, "with --gc: list what would be removed");
+  CLI11_PARSE(app, argc, argv);
+  auto* env = ckpt::Env::Default();
+  try {
+    if (!env->IsDirectory(path)) throw ckpt::Error(path + ": not a directory");
+    if (gc) {
+      if (LooksLikeTag(env, path)) throw ckpt::Error(path + ": --gc takes a checkpoint directory, not a tag");
+      return Gc(env, path, dry_run, json);
+    }
+    std::vector<std::string> tags;
+    if (LooksLikeTag(env, path)) tags.push_back(path);
+    else
+      for (const auto& t : ckpt::ListTags(env, path)) tags.push_back(t.path);
+    if (tags.empty()) throw ckpt::Error(path + ": no checkpoint tags found");
+    bool all_ok = true;
+    nlohmann::ordered_json out = {{"tags", nlohmann::ordered_json::array()}};
+    for (const auto& t : tags) {
+      const auto r = ckpt::VerifyTag(env, t, {.checksums = !no_checksums});
+      all_ok &= r.ok();
+      nlohmann::ordered_json problems = nlohmann::ordered_json::array();
+      for (const auto& p : r.problems) problems.push_back({{"file", p.file}, {"problem", p.what}});
+      nlohmann::ordered_json tj = {{"path", t}, {"ok", r.ok()}, {"done", r.has_done}, {"manifest", r.has_manifest},
+                                   {"files_checked", r.files_checked}, {"bytes_checked", r.bytes_checked}};
+      if (r.grid) tj["grid"] = {{"tp", r.grid->tp}, {"pp", r.grid->pp}, {"dp", r.grid->dp}, {"zero1", r.grid->zero1}};
+      tj["problems"] = problems;
+      out["tags"].push_back(tj);
+      if (!json) {
+        std::cout << (r.ok() ? "ok      " : "FAILED  ") << t;
+        if (r.grid) std::cout << "  (tp=" << r.grid->tp << " pp=" << r.grid->pp << " dp=" << r.grid->dp << (r.grid->zero1 ? " zero1" : "") << ")";
+        std::cout << "\n";
+        for (const auto& p : r.problems) std::cout << "  " << (p.file.empty() ? "(tag)" : p.file) << ": " << p.what << "\n";
+      }
+    }
+    out["ok"] = all_ok;
+    if (json) std::cout << out.dump(2) << "\n";
+    return all_ok ? 0 : 1;
+  } catch (const ckpt::Error& e) {
+    std::cerr << "ckpt-verify: " << e.what() << "\n";
+    return 2;
+  }
+}
