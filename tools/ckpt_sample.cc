@@ -1,12 +1,15 @@
-// ckpt-sample DIR: writes a small Llama-shaped checkpoint in the NxDT file
-// layout (model/ and optim/ rank files) with the C++ writer, so the main job
-// has something real to inspect before a training run exists.
+// ckpt-sample DIR [--steps N] [--save-top-k K]: writes a small Llama-shaped
+// checkpoint (TP=PP=DP=1) through the checkpoint store: NxDT tags
+// sample--step=S-consumed_samples=C.ckpt with model/, optim/, scheduler.pt,
+// user_content.pt, manifest.json and done. The main job inspects and verifies
+// it; later the training core replaces it.
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstring>
 #include <iostream>
 #include <random>
 
+#include "ckpt/checkpoint_store.h"
 #include "ckpt/env.h"
 #include "ckpt/error.h"
 #include "ckpt/pt_file.h"
@@ -40,8 +43,10 @@ Tensor Random(std::mt19937& rng, DType dt, std::vector<int64_t> shape, float std
 int main(int argc, char** argv) {
   CLI::App app{"Write a sample Llama-shaped checkpoint in the NxDT layout"};
   std::string dir;
-  int layers = 2, hidden = 64, vocab = 256;
-  app.add_option("dir", dir, "output directory")->required();
+  int layers = 2, hidden = 64, vocab = 256, steps = 1, top_k = -1;
+  app.add_option("dir", dir, "checkpoint directory (tags are created inside)")->required();
+  app.add_option("--steps", steps, "how many tags to write (steps 1..N)")->check(CLI::Range(1, 1000));
+  app.add_option("--save-top-k", top_k, "keep only the newest K tags");
   app.add_option("--layers", layers)->check(CLI::Range(1, 64));
   app.add_option("--hidden", hidden)->check(CLI::Range(8, 8192));
   app.add_option("--vocab", vocab)->check(CLI::Range(8, 1 << 20));
@@ -92,13 +97,25 @@ int main(int argc, char** argv) {
     optim.as_dict().Set("state", state);
     optim.as_dict().Set("param_groups", Value::List({group}));
 
-    auto* env = ckpt::Env::Default();
-    const std::string shard = "dp_rank_00_tp_rank_00_pp_rank_00.pt";
-    env->CreateDirs(dir + "/model");
-    env->CreateDirs(dir + "/optim");
-    ckpt::SavePt(dir + "/model/" + shard, model, {.weights_only = true});
-    ckpt::SavePt(dir + "/optim/" + shard, optim);
-    std::cout << "ckpt-sample: wrote " << names.size() << " parameters and their AdamW state to " << dir << "\n";
+    ckpt::CheckpointStore store({.dir = dir, .save_top_k = top_k, .log = [](const std::string& l) { std::cout << l << "\n"; }});
+    for (int step = 1; step <= steps; ++step) {
+      ckpt::Snapshot snap;
+      snap.tag = {"sample", step, static_cast<double>(step * 8), false};
+      const std::string shard = ckpt::RankFileName({0, 0, 0});
+      Value sched = Value::NewDict(), user = Value::NewDict();
+      sched.as_dict().Set("last_epoch", Value(step));
+      sched.as_dict().Set("_step_count", Value(step + 1));
+      user.as_dict().Set("epoch", Value(0));
+      user.as_dict().Set("global_step", Value(step));
+      user.as_dict().Set("consumed_samples", Value(static_cast<double>(step * 8)));
+      snap.files = {{"model/" + shard, model, {.weights_only = true}},
+                    {"optim/" + shard, optim, {}},
+                    {ckpt::kSchedulerFile, sched, {}},
+                    {ckpt::kUserContentFile, user, {}}};
+      store.Save(std::move(snap));
+    }
+    store.Finalize();
+    std::cout << "ckpt-sample: " << names.size() << " parameters and their AdamW state, " << steps << " tag(s) in " << dir << "\n";
     return 0;
   } catch (const ckpt::Error& e) {
     std::cerr << "ckpt-sample: " << e.what() << "\n";

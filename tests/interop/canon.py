@@ -15,6 +15,9 @@ import torch
 BIN = os.environ.get("SHARDKIT_BIN", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
 PT_CANONICAL = os.path.join(BIN, "tests", "pt_canonical")
 INSPECT = os.path.join(BIN, "tools", "ckpt-inspect")
+VERIFY = os.path.join(BIN, "tools", "ckpt-verify")
+SAMPLE = os.path.join(BIN, "tools", "ckpt-sample")
+STRESS = os.path.join(BIN, "tests", "ckpt_store_stress")
 
 _DTYPE_NAMES = {
     torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16",
