@@ -1,7 +1,5 @@
 #include "ckpt/checkpoint_store.h"
 
-#include <tbb/parallel_for.h>
-
 #include <random>
 
 #include "ckpt/error.h"
@@ -132,40 +130,6 @@ void CheckpointStore::ApplyRetention() {
     if (opts_.log) opts_.log("checkpoint: removed " + complete[i].path + " (save_top_k=" + std::to_string(opts_.save_top_k) + ")");
   }
   opts_.env->SyncDir(opts_.dir);
-}
-
-namespace {
-
-// Copies the containers; tensors are still shared here and cloned after.
-Value CopyContainers(const Value& v) {
-  if (v.is_seq()) {
-    Value out = Value::NewSeq(v.as_seq().kind);
-    for (const Value& c : v.as_seq().items) out.as_seq().items.push_back(CopyContainers(c));
-    return out;
-  }
-  if (v.is_dict()) {
-    Value out = Value::NewDict(v.as_dict().ordered);
-    for (const auto& [k, c] : v.as_dict().items) out.as_dict().items.emplace_back(k, CopyContainers(c));
-    out.as_dict().attrs = v.as_dict().attrs;
-    return out;
-  }
-  return v;  // tensors (cloned below), scalars, objects (shared: snapshots never mutate them)
-}
-
-void CollectTensors(Value& v, std::vector<Tensor*>& out) {
-  if (v.is_tensor()) out.push_back(&v.as_tensor());
-  else if (v.is_seq()) for (Value& c : v.as_seq().items) CollectTensors(c, out);
-  else if (v.is_dict()) for (auto& [k, c] : v.as_dict().items) CollectTensors(c, out);
-}
-
-}  // namespace
-
-Value CopyForSnapshot(const Value& v) {
-  Value out = CopyContainers(v);
-  std::vector<Tensor*> tensors;
-  CollectTensors(out, tensors);
-  tbb::parallel_for(size_t{0}, tensors.size(), [&](size_t i) { *tensors[i] = tensors[i]->Clone(); });
-  return out;
 }
 
 }  // namespace ckpt

@@ -4,7 +4,7 @@
 //  - Save(snapshot) writes one tag in the NxDT layout through the tag writer
 //    (atomic files, rank completion records, manifest, then `done`).
 //  - async: the caller hands over a snapshot (a host copy it will not touch
-//    again; CopyForSnapshot makes one) and continues at once; one background
+//    again; CopyForSnapshot makes one, see snapshot.h) and continues at once; one background
 //    thread persists it. At most `max_in_flight` snapshots are held; past
 //    that, Save blocks until one is durable. `done` is written as soon as a
 //    save is durable (NxD waits for the next save).
@@ -30,6 +30,7 @@
 #include "ckpt/env.h"
 #include "ckpt/layout.h"
 #include "ckpt/resume.h"
+#include "ckpt/snapshot.h"
 #include "ckpt/tag_writer.h"
 
 namespace ckpt {
@@ -87,10 +88,6 @@ class CheckpointStore {
   std::vector<std::string> committed_;
   std::thread writer_;
 };
-
-// A copy of `v` whose tensors own their bytes (containers copied, tensors
-// cloned in parallel), safe to hand to an async save while training goes on.
-Value CopyForSnapshot(const Value& v);
 
 // Deletes a tag so that no interruption leaves it looking complete.
 void DeleteTag(Env* env, const std::string& tag_dir);

@@ -263,6 +263,27 @@ TEST(CheckpointStore, CopyForSnapshotDetachesTensors) {
   EXPECT_NE(snap.as_dict().At("w").as_tensor().storage(), t.storage());
 }
 
+TEST(Snapshot, PoolRecyclesBuffersOnceASaveReleasesThem) {
+  auto pool = SnapshotPool::Create();
+  Value v = Value::NewDict();
+  v.as_dict().Set("w", Value(testing::Arange({1000})));
+  const uint8_t* first = nullptr;
+  {
+    Value snap = CopyForSnapshot(v, pool.get());
+    first = snap.as_dict().At("w").as_tensor().data();
+    EXPECT_TRUE(DeepEqual(snap, v));
+    EXPECT_EQ(pool->free_bytes(), 0u);
+  }
+  EXPECT_EQ(pool->free_bytes(), 4000u);  // back in the pool
+  Value again = CopyForSnapshot(v, pool.get());
+  EXPECT_EQ(again.as_dict().At("w").as_tensor().data(), first);  // the same buffer, reused
+  EXPECT_TRUE(DeepEqual(again, v));
+  pool.reset();  // buffers outliving their pool are freed, not leaked (ASan checks)
+  auto reserved = SnapshotPool::Create();
+  reserved->Reserve(v);
+  EXPECT_EQ(reserved->free_bytes(), 4000u);
+}
+
 TEST(CheckpointStore, MultiRankCommitWaitsForEveryRank) {
   TempDir d("store");
   const RankGrid grid{2, 1, 1, false};

@@ -6,14 +6,24 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <functional>
 #include <memory>
 
 namespace ckpt {
 
 class Storage {
  public:
-  // Owned, writable, zero-initialised memory.
-  static std::shared_ptr<Storage> Allocate(size_t nbytes);
+  // Owned, writable memory, 4096-byte aligned (so the POSIX Env can write it
+  // with O_DIRECT), zero-initialised unless `zero` is false.
+  static std::shared_ptr<Storage> Allocate(size_t nbytes, bool zero = true);
+  // Owned, writable memory handed back through `release` when the storage
+  // dies (a pool recycling snapshot buffers).
+  static std::shared_ptr<Storage> Adopt(uint8_t* data, size_t nbytes, std::function<void(uint8_t*)> release);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
   // A read-only view of bytes that `owner` keeps alive (e.g. an mmap).
   static std::shared_ptr<Storage> Borrow(std::shared_ptr<const void> owner,
                                          const uint8_t* data, size_t nbytes);
@@ -33,7 +43,8 @@ class Storage {
 
  private:
   Storage() = default;
-  std::unique_ptr<uint8_t[]> owned_;
+  uint8_t* owned_ = nullptr;
+  std::function<void(uint8_t*)> release_;  // frees owned_
   std::shared_ptr<const void> owner_;
   const uint8_t* data_ = nullptr;
   size_t nbytes_ = 0;

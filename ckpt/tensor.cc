@@ -58,16 +58,21 @@ std::vector<int64_t> Tensor::ContiguousStrides(const std::vector<int64_t>& shape
   return st;
 }
 
-Tensor Tensor::Zeros(DType dtype, std::vector<int64_t> shape) {
+namespace {
+Tensor NewContiguous(DType dtype, std::vector<int64_t> shape, bool zero) {
   int64_t n = 1;
   for (int64_t d : shape) n = CheckedMul(n, d);
-  auto st = ContiguousStrides(shape);
+  auto st = Tensor::ContiguousStrides(shape);
   return Tensor(dtype, std::move(shape), std::move(st), 0,
-                Storage::Allocate(static_cast<size_t>(n) * ElementSize(dtype)));
+                Storage::Allocate(static_cast<size_t>(n) * ElementSize(dtype), zero));
 }
+}  // namespace
+
+Tensor Tensor::Zeros(DType dtype, std::vector<int64_t> shape) { return NewContiguous(dtype, std::move(shape), true); }
+Tensor Tensor::Empty(DType dtype, std::vector<int64_t> shape) { return NewContiguous(dtype, std::move(shape), false); }
 
 Tensor Tensor::FromBytes(DType dtype, std::vector<int64_t> shape, std::span<const uint8_t> bytes) {
-  Tensor t = Zeros(dtype, std::move(shape));
+  Tensor t = Empty(dtype, std::move(shape));
   if (bytes.size() != t.nbytes())
     throw Error("tensor of " + std::to_string(t.nbytes()) + " bytes given " +
                 std::to_string(bytes.size()) + " bytes");
@@ -97,7 +102,7 @@ Tensor Tensor::Contiguous() const {
 }
 
 Tensor Tensor::Clone() const {
-  Tensor out = Zeros(dtype_, shape_);
+  Tensor out = Empty(dtype_, shape_);
   out.requires_grad_ = requires_grad_;
   out.is_parameter_ = is_parameter_;
   const size_t es = ElementSize(dtype_);

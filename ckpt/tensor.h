@@ -23,6 +23,8 @@ class Tensor {
 
   // A new contiguous, zero-filled tensor with its own storage.
   static Tensor Zeros(DType dtype, std::vector<int64_t> shape);
+  // The same, with contents left uninitialised (for callers that fill it all).
+  static Tensor Empty(DType dtype, std::vector<int64_t> shape);
   // A contiguous tensor holding a copy of `bytes` (size must match).
   static Tensor FromBytes(DType dtype, std::vector<int64_t> shape, std::span<const uint8_t> bytes);
 

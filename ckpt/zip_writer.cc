@@ -62,9 +62,11 @@ void ZipWriter::AddRecord(const std::string& name, std::span<const uint8_t> data
     h.u64(size);
     extra += 20;
   }
-  // 'FB' padding field so the data begins on a 64-byte boundary, as torch does.
+  // 'FB' padding field so the data begins on a 64-byte boundary, as torch
+  // does (a page boundary for large records).
+  const uint64_t align = size >= kPageRecord ? kPageAlignment : kAlignment;
   const uint64_t start = offset + h.size() + 4;
-  const uint64_t pad = (kAlignment - start % kAlignment) % kAlignment;
+  const uint64_t pad = (align - start % align) % align;
   h.u16(0x4246);
   h.u16(pad);
   h.fill(pad, 'Z');

@@ -20,7 +20,12 @@ namespace ckpt {
 
 class ZipWriter {
  public:
+  // Every record's data starts at a multiple of kAlignment (torch's rule);
+  // records of kPageRecord bytes or more start on a page (a multiple of 64
+  // too), so the Env can write them with O_DIRECT and readers map them whole.
   static constexpr uint64_t kAlignment = 64;
+  static constexpr uint64_t kPageAlignment = 4096;
+  static constexpr uint64_t kPageRecord = 64 << 10;
 
   ZipWriter(WritableFile& out, std::string prefix);
 

@@ -1,0 +1,115 @@
+#include "ckpt/snapshot.h"
+
+#include <tbb/parallel_for.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+namespace ckpt {
+
+SnapshotPool::~SnapshotPool() { Trim(); }
+
+std::shared_ptr<Storage> SnapshotPool::Acquire(size_t nbytes) {
+  uint8_t* p = nullptr;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = free_.find(nbytes);
+    if (it != free_.end()) {
+      p = it->second;
+      free_.erase(it);
+    }
+  }
+  if (!p) {
+    const size_t padded = (std::max<size_t>(nbytes, 1) + 4095) / 4096 * 4096;
+    p = static_cast<uint8_t*>(std::aligned_alloc(4096, padded));
+    if (!p) throw std::bad_alloc();
+  }
+  // The pool may die before the storage: then the buffer is simply freed.
+  std::weak_ptr<SnapshotPool> weak = weak_from_this();
+  return Storage::Adopt(p, nbytes, [weak, nbytes](uint8_t* q) {
+    if (auto pool = weak.lock()) pool->Release(q, nbytes);
+    else std::free(q);
+  });
+}
+
+void SnapshotPool::Release(uint8_t* p, size_t nbytes) {
+  std::lock_guard<std::mutex> l(mu_);
+  free_.emplace(nbytes, p);
+}
+
+void SnapshotPool::Reserve(const Value& like) {
+  std::vector<std::shared_ptr<Storage>> held;  // released into the pool at the end
+  std::vector<const Value*> todo{&like};
+  while (!todo.empty()) {
+    const Value* v = todo.back();
+    todo.pop_back();
+    if (v->is_tensor()) {
+      held.push_back(Acquire(v->as_tensor().nbytes()));
+      std::memset(held.back()->mutable_data(), 0, held.back()->nbytes());
+    } else if (v->is_seq()) {
+      for (const Value& c : v->as_seq().items) todo.push_back(&c);
+    } else if (v->is_dict()) {
+      for (const auto& [k, c] : v->as_dict().items) todo.push_back(&c);
+    }
+  }
+}
+
+size_t SnapshotPool::free_bytes() const {
+  std::lock_guard<std::mutex> l(mu_);
+  size_t n = 0;
+  for (const auto& [size, p] : free_) n += size;
+  return n;
+}
+
+void SnapshotPool::Trim() {
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& [size, p] : free_) std::free(p);
+  free_.clear();
+}
+
+namespace {
+
+// Copies the containers; tensors are still shared here and copied after.
+Value CopyContainers(const Value& v) {
+  if (v.is_seq()) {
+    Value out = Value::NewSeq(v.as_seq().kind);
+    for (const Value& c : v.as_seq().items) out.as_seq().items.push_back(CopyContainers(c));
+    return out;
+  }
+  if (v.is_dict()) {
+    Value out = Value::NewDict(v.as_dict().ordered);
+    for (const auto& [k, c] : v.as_dict().items) out.as_dict().items.emplace_back(k, CopyContainers(c));
+    out.as_dict().attrs = v.as_dict().attrs;
+    return out;
+  }
+  return v;  // tensors (copied below), scalars, objects (shared: snapshots never mutate them)
+}
+
+void CollectTensors(Value& v, std::vector<Tensor*>& out) {
+  if (v.is_tensor()) out.push_back(&v.as_tensor());
+  else if (v.is_seq()) for (Value& c : v.as_seq().items) CollectTensors(c, out);
+  else if (v.is_dict()) for (auto& [k, c] : v.as_dict().items) CollectTensors(c, out);
+}
+
+Tensor CopyInto(const Tensor& t, SnapshotPool* pool) {
+  if (!pool) return t.Clone();
+  const Tensor src = t.Contiguous();
+  Tensor out(src.dtype(), src.shape(), Tensor::ContiguousStrides(src.shape()), 0, pool->Acquire(src.nbytes()));
+  out.set_parameter(t.is_parameter());
+  out.set_requires_grad(t.requires_grad());
+  if (src.nbytes()) std::memcpy(out.mutable_data(), src.data(), src.nbytes());
+  return out;
+}
+
+}  // namespace
+
+Value CopyForSnapshot(const Value& v, SnapshotPool* pool) {
+  Value out = CopyContainers(v);
+  std::vector<Tensor*> tensors;
+  CollectTensors(out, tensors);
+  tbb::parallel_for(size_t{0}, tensors.size(), [&](size_t i) { *tensors[i] = CopyInto(*tensors[i], pool); });
+  return out;
+}
+
+}  // namespace ckpt

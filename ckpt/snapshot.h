@@ -1,0 +1,44 @@
+// Taking a snapshot of training state for an async save: a copy whose
+// tensors own their bytes, made with a parallel memcpy. With a SnapshotPool,
+// the copy lands in buffers recycled from earlier snapshots (already faulted
+// in), so a snapshot costs a memcpy and not a page fault per 4 KiB; a buffer
+// returns to the pool when the save that held it has finished with it.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "ckpt/value.h"
+
+namespace ckpt {
+
+class SnapshotPool : public std::enable_shared_from_this<SnapshotPool> {
+ public:
+  static std::shared_ptr<SnapshotPool> Create() { return std::shared_ptr<SnapshotPool>(new SnapshotPool()); }
+  ~SnapshotPool();
+
+  // Owned, 4096-aligned, uninitialised storage of `nbytes`, reused when a
+  // buffer of that size is free.
+  std::shared_ptr<Storage> Acquire(size_t nbytes);
+  // Allocates and touches a buffer for every tensor in `like`, so even the
+  // first snapshot is a memcpy (call at start-up, as with pinned buffers).
+  void Reserve(const Value& like);
+  // Bytes held free for reuse.
+  size_t free_bytes() const;
+  // Frees every idle buffer.
+  void Trim();
+
+ private:
+  SnapshotPool() = default;
+  void Release(uint8_t* p, size_t nbytes);
+  mutable std::mutex mu_;
+  std::multimap<size_t, uint8_t*> free_;
+};
+
+// A copy of `v` whose tensors own their bytes (containers copied, tensors
+// copied in parallel), safe to hand to an async save while training goes on.
+// Storages come from `pool` when given.
+Value CopyForSnapshot(const Value& v, SnapshotPool* pool = nullptr);
+
+}  // namespace ckpt
