@@ -1,5 +1,9 @@
 #include "ckpt/checkpoint_store.h"
 
+#include <sys/resource.h>
+#include <tbb/task_arena.h>
+#include <unistd.h>
+
 #include <random>
 
 #include "ckpt/error.h"
@@ -8,13 +12,17 @@
 
 namespace ckpt {
 
+namespace {
+constexpr int kWriterNice = 10;
+}  // namespace
+
 CheckpointStore::CheckpointStore(StoreOptions opts) : opts_(std::move(opts)) {
   if (opts_.dir.empty()) throw Error("checkpoint store: no checkpoint directory given");
   if (opts_.max_in_flight < 1) throw Error("checkpoint store: max_in_flight must be at least 1");
   if (opts_.run_id.empty()) {
     if (opts_.world_size > 1) throw Error("checkpoint store: a multi-rank store needs a run_id shared by all ranks");
     std::random_device rd;
-    opts_.run_id = DigestHex((static_cast<uint64_t>(rd()) << 32) ^ rd());
+    opts_.run_id = CrcHex(rd()) + CrcHex(rd());
   }
   opts_.env->CreateDirs(opts_.dir);
   lock_ = opts_.env->LockFile(opts_.dir + "/" + kStoreLockFile, /*exclusive=*/false, /*wait=*/true);
@@ -72,6 +80,11 @@ std::vector<std::string> CheckpointStore::committed() const {
 }
 
 void CheckpointStore::WriterLoop() {
+  // Background saves yield the CPU to training: lower priority, and a
+  // one-thread TBB arena so the writer's parallel loops (CRCs) stay on this
+  // thread instead of spilling onto the training's worker threads.
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), kWriterNice);
+  tbb::task_arena arena(1);
   std::unique_lock<std::mutex> l(mu_);
   while (true) {
     cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
@@ -80,11 +93,13 @@ void CheckpointStore::WriterLoop() {
     queue_.pop_front();
     l.unlock();
     std::exception_ptr failure;
-    try {
-      Persist(snap);
-    } catch (...) {
-      failure = std::current_exception();
-    }
+    arena.execute([&] {
+      try {
+        Persist(snap);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    });
     snap = Snapshot{};  // release the snapshot's memory before admitting the next
     l.lock();
     if (failure && !error_) error_ = failure;

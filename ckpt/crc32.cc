@@ -21,6 +21,8 @@ void Gf2Square(uint32_t* square, const uint32_t* mat) {
   for (int n = 0; n < 32; ++n) square[n] = Gf2Times(mat, mat[n]);
 }
 
+}  // namespace
+
 uint32_t Crc32Combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
   if (len2 == 0) return crc1;
   uint32_t even[32], odd[32];
@@ -40,8 +42,8 @@ uint32_t Crc32Combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
   return crc1 ^ crc2;
 }
 
+namespace {
 constexpr size_t kChunk = size_t{64} << 20;
-
 }  // namespace
 
 uint32_t Crc32(std::span<const uint8_t> data) {

@@ -9,5 +9,7 @@
 namespace ckpt {
 
 uint32_t Crc32(std::span<const uint8_t> data);
+// The CRC-32 of A followed by B, from crc(A), crc(B) and len(B).
+uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
 }  // namespace ckpt

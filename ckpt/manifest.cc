@@ -1,29 +1,26 @@
 #include "ckpt/manifest.h"
 
-#include <xxhash.h>
-
 #include <cstdio>
 
+#include "ckpt/crc32.h"
 #include "ckpt/error.h"
 
 namespace ckpt {
 
-std::string DigestHex(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+std::string CrcHex(uint32_t v) {
+  char buf[9];
+  std::snprintf(buf, sizeof buf, "%08x", v);
   return buf;
 }
 
-uint64_t Xxh3(std::span<const uint8_t> data) { return XXH3_64bits(data.data(), data.size()); }
-
 FileDigest DigestFile(Env* env, const std::string& path) {
   auto m = env->MapFile(path);
-  return {m->size(), Xxh3(m->bytes())};
+  return {m->size(), Crc32(m->bytes())};
 }
 
 nlohmann::ordered_json Manifest::ToJson() const {
   nlohmann::ordered_json files_json = nlohmann::ordered_json::object();
-  for (const auto& [p, d] : files) files_json[p] = {{"size", d.size}, {"xxh3", DigestHex(d.xxh3)}};
+  for (const auto& [p, d] : files) files_json[p] = {{"size", d.size}, {"crc32", CrcHex(d.crc32)}};
   return {{"format", "shardkit-checkpoint-manifest"},
           {"version", 1},
           {"step", step},
@@ -44,9 +41,9 @@ Manifest Manifest::FromJson(const nlohmann::json& j, const std::string& source) 
     m.grid = RankGrid{g.at("tp"), g.at("pp"), g.at("dp"), g.at("zero1")};
     m.world_size = j.at("world_size");
     for (const auto& [p, d] : j.at("files").items()) {
-      const std::string hex = d.at("xxh3");
-      if (hex.size() != 16) throw Error(source + ": file '" + p + "' has a malformed checksum");
-      m.files[p] = FileDigest{d.at("size"), std::stoull(hex, nullptr, 16)};
+      const std::string hex = d.at("crc32");
+      if (hex.size() != 8) throw Error(source + ": file '" + p + "' has a malformed checksum");
+      m.files[p] = FileDigest{d.at("size"), static_cast<uint32_t>(std::stoul(hex, nullptr, 16))};
     }
     return m;
   } catch (const nlohmann::json::exception& e) {

@@ -1,7 +1,10 @@
 // manifest.json: what a committed tag holds. For every file (path relative to
-// the tag) its size and XXH3-64 checksum, plus the step, consumed samples,
+// the tag) its size and CRC-32, plus the step, consumed samples,
 // rank grid and world size. NxD ignores the file; shardkit uses it to verify
 // a tag and to pick a resume point without trusting modification times.
+// CRC-32 because the writer already has it: the zip format needs every
+// record's CRC, and the whole-file CRC follows from those by combination
+// (crc32_combine), so the manifest costs no second pass over the data.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +20,7 @@ namespace ckpt {
 
 struct FileDigest {
   uint64_t size = 0;
-  uint64_t xxh3 = 0;
+  uint32_t crc32 = 0;
   bool operator==(const FileDigest&) const = default;
 };
 
@@ -35,9 +38,8 @@ struct Manifest {
   void Save(Env* env, const std::string& path) const;  // atomic
 };
 
-std::string DigestHex(uint64_t xxh3);
-uint64_t Xxh3(std::span<const uint8_t> data);
-// Size and checksum of a file as it is on disk (mapped, not copied).
+std::string CrcHex(uint32_t crc);
+// Size and CRC-32 of a file as it is on disk (mapped, not copied).
 FileDigest DigestFile(Env* env, const std::string& path);
 
 }  // namespace ckpt

@@ -179,7 +179,7 @@ Value LoadPt(const std::string& path, const LoadOptions& opts, Env* env) {
   return LoadPtFromFile(env->MapFile(path), opts);
 }
 
-void WritePt(WritableFile& out, const std::string& prefix, const Value& root, const SaveOptions& opts) {
+uint32_t WritePt(WritableFile& out, const std::string& prefix, const Value& root, const SaveOptions& opts) {
   std::vector<PickledStorage> storages;
   const std::string pkl = Pickle(root, opts, &storages);
   // CRCs first (in parallel across storages): headers carry them, no descriptors.
@@ -195,6 +195,7 @@ void WritePt(WritableFile& out, const std::string& prefix, const Value& root, co
     zip.AddRecord("data/" + storages[i].key, {storages[i].storage->data(), storages[i].storage->nbytes()}, crcs[i]);
   zip.AddRecord("version", bytes("3\n"));
   zip.Finish();
+  return zip.file_crc();
 }
 
 void SavePt(const std::string& path, const Value& root, const SaveOptions& opts, Env* env) {

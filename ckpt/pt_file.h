@@ -31,8 +31,9 @@ Value LoadPtFromFile(std::shared_ptr<const MappedFile> file, const LoadOptions& 
 using SaveOptions = PickleOptions;
 
 void SavePt(const std::string& path, const Value& root, const SaveOptions& opts = {}, Env* env = Env::Default());
-// Writes the archive to an open file (no atomic rename); `prefix` is the archive folder.
-void WritePt(WritableFile& out, const std::string& prefix, const Value& root, const SaveOptions& opts = {});
+// Writes the archive to an open file (no atomic rename); `prefix` is the
+// archive folder. Returns the CRC-32 of the bytes written.
+uint32_t WritePt(WritableFile& out, const std::string& prefix, const Value& root, const SaveOptions& opts = {});
 
 // torch's archive folder name for a path: the basename without its last extension.
 std::string ArchivePrefixFor(const std::string& path);

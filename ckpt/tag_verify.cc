@@ -102,8 +102,8 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
           } else if (opts.checksums) {
             const FileDigest got = DigestFile(env, path);
             bytes = got.size;
-            if (got.xxh3 != want.xxh3)
-              what = "checksum " + DigestHex(got.xxh3) + " differs from the manifest's " + DigestHex(want.xxh3);
+            if (got.crc32 != want.crc32)
+              what = "checksum " + CrcHex(got.crc32) + " differs from the manifest's " + CrcHex(want.crc32);
           }
         } catch (const Error& e) {
           what = e.what();

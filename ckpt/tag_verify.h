@@ -1,5 +1,5 @@
 // Checking a checkpoint tag: markers, files against manifest.json (sizes
-// always, XXH3 checksums when asked, in parallel), files the manifest does not
+// always, CRC-32s when asked, in parallel), files the manifest does not
 // list, leftover temporaries, and rank-grid completeness (every model file for
 // the grid, optim files for every dp rank under ZeRO-1). Tags NxD wrote have
 // no manifest: their grid is inferred from the rank file names present.

@@ -1,7 +1,5 @@
 #include "ckpt/tag_writer.h"
 
-#include <xxhash.h>
-
 #include <cstdio>
 #include <filesystem>
 #include <optional>
@@ -12,25 +10,6 @@
 
 namespace ckpt {
 namespace {
-
-// Hashes everything appended on its way to the real file.
-class HashingFile final : public WritableFile {
- public:
-  explicit HashingFile(WritableFile& out) : out_(out), state_(XXH3_createState()) { XXH3_64bits_reset(state_); }
-  ~HashingFile() override { XXH3_freeState(state_); }
-  void Append(std::span<const uint8_t> d) override {
-    XXH3_64bits_update(state_, d.data(), d.size());
-    out_.Append(d);
-  }
-  void Sync() override { out_.Sync(); }
-  void Close() override { out_.Close(); }
-  uint64_t Size() const override { return out_.Size(); }
-  uint64_t digest() const { return XXH3_64bits_digest(state_); }
-
- private:
-  WritableFile& out_;
-  XXH3_state_t* state_;
-};
 
 std::string Parent(const std::string& p) { return std::filesystem::path(p).parent_path().string(); }
 
@@ -110,9 +89,8 @@ std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& ta
     if (dirs.insert(dir).second) env->CreateDirs(dir);
     FileDigest d;
     WriteFileAtomically(env, path, [&](WritableFile& out) {
-      HashingFile h(out);
-      WritePt(h, ArchivePrefixFor(path), f.value, f.options);
-      d = FileDigest{h.Size(), h.digest()};
+      const uint32_t crc = WritePt(out, ArchivePrefixFor(path), f.value, f.options);
+      d = FileDigest{out.Size(), crc};
     });
     digests[f.relpath] = d;
   }
@@ -122,7 +100,7 @@ std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& ta
     if (dir != tag_dir) env->SyncDir(Parent(dir));
 
   nlohmann::ordered_json rec = {{"rank", rank}, {"save_id", save_id}, {"files", nlohmann::ordered_json::object()}};
-  for (const auto& [p, d] : digests) rec["files"][p] = {{"size", d.size}, {"xxh3", DigestHex(d.xxh3)}};
+  for (const auto& [p, d] : digests) rec["files"][p] = {{"size", d.size}, {"crc32", CrcHex(d.crc32)}};
   const std::string text = rec.dump() + "\n";
   const std::string rec_path = RankRecordPath(tag_dir, rank);
   env->CreateDirs(Parent(rec_path));
@@ -163,7 +141,7 @@ void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
     }
     for (const auto& [p, d] : (*rec)["files"].items()) {
       if (m.files.count(p)) throw Error(RankRecordPath(tag_dir, r) + ": file '" + p + "' was also written by another rank");
-      m.files[p] = FileDigest{d.at("size"), std::stoull(d.at("xxh3").get<std::string>(), nullptr, 16)};
+      m.files[p] = FileDigest{d.at("size"), static_cast<uint32_t>(std::stoul(d.at("crc32").get<std::string>(), nullptr, 16))};
     }
   }
   m.Save(env, tag_dir + "/" + kManifestFile);

@@ -7,7 +7,7 @@
 //      `checkpoint` marker. Other ranks WaitForBegin before writing.
 //   2. WriteRankFiles (every rank): writes that rank's files, each atomically
 //      (temporary name, fsync, rename), fsyncs their folders, then records
-//      what it wrote (sizes, XXH3 checksums, save_id) in
+//      what it wrote (sizes, CRC-32s, save_id) in
 //      .shardkit/rank_RRRRR.json, itself written atomically. That record is
 //      the rank's completion vote.
 //   3. CommitTag (rank 0): waits until every rank's record for this save_id

@@ -123,6 +123,16 @@ TEST(Zip, FlippedDataByteFailsCrc) {
   }
 }
 
+TEST(Zip, FileCrcCombinesRecordCrcsIntoTheWholeFileCrc) {
+  StringFile f;
+  ZipWriter w(f, "arc");
+  w.AddRecord("a", B(std::string(100000, 'x')));
+  w.AddRecord("b", B("tail"));
+  w.Finish();
+  EXPECT_EQ(w.file_crc(), ReferenceCrc(f.s));
+  EXPECT_EQ(Crc32Combine(Crc32(B("1234")), Crc32(B("56789")), 5), Crc32(B("123456789")));
+}
+
 TEST(Zip, DeterministicBytes) {
   EXPECT_EQ(Archive({{"a", "1"}, {"b", "22"}}), Archive({{"a", "1"}, {"b", "22"}}));
 }

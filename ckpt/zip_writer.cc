@@ -30,6 +30,11 @@ class Bytes {
 
 ZipWriter::ZipWriter(WritableFile& out, std::string prefix) : out_(out), prefix_(std::move(prefix)) {}
 
+void ZipWriter::Emit(std::span<const uint8_t> bytes, const uint32_t* crc) {
+  out_.Append(bytes);
+  file_crc_ = Crc32Combine(file_crc_, crc ? *crc : Crc32(bytes), bytes.size());
+}
+
 void ZipWriter::AddRecord(const std::string& name, std::span<const uint8_t> data) {
   AddRecord(name, data, Crc32(data));
 }
@@ -74,8 +79,8 @@ void ZipWriter::AddRecord(const std::string& name, std::span<const uint8_t> data
   std::vector<uint8_t> header(h.span().begin(), h.span().end());
   header[extra_pos] = static_cast<uint8_t>(extra);
   header[extra_pos + 1] = static_cast<uint8_t>(extra >> 8);
-  out_.Append(header);
-  out_.Append(data);
+  Emit(header);
+  Emit(data, &crc);
   entries_.push_back({full, offset, size, crc});
 }
 
@@ -142,7 +147,7 @@ void ZipWriter::Finish() {
   cd.u32(zip64_end ? k32Max : cd_size);
   cd.u32(zip64_end ? k32Max : cd_offset);
   cd.u16(0);
-  out_.Append(cd.span());
+  Emit(cd.span());
 }
 
 }  // namespace ckpt

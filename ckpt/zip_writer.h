@@ -34,6 +34,9 @@ class ZipWriter {
   void AddRecord(const std::string& name, std::span<const uint8_t> data);
   // Writes the central directory and end records. No records may follow.
   void Finish();
+  // CRC-32 of every byte appended so far, from the record CRCs (no second
+  // pass over the data): the whole-file checksum the manifest records.
+  uint32_t file_crc() const { return file_crc_; }
 
  private:
   struct Entry {
@@ -45,6 +48,9 @@ class ZipWriter {
   std::string prefix_;
   std::vector<Entry> entries_;
   bool finished_ = false;
+  uint32_t file_crc_ = 0;
+
+  void Emit(std::span<const uint8_t> bytes, const uint32_t* crc = nullptr);
 };
 
 }  // namespace ckpt

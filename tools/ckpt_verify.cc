@@ -1,6 +1,6 @@
 // ckpt-verify PATH [--json] [--no-checksums] [--gc [--dry-run]]
 // PATH is a checkpoint tag or a checkpoint directory (every tag in it).
-// Checks markers, every file against manifest.json (size and XXH3, in
+// Checks markers, every file against manifest.json (size and CRC-32, in
 // parallel), missing and extra files, leftover temporaries and rank-grid
 // completeness. Exits 1 with the list of problems, 0 when all is well.
 // --gc removes incomplete tags (no `done`) and leftover temporaries from a
