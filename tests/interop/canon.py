@@ -18,6 +18,7 @@ INSPECT = os.path.join(BIN, "tools", "ckpt-inspect")
 VERIFY = os.path.join(BIN, "tools", "ckpt-verify")
 SAMPLE = os.path.join(BIN, "tools", "ckpt-sample")
 STRESS = os.path.join(BIN, "tests", "ckpt_store_stress")
+CONFIG = os.path.join(BIN, "migrate", "nnm2nxdt-config")
 
 _DTYPE_NAMES = {
     torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16",

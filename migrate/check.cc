@@ -1,0 +1,107 @@
+#include "migrate/check.h"
+
+#include <optional>
+#include <regex>
+
+#include "migrate/interpolation.h"
+#include "migrate/schema.h"
+
+namespace migrate {
+namespace {
+
+const char* TypeName(ValueType t) {
+  switch (t) {
+    case ValueType::kInt: return "an integer";
+    case ValueType::kNumber: return "a number";
+    case ValueType::kBool: return "a boolean";
+    case ValueType::kString: return "a string";
+    case ValueType::kMap: return "a mapping";
+    case ValueType::kList: return "a list";
+    case ValueType::kAny: return "anything";
+  }
+  return "";
+}
+
+bool Matches(const YAML::Node& n, ValueType t) {
+  static const std::regex integer(R"([+-]?\d+)");
+  static const std::regex number(R"([+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?\.?(inf|Inf|INF)|\.?(nan|NaN|NAN))");
+  static const std::regex boolean(R"(true|True|TRUE|false|False|FALSE)");
+  switch (t) {
+    case ValueType::kAny: return true;
+    case ValueType::kMap: return n.IsMap();
+    case ValueType::kList: return n.IsSequence();
+    case ValueType::kString: return n.IsScalar();
+    case ValueType::kInt: return n.IsScalar() && !IsQuoted(n) && std::regex_match(n.Scalar(), integer);
+    case ValueType::kNumber: return n.IsScalar() && !IsQuoted(n) && std::regex_match(n.Scalar(), number);
+    case ValueType::kBool: return n.IsScalar() && !IsQuoted(n) && std::regex_match(n.Scalar(), boolean);
+  }
+  return false;
+}
+
+// An integer value, following plain ${a.b} interpolations.
+std::optional<long long> IntAt(const YAML::Node& root, std::string path, int depth = 0) {
+  const YAML::Node n = Find(root, path);
+  if (!n.IsDefined() || !n.IsScalar() || depth > 16) return std::nullopt;
+  if (HasInterpolation(n.Scalar())) {
+    auto target = SoleTarget(n.Scalar(), path);
+    return target ? IntAt(root, *target, depth + 1) : std::nullopt;
+  }
+  static const std::regex integer(R"([+-]?\d+)");
+  if (!std::regex_match(n.Scalar(), integer)) return std::nullopt;
+  return std::stoll(n.Scalar());
+}
+
+}  // namespace
+
+std::vector<std::string> CheckNxdt(const YAML::Node& cfg) {
+  std::vector<std::string> problems;
+  for (const char* s : {"model_source", "trainer", "exp_manager", "distributed_strategy", "data", "model", "precision"})
+    if (!Has(cfg, s)) problems.push_back(std::string("missing required section '") + s + "'");
+  for (const SchemaKey& k : NxdtSchema()) {
+    const YAML::Node n = Find(cfg, k.path);
+    if (!n.IsDefined()) continue;
+    if (n.IsNull()) {
+      if (!k.nullable && k.type != ValueType::kAny) problems.push_back(k.path + ": is null but must be " + TypeName(k.type));
+      continue;
+    }
+    if (n.IsScalar() && n.Scalar() == "???") {
+      problems.push_back(k.path + ": is ??? (mandatory, must be set before training)");
+      continue;
+    }
+    if (n.IsScalar() && HasInterpolation(n.Scalar())) continue;  // checked where it points
+    if (!Matches(n, k.type)) problems.push_back(k.path + ": " + Describe(n) + " is not " + TypeName(k.type));
+  }
+
+  const auto tp = IntAt(cfg, "distributed_strategy.tensor_model_parallel_size").value_or(1);
+  const auto pp = IntAt(cfg, "distributed_strategy.pipeline_model_parallel_size").value_or(1);
+  const auto devices = IntAt(cfg, "trainer.devices"), nodes = IntAt(cfg, "trainer.num_nodes");
+  if (tp < 1 || pp < 1) problems.push_back("distributed_strategy: tensor and pipeline parallel sizes must be at least 1");
+  if (devices && tp >= 1 && pp >= 1) {
+    const long long world = *devices * nodes.value_or(1);
+    if (world % (tp * pp)) {
+      problems.push_back("distributed_strategy.tensor_model_parallel_size (" + std::to_string(tp) +
+                         ") * pipeline_model_parallel_size (" + std::to_string(pp) + ") = " + std::to_string(tp * pp) +
+                         " does not divide trainer.devices (" + std::to_string(*devices) + ") * trainer.num_nodes (" +
+                         std::to_string(nodes.value_or(1)) + ") = " + std::to_string(world));
+    } else {
+      const long long dp = world / (tp * pp);
+      const auto gbs = IntAt(cfg, "data.global_batch_size"), mbs = IntAt(cfg, "data.micro_batch_size");
+      if (gbs && mbs && (*mbs < 1 || *gbs % (*mbs * dp)))
+        problems.push_back("data.global_batch_size (" + std::to_string(*gbs) + ") is not a multiple of data.micro_batch_size (" +
+                           std::to_string(*mbs) + ") * data-parallel size (" + std::to_string(dp) + ") = " +
+                           std::to_string(*mbs * dp));
+    }
+  }
+  const auto layers = IntAt(cfg, "model.num_layers");
+  const bool cuts = Has(cfg, "model.pipeline_cuts") && !Find(cfg, "model.pipeline_cuts").IsNull();
+  if (layers && pp >= 1 && *layers % pp && !cuts)
+    problems.push_back("model.num_layers (" + std::to_string(*layers) + ") does not divide evenly over pipeline_model_parallel_size (" +
+                       std::to_string(pp) + "); give model.pipeline_cuts or change the sizes");
+  const auto heads = IntAt(cfg, "model.num_attention_heads");
+  if (heads && tp >= 1 && *heads % tp)
+    problems.push_back("model.num_attention_heads (" + std::to_string(*heads) + ") is not divisible by tensor_model_parallel_size (" +
+                       std::to_string(tp) + ")");
+  return problems;
+}
+
+}  // namespace migrate

@@ -1,0 +1,36 @@
+// OmegaConf interpolations in config strings: ${model.encoder_seq_length}
+// (absolute), ${.encoder_seq_length} (relative to the key's own mapping; each
+// extra dot goes one level up) and resolvers such as
+// ${multiply:${a}, ${b}} whose arguments may be interpolations themselves.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace migrate {
+
+bool HasInterpolation(const std::string& text);
+
+// Absolute dotted paths of every interpolation in `text`, which is the value
+// of the key at `key_path`. Throws InputError on unbalanced braces.
+std::vector<std::string> InterpolationTargets(const std::string& text, const std::string& key_path);
+
+// Where an old absolute path lives now: a new absolute path, or, when the
+// target was removed, the text to substitute for it.
+struct Relocation {
+  std::optional<std::string> new_path;
+  std::string substitute;  // used when new_path is empty
+};
+
+// Rewrites `text` (the value of a key moved from `old_key` to `new_key`).
+// Relative references stay relative when key and target still share a
+// parent mapping; otherwise they become absolute.
+std::string RewriteInterpolations(const std::string& text, const std::string& old_key, const std::string& new_key,
+                                  const std::function<Relocation(const std::string&)>& relocate);
+
+// If `text` is exactly one path interpolation, its absolute target.
+std::optional<std::string> SoleTarget(const std::string& text, const std::string& key_path);
+
+}  // namespace migrate

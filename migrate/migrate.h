@@ -1,0 +1,51 @@
+// The NNM -> NxDT config migration. Every NNM key (after overrides) gets a
+// fate in the report: kept, moved, changed (value rewritten), dropped (with
+// the mapping table's reason) or unknown (kept where it was, with a
+// warning); keys NxDT needs that NNM lacks are added and reported as such.
+#pragma once
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "migrate/yaml_tree.h"
+
+namespace migrate {
+
+struct ReportEntry {
+  std::string key;    // the NNM path (the NxDT path for "added")
+  std::string fate;   // kept | moved | changed | dropped | unknown | added
+  std::string to;     // the NxDT path, when it has one
+  std::string from_value, to_value;
+  std::string reason;
+};
+
+struct Report {
+  std::string source;
+  std::vector<std::string> overrides;
+  std::vector<ReportEntry> entries;
+  std::vector<std::string> warnings;
+  std::vector<std::string> check_problems;  // --check run on the output
+
+  nlohmann::ordered_json ToJson() const;
+  std::string Summary() const;  // the human report for stderr
+};
+
+struct MigrateOptions {
+  std::string source = "<stdin>";
+  // The launch environment NNM read precision from (XLA_USE_BF16, ...). When
+  // a variable is not given, the NNM recipes' value is assumed and reported.
+  std::map<std::string, std::string> env = {};
+};
+
+struct Migration {
+  YAML::Node config;
+  Report report;
+};
+
+// `nnm` must already have its overrides applied. Throws InputError for an
+// interpolation that points nowhere.
+Migration Migrate(const YAML::Node& nnm, const MigrateOptions& opts);
+
+}  // namespace migrate

@@ -1,0 +1,202 @@
+#include "migrate/yaml_tree.h"
+
+#include <set>
+#include <sstream>
+
+namespace migrate {
+
+namespace {
+
+// Walks a freshly parsed document looking for a mapping key given twice.
+void CheckDuplicates(const YAML::Node& n, const std::string& prefix, const std::string& source) {
+  if (n.IsMap()) {
+    std::set<std::string> seen;
+    for (auto it = n.begin(); it != n.end(); ++it) {
+      const std::string key = it->first.Scalar();
+      const std::string path = prefix.empty() ? key : prefix + "." + key;
+      if (!seen.insert(key).second)
+        throw InputError(source + ":" + std::to_string(it->first.Mark().line + 1) + ": duplicate key '" + path + "'");
+      CheckDuplicates(it->second, path, source);
+    }
+  } else if (n.IsSequence()) {
+    for (size_t i = 0; i < n.size(); ++i) CheckDuplicates(n[i], prefix + "[" + std::to_string(i) + "]", source);
+  }
+}
+
+}  // namespace
+
+YAML::Node LoadYaml(const std::string& text, const std::string& source) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    throw InputError(source + ":" + std::to_string(e.mark.line + 1) + ": not valid YAML: " + e.msg);
+  }
+  if (!root.IsMap())
+    throw InputError(source + ": the top level must be a mapping of config sections, not " +
+                     (root.IsNull() ? std::string("an empty document") : root.IsSequence() ? "a list" : "a scalar"));
+  CheckDuplicates(root, "", source);
+  return root;
+}
+
+std::vector<std::string> SplitPath(const std::string& dotted) {
+  std::vector<std::string> parts;
+  std::string cur;
+  for (char c : dotted) {
+    if (c == '.') parts.push_back(cur), cur.clear();
+    else cur.push_back(c);
+  }
+  parts.push_back(cur);
+  return parts;
+}
+
+std::string JoinPath(const std::vector<std::string>& parts, size_t n) {
+  std::string s;
+  for (size_t i = 0; i < parts.size() && i < n; ++i) s += (i ? "." : "") + parts[i];
+  return s;
+}
+
+YAML::Node Find(const YAML::Node& root, const std::string& path) {
+  YAML::Node cur = root;
+  for (const auto& p : SplitPath(path)) {
+    if (!cur.IsMap()) return YAML::Node(YAML::NodeType::Undefined);
+    YAML::Node next;
+    bool found = false;
+    for (auto it = cur.begin(); it != cur.end(); ++it)
+      if (it->first.Scalar() == p) {
+        next = it->second;
+        found = true;
+        break;
+      }
+    if (!found) return YAML::Node(YAML::NodeType::Undefined);
+    cur.reset(next);
+  }
+  return cur;
+}
+
+bool Has(const YAML::Node& root, const std::string& path) { return Find(root, path).IsDefined(); }
+
+void Set(YAML::Node root, const std::string& path, const YAML::Node& value) {
+  const auto parts = SplitPath(path);
+  YAML::Node cur = root;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    YAML::Node next = cur[parts[i]];
+    if (!next.IsMap()) {
+      cur[parts[i]] = YAML::Node(YAML::NodeType::Map);
+      next = cur[parts[i]];
+    }
+    cur.reset(next);
+  }
+  cur[parts.back()] = value;
+}
+
+bool Erase(YAML::Node root, const std::string& path) {
+  const auto parts = SplitPath(path);
+  YAML::Node parent = parts.size() == 1 ? root : Find(root, JoinPath(parts, parts.size() - 1));
+  if (!parent.IsMap() || !Find(parent, parts.back()).IsDefined()) return false;
+  parent.remove(parts.back());
+  return true;
+}
+
+void Leaves(const YAML::Node& node, const std::string& prefix, std::vector<std::string>* out) {
+  if (node.IsMap() && node.size() > 0) {
+    for (auto it = node.begin(); it != node.end(); ++it)
+      Leaves(it->second, prefix.empty() ? it->first.Scalar() : prefix + "." + it->first.Scalar(), out);
+  } else {
+    out->push_back(prefix);
+  }
+}
+
+bool IsQuoted(const YAML::Node& n) { return n.IsScalar() && n.Tag() == "!"; }
+
+namespace {
+
+// Whether a plain scalar's text would be read back as the same plain text.
+std::string ScalarText(const YAML::Node& n) {
+  if (n.IsNull()) return "null";
+  const std::string& s = n.Scalar();
+  if (IsQuoted(n) || s.empty()) {  // single-quoted, '' escapes a quote
+    std::string q = "'";
+    for (char c : s) q += c == '\'' ? std::string("''") : std::string(1, c);
+    return q + "'";
+  }
+  return s;
+}
+
+void EmitFlow(std::ostringstream& o, const YAML::Node& n) {
+  if (n.IsSequence()) {
+    o << "[";
+    for (size_t i = 0; i < n.size(); ++i) {
+      if (i) o << ", ";
+      EmitFlow(o, n[i]);
+    }
+    o << "]";
+  } else if (n.IsMap()) {
+    o << "{";
+    bool first = true;
+    for (auto it = n.begin(); it != n.end(); ++it) {
+      o << (first ? "" : ", ") << it->first.Scalar() << ": ";
+      EmitFlow(o, it->second);
+      first = false;
+    }
+    o << "}";
+  } else {
+    o << ScalarText(n);
+  }
+}
+
+void EmitBlock(std::ostringstream& o, const YAML::Node& n, int indent);
+
+void EmitValue(std::ostringstream& o, const YAML::Node& v, int indent) {
+  if ((v.IsMap() || v.IsSequence()) && v.size() > 0 && v.Style() != YAML::EmitterStyle::Flow) {
+    o << "\n";
+    EmitBlock(o, v, indent + 2);
+  } else if (v.IsMap() && v.size() == 0) {
+    o << " {}\n";
+  } else {
+    o << " ";
+    EmitFlow(o, v);
+    o << "\n";
+  }
+}
+
+void EmitBlock(std::ostringstream& o, const YAML::Node& n, int indent) {
+  const std::string pad(indent, ' ');
+  if (n.IsMap()) {
+    for (auto it = n.begin(); it != n.end(); ++it) {
+      if (indent == 0 && it != n.begin()) o << "\n";
+      o << pad << it->first.Scalar() << ":";
+      EmitValue(o, it->second, indent);
+    }
+  } else if (n.IsSequence()) {
+    for (size_t i = 0; i < n.size(); ++i) {
+      const YAML::Node item = n[i];
+      if (item.IsMap() && item.size() > 0) {
+        std::ostringstream inner;
+        EmitBlock(inner, item, indent + 2);
+        std::string s = inner.str();
+        o << pad << "- " << s.substr(indent + 2);
+      } else {
+        o << pad << "-";
+        EmitValue(o, item, indent);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::string Describe(const YAML::Node& n) {
+  if (!n.IsDefined()) return "<absent>";
+  std::ostringstream o;
+  EmitFlow(o, n);
+  return o.str();
+}
+
+std::string EmitYaml(const YAML::Node& root) {
+  std::ostringstream o;
+  EmitBlock(o, root, 0);
+  return o.str();
+}
+
+}  // namespace migrate
