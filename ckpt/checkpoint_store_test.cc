@@ -33,6 +33,16 @@ void FlipByte(const std::string& path, uint64_t offset) {
   f.write(&c, 1);
 }
 
+// Splits a whole-grid snapshot between two ranks: rank 1 writes tp rank 1's
+// model file, rank 0 everything else.
+std::pair<Snapshot, Snapshot> SplitForTwoRanks(const Snapshot& all) {
+  Snapshot r0 = all, r1 = all;
+  r0.files.clear();
+  r1.files.clear();
+  for (const auto& f : all.files) (f.relpath == "model/" + RankFileName({0, 1, 0}) ? r1 : r0).files.push_back(f);
+  return {r0, r1};
+}
+
 TEST(CheckpointStore, SyncSaveWritesTheNxdtLayoutAndVerifies) {
   TempDir d("store");
   CheckpointStore store({.dir = d.path()});
@@ -235,11 +245,7 @@ TEST(CheckpointStore, ResavingATagNeverLeavesOldDoneOverNewFiles) {
 TEST(CheckpointStore, StaleRankRecordsOfAnEarlierSaveDoNotCommit) {
   TempDir d("store");
   const RankGrid grid{2, 1, 1, false};
-  Snapshot all = MakeSnapshot("m", 1, grid, 100, 13);
-  Snapshot r0 = all, r1 = all;
-  r0.files.clear();
-  r1.files.clear();
-  for (auto& f : all.files) (f.relpath == "model/" + RankFileName({0, 1, 0}) ? r1 : r0).files.push_back(f);
+  auto [r0, r1] = SplitForTwoRanks(MakeSnapshot("m", 1, grid, 100, 13));
   {  // first job: both ranks complete
     CheckpointStore s0({.dir = d.path(), .async = true, .world_size = 2, .run_id = "jobA"});
     s0.Save(r0);
@@ -288,11 +294,7 @@ TEST(CheckpointStore, MultiRankCommitWaitsForEveryRank) {
   TempDir d("store");
   const RankGrid grid{2, 1, 1, false};
   Snapshot all = MakeSnapshot("m", 1, grid, 100, 9);
-  // Rank 1 writes its model file only; rank 0 everything else.
-  Snapshot r0 = all, r1 = all;
-  r0.files.clear();
-  r1.files.clear();
-  for (auto& f : all.files) (f.relpath == "model/" + RankFileName({0, 1, 0}) ? r1 : r0).files.push_back(f);
+  auto [r0, r1] = SplitForTwoRanks(all);
   CheckpointStore s0({.dir = d.path(), .async = true, .world_size = 2, .run_id = "job1", .rank_timeout = std::chrono::milliseconds(20000)});
   s0.Save(r0);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));

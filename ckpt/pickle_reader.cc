@@ -34,34 +34,32 @@ const void* ContainerId(const Value& v) {
   return nullptr;
 }
 
-// Collects the ids of every container reachable from `root` (iteratively).
-std::unordered_set<const void*> Reachable(const Value& root) {
-  std::unordered_set<const void*> seen;
-  std::vector<Value> todo{root};
+// Visits every container reachable from `roots` once, iteratively (no
+// recursion on hostile depth), skipping ids already in `seen`.
+void VisitContainers(std::vector<Value> todo, std::unordered_set<const void*>& seen,
+                     const std::function<void(Value&&)>& visit) {
   while (!todo.empty()) {
     Value v = std::move(todo.back());
     todo.pop_back();
     const void* id = ContainerId(v);
     if (!id || !seen.insert(id).second) continue;
     ForEachChild(v, [&](const Value& c) { todo.push_back(c); });
+    visit(std::move(v));
   }
+}
+
+// The ids of every container reachable from `root`.
+std::unordered_set<const void*> Reachable(const Value& root) {
+  std::unordered_set<const void*> seen;
+  VisitContainers({root}, seen, [](Value&&) {});
   return seen;
 }
 
 // Empties every container reachable from `roots` except those in `keep`,
-// without recursion, so that destroying a hostile (deep or cyclic) tree
-// neither overflows nor leaks.
+// so that destroying a hostile (deep or cyclic) tree neither overflows nor leaks.
 void Dismantle(const std::vector<Value>& roots, std::unordered_set<const void*> keep = {}) {
-  std::vector<Value> todo(roots.begin(), roots.end()), all;
-  std::unordered_set<const void*> seen = std::move(keep);
-  while (!todo.empty()) {
-    Value v = std::move(todo.back());
-    todo.pop_back();
-    const void* id = ContainerId(v);
-    if (!id || !seen.insert(id).second) continue;
-    ForEachChild(v, [&](const Value& c) { todo.push_back(c); });
-    all.push_back(std::move(v));
-  }
+  std::vector<Value> all;
+  VisitContainers(roots, keep, [&](Value&& v) { all.push_back(std::move(v)); });
   for (Value& v : all) {
     if (v.is_seq()) v.as_seq().items.clear();
     else if (v.is_dict()) v.as_dict().items.clear(), v.as_dict().attrs.reset();

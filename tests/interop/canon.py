@@ -9,6 +9,8 @@ import json
 import os
 import struct
 import subprocess
+import tempfile
+import unittest
 
 import torch
 
@@ -157,3 +159,14 @@ def cpp_build(obj_json, out, weights_only=False, check=True):
 
 def cpp_copy(src, out, weights_only=False, check=True):
     return run(PT_CANONICAL, "copy", src, out, *(["-w"] if weights_only else []), check=check)
+
+
+class TempDirTest(unittest.TestCase):
+    """A test case with a fresh temporary directory in self.dir."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.dir = self.tmp.name
+
+    def tearDown(self):
+        self.tmp.cleanup()

@@ -2,10 +2,9 @@
 import json
 import os
 import subprocess
-import tempfile
 import unittest
 
-from canon import CONFIG
+from canon import CONFIG, TempDirTest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NNM = os.path.join(HERE, "..", "data", "configs", "megatron_llama_config.yaml")
@@ -15,14 +14,7 @@ def run(*args, stdin=None):
     return subprocess.run([CONFIG, *args], input=stdin, capture_output=True, text=True)
 
 
-class ConfigCli(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.dir = self.tmp.name
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
+class ConfigCli(TempDirTest):
     def path(self, name):
         return os.path.join(self.dir, name)
 

@@ -1,12 +1,11 @@
 """ckpt-inspect on checkpoints torch writes in NNM and NxDT (plain and xser) layouts."""
 import json
 import os
-import tempfile
 import unittest
 
 import torch
 
-from canon import INSPECT, run
+from canon import INSPECT, TempDirTest, run
 from interop_classes import Foreign, TensorReference
 
 DT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int64: "int64"}
@@ -23,14 +22,7 @@ def nnm_state(pp_rank, g):
             "lr_schedulers": [{"last_epoch": 1085}], "hyper_parameters": {"cfg": Foreign("cfg", {"tp": 2})}}
 
 
-class InspectCli(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.dir = self.tmp.name
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
+class InspectCli(TempDirTest):
     def inspect(self, path):
         return json.loads(run(INSPECT, path, "--json", "--verify-crc").stdout)
 

@@ -1,13 +1,12 @@
 """Real torch against shardkit's C++ .pt reader and writer, both directions."""
 import collections
 import os
-import tempfile
 import unittest
 import zipfile
 
 import torch
 
-from canon import (DTYPES, canonical, cpp_build, cpp_copy, cpp_dump, normalized, run, PT_CANONICAL)
+from canon import (DTYPES, PT_CANONICAL, TempDirTest, canonical, cpp_build, cpp_copy, cpp_dump, normalized, run)
 from interop_classes import Foreign, ForeignList
 
 
@@ -55,14 +54,7 @@ def rich_object():
     }
 
 
-class TorchWritesWeRead(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.dir = self.tmp.name
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
+class TorchWritesWeRead(TempDirTest):
     def check_file(self, obj, path, **save_kwargs):
         torch.save(obj, path, **save_kwargs)
         want = canonical(obj, save_kwargs.get("pickle_protocol", 2))
@@ -115,14 +107,7 @@ class TorchWritesWeRead(unittest.TestCase):
             self.assertNotIn("Sanitizer", p.stderr)
 
 
-class WeWriteTorchReads(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.dir = self.tmp.name
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
+class WeWriteTorchReads(TempDirTest):
     def test_build_from_canonical_loads_equal_in_torch(self):
         obj = rich_object()
         want = canonical(obj)
@@ -179,14 +164,7 @@ class WeWriteTorchReads(unittest.TestCase):
         self.assertEqual([f for f in os.listdir(self.dir) if "tmp" in f], [])
 
 
-class RoundTrips(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.dir = self.tmp.name
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
+class RoundTrips(TempDirTest):
     def test_read_write_then_torch_load_is_equal(self):
         obj = rich_object()
         src, dst = os.path.join(self.dir, "src.pt"), os.path.join(self.dir, "dst.pt")

@@ -3,13 +3,11 @@ import fcntl
 import glob
 import json
 import os
-import re
-import tempfile
 import unittest
 
 import torch
 
-from canon import SAMPLE, STRESS, VERIFY, run
+from canon import SAMPLE, STRESS, VERIFY, TempDirTest, run
 
 
 def write_text(path, text):
@@ -42,14 +40,7 @@ def nxd_load(tag, tp, pp, dp):
     return out
 
 
-class StoreInterop(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.dir = self.tmp.name
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
+class StoreInterop(TempDirTest):
     def test_nxd_rules_find_and_load_the_newest_tag(self):
         run(STRESS, self.dir, "1", "4", "3")  # async, steps 1..4, save_top_k=3, grid tp2 pp2 dp2 zero1
         tags = sorted(os.listdir(self.dir))
