@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <set>
 
 #include "ckpt/error.h"
 #include "ckpt/fault_env.h"
@@ -106,6 +107,65 @@ TEST(CheckpointStore, EnospcAndShortWritesLeaveThePreviousCheckpointIntact) {
     EXPECT_FALSE(Env::Default()->Exists(TagPath(d, 2) + "/done"));
     EXPECT_TRUE(VerifyTag(Env::Default(), TagPath(d, 1)).ok());
     EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, nullptr), TagPath(d, 1));
+  }
+}
+
+// Power loss keeps only what was fsynced, so the commit must make every file
+// durable (file fsync before its rename, then its directory's fsync) before
+// `done` appears. Checked on the event log, for sync and async saves.
+TEST(CheckpointStore, DoneBecomesDurableOnlyAfterEverythingItCovers) {
+  for (bool async : {false, true}) {
+    SCOPED_TRACE(async ? "async" : "sync");
+    TempDir d("store");
+    FaultEnv env(Env::Default());
+    {
+      CheckpointStore store({.dir = d.path(), .async = async, .env = &env});
+      store.Save(MakeSnapshot("m", 1, kGrid, 1000, 20));
+    }
+    const auto ev = env.events();
+    const std::string tag = TagPath(d, 1);
+    auto parent = [](const std::string& p) { return std::filesystem::path(p).parent_path().string(); };
+    // Where `done` was renamed into place.
+    size_t done_at = ev.size();
+    for (size_t i = 0; i < ev.size(); ++i)
+      if (ev[i].kind == FaultEnv::Event::kRename && ev[i].to == tag + "/done") done_at = i;
+    ASSERT_LT(done_at, ev.size());
+    // A directory fsync between `after` and `before` (exclusive).
+    auto dir_synced = [&](const std::string& dir, size_t after, size_t before) {
+      for (size_t i = after + 1; i < before; ++i)
+        if (ev[i].kind == FaultEnv::Event::kSyncDir && ev[i].path == dir) return true;
+      return false;
+    };
+    std::vector<std::string> covered;
+    for (const auto& [rel, digest] : Manifest::Load(Env::Default(), tag + "/manifest.json").files) covered.push_back(rel);
+    covered.push_back("manifest.json");
+    covered.push_back("checkpoint");
+    for (const auto& rel : covered) {
+      SCOPED_TRACE(rel);
+      const std::string final_path = tag + "/" + rel;
+      size_t rename_at = ev.size();
+      for (size_t i = 0; i < done_at; ++i)
+        if (ev[i].kind == FaultEnv::Event::kRename && ev[i].to == final_path) rename_at = i;
+      ASSERT_LT(rename_at, done_at) << "not in place before done";
+      bool content_synced = false;
+      for (size_t i = 0; i < rename_at; ++i)
+        content_synced |= ev[i].kind == FaultEnv::Event::kSyncFile && ev[i].path == ev[rename_at].path;
+      EXPECT_TRUE(content_synced) << "renamed before its content was fsynced";
+      EXPECT_TRUE(dir_synced(parent(final_path), rename_at, done_at)) << "its directory entry was not fsynced before done";
+    }
+    // Every directory the tag needs (the tag too) was recorded durably in its
+    // parent after it was first created and before done.
+    std::set<std::string> seen_dirs;
+    for (size_t i = 0; i < done_at; ++i) {
+      if (ev[i].kind != FaultEnv::Event::kCreateDirs || ev[i].path.rfind(tag, 0) != 0) continue;
+      for (std::string dir = ev[i].path; dir.size() >= tag.size(); dir = parent(dir)) {
+        if (!seen_dirs.insert(dir).second) continue;  // created earlier; that creation is what counts
+        EXPECT_TRUE(dir_synced(parent(dir), i, done_at)) << dir;
+      }
+    }
+    EXPECT_TRUE(seen_dirs.count(tag + "/model") && seen_dirs.count(tag + "/optim"));
+    // And `done` itself is synced and its directory entry made durable.
+    EXPECT_TRUE(dir_synced(tag, done_at, ev.size()));
   }
 }
 

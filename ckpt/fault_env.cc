@@ -11,9 +11,10 @@ void FaultEnv::Op() {
   if (++ops_ == crash_at_) ::kill(::getpid(), SIGKILL);
 }
 
-void FaultEnv::Sync(const std::string& what) {
+void FaultEnv::Sync(const std::string& what, Event::Kind kind) {
   Op();
   if (++syncs_ == fail_sync_at_) throw Error(what + ": fsync failed: Input/output error (injected)");
+  Log({kind, what, ""});
 }
 
 class FaultFile final : public WritableFile {
@@ -36,7 +37,7 @@ class FaultFile final : public WritableFile {
   }
   void Sync() override {
     base_->Sync();
-    env_->Sync(path_);
+    env_->Sync(path_, FaultEnv::Event::kSyncFile);
   }
   void Close() override { base_->Close(); }
   uint64_t Size() const override { return base_->Size(); }
@@ -56,11 +57,12 @@ void FaultEnv::RenameFile(const std::string& from, const std::string& to) {
   Op();
   if (++renames_ == fail_rename_at_) throw Error(from + ": cannot rename to " + to + ": Input/output error (injected)");
   base_->RenameFile(from, to);
+  Log({Event::kRename, from, to});
 }
 
 void FaultEnv::SyncDir(const std::string& dir) {
-  Sync(dir);
   base_->SyncDir(dir);
+  Sync(dir, Event::kSyncDir);
 }
 
 void FaultEnv::RemoveFile(const std::string& path) {
@@ -76,6 +78,7 @@ void FaultEnv::RemoveAll(const std::string& path) {
 void FaultEnv::CreateDirs(const std::string& path) {
   Op();
   base_->CreateDirs(path);
+  Log({Event::kCreateDirs, path, ""});
 }
 
 }  // namespace ckpt

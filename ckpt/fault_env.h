@@ -1,10 +1,15 @@
 // FaultEnv wraps an Env and injects the failures checkpoint code must survive:
 // ENOSPC after a byte budget, a short write, a failing fsync or rename, or a
-// crash (SIGKILL of the process) at the Nth mutating operation. For tests.
+// crash (SIGKILL of the process) at the Nth mutating operation. It also logs
+// every durability-relevant event (file fsync, rename, directory fsync,
+// directory creation) so tests can check the order a commit makes things
+// durable in. For tests.
 #pragma once
 
 #include <atomic>
 #include <memory>
+#include <mutex>
+#include <vector>
 #include <string>
 
 #include "ckpt/env.h"
@@ -26,6 +31,15 @@ class FaultEnv : public Env {
   // Counted from the call: the Nth mutating operation (append, sync, rename,
   // remove, create) kills the process.
   void CrashAt(int64_t n) { crash_at_ = ops_ + n; }
+
+  struct Event {
+    enum Kind { kSyncFile, kRename, kSyncDir, kCreateDirs } kind;
+    std::string path, to;  // to: rename target
+  };
+  std::vector<Event> events() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return events_;
+  }
 
   int64_t bytes_written() const { return written_; }
   int64_t mutating_ops() const { return ops_; }
@@ -49,7 +63,13 @@ class FaultEnv : public Env {
  private:
   friend class FaultFile;
   void Op();
-  void Sync(const std::string& what);
+  void Sync(const std::string& what, Event::Kind kind);
+  void Log(Event e) {
+    std::lock_guard<std::mutex> l(mu_);
+    events_.push_back(std::move(e));
+  }
+  mutable std::mutex mu_;
+  std::vector<Event> events_;
 
   Env* base_;
   std::atomic<int64_t> written_{0}, ops_{0}, syncs_{0}, renames_{0};
