@@ -187,6 +187,37 @@ YAML::Node DerivePrecision(const YAML::Node& nnm, const MigrateOptions& opts, Re
   return p;
 }
 
+// NxDT's top-level Neuron runtime keys, from the launch environment NNM read
+// them from (only what --env gives).
+void AddRuntimeKeys(const MigrateOptions& opts, YAML::Node* out, Report* report) {
+  auto env = [&](const char* name) -> std::optional<std::string> {
+    auto it = opts.env.find(name);
+    return it == opts.env.end() ? std::nullopt : std::optional<std::string>(it->second);
+  };
+  auto add = [&](const std::string& key, const YAML::Node& v, const std::string& from) {
+    Set(*out, key, v);
+    report->entries.push_back({key, "added", key, "", Describe(v), "from the NNM launch environment: " + from});
+  };
+  if (auto flags = env("NEURON_CC_FLAGS")) {
+    // NxDT takes the compile cache separately: split --cache_dir=X out of the flags.
+    std::string kept, cache;
+    std::istringstream in(*flags);
+    for (std::string tok; in >> tok;) {
+      if (tok.rfind("--cache_dir=", 0) == 0) cache = tok.substr(12);
+      else kept += (kept.empty() ? "" : " ") + tok;
+    }
+    add("compiler_flags", Quoted(kept), "NEURON_CC_FLAGS");
+    if (!cache.empty()) add("compiler_cache_url", Plain(cache), "NEURON_CC_FLAGS --cache_dir");
+    if (kept.find("--distribution-strategy=nemo") != std::string::npos)
+      report->warnings.push_back("compiler_flags keeps NNM's --distribution-strategy=nemo; NxDT's examples use "
+                                 "--distribution-strategy=llm-training");
+  }
+  if (auto v = env("NEURON_RT_EXEC_TIMEOUT")) add("neuron_rt_exec_timeout", Plain(*v), "NEURON_RT_EXEC_TIMEOUT");
+  // NxDT spells this key "aync_...".
+  if (auto v = env("NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"))
+    add("aync_exec_max_inflight_requests", Plain(*v), "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS");
+}
+
 // Sorts every mapping by NxDT's key order; keys NxDT does not list keep
 // their relative order after the known ones.
 YAML::Node Ordered(const YAML::Node& n, const std::string& path) {
@@ -320,6 +351,7 @@ Migration Migrate(const YAML::Node& nnm, const MigrateOptions& opts) {
         "selective checkpointing in NxDT recomputes the CoreAttention block, as NNM's selective mode did");
   }
   Set(out, "precision", DerivePrecision(nnm, opts, &report));
+  AddRuntimeKeys(opts, &out, &report);
 
   result.config = Ordered(out, "");
   report.check_problems = CheckNxdt(result.config);

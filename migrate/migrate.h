@@ -34,8 +34,11 @@ struct Report {
 
 struct MigrateOptions {
   std::string source = "<stdin>";
-  // The launch environment NNM read precision from (XLA_USE_BF16, ...). When
-  // a variable is not given, the NNM recipes' value is assumed and reported.
+  // The launch environment NNM read settings from: precision (XLA_USE_BF16,
+  // XLA_DOWNCAST_BF16, NEURON_RT_STOCHASTIC_ROUNDING_EN; when not given, the
+  // NNM recipes' values are assumed and reported) and NxDT's runtime keys
+  // (NEURON_CC_FLAGS, NEURON_RT_EXEC_TIMEOUT,
+  // NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS; only when given).
   std::map<std::string, std::string> env = {};
 };
 

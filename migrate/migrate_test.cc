@@ -30,10 +30,19 @@ std::vector<Override> RecipeOverrides() {
   return out;
 }
 
+// The environment test_llama.sh exports.
+const std::map<std::string, std::string> kRecipeEnv = {
+    {"XLA_USE_BF16", "1"},
+    {"NEURON_RT_STOCHASTIC_ROUNDING_EN", "1"},
+    {"NEURON_CC_FLAGS", "--model-type transformer --distribution-strategy=nemo --cache_dir=/root/neuron_cache/llama/host"},
+    {"NEURON_RT_EXEC_TIMEOUT", "10"},
+    {"NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS", "3"},
+};
+
 Migration Migrate7B() {
   YAML::Node nnm = LoadYaml(ReadFile(Data("configs/megatron_llama_config.yaml")), "megatron_llama_config.yaml");
   ApplyOverrides(nnm, RecipeOverrides());
-  return Migrate(nnm, {});
+  return Migrate(nnm, {.env = kRecipeEnv});
 }
 
 std::set<std::string> KeyTree(const YAML::Node& n) {
@@ -71,13 +80,10 @@ TEST(Migrate, Llama7BRecipeMatchesNxdtsLlama7BKeyTree) {
       {"model.grad_allreduce_chunk_size_mb", "unknown to NxDT; warned"},
   };
   const std::map<std::string, std::string> only_nxdt = {
-      // Neuron runtime/compiler settings NNM took from the launch environment, not the YAML.
-      {"aync_exec_max_inflight_requests", "NNM: NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS env"},
-      {"bucket_size_collectives", "NNM: environment"},
-      {"compiler_cache_url", "NNM: NEURON_CC_FLAGS --cache_dir env"},
-      {"compiler_flags", "NNM: NEURON_CC_FLAGS env"},
-      {"neuron_experimental_compress_rg", "NNM: environment"},
-      {"neuron_rt_exec_timeout", "NNM: NEURON_RT_EXEC_TIMEOUT env"},
+      // Neuron runtime settings the 7B recipe's environment does not set
+      // (compiler flags, cache, exec timeout and inflight requests come from it).
+      {"bucket_size_collectives", "not set by the NNM recipe; NxDT's default applies"},
+      {"neuron_experimental_compress_rg", "not set by the NNM recipe; NxDT's default applies"},
       // NxDT-only settings with no NNM counterpart: NxDT's defaults apply.
       {"exp_manager.checkpoint_callback_params.every_n_train_steps", "NxDT-only; default applies"},
       {"exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt", "NxDT-only; default applies"},
@@ -123,6 +129,10 @@ TEST(Migrate, RecipeValuesLandWhereNxdtWantsThem) {
   EXPECT_EQ(Find(c, "model.fusions.softmax").Scalar(), "False");  // masked_softmax_fusion
   EXPECT_EQ(Find(c, "exp_manager.log_parameter_norm").Scalar(), "True");
   EXPECT_EQ(Find(c, "precision.type").Scalar(), "bf16SR");  // XLA_USE_BF16=1 + stochastic rounding, no master weights
+  EXPECT_EQ(Find(c, "compiler_flags").Scalar(), "--model-type transformer --distribution-strategy=nemo");
+  EXPECT_EQ(Find(c, "compiler_cache_url").Scalar(), "/root/neuron_cache/llama/host");
+  EXPECT_EQ(Find(c, "neuron_rt_exec_timeout").Scalar(), "10");
+  EXPECT_EQ(Find(c, "aync_exec_max_inflight_requests").Scalar(), "3");
   EXPECT_EQ(Find(c, "exp_manager.checkpoint_callback_params.model_parallel_size").Scalar(),
             "${multiply:${distributed_strategy.tensor_model_parallel_size}, ${distributed_strategy.pipeline_model_parallel_size}}");
   // Types survive: a float written 3.0e-4 keeps its text; quoted strings stay quoted; null stays null.
