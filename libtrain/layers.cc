@@ -1,0 +1,123 @@
+#include "libtrain/layers.h"
+
+#include <tbb/parallel_for.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace train {
+namespace {
+using Mat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Map = Eigen::Map<Mat>;
+using CMap = Eigen::Map<const Mat>;
+}  // namespace
+
+void LinearForward(float* out, const float* x, const float* w, int64_t N, int64_t K, int64_t C) {
+  Map(out, N, C).noalias() = CMap(x, N, K) * CMap(w, C, K).transpose();
+}
+
+void LinearBackward(float* dx, float* dw, const float* dout, const float* x, const float* w, int64_t N, int64_t K,
+                    int64_t C) {
+  if (dx) Map(dx, N, K).noalias() = CMap(dout, N, C) * CMap(w, C, K);
+  Map(dw, C, K).noalias() += CMap(dout, N, C).transpose() * CMap(x, N, K);
+}
+
+void EmbeddingForward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t H) {
+  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) { std::memcpy(out + n * H, wte + int64_t{tokens[n]} * H, H * sizeof(float)); });
+}
+
+void EmbeddingBackward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t H) {
+  for (int64_t n = 0; n < N; ++n) {  // serial: tokens repeat
+    float* row = dwte + int64_t{tokens[n]} * H;
+    for (int64_t i = 0; i < H; ++i) row[i] += dout[n * H + i];
+  }
+}
+
+void RmsNormForward(float* out, float* rstd, const float* x, const float* w, float eps, int64_t N, int64_t H) {
+  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
+    const float* xn = x + n * H;
+    double ss = 0;
+    for (int64_t i = 0; i < H; ++i) ss += double{xn[i]} * xn[i];
+    const float r = 1.0f / std::sqrt(static_cast<float>(ss / H) + eps);
+    rstd[n] = r;
+    for (int64_t i = 0; i < H; ++i) out[n * H + i] = xn[i] * r * w[i];
+  });
+}
+
+void RmsNormBackward(float* dx, float* dw, const float* dout, const float* x, const float* w, const float* rstd,
+                     int64_t N, int64_t H) {
+  // dw: reduce over positions (serial over n to keep the sum order fixed).
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < H; ++i) dw[i] += dout[n * H + i] * x[n * H + i] * rstd[n];
+  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
+    const float* xn = x + n * H;
+    const float* dn = dout + n * H;
+    const float r = rstd[n];
+    double dot = 0;  // sum_i dout_i * w_i * x_i
+    for (int64_t i = 0; i < H; ++i) dot += double{dn[i]} * w[i] * xn[i];
+    const float c = static_cast<float>(dot / H) * r * r * r;
+    for (int64_t i = 0; i < H; ++i) dx[n * H + i] = dn[i] * w[i] * r - xn[i] * c;
+  });
+}
+
+void RopeApply(float* x, int64_t t, const float* inv_freq, int64_t rot, bool inverse) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float angle = static_cast<float>(t) * inv_freq[i];
+    const float c = std::cos(angle), s = inverse ? -std::sin(angle) : std::sin(angle);
+    const float a = x[i], b = x[i + half];
+    x[i] = a * c - b * s;      // rotate_half: [-x2, x1]
+    x[i + half] = b * c + a * s;
+  }
+}
+
+void SwiGluForward(float* out, const float* fc, int64_t N, int64_t F) {
+  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
+    const float* g = fc + n * 2 * F;
+    const float* u = g + F;
+    for (int64_t i = 0; i < F; ++i) out[n * F + i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  });
+}
+
+void SwiGluBackward(float* dfc, const float* dout, const float* fc, int64_t N, int64_t F) {
+  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
+    const float* g = fc + n * 2 * F;
+    const float* u = g + F;
+    float* dg = dfc + n * 2 * F;
+    float* du = dg + F;
+    for (int64_t i = 0; i < F; ++i) {
+      const float sig = 1.0f / (1.0f + std::exp(-g[i]));
+      const float d = dout[n * F + i];
+      du[i] = d * g[i] * sig;
+      dg[i] = d * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
+    }
+  });
+}
+
+float CrossEntropyForward(float* probs, const float* logits, const int32_t* targets, int64_t N, int64_t V) {
+  std::vector<double> losses(N);
+  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
+    const float* l = logits + n * V;
+    float* p = probs + n * V;
+    const float mx = *std::max_element(l, l + V);
+    double sum = 0;
+    for (int64_t v = 0; v < V; ++v) sum += p[v] = std::exp(l[v] - mx);
+    for (int64_t v = 0; v < V; ++v) p[v] = static_cast<float>(p[v] / sum);
+    losses[n] = -(l[targets[n]] - mx - std::log(sum));
+  });
+  double total = 0;
+  for (double x : losses) total += x;
+  return static_cast<float>(total / N);
+}
+
+void CrossEntropyBackward(float* dlogits, const float* probs, const int32_t* targets, int64_t N, int64_t V) {
+  const float inv = 1.0f / static_cast<float>(N);
+  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
+    for (int64_t v = 0; v < V; ++v) dlogits[n * V + v] = probs[n * V + v] * inv;
+    dlogits[n * V + targets[n]] -= inv;
+  });
+}
+
+}  // namespace train

@@ -1,0 +1,41 @@
+// The decoder's layers as plain forward/backward function pairs over
+// row-major float buffers (llm.c style), in the Megatron Llama layout NxDT
+// and NNM use. N is the number of token positions (batch * sequence).
+// Backward functions accumulate (+=) into parameter gradients and write
+// (=) input gradients unless noted. Matrix products go through Eigen.
+#pragma once
+
+#include <cstdint>
+
+namespace train {
+
+// out[N,C] = x[N,K] * w[C,K]^T   (a linear layer without bias)
+void LinearForward(float* out, const float* x, const float* w, int64_t N, int64_t K, int64_t C);
+// dx[N,K] = dout * w   (dx may be null); dw[C,K] += dout^T * x
+void LinearBackward(float* dx, float* dw, const float* dout, const float* x, const float* w, int64_t N, int64_t K,
+                    int64_t C);
+
+// out[n,:] = wte[tokens[n],:]
+void EmbeddingForward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t H);
+void EmbeddingBackward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t H);
+
+// out = x / sqrt(mean(x^2) + eps) * w; rstd[N] is saved for backward.
+void RmsNormForward(float* out, float* rstd, const float* x, const float* w, float eps, int64_t N, int64_t H);
+void RmsNormBackward(float* dx, float* dw, const float* dout, const float* x, const float* w, const float* rstd,
+                     int64_t N, int64_t H);
+
+// Rotary embedding, Megatron's non-interleaved form, on the first `rot` dims
+// of a head vector at position t: x*cos + rotate_half(x)*sin. `inv_freq` has
+// rot/2 entries. Backward is the rotation by -angle.
+void RopeApply(float* x, int64_t t, const float* inv_freq, int64_t rot, bool inverse);
+
+// SwiGLU on the fused [gate; up] projection: fc[N,2F] -> out[N,F] = silu(gate) * up
+void SwiGluForward(float* out, const float* fc, int64_t N, int64_t F);
+void SwiGluBackward(float* dfc, const float* dout, const float* fc, int64_t N, int64_t F);
+
+// Mean cross-entropy over N positions; probs[N,V] holds the softmax.
+float CrossEntropyForward(float* probs, const float* logits, const int32_t* targets, int64_t N, int64_t V);
+// dlogits = (probs - onehot(target)) / N
+void CrossEntropyBackward(float* dlogits, const float* probs, const int32_t* targets, int64_t N, int64_t V);
+
+}  // namespace train

@@ -1,0 +1,338 @@
+#include "libtrain/model.h"
+
+#include <tbb/parallel_for.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "ckpt/error.h"
+#include "libtrain/layers.h"
+
+namespace train {
+
+namespace {
+std::string LayerName(int l, const std::string& rest) {
+  return "language_model.encoder.layers." + std::to_string(l) + "." + rest;
+}
+}  // namespace
+
+std::vector<ParamInfo> ParameterLayout(const ModelConfig& c) {
+  const int64_t H = c.hidden, F = c.ffn, hd = c.head_dim();
+  std::vector<ParamInfo> p;
+  p.push_back({"language_model.embedding.word_embeddings.weight", {c.vocab, H}, 0, 1, false});
+  for (int l = 0; l < c.layers; ++l) {
+    p.push_back({LayerName(l, "input_layernorm.weight"), {H}, -1, 1, true});
+    if (c.gqa()) {
+      p.push_back({LayerName(l, "self_attention.query.weight"), {H, H}, 0, 1, false});
+      p.push_back({LayerName(l, "self_attention.key_value.weight"), {2 * c.kv_heads * hd, H}, 0, 2, false});
+    } else {
+      p.push_back({LayerName(l, "self_attention.query_key_value.weight"), {3 * H, H}, 0, 3, false});
+    }
+    p.push_back({LayerName(l, "self_attention.dense.weight"), {H, H}, 1, 1, false});
+    p.push_back({LayerName(l, "post_attention_layernorm.weight"), {H}, -1, 1, true});
+    p.push_back({LayerName(l, "mlp.dense_h_to_4h.weight"), {2 * F, H}, 0, 2, false});
+    p.push_back({LayerName(l, "mlp.dense_4h_to_h.weight"), {H, F}, 1, 1, false});
+  }
+  p.push_back({"language_model.encoder.final_layernorm.weight", {H}, -1, 1, true});
+  p.push_back({"language_model.output_layer.weight", {c.vocab, H}, 0, 1, false});
+  return p;
+}
+
+// Everything one layer's backward needs from its forward.
+struct Model::LayerCache {
+  std::vector<float> x, ln1, rstd1;     // layer input, its norm
+  std::vector<float> proj, kvproj;      // qkv projection (MHA), or q and kv (GQA)
+  std::vector<float> q, k, v;           // [B, heads|kv, T, hd], RoPE applied to q and k
+  std::vector<float> att;               // [B, heads, T, T] softmax probabilities
+  std::vector<float> y;                 // [N, H] attention output before dense
+  std::vector<float> x2, ln2, rstd2;    // after the attention residual, its norm
+  std::vector<float> fc, act;           // [N, 2F] and [N, F]
+};
+
+Model::~Model() = default;
+
+Model::Model(const ModelConfig& c) : c_(c), layout_(ParameterLayout(c)) {
+  if (c.hidden % c.heads) throw ckpt::Error("hidden_size must be divisible by num_attention_heads");
+  if (c.heads % c.kv_heads) throw ckpt::Error("num_attention_heads must be divisible by num_kv_heads");
+  for (const auto& p : layout_) {
+    params_.emplace(p.name, ckpt::Tensor::Zeros(ckpt::DType::kFloat32, p.shape));
+    grads_.emplace(p.name, ckpt::Tensor::Zeros(ckpt::DType::kFloat32, p.shape));
+  }
+  const int64_t rot = c_.rotary_dim();
+  for (int64_t i = 0; i < rot / 2; ++i)
+    inv_freq_.push_back(static_cast<float>(1.0 / std::pow(c_.rope_theta, static_cast<double>(2 * i) / rot)));
+}
+
+ckpt::Tensor& Model::param(const std::string& n) {
+  auto it = params_.find(n);
+  if (it == params_.end()) throw ckpt::Error("model has no parameter '" + n + "'");
+  return it->second;
+}
+
+ckpt::Tensor& Model::grad(const std::string& n) {
+  auto it = grads_.find(n);
+  if (it == grads_.end()) throw ckpt::Error("model has no parameter '" + n + "'");
+  return it->second;
+}
+
+void Model::InitWeights() {
+  std::mt19937_64 rng(c_.seed);
+  const float scaled = c_.scaled_init ? c_.init_std / std::sqrt(2.0f * c_.layers) : c_.init_std;
+  for (const auto& p : layout_) {
+    float* w = W(p.name);
+    const int64_t n = param(p.name).numel();
+    if (p.no_decay) {  // norm weights
+      std::fill(w, w + n, 1.0f);
+      continue;
+    }
+    const bool output_proj = p.name.ends_with("self_attention.dense.weight") || p.name.ends_with("mlp.dense_4h_to_h.weight");
+    std::normal_distribution<float> dist(0.f, output_proj ? scaled : c_.init_std);
+    for (int64_t i = 0; i < n; ++i) w[i] = dist(rng);
+  }
+}
+
+void Model::ZeroGrad() {
+  for (auto& [n, g] : grads_) std::memset(g.mutable_data(), 0, g.nbytes());
+}
+
+ckpt::Value Model::StateDict() const {
+  ckpt::Value d = ckpt::Value::NewDict();
+  for (const auto& p : layout_) d.as_dict().Set(p.name, ckpt::Value(params_.at(p.name)));
+  return d;
+}
+
+ckpt::Value Model::GradDict() const {
+  ckpt::Value d = ckpt::Value::NewDict();
+  for (const auto& p : layout_) d.as_dict().Set(p.name, ckpt::Value(grads_.at(p.name)));
+  return d;
+}
+
+void Model::LoadStateDict(const ckpt::Value& sd) {
+  const ckpt::Dict& d = sd.as_dict();
+  for (const auto& p : layout_) {
+    const ckpt::Value* v = d.Find(p.name);
+    if (!v) throw ckpt::Error("state dict has no '" + p.name + "'");
+    const ckpt::Tensor& t = v->as_tensor();
+    if (t.dtype() != ckpt::DType::kFloat32 || t.shape() != p.shape)
+      throw ckpt::Error("state dict '" + p.name + "' is " + std::string(ckpt::DTypeName(t.dtype())) + " of the wrong shape for this config");
+    const ckpt::Tensor c = t.Contiguous();
+    std::memcpy(param(p.name).mutable_data(), c.data(), c.nbytes());
+  }
+}
+
+// Attention: project, split heads (with RoPE on q and k), causal softmax
+// attention per (batch, head), heads concatenated into y.
+void Model::AttentionForward(int l, LayerCache& lc) {
+  const int64_t B = B_, T = T_, N = B * T, H = c_.hidden, hd = c_.head_dim(), nh = c_.heads, G = c_.kv_heads;
+  const int64_t rot = c_.rotary_dim();
+  // Where head h's q and group g's k and v live in the projection outputs.
+  const float* qsrc;
+  const float* kvsrc;
+  int64_t qstride, kvstride;
+  auto qcol = [&](int64_t h) { return c_.gqa() ? h * hd : h * 3 * hd; };
+  auto kcol = [&](int64_t g) { return c_.gqa() ? g * 2 * hd : g * 3 * hd + hd; };
+  auto vcol = [&](int64_t g) { return c_.gqa() ? g * 2 * hd + hd : g * 3 * hd + 2 * hd; };
+  if (c_.gqa()) {
+    lc.proj.resize(N * H);
+    lc.kvproj.resize(N * 2 * G * hd);
+    LinearForward(lc.proj.data(), lc.ln1.data(), W(LayerName(l, "self_attention.query.weight")), N, H, H);
+    LinearForward(lc.kvproj.data(), lc.ln1.data(), W(LayerName(l, "self_attention.key_value.weight")), N, H, 2 * G * hd);
+    qsrc = lc.proj.data(), qstride = H, kvsrc = lc.kvproj.data(), kvstride = 2 * G * hd;
+  } else {
+    lc.proj.resize(N * 3 * H);
+    LinearForward(lc.proj.data(), lc.ln1.data(), W(LayerName(l, "self_attention.query_key_value.weight")), N, H, 3 * H);
+    qsrc = kvsrc = lc.proj.data(), qstride = kvstride = 3 * H;
+  }
+  lc.q.resize(B * nh * T * hd);
+  lc.k.resize(B * G * T * hd);
+  lc.v.resize(B * G * T * hd);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t n = b * T + t;
+      for (int64_t h = 0; h < nh; ++h) {
+        float* q = &lc.q[((b * nh + h) * T + t) * hd];
+        std::memcpy(q, qsrc + n * qstride + qcol(h), hd * sizeof(float));
+        RopeApply(q, t, inv_freq_.data(), rot, false);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* k = &lc.k[((b * G + g) * T + t) * hd];
+        std::memcpy(k, kvsrc + n * kvstride + kcol(g), hd * sizeof(float));
+        RopeApply(k, t, inv_freq_.data(), rot, false);
+        std::memcpy(&lc.v[((b * G + g) * T + t) * hd], kvsrc + n * kvstride + vcol(g), hd * sizeof(float));
+      }
+    }
+  lc.att.assign(B * nh * T * T, 0.f);
+  lc.y.assign(N * H, 0.f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  tbb::parallel_for(int64_t{0}, B * nh, [&](int64_t bh) {
+    const int64_t b = bh / nh, h = bh % nh, g = h / (nh / G);
+    const float* q = &lc.q[bh * T * hd];
+    const float* k = &lc.k[(b * G + g) * T * hd];
+    const float* v = &lc.v[(b * G + g) * T * hd];
+    for (int64_t t = 0; t < T; ++t) {
+      float* a = &lc.att[(bh * T + t) * T];
+      float mx = -INFINITY;
+      for (int64_t s = 0; s <= t; ++s) {
+        float dot = 0;
+        for (int64_t d = 0; d < hd; ++d) dot += q[t * hd + d] * k[s * hd + d];
+        a[s] = dot * scale;
+        mx = std::max(mx, a[s]);
+      }
+      float sum = 0;
+      for (int64_t s = 0; s <= t; ++s) sum += a[s] = std::exp(a[s] - mx);
+      for (int64_t s = 0; s <= t; ++s) a[s] /= sum;
+      float* y = &lc.y[(b * T + t) * H + h * hd];
+      for (int64_t s = 0; s <= t; ++s)
+        for (int64_t d = 0; d < hd; ++d) y[d] += a[s] * v[s * hd + d];
+    }
+  });
+}
+
+void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln1) {
+  const int64_t B = B_, T = T_, N = B * T, H = c_.hidden, hd = c_.head_dim(), nh = c_.heads, G = c_.kv_heads;
+  const int64_t rot = c_.rotary_dim(), per_group = nh / G;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  std::vector<float> dq(lc.q.size(), 0.f), dk(lc.k.size(), 0.f), dv(lc.v.size(), 0.f);
+  // Per (batch, group): the group's heads all feed its dk and dv, so one task owns them.
+  tbb::parallel_for(int64_t{0}, B * G, [&](int64_t bg) {
+    const int64_t b = bg / G, g = bg % G;
+    const float* k = &lc.k[bg * T * hd];
+    const float* v = &lc.v[bg * T * hd];
+    float* dkg = &dk[bg * T * hd];
+    float* dvg = &dv[bg * T * hd];
+    std::vector<float> datt(T);
+    for (int64_t h = g * per_group; h < (g + 1) * per_group; ++h) {
+      const int64_t bh = b * nh + h;
+      const float* q = &lc.q[bh * T * hd];
+      float* dqh = &dq[bh * T * hd];
+      for (int64_t t = 0; t < T; ++t) {
+        const float* a = &lc.att[(bh * T + t) * T];
+        const float* dyt = dy + (b * T + t) * H + h * hd;
+        float dsum = 0;
+        for (int64_t s = 0; s <= t; ++s) {
+          float d = 0;
+          for (int64_t e = 0; e < hd; ++e) {
+            d += dyt[e] * v[s * hd + e];
+            dvg[s * hd + e] += a[s] * dyt[e];
+          }
+          datt[s] = d;
+          dsum += a[s] * d;
+        }
+        for (int64_t s = 0; s <= t; ++s) {
+          const float dscore = a[s] * (datt[s] - dsum) * scale;
+          for (int64_t e = 0; e < hd; ++e) {
+            dqh[t * hd + e] += dscore * k[s * hd + e];
+            dkg[s * hd + e] += dscore * q[t * hd + e];
+          }
+        }
+      }
+    }
+  });
+  // Undo RoPE on the gradients and scatter them into the projection layout.
+  auto qcol = [&](int64_t h) { return c_.gqa() ? h * hd : h * 3 * hd; };
+  auto kcol = [&](int64_t g) { return c_.gqa() ? g * 2 * hd : g * 3 * hd + hd; };
+  auto vcol = [&](int64_t g) { return c_.gqa() ? g * 2 * hd + hd : g * 3 * hd + 2 * hd; };
+  const int64_t qstride = c_.gqa() ? H : 3 * H, kvstride = c_.gqa() ? 2 * G * hd : 3 * H;
+  std::vector<float> dproj(lc.proj.size(), 0.f), dkvproj(lc.kvproj.size(), 0.f);
+  float* dq_dst = dproj.data();
+  float* dkv_dst = c_.gqa() ? dkvproj.data() : dproj.data();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t n = b * T + t;
+      for (int64_t h = 0; h < nh; ++h) {
+        float* src = &dq[((b * nh + h) * T + t) * hd];
+        RopeApply(src, t, inv_freq_.data(), rot, true);
+        std::memcpy(dq_dst + n * qstride + qcol(h), src, hd * sizeof(float));
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* src = &dk[((b * G + g) * T + t) * hd];
+        RopeApply(src, t, inv_freq_.data(), rot, true);
+        std::memcpy(dkv_dst + n * kvstride + kcol(g), src, hd * sizeof(float));
+        std::memcpy(dkv_dst + n * kvstride + vcol(g), &dv[((b * G + g) * T + t) * hd], hd * sizeof(float));
+      }
+    }
+  if (c_.gqa()) {
+    std::vector<float> tmp(N * H);
+    LinearBackward(dln1, Dw(LayerName(l, "self_attention.query.weight")), dproj.data(), lc.ln1.data(),
+                   W(LayerName(l, "self_attention.query.weight")), N, H, H);
+    LinearBackward(tmp.data(), Dw(LayerName(l, "self_attention.key_value.weight")), dkvproj.data(), lc.ln1.data(),
+                   W(LayerName(l, "self_attention.key_value.weight")), N, H, 2 * G * hd);
+    for (int64_t i = 0; i < N * H; ++i) dln1[i] += tmp[i];
+  } else {
+    LinearBackward(dln1, Dw(LayerName(l, "self_attention.query_key_value.weight")), dproj.data(), lc.ln1.data(),
+                   W(LayerName(l, "self_attention.query_key_value.weight")), N, H, 3 * H);
+  }
+}
+
+float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T) {
+  B_ = B, T_ = T;
+  const int64_t N = B * T, H = c_.hidden, F = c_.ffn, V = c_.vocab;
+  for (int64_t n = 0; n < N; ++n)
+    if (tokens[n] < 0 || tokens[n] >= V || targets[n] < 0 || targets[n] >= V)
+      throw ckpt::Error("token id " + std::to_string(tokens[n] < 0 || tokens[n] >= V ? tokens[n] : targets[n]) +
+                        " at position " + std::to_string(n) + " is outside the vocabulary of " + std::to_string(V));
+  tokens_.assign(tokens, tokens + N);
+  targets_.assign(targets, targets + N);
+  cache_.resize(c_.layers);
+  std::vector<float> x(N * H);
+  EmbeddingForward(x.data(), tokens, W("language_model.embedding.word_embeddings.weight"), N, H);
+  for (int l = 0; l < c_.layers; ++l) {
+    LayerCache& lc = cache_[l];
+    lc.x = x;
+    lc.ln1.resize(N * H), lc.rstd1.resize(N);
+    RmsNormForward(lc.ln1.data(), lc.rstd1.data(), lc.x.data(), W(LayerName(l, "input_layernorm.weight")), c_.eps, N, H);
+    AttentionForward(l, lc);
+    std::vector<float> attn_out(N * H);
+    LinearForward(attn_out.data(), lc.y.data(), W(LayerName(l, "self_attention.dense.weight")), N, H, H);
+    lc.x2.resize(N * H);
+    for (int64_t i = 0; i < N * H; ++i) lc.x2[i] = lc.x[i] + attn_out[i];
+    lc.ln2.resize(N * H), lc.rstd2.resize(N);
+    RmsNormForward(lc.ln2.data(), lc.rstd2.data(), lc.x2.data(), W(LayerName(l, "post_attention_layernorm.weight")), c_.eps, N, H);
+    lc.fc.resize(N * 2 * F), lc.act.resize(N * F);
+    LinearForward(lc.fc.data(), lc.ln2.data(), W(LayerName(l, "mlp.dense_h_to_4h.weight")), N, H, 2 * F);
+    SwiGluForward(lc.act.data(), lc.fc.data(), N, F);
+    std::vector<float> mlp_out(N * H);
+    LinearForward(mlp_out.data(), lc.act.data(), W(LayerName(l, "mlp.dense_4h_to_h.weight")), N, F, H);
+    for (int64_t i = 0; i < N * H; ++i) x[i] = lc.x2[i] + mlp_out[i];
+  }
+  x_final_ = x;
+  lnf_.resize(N * H), rstdf_.resize(N);
+  RmsNormForward(lnf_.data(), rstdf_.data(), x_final_.data(), W("language_model.encoder.final_layernorm.weight"), c_.eps, N, H);
+  logits_.resize(N * V), probs_.resize(N * V);
+  LinearForward(logits_.data(), lnf_.data(), W("language_model.output_layer.weight"), N, H, V);
+  return CrossEntropyForward(probs_.data(), logits_.data(), targets, N, V);
+}
+
+void Model::Backward() {
+  const int64_t N = B_ * T_, H = c_.hidden, F = c_.ffn, V = c_.vocab;
+  std::vector<float> dlogits(N * V), dlnf(N * H), dx(N * H);
+  CrossEntropyBackward(dlogits.data(), probs_.data(), targets_.data(), N, V);
+  LinearBackward(dlnf.data(), Dw("language_model.output_layer.weight"), dlogits.data(), lnf_.data(),
+                 W("language_model.output_layer.weight"), N, H, V);
+  RmsNormBackward(dx.data(), Dw("language_model.encoder.final_layernorm.weight"), dlnf.data(), x_final_.data(),
+                  W("language_model.encoder.final_layernorm.weight"), rstdf_.data(), N, H);
+  std::vector<float> dact(N * F), dfc(N * 2 * F), dln(N * H), dpart(N * H), dy(N * H);
+  for (int l = c_.layers - 1; l >= 0; --l) {
+    LayerCache& lc = cache_[l];
+    // MLP block: dx is the gradient at the layer output (x2 + mlp_out).
+    LinearBackward(dact.data(), Dw(LayerName(l, "mlp.dense_4h_to_h.weight")), dx.data(), lc.act.data(),
+                   W(LayerName(l, "mlp.dense_4h_to_h.weight")), N, F, H);
+    SwiGluBackward(dfc.data(), dact.data(), lc.fc.data(), N, F);
+    LinearBackward(dln.data(), Dw(LayerName(l, "mlp.dense_h_to_4h.weight")), dfc.data(), lc.ln2.data(),
+                   W(LayerName(l, "mlp.dense_h_to_4h.weight")), N, H, 2 * F);
+    RmsNormBackward(dpart.data(), Dw(LayerName(l, "post_attention_layernorm.weight")), dln.data(), lc.x2.data(),
+                    W(LayerName(l, "post_attention_layernorm.weight")), lc.rstd2.data(), N, H);
+    for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // now the gradient at x2
+    // Attention block.
+    LinearBackward(dy.data(), Dw(LayerName(l, "self_attention.dense.weight")), dx.data(), lc.y.data(),
+                   W(LayerName(l, "self_attention.dense.weight")), N, H, H);
+    AttentionBackward(l, lc, dy.data(), dln.data());
+    RmsNormBackward(dpart.data(), Dw(LayerName(l, "input_layernorm.weight")), dln.data(), lc.x.data(),
+                    W(LayerName(l, "input_layernorm.weight")), lc.rstd1.data(), N, H);
+    for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // the gradient at the layer input
+  }
+  EmbeddingBackward(Dw("language_model.embedding.word_embeddings.weight"), dx.data(), tokens_.data(), N, H);
+}
+
+}  // namespace train

@@ -1,0 +1,94 @@
+// A Megatron-style Llama decoder (as NxDT's model_source: megatron and NNM
+// build it): RMSNorm, RoPE, attention with the fused per-head
+// [q_h; k_h; v_h] query_key_value weight (or, with GQA, query plus
+// key_value laid out [k_g; v_g] per KV head), causal softmax, SwiGLU with the
+// fused [gate; up] dense_h_to_4h, no biases, untied output layer. fp32.
+//
+// Parameters carry NxDT's state-dict names and, as Megatron's parallel layers
+// do, their tensor-parallel partition dim and stride; checkpoint tools read
+// that from ParameterLayout instead of keeping a second copy of the rules.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ckpt/tensor.h"
+#include "ckpt/value.h"
+
+namespace train {
+
+struct ModelConfig {
+  int64_t vocab = 256;  // already padded to make_vocab_size_divisible_by
+  int64_t hidden = 64, ffn = 172, heads = 4, kv_heads = 4, layers = 2;
+  float eps = 1e-5f;
+  double rope_theta = 10000.0;
+  double rotary_percentage = 1.0;
+  float init_std = 0.02f;
+  bool scaled_init = true;
+  uint64_t seed = 1234;
+  int64_t head_dim() const { return hidden / heads; }
+  int64_t rotary_dim() const { return static_cast<int64_t>(head_dim() * rotary_percentage) / 2 * 2; }
+  bool gqa() const { return kv_heads != heads; }
+};
+
+struct ParamInfo {
+  std::string name;
+  std::vector<int64_t> shape;
+  int partition_dim;  // -1: replicated across tensor-parallel ranks
+  int stride;         // 3: per-head [q; k; v], 2: [gate; up] or per-group [k; v]
+  bool no_decay;      // norms (NxDT's param groups)
+};
+
+// Every parameter in NxDT's state-dict order.
+std::vector<ParamInfo> ParameterLayout(const ModelConfig& c);
+
+class Model {
+ public:
+  explicit Model(const ModelConfig& c);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  // Normal(0, init_std) weights; output projections of each layer (dense,
+  // dense_4h_to_h) scaled by 1/sqrt(2 * layers) with scaled_init; norms 1.
+  void InitWeights();
+  // Forward over B sequences of T tokens; returns the mean cross-entropy.
+  float Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T);
+  // Accumulates gradients of the last Forward's loss.
+  void Backward();
+  void ZeroGrad();
+
+  const ModelConfig& config() const { return c_; }
+  ckpt::Tensor& param(const std::string& name);
+  ckpt::Tensor& grad(const std::string& name);
+  const std::vector<ParamInfo>& layout() const { return layout_; }
+  const std::vector<float>& logits() const { return logits_; }
+
+  // name -> tensor, viewing the model's own memory (no copy).
+  ckpt::Value StateDict() const;
+  ckpt::Value GradDict() const;
+  // Copies matching tensors in; throws ckpt::Error naming a missing or
+  // mis-shaped key.
+  void LoadStateDict(const ckpt::Value& sd);
+
+ private:
+  struct LayerCache;
+  float* W(const std::string& n) { return reinterpret_cast<float*>(param(n).mutable_data()); }
+  float* Dw(const std::string& n) { return reinterpret_cast<float*>(grad(n).mutable_data()); }
+  void AttentionForward(int l, LayerCache& lc);
+  void AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln1);
+
+  ModelConfig c_;
+  std::vector<ParamInfo> layout_;
+  std::map<std::string, ckpt::Tensor> params_, grads_;
+  std::vector<float> inv_freq_;
+  // Activations of the last Forward.
+  int64_t B_ = 0, T_ = 0;
+  std::vector<int32_t> tokens_, targets_;
+  std::vector<LayerCache> cache_;
+  std::vector<float> x_final_, lnf_, rstdf_, logits_, probs_;
+};
+
+}  // namespace train
