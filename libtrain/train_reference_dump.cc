@@ -1,8 +1,11 @@
-// train_reference_dump OUT_DIR [--kv-heads G] [--rotary R]: builds a small
-// model from its seed, runs one batch forward and backward, and writes
-// OUT_DIR/weights.pt (the state dict, NxDT names) and OUT_DIR/result.pt
-// (tokens, targets, logits, loss, grads) for a PyTorch reference to compare.
-#include <cstring>
+// train_reference_dump OUT_DIR [options]: builds a small model from its seed
+// and writes OUT_DIR/weights.pt (its state dict, NxDT names). It then runs
+// --steps training steps on one batch (forward, backward, gradient clipping,
+// the learning-rate schedule, AdamW) and writes OUT_DIR/result.pt: the batch,
+// the first step's logits, loss and gradients, every step's loss, lr and
+// gradient norm, the final weights and the optimizer state dict, for a
+// PyTorch reference (tests/interop/train_reference.py) to compare.
+#include <CLI/CLI.hpp>
 #include <iostream>
 #include <random>
 #include <string>
@@ -10,55 +13,92 @@
 #include "ckpt/error.h"
 #include "ckpt/pt_file.h"
 #include "libtrain/model.h"
+#include "libtrain/optimizer.h"
+
+namespace train {
+// The gradients before clipping changes them: cloned, not views.
+ckpt::Value CopyForGradCheck(const Model& m) {
+  ckpt::Value g = m.GradDict();
+  for (auto& [k, v] : g.as_dict().items) v = ckpt::Value(v.as_tensor().Clone());
+  return g;
+}
+}  // namespace train
+
+namespace {
+ckpt::Tensor Floats(const std::vector<float>& v, std::vector<int64_t> shape) {
+  return ckpt::Tensor::FromBytes(ckpt::DType::kFloat32, std::move(shape),
+                                 {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(float)});
+}
+}  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::cerr << "usage: train_reference_dump OUT_DIR [--kv-heads G] [--rotary R]\n";
-    return 2;
-  }
+  CLI::App app{"Dump a small model's training steps for the PyTorch reference test"};
+  std::string dir;
   train::ModelConfig c;
   c.vocab = 64, c.hidden = 32, c.ffn = 48, c.heads = 4, c.kv_heads = 4, c.layers = 2;
-  for (int i = 2; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i];
-    if (flag == "--kv-heads") c.kv_heads = std::stoi(argv[i + 1]);
-    else if (flag == "--rotary") c.rotary_percentage = std::stod(argv[i + 1]);
-  }
+  train::AdamWConfig opt;
+  opt.lr = 1e-2;
+  train::ScheduleConfig sched;
+  sched.warmup_steps = 2, sched.max_steps = 6, sched.min_lr = 1e-3;
+  int steps = 1;
+  double clip = 1.0;
+  app.add_option("dir", dir)->required();
+  app.add_option("--kv-heads", c.kv_heads);
+  app.add_option("--rotary", c.rotary_percentage);
+  app.add_option("--steps", steps);
+  app.add_option("--clip", clip);
+  app.add_option("--sched", sched.name);
+  app.add_option("--warmup", sched.warmup_steps);
+  app.add_option("--constant", sched.constant_steps);
+  app.add_option("--max-steps", sched.max_steps);
+  app.add_option("--min-lr", sched.min_lr);
+  app.add_flag("--decay-norms", opt.do_layer_norm_weight_decay);
+  CLI11_PARSE(app, argc, argv);
   try {
     train::Model m(c);
     m.InitWeights();
+    ckpt::SavePt(dir + "/weights.pt", m.StateDict(), {.weights_only = true});
     const int64_t B = 2, T = 8;
     std::mt19937 rng(7);
     ckpt::Tensor tokens = ckpt::Tensor::Zeros(ckpt::DType::kInt32, {B, T});
     ckpt::Tensor targets = ckpt::Tensor::Zeros(ckpt::DType::kInt32, {B, T});
-    for (int64_t i = 0; i < B * T; ++i) {
-      reinterpret_cast<int32_t*>(tokens.mutable_data())[i] = static_cast<int32_t>(rng() % c.vocab);
-      reinterpret_cast<int32_t*>(targets.mutable_data())[i] = static_cast<int32_t>(rng() % c.vocab);
-    }
-    m.ZeroGrad();
-    const float loss = m.Forward(reinterpret_cast<const int32_t*>(tokens.data()),
-                                 reinterpret_cast<const int32_t*>(targets.data()), B, T);
-    m.Backward();
-    const std::string dir = argv[1];
-    ckpt::SavePt(dir + "/weights.pt", m.StateDict(), {.weights_only = true});
-    ckpt::Tensor logits = ckpt::Tensor::FromBytes(
-        ckpt::DType::kFloat32, {B, T, c.vocab},
-        {reinterpret_cast<const uint8_t*>(m.logits().data()), m.logits().size() * sizeof(float)});
-    ckpt::Tensor loss_t = ckpt::Tensor::Zeros(ckpt::DType::kFloat32, {});
-    reinterpret_cast<float*>(loss_t.mutable_data())[0] = loss;
+    auto* tk = reinterpret_cast<int32_t*>(tokens.mutable_data());
+    auto* tg = reinterpret_cast<int32_t*>(targets.mutable_data());
+    for (int64_t i = 0; i < B * T; ++i) tk[i] = static_cast<int32_t>(rng() % c.vocab), tg[i] = static_cast<int32_t>(rng() % c.vocab);
+
     ckpt::Value out = ckpt::Value::NewDict();
     auto& d = out.as_dict();
+    train::AdamW adamw(m, opt);
+    std::vector<float> losses, lrs, norms;
+    double lr = 0;
+    for (int s = 0; s < steps; ++s) {
+      m.ZeroGrad();
+      losses.push_back(m.Forward(tk, tg, B, T));
+      m.Backward();
+      if (s == 0) {  // the raw forward/backward of the initial weights
+        d.Set("logits", ckpt::Value(Floats(m.logits(), {B, T, c.vocab})));
+        d.Set("grads", train::CopyForGradCheck(m));
+      }
+      norms.push_back(static_cast<float>(train::ClipGradNorm(m, clip)));
+      lr = train::LrAt(sched, opt.lr, s);
+      lrs.push_back(static_cast<float>(lr));
+      adamw.Step(m, lr);
+    }
     d.Set("tokens", ckpt::Value(tokens));
     d.Set("targets", ckpt::Value(targets));
-    d.Set("logits", ckpt::Value(logits));
-    d.Set("loss", ckpt::Value(loss_t));
-    d.Set("grads", m.GradDict());
-    d.Set("config", ckpt::Value::NewDict());
+    d.Set("losses", ckpt::Value(Floats(losses, {steps})));
+    d.Set("lrs", ckpt::Value(Floats(lrs, {steps})));
+    d.Set("grad_norms", ckpt::Value(Floats(norms, {steps})));
+    d.Set("final", m.StateDict());
+    d.Set("optim", adamw.StateDict(lr));
+    ckpt::Value cfg = ckpt::Value::NewDict();
     for (auto [k, v] : std::vector<std::pair<const char*, int64_t>>{
              {"vocab", c.vocab}, {"hidden", c.hidden}, {"ffn", c.ffn}, {"heads", c.heads}, {"kv_heads", c.kv_heads},
              {"layers", c.layers}, {"rotary_dim", c.rotary_dim()}})
-      d.At("config").as_dict().Set(k, ckpt::Value(v));
-    ckpt::SavePt(dir + "/result.pt", out, {.weights_only = true});
-    std::cout << "loss " << loss << "\n";
+      cfg.as_dict().Set(k, ckpt::Value(v));
+    d.Set("config", cfg);
+    ckpt::SavePt(dir + "/result.pt", out);
+    std::cout << "loss " << losses.front() << " -> " << losses.back() << "\n";
     return 0;
   } catch (const ckpt::Error& e) {
     std::cerr << "train_reference_dump: " << e.what() << "\n";

@@ -2,6 +2,7 @@
 in spirit): the same Megatron Llama in torch, built from the weights the C++
 core wrote, on the same batch; logits, loss and every parameter gradient must
 agree to fp32 precision."""
+import math
 import os
 import unittest
 
@@ -62,28 +63,59 @@ def forward(params, cfg, tokens):
     return x @ p("language_model.output_layer.weight").T
 
 
+def nemo_cosine(step, base, warmup, constant, max_steps, min_lr):
+    """NeMo's CosineAnnealing (WarmupAnnealHoldPolicy) at 0-based step `step`."""
+    decay = max_steps - (constant + warmup)
+
+    def megatron(s):
+        if warmup > 0 and s <= warmup:
+            return base * s / warmup
+        if s > warmup + decay:
+            return min_lr
+        return min_lr + 0.5 * (math.cos(math.pi * (s - warmup) / decay) + 1.0) * (base - min_lr)
+
+    if warmup > 0 and step <= warmup:
+        return megatron(step) if constant > 0 else base * (step + 1) / (warmup + 1)
+    if constant > 0 and warmup + decay < step <= max_steps:
+        return megatron(step)
+    if step > max_steps:
+        return min_lr
+    if constant > 0:
+        return megatron(step)
+    return (base - min_lr) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (max_steps - warmup))) + min_lr
+
+
+def linear_with_warmup(step, base, warmup, max_steps):
+    """NxDT's LinearAnnealingWithWarmUp (transformers' linear schedule with warmup)."""
+    if step < warmup:
+        return base * step / max(1, warmup)
+    return base * max(0.0, (max_steps - step) / max(1, max_steps - warmup))
+
+
 class TrainingCoreMatchesTorch(TempDirTest):
-    def check(self, *flags):
+    def close(self, name, ours, ref, tol=REL_TOL):
+        ours, ref = torch.as_tensor(ours).float(), torch.as_tensor(ref).float()
+        err = (ours - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        self.assertLessEqual(err, tol * max(scale, 1e-6), f"{name}: max error {err:g} vs scale {scale:g}")
+
+    def load(self, *flags):
         run(TRAIN_DUMP, self.dir, *flags)
         params = torch.load(os.path.join(self.dir, "weights.pt"), weights_only=True)
-        res = torch.load(os.path.join(self.dir, "result.pt"), weights_only=True)
-        params = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+        res = torch.load(os.path.join(self.dir, "result.pt"))
+        return {k: v.clone().requires_grad_(True) for k, v in params.items()}, res
+
+    def check(self, *flags):
+        params, res = self.load(*flags)
         tokens, targets = res["tokens"].long(), res["targets"].long()
         logits = forward(params, res["config"], tokens)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         loss.backward()
-
-        def close(name, ours, ref):
-            err = (ours - ref).abs().max().item()
-            scale = ref.abs().max().item()
-            self.assertLessEqual(err, REL_TOL * max(scale, 1e-6), f"{name}: max error {err:g} vs scale {scale:g}")
-
-        close("logits", res["logits"], logits.detach())
-        close("loss", res["loss"], loss.detach())
+        self.close("logits", res["logits"], logits.detach())
+        self.close("loss", res["losses"][0], loss.detach())
         self.assertEqual(sorted(res["grads"]), sorted(params))
         for name, p in params.items():
-            close(name, res["grads"][name], p.grad)
-        return loss.item()
+            self.close(name, res["grads"][name], p.grad)
 
     def test_mha_fused_qkv(self):
         self.check()
@@ -93,6 +125,50 @@ class TrainingCoreMatchesTorch(TempDirTest):
 
     def test_partial_rotary(self):
         self.check("--rotary", "0.5")
+
+    def train_steps(self, steps, sched, clip, *flags, decay_norms=False):
+        params, res = self.load("--steps", str(steps), "--clip", str(clip), *flags)
+        names = list(params)
+        norms = [n for n in names if n.endswith("layernorm.weight")]
+        groups = [{"params": [params[n] for n in names if n not in norms or decay_norms], "weight_decay": 0.1}]
+        if not decay_norms:
+            groups.append({"params": [params[n] for n in norms], "weight_decay": 0.0})
+        opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+        tokens, targets = res["tokens"].long(), res["targets"].long()
+        for step in range(steps):
+            opt.zero_grad()
+            logits = forward(params, res["config"], tokens)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
+            lr = sched(step)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.step()
+            self.close(f"loss at step {step}", res["losses"][step], loss.detach(), 1e-4)
+            self.close(f"grad norm at step {step}", res["grad_norms"][step], norm, 1e-4)
+            self.close(f"lr at step {step}", res["lrs"][step], lr, 1e-6)
+        # Parameters and AdamW moments after the steps; optimizer ids count over group 0 then group 1.
+        for n in names:
+            self.close(f"{n} after {steps} steps", res["final"][n], params[n].detach(), 1e-3)
+        ours, ref = res["optim"], opt.state_dict()
+        self.assertEqual([g["params"] for g in ours["param_groups"]], [g["params"] for g in ref["param_groups"]])
+        self.assertEqual([g["weight_decay"] for g in ours["param_groups"]], [g["weight_decay"] for g in ref["param_groups"]])
+        for pid, st in ref["state"].items():
+            self.assertEqual(float(ours["state"][pid]["step"]), float(st["step"]))
+            self.close(f"exp_avg {pid}", ours["state"][pid]["exp_avg"], st["exp_avg"], 1e-3)
+            self.close(f"exp_avg_sq {pid}", ours["state"][pid]["exp_avg_sq"], st["exp_avg_sq"], 1e-3)
+        self.assertLess(res["losses"][-1].item(), res["losses"][0].item())
+
+    def test_adamw_with_clipping_and_cosine_schedule(self):
+        self.train_steps(6, lambda s: nemo_cosine(s, 1e-2, 2, 0, 6, 1e-3), 0.5)
+
+    def test_cosine_schedule_with_constant_steps(self):
+        self.train_steps(6, lambda s: nemo_cosine(s, 1e-2, 2, 2, 6, 1e-3), 1.0, "--constant", "2")
+
+    def test_linear_annealing_with_warmup_and_one_param_group(self):
+        self.train_steps(5, lambda s: linear_with_warmup(s, 1e-2, 2, 6), 1.0, "--sched", "LinearAnnealingWithWarmUp",
+                         "--decay-norms", decay_norms=True)
 
 
 if __name__ == "__main__":

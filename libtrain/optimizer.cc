@@ -1,0 +1,153 @@
+#include "libtrain/optimizer.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "ckpt/error.h"
+
+namespace train {
+
+AdamW::AdamW(const Model& m, const AdamWConfig& c) : c_(c) {
+  for (int g = 0; g < 2; ++g)
+    for (const auto& p : m.layout())
+      if ((g == 1) == (p.no_decay && !c.do_layer_norm_weight_decay)) {
+        order_.push_back(p.name);
+        group_.push_back(g);
+        m_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, p.shape));
+        v_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, p.shape));
+      }
+}
+
+void AdamW::Step(Model& m, double lr) {
+  ++step_;
+  const double bc1 = 1 - std::pow(c_.beta1, static_cast<double>(step_));
+  const double bc2 = 1 - std::pow(c_.beta2, static_cast<double>(step_));
+  const float step_size = static_cast<float>(lr / bc1), bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const float b1 = static_cast<float>(c_.beta1), b2 = static_cast<float>(c_.beta2), eps = static_cast<float>(c_.eps);
+  for (size_t i = 0; i < order_.size(); ++i) {
+    float* w = reinterpret_cast<float*>(m.param(order_[i]).mutable_data());
+    const float* g = reinterpret_cast<const float*>(m.grad(order_[i]).data());
+    float* mo = reinterpret_cast<float*>(m_[i].mutable_data());
+    float* vo = reinterpret_cast<float*>(v_[i].mutable_data());
+    const float decay = group_[i] == 0 ? static_cast<float>(1 - lr * c_.weight_decay) : 1.0f;
+    const int64_t n = m_[i].numel();
+    for (int64_t j = 0; j < n; ++j) {
+      w[j] *= decay;
+      mo[j] = b1 * mo[j] + (1 - b1) * g[j];
+      vo[j] = b2 * vo[j] + (1 - b2) * g[j] * g[j];
+      w[j] -= step_size * mo[j] / (std::sqrt(vo[j]) / bc2_sqrt + eps);
+    }
+  }
+}
+
+ckpt::Value AdamW::StateDict(double lr) const {
+  ckpt::Value state = ckpt::Value::NewDict();
+  for (size_t i = 0; i < order_.size(); ++i) {
+    ckpt::Value s = ckpt::Value::NewDict();
+    ckpt::Tensor step = ckpt::Tensor::Zeros(ckpt::DType::kFloat32, {});
+    reinterpret_cast<float*>(step.mutable_data())[0] = static_cast<float>(step_);
+    s.as_dict().Set("step", ckpt::Value(step));
+    s.as_dict().Set("exp_avg", ckpt::Value(m_[i]));
+    s.as_dict().Set("exp_avg_sq", ckpt::Value(v_[i]));
+    state.as_dict().items.emplace_back(ckpt::Value(static_cast<int64_t>(i)), s);
+  }
+  ckpt::Value groups = ckpt::Value::List();
+  for (int g = 0; g < 2; ++g) {
+    ckpt::Value ids = ckpt::Value::List();
+    for (size_t i = 0; i < order_.size(); ++i)
+      if (group_[i] == g) ids.as_seq().items.push_back(ckpt::Value(static_cast<int64_t>(i)));
+    if (ids.as_seq().items.empty()) continue;
+    ckpt::Value pg = ckpt::Value::NewDict();
+    auto& d = pg.as_dict();
+    d.Set("lr", ckpt::Value(lr));
+    d.Set("betas", ckpt::Value::Tuple({ckpt::Value(c_.beta1), ckpt::Value(c_.beta2)}));
+    d.Set("eps", ckpt::Value(c_.eps));
+    d.Set("weight_decay", ckpt::Value(g == 0 ? c_.weight_decay : 0.0));
+    d.Set("amsgrad", ckpt::Value(false));
+    d.Set("maximize", ckpt::Value(false));
+    d.Set("foreach", ckpt::Value());
+    d.Set("capturable", ckpt::Value(false));
+    d.Set("params", ids);
+    groups.as_seq().items.push_back(pg);
+  }
+  ckpt::Value out = ckpt::Value::NewDict();
+  out.as_dict().Set("state", state);
+  out.as_dict().Set("param_groups", groups);
+  return out;
+}
+
+void AdamW::LoadStateDict(const ckpt::Value& sd) {
+  const ckpt::Dict& state = sd.as_dict().At("state").as_dict();
+  int64_t step = -1;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const ckpt::Value* s = nullptr;
+    for (const auto& [k, v] : state.items)
+      if (k.is_int() && k.as_int() == static_cast<int64_t>(i)) s = &v;
+    if (!s) throw ckpt::Error("optimizer state has no entry for parameter " + std::to_string(i) + " (" + order_[i] + ")");
+    for (auto [key, dst] : {std::pair{"exp_avg", &m_[i]}, std::pair{"exp_avg_sq", &v_[i]}}) {
+      const ckpt::Tensor& t = s->as_dict().At(key).as_tensor();
+      if (t.shape() != dst->shape() || t.dtype() != ckpt::DType::kFloat32)
+        throw ckpt::Error(std::string("optimizer ") + key + " of parameter " + std::to_string(i) + " (" + order_[i] +
+                          ") does not match its shape");
+      const ckpt::Tensor c = t.Contiguous();
+      std::memcpy(dst->mutable_data(), c.data(), c.nbytes());
+    }
+    const ckpt::Value& st = s->as_dict().At("step");
+    step = st.is_tensor() ? static_cast<int64_t>(*reinterpret_cast<const float*>(st.as_tensor().Contiguous().data()))
+                          : st.as_int();
+  }
+  step_ = step < 0 ? 0 : step;
+}
+
+double ClipGradNorm(Model& m, double max_norm) {
+  double sq = 0;
+  for (const auto& p : m.layout()) {
+    const float* g = reinterpret_cast<const float*>(m.grad(p.name).data());
+    for (int64_t i = 0, n = m.grad(p.name).numel(); i < n; ++i) sq += double{g[i]} * g[i];
+  }
+  const double norm = std::sqrt(sq);
+  if (max_norm > 0) {
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1)
+      for (const auto& p : m.layout()) {
+        float* g = reinterpret_cast<float*>(m.grad(p.name).mutable_data());
+        for (int64_t i = 0, n = m.grad(p.name).numel(); i < n; ++i) g[i] = static_cast<float>(g[i] * coef);
+      }
+  }
+  return norm;
+}
+
+double ParamNorm(Model& m) {
+  double sq = 0;
+  for (const auto& p : m.layout()) {
+    const float* w = reinterpret_cast<const float*>(m.param(p.name).data());
+    for (int64_t i = 0, n = m.param(p.name).numel(); i < n; ++i) sq += double{w[i]} * w[i];
+  }
+  return std::sqrt(sq);
+}
+
+double LrAt(const ScheduleConfig& s, double base, int64_t step) {
+  const double w = static_cast<double>(s.warmup_steps);
+  if (s.name == "LinearAnnealingWithWarmUp") {  // transformers' linear schedule with warmup
+    if (step < s.warmup_steps) return base * static_cast<double>(step) / std::max(1.0, w);
+    return base * std::max(0.0, static_cast<double>(s.max_steps - step) / std::max<double>(1, s.max_steps - s.warmup_steps));
+  }
+  if (s.name != "CosineAnnealing") throw ckpt::Error("unknown scheduler '" + s.name + "' (CosineAnnealing or LinearAnnealingWithWarmUp)");
+  // NeMo's CosineAnnealing (WarmupAnnealHoldPolicy).
+  const int64_t decay_steps = s.max_steps - (s.constant_steps + s.warmup_steps);
+  auto megatron = [&](int64_t st) {  // linear warmup, cosine decay, then min_lr (used when constant_steps > 0)
+    if (s.warmup_steps > 0 && st <= s.warmup_steps) return base * static_cast<double>(st) / w;
+    if (st > s.warmup_steps + decay_steps) return s.min_lr;
+    const double ratio = static_cast<double>(st - s.warmup_steps) / static_cast<double>(decay_steps);
+    return s.min_lr + 0.5 * (std::cos(M_PI * ratio) + 1.0) * (base - s.min_lr);
+  };
+  if (s.warmup_steps > 0 && step <= s.warmup_steps)
+    return s.constant_steps > 0 ? megatron(step) : base * static_cast<double>(step + 1) / (w + 1);
+  if (s.constant_steps > 0 && s.warmup_steps + decay_steps < step && step <= s.max_steps) return megatron(step);
+  if (step > s.max_steps) return s.min_lr;
+  if (s.constant_steps > 0) return megatron(step);
+  const double mult = 0.5 * (1 + std::cos(M_PI * static_cast<double>(step - s.warmup_steps) / static_cast<double>(s.max_steps - s.warmup_steps)));
+  return (base - s.min_lr) * mult + s.min_lr;
+}
+
+}  // namespace train

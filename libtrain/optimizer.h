@@ -1,0 +1,62 @@
+// AdamW with parameter groups as NxDT makes them (group 0: weights, with
+// weight decay; group 1: norm weights and biases, weight decay 0; a single
+// group when do_layer_norm_weight_decay), torch.optim.AdamW's update rule,
+// and state dicts in torch.optim's format (parameter ids numbered over group
+// 0, then group 1). Gradient clipping by global norm as
+// torch.nn.utils.clip_grad_norm_. Learning-rate schedules as NeMo's
+// CosineAnnealing and NxDT's LinearAnnealingWithWarmUp compute them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ckpt/value.h"
+#include "libtrain/model.h"
+
+namespace train {
+
+struct AdamWConfig {
+  double lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+  bool do_layer_norm_weight_decay = false;
+};
+
+class AdamW {
+ public:
+  AdamW(const Model& m, const AdamWConfig& c);
+  // One update of every parameter from its gradient at learning rate `lr`.
+  void Step(Model& m, double lr);
+  int64_t steps() const { return step_; }
+
+  // torch.optim.AdamW.state_dict(): {"state": {id: {step, exp_avg,
+  // exp_avg_sq}}, "param_groups": [...]}; `lr` is recorded in the groups.
+  ckpt::Value StateDict(double lr) const;
+  // Throws ckpt::Error naming what does not fit the model.
+  void LoadStateDict(const ckpt::Value& sd);
+
+  // Parameter names by optimizer id.
+  const std::vector<std::string>& order() const { return order_; }
+
+ private:
+  AdamWConfig c_;
+  std::vector<std::string> order_;  // id -> name
+  std::vector<int> group_;          // id -> group index
+  std::vector<ckpt::Tensor> m_, v_;
+  int64_t step_ = 0;
+};
+
+// Scales every gradient so their global L2 norm is at most `max_norm` (no-op
+// when max_norm <= 0). Returns the norm before clipping.
+double ClipGradNorm(Model& m, double max_norm);
+double ParamNorm(Model& m);
+
+struct ScheduleConfig {
+  std::string name = "CosineAnnealing";  // or LinearAnnealingWithWarmUp
+  int64_t warmup_steps = 0, constant_steps = 0, max_steps = 1;
+  double min_lr = 0;
+};
+
+// The learning rate for 0-based optimizer step `step`.
+double LrAt(const ScheduleConfig& s, double base_lr, int64_t step);
+
+}  // namespace train
