@@ -1,0 +1,60 @@
+// shardkit-tokenize INPUT.txt OUTPUT_PREFIX: turns a text file into a
+// byte-level Megatron mmap indexed dataset (OUTPUT_PREFIX.bin/.idx), so the
+// main job trains on bundled text with nothing downloaded. Token ids are the
+// bytes (0-255); each paragraph (text between blank lines) is one document
+// and ends with the end-of-document token 256. Vocabulary size: 257.
+//   shardkit-tokenize --dump PREFIX START COUNT   prints COUNT tokens from START
+#include <CLI/CLI.hpp>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "ckpt/error.h"
+#include "libtrain/indexed_dataset.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Byte-level tokenizer writing Megatron mmap indexed datasets"};
+  std::vector<std::string> args;
+  bool dump = false;
+  app.add_option("args", args, "INPUT.txt OUTPUT_PREFIX, or with --dump: PREFIX START COUNT")->required();
+  app.add_flag("--dump", dump, "print tokens of an existing dataset");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (dump) {
+      if (args.size() != 3) throw ckpt::Error("--dump takes PREFIX START COUNT");
+      train::IndexedDataset ds(args[0]);
+      std::vector<int32_t> out(std::stoll(args[2]));
+      ds.ReadTokens(std::stoll(args[1]), static_cast<int64_t>(out.size()), out.data());
+      for (size_t i = 0; i < out.size(); ++i) std::cout << (i ? " " : "") << out[i];
+      std::cout << "\n" << ds.num_sequences() << " sequences, " << ds.num_tokens() << " tokens\n";
+      return 0;
+    }
+    if (args.size() != 2) throw ckpt::Error("expected INPUT.txt OUTPUT_PREFIX");
+    std::ifstream in(args[0], std::ios::binary);
+    if (!in) throw ckpt::Error(args[0] + ": cannot open");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::string text = ss.str();
+    std::vector<std::vector<int32_t>> docs(1);
+    for (size_t i = 0; i < text.size(); ++i) {
+      const bool paragraph_end = text[i] == '\n' && i + 1 < text.size() && text[i + 1] == '\n';
+      docs.back().push_back(static_cast<uint8_t>(text[i]));
+      if (paragraph_end) {
+        docs.back().push_back(256);
+        docs.emplace_back();
+        while (i + 1 < text.size() && text[i + 1] == '\n') ++i;
+      }
+    }
+    if (docs.back().empty()) docs.pop_back();
+    else docs.back().push_back(256);
+    if (docs.empty()) throw ckpt::Error(args[0] + ": no text");
+    train::IndexedDataset::Write(args[1], docs);
+    int64_t tokens = 0;
+    for (const auto& d : docs) tokens += static_cast<int64_t>(d.size());
+    std::cout << "shardkit-tokenize: " << docs.size() << " documents, " << tokens << " tokens -> " << args[1] << ".bin/.idx\n";
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "shardkit-tokenize: " << e.what() << "\n";
+    return 1;
+  }
+}
