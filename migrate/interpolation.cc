@@ -119,7 +119,68 @@ std::string Render(const std::vector<Piece>& pieces, const std::string& old_key,
   return out;
 }
 
+// Evaluates ${multiply:a, b} once its arguments are numbers.
+std::string EvaluateResolvers(const std::string& text) {
+  std::string out = text;
+  for (size_t at; (at = out.find("${multiply:")) != std::string::npos;) {
+    const size_t end = out.find('}', at);
+    if (end == std::string::npos) throw InputError("unbalanced resolver in '" + text + "'");
+    const std::string args = out.substr(at + 11, end - at - 11);
+    const size_t comma = args.find(',');
+    if (comma == std::string::npos) throw InputError("multiply needs two arguments in '" + text + "'");
+    const std::string a = Trim(args.substr(0, comma)), b = Trim(args.substr(comma + 1));
+    std::string product;
+    try {
+      if (a.find_first_of(".eE") == std::string::npos && b.find_first_of(".eE") == std::string::npos)
+        product = std::to_string(std::stoll(a) * std::stoll(b));
+      else
+        product = std::to_string(std::stod(a) * std::stod(b));
+    } catch (const std::exception&) {
+      throw InputError("multiply arguments '" + a + "', '" + b + "' are not numbers");
+    }
+    out = out.substr(0, at) + product + out.substr(end + 1);
+  }
+  if (out.find("${") != std::string::npos) throw InputError("unknown resolver in '" + text + "'");
+  return out;
+}
+
+YAML::Node ResolveNode(const YAML::Node& root, const YAML::Node& n, const std::string& path, int depth);
+
+// The resolved value of the node at `target`.
+YAML::Node ResolveTarget(const YAML::Node& root, const std::string& target, int depth) {
+  if (depth > 32) throw InputError("interpolation cycle through '" + target + "'");
+  const YAML::Node t = Find(root, target);
+  if (!t.IsDefined()) throw InputError("interpolation target '" + target + "' is not in the config");
+  return ResolveNode(root, t, target, depth + 1);
+}
+
+YAML::Node ResolveNode(const YAML::Node& root, const YAML::Node& n, const std::string& path, int depth) {
+  if (n.IsMap()) {
+    YAML::Node out(YAML::NodeType::Map);
+    for (auto it = n.begin(); it != n.end(); ++it)
+      out[it->first.Scalar()] =
+          ResolveNode(root, it->second, path.empty() ? it->first.Scalar() : path + "." + it->first.Scalar(), depth);
+    return out;
+  }
+  if (n.IsSequence()) {
+    YAML::Node out(YAML::NodeType::Sequence);
+    for (size_t i = 0; i < n.size(); ++i) out.push_back(ResolveNode(root, n[i], path, depth));
+    return out;
+  }
+  if (!n.IsScalar() || !HasInterpolation(n.Scalar())) return YAML::Clone(n);
+  if (auto sole = SoleTarget(n.Scalar(), path)) return ResolveTarget(root, *sole, depth);
+  const std::string spliced = RewriteInterpolations(n.Scalar(), path, path, [&](const std::string& t) {
+    const YAML::Node v = ResolveTarget(root, t, depth);
+    return Relocation{std::nullopt, v.IsScalar() ? v.Scalar() : Describe(v)};  // splice the text, not its quotes
+  });
+  YAML::Node out(EvaluateResolvers(spliced));
+  out.SetTag("?");
+  return out;
+}
+
 }  // namespace
+
+YAML::Node ResolveInterpolations(const YAML::Node& root) { return ResolveNode(root, root, "", 0); }
 
 bool HasInterpolation(const std::string& text) { return text.find("${") != std::string::npos; }
 

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <yaml-cpp/yaml.h>
+
 namespace migrate {
 
 bool HasInterpolation(const std::string& text);
@@ -29,6 +31,12 @@ struct Relocation {
 // parent mapping; otherwise they become absolute.
 std::string RewriteInterpolations(const std::string& text, const std::string& old_key, const std::string& new_key,
                                   const std::function<Relocation(const std::string&)>& relocate);
+
+// A copy of `root` with every interpolation replaced by its value: a value
+// that is exactly one reference takes the target's node (and type); others
+// get the target's text spliced in; ${multiply:a, b} is evaluated. Throws
+// InputError for a reference cycle, a missing target or an unknown resolver.
+YAML::Node ResolveInterpolations(const YAML::Node& root);
 
 // If `text` is exactly one path interpolation, its absolute target.
 std::optional<std::string> SoleTarget(const std::string& text, const std::string& key_path);

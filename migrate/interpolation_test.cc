@@ -44,3 +44,20 @@ TEST(Interpolation, RewriteFollowsMovesKeepsRelativeAndResolvesDropped) {
 }
 
 }  // namespace migrate
+
+namespace migrate {
+
+TEST(Interpolation, ResolveGivesValuesWithTheirTypes) {
+  YAML::Node n = LoadYaml(
+      "model:\n  seq: 128\n  pos: ${.seq}\n  tp: 2\n  pp: 3\n  name: 'x'\n"
+      "data:\n  seq_length: ${model.pos}\n  label: run-${model.name}-${model.seq}\n  mp: ${multiply:${model.tp}, ${model.pp}}\n",
+      "c.yaml");
+  YAML::Node r = ResolveInterpolations(n);
+  EXPECT_EQ(Find(r, "data.seq_length").Scalar(), "128");
+  EXPECT_EQ(Find(r, "data.label").Scalar(), "run-x-128");
+  EXPECT_EQ(Find(r, "data.mp").Scalar(), "6");
+  EXPECT_THROW(ResolveInterpolations(LoadYaml("a: ${b}\nb: ${a}\n", "c")), InputError);
+  EXPECT_THROW(ResolveInterpolations(LoadYaml("a: ${oops:1}\n", "c")), InputError);
+}
+
+}  // namespace migrate

@@ -1,16 +1,30 @@
 #!/usr/bin/env bash
-# The main job on built-in defaults: install, build, write sample NxDT-layout
-# checkpoints through the checkpoint store, inspect the newest and verify all,
-# then migrate NNM's example Llama config to the NxDT schema.
+# The main job on built-in defaults: install and build; tokenize a text file
+# every Debian ships; train conf/tiny_llama.yaml, SIGKILL it after its first
+# checkpoint, restart it and watch it resume by itself to the end; inspect and
+# verify the checkpoints; migrate NNM's example Llama config to NxDT's schema.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup.sh"
 bash "$root/scripts/build.sh" "$root/build"
-out=$(mktemp -d)
-"$root/build/tools/ckpt-sample" "$out/checkpoints" --steps 3 --save-top-k 2
-newest=$(ls -d "$out"/checkpoints/*.ckpt | sort -V | tail -1)
-"$root/build/tools/ckpt-inspect" "$newest"
-"$root/build/tools/ckpt-verify" "$out/checkpoints"
-"$root/build/migrate/nnm2nxdt-config" "$root/tests/data/configs/megatron_llama_config.yaml" \
-  -o "$out/nxdt_config.yaml" --report "$out/nxdt_config_report.json" model.data.data_prefix=[1.0,/data/corpus_text_document]
-echo "main: sample checkpoints in $out/checkpoints; migrated config in $out/nxdt_config.yaml"
+bin=$root/build
+work=$(mktemp -d)
+cd "$work"
+mkdir -p data
+"$bin/libtrain/shardkit-tokenize" "${SHARDKIT_TEXT:-/usr/share/common-licenses/GPL-3}" data/text_document
+
+echo "main: training; it will be killed after its first checkpoint"
+"$bin/libtrain/shardkit-train" "$root/conf/tiny_llama.yaml" &
+pid=$!
+until ls runs/tiny_llama/version_0/checkpoints/*/done >/dev/null 2>&1 || ! kill -0 $pid 2>/dev/null; do sleep 0.01; done
+kill -9 $pid 2>/dev/null && echo "main: killed the run (SIGKILL)" || true
+wait $pid 2>/dev/null || true
+echo "main: restarting; it resumes from the newest complete checkpoint"
+"$bin/libtrain/shardkit-train" "$root/conf/tiny_llama.yaml"
+
+ckpts=runs/tiny_llama/version_0/checkpoints
+"$bin/tools/ckpt-inspect" "$(ls -d $ckpts/*.ckpt | sort -V | tail -1)"
+"$bin/tools/ckpt-verify" "$ckpts"
+"$bin/migrate/nnm2nxdt-config" "$root/tests/data/configs/megatron_llama_config.yaml" \
+  -o nxdt_config.yaml --report nxdt_config_report.json model.data.data_prefix=[1.0,/data/corpus_text_document] 2>/dev/null
+echo "main: run in $work/runs/tiny_llama/version_0 (metrics.jsonl, checkpoints/); migrated config in $work/nxdt_config.yaml"

@@ -1,0 +1,202 @@
+#include "libtrain/train_config.h"
+
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include "ckpt/error.h"
+#include "migrate/interpolation.h"
+#include "migrate/overrides.h"
+#include "migrate/yaml_tree.h"
+
+namespace train {
+namespace {
+
+using migrate::Find;
+
+class Reader {
+ public:
+  Reader(YAML::Node root, std::string source) : root_(std::move(root)), source_(std::move(source)) {}
+
+  [[noreturn]] void Fail(const std::string& key, const std::string& what) const {
+    throw ckpt::Error(source_ + ": " + key + ": " + what);
+  }
+  bool Has(const std::string& key) const {
+    const YAML::Node n = Find(root_, key);
+    return n.IsDefined() && !n.IsNull();
+  }
+  int64_t Int(const std::string& key, int64_t dflt, int64_t min = INT64_MIN) const {
+    if (!Has(key)) return dflt;
+    const YAML::Node n = Find(root_, key);
+    static const std::regex integer(R"([+-]?\d+)");
+    if (!n.IsScalar() || !std::regex_match(n.Scalar(), integer)) Fail(key, migrate::Describe(n) + " is not an integer");
+    const int64_t v = std::stoll(n.Scalar());
+    if (v < min) Fail(key, std::to_string(v) + " must be at least " + std::to_string(min));
+    return v;
+  }
+  double Number(const std::string& key, double dflt) const {
+    if (!Has(key)) return dflt;
+    const YAML::Node n = Find(root_, key);
+    try {
+      size_t used = 0;
+      const double v = std::stod(n.Scalar(), &used);
+      if (used != n.Scalar().size()) throw std::invalid_argument("");
+      return v;
+    } catch (const std::exception&) {
+      Fail(key, migrate::Describe(n) + " is not a number");
+    }
+  }
+  bool Bool(const std::string& key, bool dflt) const {
+    if (!Has(key)) return dflt;
+    const std::string s = Find(root_, key).Scalar();
+    if (s == "True" || s == "true" || s == "TRUE") return true;
+    if (s == "False" || s == "false" || s == "FALSE") return false;
+    Fail(key, s + " is not a boolean");
+  }
+  std::string Str(const std::string& key, const std::string& dflt) const {
+    if (!Has(key)) return dflt;
+    const YAML::Node n = Find(root_, key);
+    if (!n.IsScalar()) Fail(key, "must be a string");
+    if (n.Scalar() == "???") Fail(key, "is ??? (mandatory, must be set)");
+    return n.Scalar();
+  }
+  const YAML::Node& root() const { return root_; }
+
+ private:
+  YAML::Node root_;
+  std::string source_;
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw ckpt::Error(path + ": cannot open config");
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+}  // namespace
+
+std::string TrainConfig::RunDir() const {
+  if (!explicit_log_dir.empty()) return explicit_log_dir;
+  return exp_dir + "/" + (exp_name.empty() ? name : exp_name) + "/" + version;
+}
+
+TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::string>& overrides) {
+  YAML::Node raw = migrate::LoadYaml(ReadFile(path), path);
+  std::vector<migrate::Override> ovs;
+  for (const auto& o : overrides) ovs.push_back(migrate::ParseOverride(o));
+  migrate::ApplyOverrides(raw, ovs);
+  const Reader r(migrate::ResolveInterpolations(raw), path);
+  TrainConfig c;
+  c.source = path;
+  c.name = r.Str("name", c.name);
+  c.seed = static_cast<uint64_t>(r.Int("seed", 1234, 0));
+
+  c.max_steps = r.Int("trainer.max_steps", 1, 1);
+  c.log_every_n_steps = r.Int("trainer.log_every_n_steps", 1, 1);
+  c.gradient_clip_val = r.Number("trainer.gradient_clip_val", 0.0);
+  const int64_t world = r.Int("trainer.devices", 1, 1) * r.Int("trainer.num_nodes", 1, 1);
+
+  c.explicit_log_dir = r.Str("exp_manager.explicit_log_dir", "");
+  c.exp_dir = r.Str("exp_manager.exp_dir", c.exp_dir);
+  c.exp_name = r.Str("exp_manager.name", "");
+  c.version = r.Str("exp_manager.version", c.version);
+  c.resume_if_exists = r.Bool("exp_manager.resume_if_exists", false);
+  c.resume_ignore_no_checkpoint = r.Bool("exp_manager.resume_ignore_no_checkpoint", false);
+  c.resume_from_checkpoint = r.Str("exp_manager.resume_from_checkpoint", "");
+  c.create_checkpoint_callback = r.Bool("exp_manager.create_checkpoint_callback", true);
+  c.async_checkpointing = r.Bool("exp_manager.async_checkpointing", false);
+  c.save_top_k = r.Int("exp_manager.checkpoint_callback_params.save_top_k", -1, -1);
+  c.every_n_train_steps = r.Int("exp_manager.checkpoint_callback_params.every_n_train_steps", 0, 0);
+  c.log_parameter_norm = r.Bool("exp_manager.log_parameter_norm", true);
+  c.log_gradient_norm = r.Bool("exp_manager.log_gradient_norm", true);
+
+  const int64_t tp = r.Int("distributed_strategy.tensor_model_parallel_size", 1, 1);
+  const int64_t pp = r.Int("distributed_strategy.pipeline_model_parallel_size", 1, 1);
+  if (tp != 1 || pp != 1 || world != 1)
+    r.Fail("distributed_strategy", "tp=" + std::to_string(tp) + " pp=" + std::to_string(pp) + " on " + std::to_string(world) +
+                                       " devices: this trainer runs one process (TP=PP=DP=1); distributed training is not built yet");
+  if (r.Bool("distributed_strategy.zero1", false)) c.ignored.push_back("distributed_strategy.zero1 (one process: nothing to shard)");
+
+  c.micro_batch_size = r.Int("data.micro_batch_size", 1, 1);
+  c.global_batch_size = r.Int("data.global_batch_size", 1, 1);
+  if (c.global_batch_size % c.micro_batch_size)
+    r.Fail("data.global_batch_size", std::to_string(c.global_batch_size) + " is not a multiple of data.micro_batch_size (" +
+                                         std::to_string(c.micro_batch_size) + ")");
+  c.seq_length = r.Int("data.seq_length", r.Int("model.encoder_seq_length", 128, 1), 1);
+  const std::string impl = r.Str("data.data_impl", "mmap");
+  if (impl != "mmap") r.Fail("data.data_impl", "'" + impl + "' is not supported (mmap indexed datasets are)");
+  const YAML::Node prefix = Find(r.root(), "data.data_prefix");
+  if (!prefix.IsDefined() || prefix.IsNull() || (prefix.IsScalar() && prefix.Scalar() == "???"))
+    r.Fail("data.data_prefix", "must name the training data ([weight, prefix, ...] or a prefix)");
+  if (prefix.IsScalar()) {
+    c.data_prefix.push_back({1.0, prefix.Scalar()});
+  } else if (prefix.IsSequence()) {
+    if (prefix.size() % 2) r.Fail("data.data_prefix", "must alternate weights and prefixes");
+    for (size_t i = 0; i < prefix.size(); i += 2) c.data_prefix.push_back({std::stod(prefix[i].Scalar()), prefix[i + 1].Scalar()});
+  } else {
+    r.Fail("data.data_prefix", "a mapping of splits is not supported yet; give [weight, prefix, ...]");
+  }
+
+  ModelConfig& m = c.model;
+  m.layers = r.Int("model.num_layers", 2, 1);
+  m.hidden = r.Int("model.hidden_size", 64, 1);
+  m.ffn = r.Int("model.ffn_hidden_size", m.hidden * 4, 1);
+  m.heads = r.Int("model.num_attention_heads", 4, 1);
+  m.kv_heads = r.Int("model.num_kv_heads", m.heads, 1);
+  if (m.hidden % m.heads) r.Fail("model.hidden_size", "must be divisible by num_attention_heads (" + std::to_string(m.heads) + ")");
+  if (m.heads % m.kv_heads) r.Fail("model.num_kv_heads", "must divide num_attention_heads (" + std::to_string(m.heads) + ")");
+  m.eps = static_cast<float>(r.Number("model.layernorm_epsilon", 1e-5));
+  m.rope_theta = r.Number("model.rope_theta", 10000.0);
+  m.rotary_percentage = r.Number("model.rotary_percentage", 1.0);
+  m.init_std = static_cast<float>(r.Number("model.init_method_std", 0.02));
+  m.scaled_init = r.Bool("model.use_scaled_init_method", true);
+  m.seed = c.seed;
+  for (const auto& [key, want] : std::vector<std::pair<std::string, std::string>>{
+           {"model.normalization", "rmsnorm"}, {"model.activation", "swiglu"}, {"model.position_embedding_type", "rope"}})
+    if (r.Str(key, want) != want) r.Fail(key, "'" + r.Str(key, want) + "' is not supported yet (only " + want + ")");
+  if (r.Bool("model.has_bias", false)) r.Fail("model.has_bias", "biases are not supported yet");
+  if (r.Bool("model.share_embeddings_and_output_weights", false))
+    r.Fail("model.share_embeddings_and_output_weights", "tied embeddings are not supported yet");
+  // Vocabulary: the byte tokenizer has 257 ids; other tokenizers need model.vocab_size.
+  const std::string tok = r.Str("data.tokenizer.library", "byte");
+  int64_t vocab = 0;
+  if (tok == "byte") vocab = 257;
+  else if (r.Has("model.vocab_size")) vocab = r.Int("model.vocab_size", 0, 1);
+  else r.Fail("data.tokenizer.library", "'" + tok + "' tokenizers are not available here; set model.vocab_size or use library: byte");
+  const int64_t divisible = r.Int("model.make_vocab_size_divisible_by", 8, 1);
+  m.vocab = (vocab + divisible - 1) / divisible * divisible;
+
+  c.optim.lr = r.Number("model.optim.lr", 3e-4);
+  c.optim.weight_decay = r.Number("model.optim.weight_decay", 0.01);
+  c.optim.eps = r.Number("model.optim.eps", 1e-8);
+  c.optim.do_layer_norm_weight_decay = r.Bool("model.do_layer_norm_weight_decay", false);
+  const YAML::Node betas = Find(r.root(), "model.optim.betas");
+  if (betas.IsDefined() && (!betas.IsSequence() || betas.size() != 2)) r.Fail("model.optim.betas", "must be a list of two numbers");
+  if (betas.IsDefined()) c.optim.beta1 = std::stod(betas[0].Scalar()), c.optim.beta2 = std::stod(betas[1].Scalar());
+  const std::string opt_name = r.Str("model.optim.name", "adamw");
+  if (opt_name != "adamw") r.Fail("model.optim.name", "'" + opt_name + "' is not supported (adamw is)");
+  c.sched.name = r.Str("model.optim.sched.name", "CosineAnnealing");
+  c.sched.warmup_steps = r.Int("model.optim.sched.warmup_steps", 0, 0);
+  c.sched.constant_steps = r.Int("model.optim.sched.constant_steps", 0, 0);
+  c.sched.max_steps = r.Int("model.optim.sched.max_steps", c.max_steps, 1);
+  c.sched.min_lr = r.Number("model.optim.sched.min_lr", 0.0);
+  if (c.sched.name != "CosineAnnealing" && c.sched.name != "LinearAnnealingWithWarmUp")
+    r.Fail("model.optim.sched.name", "'" + c.sched.name + "' is not supported (CosineAnnealing, LinearAnnealingWithWarmUp)");
+  if (c.sched.name == "CosineAnnealing" && c.sched.min_lr > c.optim.lr)
+    r.Fail("model.optim.sched.min_lr", "is above model.optim.lr");
+
+  c.precision = r.Str("precision.type", "fp32");
+  if (c.precision != "fp32")
+    r.Fail("precision.type", "'" + c.precision + "' is not supported yet on this CPU trainer (fp32 is)");
+
+  for (const char* k : {"compiler_flags", "compiler_cache_url", "aync_exec_max_inflight_requests", "bucket_size_collectives",
+                        "neuron_rt_exec_timeout", "neuron_experimental_compress_rg", "model.fusions", "model.use_cpu_initialization",
+                        "distributed_strategy.sequence_parallel", "exp_manager.save_xser", "exp_manager.load_xser",
+                        "model.activations_checkpoint_granularity", "model.activations_checkpoint_recompute"})
+    if (r.Has(k)) c.ignored.push_back(k);
+  return c;
+}
+
+}  // namespace train

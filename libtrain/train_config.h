@@ -1,0 +1,48 @@
+// The training configuration, read from an NxDT YAML config (the schema in
+// NxDT's reference configs) with Hydra-style overrides applied and
+// interpolations resolved. Invalid values and combinations raise an error
+// naming the key before any work starts. Keys that only matter on Neuron
+// hardware are accepted and listed once in `ignored`.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "libtrain/model.h"
+#include "libtrain/optimizer.h"
+
+namespace train {
+
+struct TrainConfig {
+  std::string source, name = "megatron_llama";
+  uint64_t seed = 1234;
+  // trainer
+  int64_t max_steps = 1, log_every_n_steps = 1;
+  double gradient_clip_val = 0;
+  // exp_manager
+  std::string explicit_log_dir, exp_dir = "nemo_experiments", exp_name, version = "version_0";
+  bool resume_if_exists = false, resume_ignore_no_checkpoint = false;
+  std::string resume_from_checkpoint;
+  bool create_checkpoint_callback = true, async_checkpointing = false;
+  int64_t save_top_k = -1, every_n_train_steps = 0;
+  bool log_parameter_norm = true, log_gradient_norm = true;
+  // data
+  int64_t micro_batch_size = 1, global_batch_size = 1, seq_length = 128;
+  std::vector<std::pair<double, std::string>> data_prefix;  // (weight, prefix)
+  // model and optimisation
+  ModelConfig model;
+  AdamWConfig optim;
+  ScheduleConfig sched;
+  std::string precision = "fp32";
+  std::vector<std::string> ignored;  // Neuron-only keys accepted and ignored
+
+  std::string RunDir() const;
+  std::string CheckpointDir() const { return RunDir() + "/checkpoints"; }
+};
+
+// Throws migrate::InputError (bad YAML or override) or ckpt::Error (bad
+// value), naming the file and key.
+TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::string>& overrides);
+
+}  // namespace train

@@ -1,0 +1,157 @@
+#include "libtrain/trainer.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/error.h"
+#include "ckpt/pt_file.h"
+#include "libtrain/indexed_dataset.h"
+#include "libtrain/model.h"
+#include "libtrain/optimizer.h"
+
+namespace train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+const std::string kRankFile = "dp_rank_00_tp_rank_00_pp_rank_00.pt";
+
+double AsNumber(const ckpt::Value& v) {
+  if (v.is_tensor()) {
+    const ckpt::Tensor t = v.as_tensor().Contiguous();
+    if (t.dtype() == ckpt::DType::kFloat32) return *reinterpret_cast<const float*>(t.data());
+    if (t.dtype() == ckpt::DType::kInt64) return static_cast<double>(*reinterpret_cast<const int64_t*>(t.data()));
+  }
+  return v.as_float();
+}
+
+std::string Bar(int64_t done, int64_t total) {
+  const int width = 30;
+  const int filled = static_cast<int>(width * done / std::max<int64_t>(total, 1));
+  return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
+}
+
+}  // namespace
+
+TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& log) {
+  TrainResult result;
+  for (const auto& k : c.ignored) log("info: " + k + " is a Neuron setting; accepted and ignored here");
+  // Data.
+  std::vector<std::shared_ptr<IndexedDataset>> datasets;
+  std::vector<double> weights;
+  for (const auto& [w, prefix] : c.data_prefix) {
+    datasets.push_back(std::make_shared<IndexedDataset>(prefix));
+    weights.push_back(w);
+  }
+  SampleSource data(datasets, weights, c.seq_length, c.seed);
+  Model model(c.model);
+  model.InitWeights();
+  AdamW adamw(model, c.optim);
+
+  // Resume.
+  const std::string run_dir = c.RunDir(), ckpt_dir = c.CheckpointDir();
+  ckpt::Env::Default()->CreateDirs(run_dir);
+  int64_t step = 0, consumed = 0;
+  const auto tag = ckpt::ResolveResume(ckpt::Env::Default(), ckpt_dir,
+                                       {c.resume_if_exists, c.resume_ignore_no_checkpoint, c.resume_from_checkpoint, false}, log);
+  if (tag) {
+    try {
+      model.LoadStateDict(ckpt::LoadPt(*tag + "/model/" + kRankFile));
+      adamw.LoadStateDict(ckpt::LoadPt(*tag + "/optim/" + kRankFile));
+      const ckpt::Value uc = ckpt::LoadPt(*tag + "/" + ckpt::kUserContentFile);
+      step = uc.as_dict().At("global_step").as_int();
+      consumed = static_cast<int64_t>(AsNumber(uc.as_dict().At("consumed_samples")));
+    } catch (const ckpt::Error& e) {
+      throw ckpt::Error(*tag + ": cannot resume: " + e.what());
+    }
+    result.resumed_from = *tag;
+    log("resumed from " + *tag + " at step " + std::to_string(step) + ", " + std::to_string(consumed) + " samples consumed");
+  }
+  result.start_step = step;
+
+  std::unique_ptr<ckpt::CheckpointStore> store;
+  auto pool = ckpt::SnapshotPool::Create();
+  if (c.create_checkpoint_callback) {
+    store = std::make_unique<ckpt::CheckpointStore>(ckpt::StoreOptions{
+        .dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .log = log});
+    pool->Reserve(model.StateDict());
+  }
+  auto save = [&](int64_t global_step, double lr) {
+    if (!store) return;
+    ckpt::Value sched = ckpt::Value::NewDict(), user = ckpt::Value::NewDict();
+    sched.as_dict().Set("last_epoch", ckpt::Value(global_step));
+    sched.as_dict().Set("base_lrs", ckpt::Value::List({ckpt::Value(c.optim.lr)}));
+    sched.as_dict().Set("_last_lr", ckpt::Value::List({ckpt::Value(lr)}));
+    sched.as_dict().Set("name", ckpt::Value(c.sched.name));
+    user.as_dict().Set("epoch", ckpt::Value(0));
+    user.as_dict().Set("global_step", ckpt::Value(global_step));
+    user.as_dict().Set("consumed_samples", ckpt::Value(static_cast<double>(consumed)));
+    ckpt::Snapshot snap;
+    snap.tag = {c.name, global_step, static_cast<double>(consumed), false};
+    snap.files = {{"model/" + kRankFile, ckpt::CopyForSnapshot(model.StateDict(), pool.get()), {.weights_only = true}},
+                  {"optim/" + kRankFile, ckpt::CopyForSnapshot(adamw.StateDict(lr), pool.get()), {}},
+                  {ckpt::kSchedulerFile, sched, {}},
+                  {ckpt::kUserContentFile, user, {}}};
+    store->Save(std::move(snap));
+  };
+
+  std::ofstream metrics(run_dir + "/metrics.jsonl", std::ios::app);
+  const bool tty = ::isatty(2);
+  const int64_t micro = c.global_batch_size / c.micro_batch_size, B = c.micro_batch_size, T = c.seq_length;
+  std::vector<int32_t> sample(T + 1), tokens(B * T), targets(B * T);
+  double lr = 0;
+  int64_t last_saved = tag ? step : -1;
+  while (step < c.max_steps) {
+    const auto t0 = Clock::now();
+    model.ZeroGrad();
+    double loss = 0;
+    for (int64_t m = 0; m < micro; ++m) {
+      for (int64_t b = 0; b < B; ++b) {
+        data.Sample(consumed + m * B + b, sample.data());
+        std::copy(sample.begin(), sample.end() - 1, tokens.begin() + b * T);
+        std::copy(sample.begin() + 1, sample.end(), targets.begin() + b * T);
+      }
+      loss += model.Forward(tokens.data(), targets.data(), B, T) / static_cast<double>(micro);
+      model.Backward();
+    }
+    if (micro > 1)  // the mean over micro-batches
+      for (const auto& p : model.layout()) {
+        float* g = reinterpret_cast<float*>(model.grad(p.name).mutable_data());
+        for (int64_t i = 0, n = model.grad(p.name).numel(); i < n; ++i) g[i] /= static_cast<float>(micro);
+      }
+    const double grad_norm = ClipGradNorm(model, c.gradient_clip_val);
+    lr = LrAt(c.sched, c.optim.lr, step);
+    adamw.Step(model, lr);
+    consumed += c.global_batch_size;
+    ++step;
+    result.losses.push_back(loss);
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double tps = static_cast<double>(c.global_batch_size * T) / secs;
+    nlohmann::ordered_json j = {{"step", step}, {"loss", loss}, {"lr", lr}, {"consumed_samples", consumed}, {"tokens_per_s", tps}};
+    if (c.log_gradient_norm) j["grad_norm"] = grad_norm;
+    if (c.log_parameter_norm) j["param_norm"] = ParamNorm(model);
+    metrics << j.dump() << "\n" << std::flush;
+    if (step % c.log_every_n_steps == 0 || step == c.max_steps) {
+      char line[256];
+      std::snprintf(line, sizeof line, "step %lld/%lld loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f",
+                    static_cast<long long>(step), static_cast<long long>(c.max_steps), loss, lr, grad_norm, tps);
+      if (tty) std::fprintf(stderr, "\r%s %s", Bar(step, c.max_steps).c_str(), line), std::fflush(stderr);
+      else log(line);
+    }
+    if (c.every_n_train_steps > 0 && step % c.every_n_train_steps == 0) save(step, lr), last_saved = step;
+  }
+  if (tty) std::fprintf(stderr, "\n");
+  if (last_saved != step) save(step, lr);
+  if (store) store->Finalize();
+  result.end_step = step;
+  return result;
+}
+
+}  // namespace train

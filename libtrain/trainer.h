@@ -1,0 +1,25 @@
+// The single-process training loop: resumes by itself (NxDT exp_manager
+// semantics through the checkpoint store), accumulates gradients over
+// global_batch_size / micro_batch_size micro-batches, clips, steps AdamW on
+// the schedule, logs every step (a progress bar on a terminal, a line per
+// step otherwise; metrics appended to <run>/metrics.jsonl) and checkpoints
+// every every_n_train_steps and at the end, in NxDT's layout. The data
+// position is consumed_samples: the sample order is a function of the config.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "libtrain/train_config.h"
+
+namespace train {
+
+struct TrainResult {
+  int64_t start_step = 0, end_step = 0;
+  std::vector<double> losses;  // one per step run
+  std::string resumed_from;
+};
+
+TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& log);
+
+}  // namespace train

@@ -1,0 +1,105 @@
+"""shardkit-train end to end: it learns, and a run SIGKILLed after a checkpoint
+resumes by itself to exactly the run that was never interrupted."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import time
+import unittest
+
+from canon import TOKENIZE, TRAIN, TempDirTest, run
+
+CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf", "tiny_llama.yaml")
+TEXT = "/usr/share/common-licenses/GPL-3"  # in every Debian (base-files)
+STEPS = 120
+
+
+def args(log_dir, async_save):
+    return [TRAIN, CONF, f"exp_manager.explicit_log_dir={log_dir}", f"trainer.max_steps={STEPS}",
+            "exp_manager.checkpoint_callback_params.every_n_train_steps=20",
+            "exp_manager.checkpoint_callback_params.save_top_k=3",
+            f"exp_manager.async_checkpointing={async_save}", "+model.optim.sched.max_steps=120"]
+
+
+def losses(log_dir):
+    """The last logged loss of every step (a resumed run logs some steps twice)."""
+    out = {}
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        for line in f:
+            m = json.loads(line)
+            out[m["step"]] = m["loss"]
+    return out
+
+
+class TrainAndResume(TempDirTest):
+    def setUp(self):
+        super().setUp()
+        os.makedirs(os.path.join(self.dir, "data"))
+        run(TOKENIZE, TEXT, os.path.join(self.dir, "data", "text_document"))
+
+    def train(self, log_dir, async_save):
+        return subprocess.run(args(log_dir, async_save), cwd=self.dir, capture_output=True, text=True, check=True)
+
+    def test_loss_falls(self):
+        self.train("straight", "True")
+        l = losses(os.path.join(self.dir, "straight"))
+        first, last = sum(l[s] for s in range(1, 6)) / 5, sum(l[s] for s in range(STEPS - 4, STEPS + 1)) / 5
+        self.assertLess(last, 0.6 * first, f"loss {first:.3f} -> {last:.3f}")
+
+    def check_exact_resume(self, async_save):
+        self.train("straight", async_save)
+        killed = os.path.join(self.dir, "killed")
+        p = subprocess.Popen(args(killed, async_save), cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while not glob.glob(os.path.join(killed, "checkpoints", "*step=40*", "done")):
+            self.assertIsNone(p.poll(), "the run finished before it could be killed")
+            self.assertLess(time.time(), deadline)
+            time.sleep(0.002)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        r = self.train("killed", async_save)
+        self.assertRegex(r.stderr, r"resumed from .*step=(40|60|80|100)")
+        a, b = losses(os.path.join(self.dir, "straight")), losses(killed)
+        self.assertEqual(sorted(a), list(range(1, STEPS + 1)))
+        self.assertEqual(a, b)  # identical loss at every step
+        rel = f"checkpoints/tiny_llama--step={STEPS}-consumed_samples={8.0 * STEPS}.ckpt"
+        for sub in ("model", "optim"):
+            with open(os.path.join(self.dir, "straight", rel, sub, "dp_rank_00_tp_rank_00_pp_rank_00.pt"), "rb") as f1, \
+                 open(os.path.join(killed, rel, sub, "dp_rank_00_tp_rank_00_pp_rank_00.pt"), "rb") as f2:
+                self.assertEqual(f1.read(), f2.read(), f"{sub} files differ")
+
+    def test_exact_resume_after_sigkill_async_saves(self):
+        self.check_exact_resume("True")
+
+    def test_exact_resume_after_sigkill_sync_saves(self):
+        self.check_exact_resume("False")
+
+    def test_precise_errors_before_any_work(self):
+        cases = [
+            (["data.data_prefix=[1.0,missing/prefix]"], "missing/prefix.idx: missing"),
+            (["data.global_batch_size=6"], "data.global_batch_size: 6 is not a multiple of data.micro_batch_size (4)"),
+            (["distributed_strategy.tensor_model_parallel_size=2"], "distributed_strategy: tp=2 pp=1"),
+            (["model.num_kv_heads=3"], "model.num_kv_heads: must divide num_attention_heads (4)"),
+            (["precision.type=mixed_precision"], "precision.type: 'mixed_precision' is not supported yet"),
+            (["model.hidden=1"], "override 'model.hidden=1': key 'model.hidden' is not in the config"),
+        ]
+        for overrides, message in cases:
+            with self.subTest(message):
+                p = subprocess.run([TRAIN, CONF, "exp_manager.explicit_log_dir=bad", *overrides], cwd=self.dir,
+                                   capture_output=True, text=True)
+                self.assertNotEqual(p.returncode, 0)
+                self.assertIn(message, p.stderr)
+                self.assertFalse(os.path.exists(os.path.join(self.dir, "bad", "checkpoints")))
+
+    def test_checkpoint_that_does_not_fit_the_config_is_an_error(self):
+        self.train("run", "False")
+        p = subprocess.run(args(os.path.join(self.dir, "run"), "False") + ["model.hidden_size=32", "trainer.max_steps=130"],
+                           cwd=self.dir, capture_output=True, text=True)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("cannot resume", p.stderr)
+        self.assertIn("wrong shape for this config", p.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
