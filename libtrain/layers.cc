@@ -14,14 +14,38 @@ using Map = Eigen::Map<Mat>;
 using CMap = Eigen::Map<const Mat>;
 }  // namespace
 
+// Eigen runs a product on one thread here; these split it into row blocks
+// across TBB tasks. Each output row is computed by the same code whatever the
+// split, so results do not depend on the thread count.
+namespace {
+template <typename F>
+void RowBlocks(int64_t rows, const F& f) {
+  const int64_t block = std::max<int64_t>(16, rows / 16);
+  tbb::parallel_for(int64_t{0}, (rows + block - 1) / block, [&](int64_t b) {
+    const int64_t r0 = b * block;
+    f(r0, std::min(rows, r0 + block) - r0);
+  });
+}
+}  // namespace
+
 void LinearForward(float* out, const float* x, const float* w, int64_t N, int64_t K, int64_t C) {
-  Map(out, N, C).noalias() = CMap(x, N, K) * CMap(w, C, K).transpose();
+  RowBlocks(N, [&](int64_t r0, int64_t n) {
+    Map(out + r0 * C, n, C).noalias() = CMap(x + r0 * K, n, K) * CMap(w, C, K).transpose();
+  });
 }
 
 void LinearBackward(float* dx, float* dw, const float* dout, const float* x, const float* w, int64_t N, int64_t K,
                     int64_t C) {
-  if (dx) Map(dx, N, K).noalias() = CMap(dout, N, C) * CMap(w, C, K);
-  Map(dw, C, K).noalias() += CMap(dout, N, C).transpose() * CMap(x, N, K);
+  if (dx)
+    RowBlocks(N, [&](int64_t r0, int64_t n) {
+      Map(dx + r0 * K, n, K).noalias() = CMap(dout + r0 * C, n, C) * CMap(w, C, K);
+    });
+  // dw rows c0..c1 need dout's columns c0..c1: a strided block of dout.
+  using Stride = Eigen::OuterStride<>;
+  RowBlocks(C, [&](int64_t c0, int64_t n) {
+    Eigen::Map<const Mat, 0, Stride> dcols(dout + c0, N, n, Stride(C));
+    Map(dw + c0 * K, n, K).noalias() += dcols.transpose() * CMap(x, N, K);
+  });
 }
 
 void EmbeddingForward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t H) {

@@ -162,6 +162,11 @@ void Model::AttentionForward(int l, LayerCache& lc) {
         std::memcpy(&lc.v[((b * G + g) * T + t) * hd], kvsrc + n * kvstride + vcol(g), hd * sizeof(float));
       }
     }
+  AttentionCore(lc);
+}
+
+void Model::AttentionCore(LayerCache& lc) {
+  const int64_t B = B_, T = T_, N = B * T, H = c_.hidden, hd = c_.head_dim(), nh = c_.heads, G = c_.kv_heads;
   lc.att.assign(B * nh * T * T, 0.f);
   lc.y.assign(N * H, 0.f);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -265,9 +270,48 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
   }
 }
 
+void Model::LayerForward(int l, LayerCache& lc, float* out) {
+  const int64_t N = B_ * T_, H = c_.hidden, F = c_.ffn;
+  lc.ln1.resize(N * H), lc.rstd1.resize(N);
+  RmsNormForward(lc.ln1.data(), lc.rstd1.data(), lc.x.data(), W(LayerName(l, "input_layernorm.weight")), c_.eps, N, H);
+  AttentionForward(l, lc);
+  std::vector<float> attn_out(N * H);
+  LinearForward(attn_out.data(), lc.y.data(), W(LayerName(l, "self_attention.dense.weight")), N, H, H);
+  lc.x2.resize(N * H);
+  for (int64_t i = 0; i < N * H; ++i) lc.x2[i] = lc.x[i] + attn_out[i];
+  lc.ln2.resize(N * H), lc.rstd2.resize(N);
+  RmsNormForward(lc.ln2.data(), lc.rstd2.data(), lc.x2.data(), W(LayerName(l, "post_attention_layernorm.weight")), c_.eps, N, H);
+  lc.fc.resize(N * 2 * F), lc.act.resize(N * F);
+  LinearForward(lc.fc.data(), lc.ln2.data(), W(LayerName(l, "mlp.dense_h_to_4h.weight")), N, H, 2 * F);
+  SwiGluForward(lc.act.data(), lc.fc.data(), N, F);
+  std::vector<float> mlp_out(N * H);
+  LinearForward(mlp_out.data(), lc.act.data(), W(LayerName(l, "mlp.dense_4h_to_h.weight")), N, F, H);
+  for (int64_t i = 0; i < N * H; ++i) out[i] = lc.x2[i] + mlp_out[i];
+}
+
+void Model::Drop(LayerCache& lc) {
+  auto release = [](std::vector<float>& v) { std::vector<float>().swap(v); };
+  if (c_.recompute == "selective") {
+    release(lc.att);
+  } else if (c_.recompute == "full") {
+    for (auto* v : {&lc.ln1, &lc.rstd1, &lc.proj, &lc.kvproj, &lc.q, &lc.k, &lc.v, &lc.att, &lc.y, &lc.x2, &lc.ln2,
+                    &lc.rstd2, &lc.fc, &lc.act})
+      release(*v);
+  }
+}
+
+size_t Model::activation_bytes() const {
+  size_t n = x_final_.size() + lnf_.size() + rstdf_.size() + logits_.size() + probs_.size();
+  for (const auto& lc : cache_)
+    for (const auto* v : {&lc.x, &lc.ln1, &lc.rstd1, &lc.proj, &lc.kvproj, &lc.q, &lc.k, &lc.v, &lc.att, &lc.y, &lc.x2,
+                          &lc.ln2, &lc.rstd2, &lc.fc, &lc.act})
+      n += v->size();
+  return n * sizeof(float);
+}
+
 float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T) {
   B_ = B, T_ = T;
-  const int64_t N = B * T, H = c_.hidden, F = c_.ffn, V = c_.vocab;
+  const int64_t N = B * T, H = c_.hidden, V = c_.vocab;
   for (int64_t n = 0; n < N; ++n)
     if (tokens[n] < 0 || tokens[n] >= V || targets[n] < 0 || targets[n] >= V)
       throw ckpt::Error("token id " + std::to_string(tokens[n] < 0 || tokens[n] >= V ? tokens[n] : targets[n]) +
@@ -280,21 +324,8 @@ float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, i
   for (int l = 0; l < c_.layers; ++l) {
     LayerCache& lc = cache_[l];
     lc.x = x;
-    lc.ln1.resize(N * H), lc.rstd1.resize(N);
-    RmsNormForward(lc.ln1.data(), lc.rstd1.data(), lc.x.data(), W(LayerName(l, "input_layernorm.weight")), c_.eps, N, H);
-    AttentionForward(l, lc);
-    std::vector<float> attn_out(N * H);
-    LinearForward(attn_out.data(), lc.y.data(), W(LayerName(l, "self_attention.dense.weight")), N, H, H);
-    lc.x2.resize(N * H);
-    for (int64_t i = 0; i < N * H; ++i) lc.x2[i] = lc.x[i] + attn_out[i];
-    lc.ln2.resize(N * H), lc.rstd2.resize(N);
-    RmsNormForward(lc.ln2.data(), lc.rstd2.data(), lc.x2.data(), W(LayerName(l, "post_attention_layernorm.weight")), c_.eps, N, H);
-    lc.fc.resize(N * 2 * F), lc.act.resize(N * F);
-    LinearForward(lc.fc.data(), lc.ln2.data(), W(LayerName(l, "mlp.dense_h_to_4h.weight")), N, H, 2 * F);
-    SwiGluForward(lc.act.data(), lc.fc.data(), N, F);
-    std::vector<float> mlp_out(N * H);
-    LinearForward(mlp_out.data(), lc.act.data(), W(LayerName(l, "mlp.dense_4h_to_h.weight")), N, F, H);
-    for (int64_t i = 0; i < N * H; ++i) x[i] = lc.x2[i] + mlp_out[i];
+    LayerForward(l, lc, x.data());
+    Drop(lc);
   }
   x_final_ = x;
   lnf_.resize(N * H), rstdf_.resize(N);
@@ -315,6 +346,12 @@ void Model::Backward() {
   std::vector<float> dact(N * F), dfc(N * 2 * F), dln(N * H), dpart(N * H), dy(N * H);
   for (int l = c_.layers - 1; l >= 0; --l) {
     LayerCache& lc = cache_[l];
+    if (lc.fc.empty()) {  // full recompute: rebuild the layer's activations from its input
+      std::vector<float> unused(N * H);
+      LayerForward(l, lc, unused.data());
+    } else if (lc.att.empty()) {  // selective: rebuild the attention probabilities
+      AttentionCore(lc);
+    }
     // MLP block: dx is the gradient at the layer output (x2 + mlp_out).
     LinearBackward(dact.data(), Dw(LayerName(l, "mlp.dense_4h_to_h.weight")), dx.data(), lc.act.data(),
                    W(LayerName(l, "mlp.dense_4h_to_h.weight")), N, F, H);
@@ -331,6 +368,7 @@ void Model::Backward() {
     RmsNormBackward(dpart.data(), Dw(LayerName(l, "input_layernorm.weight")), dln.data(), lc.x.data(),
                     W(LayerName(l, "input_layernorm.weight")), lc.rstd1.data(), N, H);
     for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // the gradient at the layer input
+    Drop(lc);
   }
   EmbeddingBackward(Dw("language_model.embedding.word_embeddings.weight"), dx.data(), tokens_.data(), N, H);
 }

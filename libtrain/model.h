@@ -27,6 +27,11 @@ struct ModelConfig {
   double rotary_percentage = 1.0;
   float init_std = 0.02f;
   bool scaled_init = true;
+  // activations_checkpoint_granularity: "" keeps every activation; "full"
+  // keeps each layer's input and recomputes the layer in backward;
+  // "selective" drops the attention probabilities ([B, heads, T, T]) and
+  // recomputes them. Gradients are bit-identical either way.
+  std::string recompute;
   uint64_t seed = 1234;
   int64_t head_dim() const { return hidden / heads; }
   int64_t rotary_dim() const { return static_cast<int64_t>(head_dim() * rotary_percentage) / 2 * 2; }
@@ -65,6 +70,8 @@ class Model {
   ckpt::Tensor& grad(const std::string& name);
   const std::vector<ParamInfo>& layout() const { return layout_; }
   const std::vector<float>& logits() const { return logits_; }
+  // Bytes of activations held for backward after the last Forward.
+  size_t activation_bytes() const;
 
   // name -> tensor, viewing the model's own memory (no copy).
   ckpt::Value StateDict() const;
@@ -77,8 +84,14 @@ class Model {
   struct LayerCache;
   float* W(const std::string& n) { return reinterpret_cast<float*>(param(n).mutable_data()); }
   float* Dw(const std::string& n) { return reinterpret_cast<float*>(grad(n).mutable_data()); }
+  // Runs layer l on lc.x, filling lc and writing the layer output to `out`.
+  void LayerForward(int l, LayerCache& lc, float* out);
   void AttentionForward(int l, LayerCache& lc);
+  // Softmax attention from lc.q/k/v into lc.att and lc.y.
+  void AttentionCore(LayerCache& lc);
   void AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln1);
+  // Frees what the recompute granularity does not keep.
+  void Drop(LayerCache& lc);
 
   ModelConfig c_;
   std::vector<ParamInfo> layout_;

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstring>
 
+#include <tbb/parallel_for.h>
+
 #include "ckpt/error.h"
 
 namespace train {
@@ -31,12 +33,14 @@ void AdamW::Step(Model& m, double lr) {
     float* vo = reinterpret_cast<float*>(v_[i].mutable_data());
     const float decay = group_[i] == 0 ? static_cast<float>(1 - lr * c_.weight_decay) : 1.0f;
     const int64_t n = m_[i].numel();
-    for (int64_t j = 0; j < n; ++j) {
-      w[j] *= decay;
-      mo[j] = b1 * mo[j] + (1 - b1) * g[j];
-      vo[j] = b2 * vo[j] + (1 - b2) * g[j] * g[j];
-      w[j] -= step_size * mo[j] / (std::sqrt(vo[j]) / bc2_sqrt + eps);
-    }
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16), [&](const tbb::blocked_range<int64_t>& r) {
+      for (int64_t j = r.begin(); j < r.end(); ++j) {  // elementwise: the same result on any split
+        w[j] *= decay;
+        mo[j] = b1 * mo[j] + (1 - b1) * g[j];
+        vo[j] = b2 * vo[j] + (1 - b2) * g[j] * g[j];
+        w[j] -= step_size * mo[j] / (std::sqrt(vo[j]) / bc2_sqrt + eps);
+      }
+    });
   }
 }
 
@@ -99,32 +103,44 @@ void AdamW::LoadStateDict(const ckpt::Value& sd) {
   step_ = step < 0 ? 0 : step;
 }
 
-double ClipGradNorm(Model& m, double max_norm) {
-  double sq = 0;
+namespace {
+// Sum of squares over every tensor, reduced in a fixed order (fixed-size
+// chunks summed in sequence) so the result does not depend on the threads.
+double SumSquares(Model& m, bool grads) {
+  constexpr int64_t kChunk = 1 << 16;
+  double total = 0;
   for (const auto& p : m.layout()) {
-    const float* g = reinterpret_cast<const float*>(m.grad(p.name).data());
-    for (int64_t i = 0, n = m.grad(p.name).numel(); i < n; ++i) sq += double{g[i]} * g[i];
+    const ckpt::Tensor& t = grads ? m.grad(p.name) : m.param(p.name);
+    const float* x = reinterpret_cast<const float*>(t.data());
+    const int64_t n = t.numel(), chunks = (n + kChunk - 1) / kChunk;
+    std::vector<double> part(chunks);
+    tbb::parallel_for(int64_t{0}, chunks, [&](int64_t c) {
+      double s = 0;
+      for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) s += double{x[i]} * x[i];
+      part[c] = s;
+    });
+    for (double s : part) total += s;
   }
-  const double norm = std::sqrt(sq);
+  return total;
+}
+}  // namespace
+
+double ClipGradNorm(Model& m, double max_norm) {
+  const double norm = std::sqrt(SumSquares(m, true));
   if (max_norm > 0) {
     const double coef = max_norm / (norm + 1e-6);
     if (coef < 1)
       for (const auto& p : m.layout()) {
         float* g = reinterpret_cast<float*>(m.grad(p.name).mutable_data());
-        for (int64_t i = 0, n = m.grad(p.name).numel(); i < n; ++i) g[i] = static_cast<float>(g[i] * coef);
+        tbb::parallel_for(tbb::blocked_range<int64_t>(0, m.grad(p.name).numel(), 1 << 16), [&](const tbb::blocked_range<int64_t>& r) {
+          for (int64_t i = r.begin(); i < r.end(); ++i) g[i] = static_cast<float>(g[i] * coef);
+        });
       }
   }
   return norm;
 }
 
-double ParamNorm(Model& m) {
-  double sq = 0;
-  for (const auto& p : m.layout()) {
-    const float* w = reinterpret_cast<const float*>(m.param(p.name).data());
-    for (int64_t i = 0, n = m.param(p.name).numel(); i < n; ++i) sq += double{w[i]} * w[i];
-  }
-  return std::sqrt(sq);
-}
+double ParamNorm(Model& m) { return std::sqrt(SumSquares(m, false)); }
 
 double LrAt(const ScheduleConfig& s, double base, int64_t step) {
   const double w = static_cast<double>(s.warmup_steps);

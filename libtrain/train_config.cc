@@ -153,6 +153,9 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
   m.init_std = static_cast<float>(r.Number("model.init_method_std", 0.02));
   m.scaled_init = r.Bool("model.use_scaled_init_method", true);
   m.seed = c.seed;
+  m.recompute = r.Str("model.activations_checkpoint_granularity", "");
+  if (m.recompute != "" && m.recompute != "full" && m.recompute != "selective")
+    r.Fail("model.activations_checkpoint_granularity", "'" + m.recompute + "' is not full, selective or null");
   for (const auto& [key, want] : std::vector<std::pair<std::string, std::string>>{
            {"model.normalization", "rmsnorm"}, {"model.activation", "swiglu"}, {"model.position_embedding_type", "rope"}})
     if (r.Str(key, want) != want) r.Fail(key, "'" + r.Str(key, want) + "' is not supported yet (only " + want + ")");
@@ -194,7 +197,7 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
   for (const char* k : {"compiler_flags", "compiler_cache_url", "aync_exec_max_inflight_requests", "bucket_size_collectives",
                         "neuron_rt_exec_timeout", "neuron_experimental_compress_rg", "model.fusions", "model.use_cpu_initialization",
                         "distributed_strategy.sequence_parallel", "exp_manager.save_xser", "exp_manager.load_xser",
-                        "model.activations_checkpoint_granularity", "model.activations_checkpoint_recompute"})
+                        "model.activations_checkpoint_recompute"})
     if (r.Has(k)) c.ignored.push_back(k);
   return c;
 }

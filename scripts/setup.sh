@@ -9,6 +9,7 @@ PACKAGES=(
   libeigen3-dev libopenmpi-dev openmpi-bin libcli11-dev libxxhash-dev libdeflate-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-torch python3-numpy
+  libopenblas0-pthread  # the BLAS torch uses in benchmarks (Debian otherwise gives it reference BLAS)
 )
 
 missing=()
