@@ -130,7 +130,7 @@ void IndexedDataset::Write(const std::string& prefix, const std::vector<std::vec
   });
 }
 
-SampleSource::SampleSource(std::vector<std::shared_ptr<IndexedDataset>> datasets, std::vector<double> weights,
+SampleSource::SampleSource(std::vector<std::shared_ptr<TokenSource>> datasets, std::vector<double> weights,
                            int64_t seq_length, uint64_t seed)
     : datasets_(std::move(datasets)), weights_(std::move(weights)), seq_(seq_length), seed_(seed) {
   if (datasets_.empty()) throw ckpt::Error("no training data given (data.data_prefix)");

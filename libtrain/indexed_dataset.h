@@ -16,17 +16,27 @@
 
 namespace train {
 
-class IndexedDataset {
+// A stream of token ids: the concatenation of a dataset's documents.
+class TokenSource {
+ public:
+  virtual ~TokenSource() = default;
+  virtual int64_t num_tokens() const = 0;
+  // Tokens [pos, pos + count) of the stream; throws ckpt::Error when out of range.
+  virtual void ReadTokens(int64_t pos, int64_t count, int32_t* out) const = 0;
+  // The name used in messages (a prefix or a file).
+  virtual const std::string& prefix() const = 0;
+};
+
+class IndexedDataset : public TokenSource {
  public:
   // Throws ckpt::Error naming the file and what is wrong with it.
   explicit IndexedDataset(const std::string& prefix, ckpt::Env* env = ckpt::Env::Default());
 
   int64_t num_sequences() const { return static_cast<int64_t>(sizes_.size()); }
-  int64_t num_tokens() const { return total_; }
+  int64_t num_tokens() const override { return total_; }
   int64_t size(int64_t i) const { return sizes_[i]; }
-  // Token `pos` of the concatenation of all sequences.
-  void ReadTokens(int64_t pos, int64_t count, int32_t* out) const;
-  const std::string& prefix() const { return prefix_; }
+  void ReadTokens(int64_t pos, int64_t count, int32_t* out) const override;
+  const std::string& prefix() const override { return prefix_; }
 
   // Writes a dataset (atomically); dtype code 8 (uint16) when every id fits, else 4 (int32).
   static void Write(const std::string& prefix, const std::vector<std::vector<int32_t>>& docs,
@@ -52,7 +62,7 @@ class IndexedDataset {
 // the position in the data.
 class SampleSource {
  public:
-  SampleSource(std::vector<std::shared_ptr<IndexedDataset>> datasets, std::vector<double> weights, int64_t seq_length,
+  SampleSource(std::vector<std::shared_ptr<TokenSource>> datasets, std::vector<double> weights, int64_t seq_length,
                uint64_t seed);
   // Tokens of global sample `i` (seq_length + 1 of them).
   void Sample(int64_t i, int32_t* out) const;
@@ -60,7 +70,7 @@ class SampleSource {
 
  private:
   int64_t WindowFor(size_t d, int64_t k) const;  // k-th sample drawn from dataset d
-  std::vector<std::shared_ptr<IndexedDataset>> datasets_;
+  std::vector<std::shared_ptr<TokenSource>> datasets_;
   std::vector<double> weights_;
   std::vector<int64_t> windows_;
   int64_t seq_;

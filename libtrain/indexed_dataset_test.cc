@@ -59,7 +59,7 @@ TEST(SampleSource, DeterministicWindowsAndBlending) {
   for (int i = 0; i < 401; ++i) a[i] = i, b[i] = 1000 + i;
   IndexedDataset::Write(d / "a", {a});
   IndexedDataset::Write(d / "b", {b});
-  auto da = std::make_shared<IndexedDataset>(d / "a"), db = std::make_shared<IndexedDataset>(d / "b");
+  std::shared_ptr<TokenSource> da = std::make_shared<IndexedDataset>(d / "a"), db = std::make_shared<IndexedDataset>(d / "b");
   SampleSource one({da}, {1.0}, 8, 42);
   EXPECT_EQ(one.samples_per_epoch(0), 50);
   // One epoch visits every window exactly once; each sample is 9 consecutive tokens.

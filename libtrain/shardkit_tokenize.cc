@@ -10,14 +10,17 @@
 #include <sstream>
 
 #include "ckpt/error.h"
+#include "libtrain/hdf5_dataset.h"
 #include "libtrain/indexed_dataset.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"Byte-level tokenizer writing Megatron mmap indexed datasets"};
   std::vector<std::string> args;
   bool dump = false;
+  std::string format = "mmap";
   app.add_option("args", args, "INPUT.txt OUTPUT_PREFIX, or with --dump: PREFIX START COUNT")->required();
   app.add_flag("--dump", dump, "print tokens of an existing dataset");
+  app.add_option("--format", format, "mmap (PREFIX.bin/.idx) or hdf5 (one file, OUTPUT_PREFIX.h5)")->check(CLI::IsMember({"mmap", "hdf5"}));
   CLI11_PARSE(app, argc, argv);
   try {
     if (dump) {
@@ -48,10 +51,17 @@ int main(int argc, char** argv) {
     if (docs.back().empty()) docs.pop_back();
     else docs.back().push_back(256);
     if (docs.empty()) throw ckpt::Error(args[0] + ": no text");
-    train::IndexedDataset::Write(args[1], docs);
+    if (format == "hdf5") {
+      std::vector<int32_t> flat;
+      for (const auto& d : docs) flat.insert(flat.end(), d.begin(), d.end());
+      train::Hdf5Dataset::Write(args[1] + ".h5", flat);
+    } else {
+      train::IndexedDataset::Write(args[1], docs);
+    }
     int64_t tokens = 0;
     for (const auto& d : docs) tokens += static_cast<int64_t>(d.size());
-    std::cout << "shardkit-tokenize: " << docs.size() << " documents, " << tokens << " tokens -> " << args[1] << ".bin/.idx\n";
+    std::cout << "shardkit-tokenize: " << docs.size() << " documents, " << tokens << " tokens -> " << args[1]
+              << (format == "hdf5" ? ".h5" : ".bin/.idx") << "\n";
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "shardkit-tokenize: " << e.what() << "\n";

@@ -125,8 +125,9 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
     r.Fail("data.global_batch_size", std::to_string(c.global_batch_size) + " is not a multiple of data.micro_batch_size (" +
                                          std::to_string(c.micro_batch_size) + ")");
   c.seq_length = r.Int("data.seq_length", r.Int("model.encoder_seq_length", 128, 1), 1);
-  const std::string impl = r.Str("data.data_impl", "mmap");
-  if (impl != "mmap") r.Fail("data.data_impl", "'" + impl + "' is not supported (mmap indexed datasets are)");
+  c.data_impl = r.Str("data.data_impl", "mmap");
+  if (c.data_impl != "mmap" && c.data_impl != "hdf5")
+    r.Fail("data.data_impl", "'" + c.data_impl + "' is not supported (mmap: Megatron indexed datasets; hdf5: one token dataset per file)");
   const YAML::Node prefix = Find(r.root(), "data.data_prefix");
   if (!prefix.IsDefined() || prefix.IsNull() || (prefix.IsScalar() && prefix.Scalar() == "???"))
     r.Fail("data.data_prefix", "must name the training data ([weight, prefix, ...] or a prefix)");

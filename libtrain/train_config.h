@@ -29,7 +29,8 @@ struct TrainConfig {
   bool log_parameter_norm = true, log_gradient_norm = true;
   // data
   int64_t micro_batch_size = 1, global_batch_size = 1, seq_length = 128;
-  std::vector<std::pair<double, std::string>> data_prefix;  // (weight, prefix)
+  std::vector<std::pair<double, std::string>> data_prefix;  // (weight, prefix or .h5 file)
+  std::string data_impl = "mmap";                           // mmap (Megatron .bin/.idx) or hdf5
   // model and optimisation
   ModelConfig model;
   AdamWConfig optim;

@@ -12,6 +12,7 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/error.h"
 #include "ckpt/pt_file.h"
+#include "libtrain/hdf5_dataset.h"
 #include "libtrain/indexed_dataset.h"
 #include "libtrain/model.h"
 #include "libtrain/optimizer.h"
@@ -44,10 +45,11 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   TrainResult result;
   for (const auto& k : c.ignored) log("info: " + k + " is a Neuron setting; accepted and ignored here");
   // Data.
-  std::vector<std::shared_ptr<IndexedDataset>> datasets;
+  std::vector<std::shared_ptr<TokenSource>> datasets;
   std::vector<double> weights;
   for (const auto& [w, prefix] : c.data_prefix) {
-    datasets.push_back(std::make_shared<IndexedDataset>(prefix));
+    if (c.data_impl == "hdf5") datasets.push_back(std::make_shared<Hdf5Dataset>(prefix));
+    else datasets.push_back(std::make_shared<IndexedDataset>(prefix));
     weights.push_back(w);
   }
   SampleSource data(datasets, weights, c.seq_length, c.seed);

@@ -75,6 +75,16 @@ class TrainAndResume(TempDirTest):
     def test_exact_resume_after_sigkill_sync_saves(self):
         self.check_exact_resume("False")
 
+    def test_hdf5_data_trains_identically_to_the_same_tokens_in_mmap(self):
+        run(TOKENIZE, "--format", "hdf5", TEXT, os.path.join(self.dir, "data", "text"))
+        common = [TRAIN, CONF, "trainer.max_steps=15", "exp_manager.create_checkpoint_callback=False"]
+        subprocess.run(common + ["exp_manager.explicit_log_dir=mmap"], cwd=self.dir, check=True, capture_output=True)
+        subprocess.run(common + ["exp_manager.explicit_log_dir=h5", "data.data_impl=hdf5", "data.data_prefix=[1.0,data/text.h5]"],
+                       cwd=self.dir, check=True, capture_output=True)
+        a, b = losses(os.path.join(self.dir, "mmap")), losses(os.path.join(self.dir, "h5"))
+        self.assertEqual(len(a), 15)
+        self.assertEqual(a, b)
+
     def test_precise_errors_before_any_work(self):
         cases = [
             (["data.data_prefix=[1.0,missing/prefix]"], "missing/prefix.idx: missing"),
@@ -82,6 +92,7 @@ class TrainAndResume(TempDirTest):
             (["distributed_strategy.tensor_model_parallel_size=2"], "distributed_strategy: tp=2 pp=1"),
             (["model.num_kv_heads=3"], "model.num_kv_heads: must divide num_attention_heads (4)"),
             (["precision.type=mixed_precision"], "precision.type: 'mixed_precision' is not supported yet"),
+            (["data.data_impl=hdf5", "data.data_prefix=[1.0,data/none.h5]"], "data/none.h5: missing"),
             (["model.hidden=1"], "override 'model.hidden=1': key 'model.hidden' is not in the config"),
         ]
         for overrides, message in cases:
