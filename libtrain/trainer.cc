@@ -83,7 +83,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   if (c.create_checkpoint_callback) {
     store = std::make_unique<ckpt::CheckpointStore>(ckpt::StoreOptions{
         .dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .log = log});
-    pool->Reserve(model.StateDict());
+    pool->Reserve(model.StateDict());  // snapshot buffers, faulted in before the first step
+    pool->Reserve(adamw.StateDict(0));
   }
   auto save = [&](int64_t global_step, double lr) {
     if (!store) return;
