@@ -5,7 +5,7 @@
 #include <mutex>
 #include <numeric>
 #include <random>
-#include <unordered_map>
+#include <map>
 
 #include "ckpt/error.h"
 
@@ -150,16 +150,16 @@ SampleSource::SampleSource(std::vector<std::shared_ptr<TokenSource>> datasets, s
 int64_t SampleSource::WindowFor(size_t d, int64_t k) const {
   // Epoch e visits the windows in a permutation seeded by (seed, dataset, e).
   const int64_t n = windows_[d], epoch = k / n, j = k % n;
-  thread_local std::unordered_map<uint64_t, std::vector<int64_t>> cache;
   const uint64_t key = seed_ * 1000003ull + d * 7919ull + static_cast<uint64_t>(epoch) * 104729ull;
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    if (cache.size() > 8) cache.clear();
+  std::lock_guard<std::mutex> l(perm_mu_);
+  auto it = perm_cache_.find({d, epoch});
+  if (it == perm_cache_.end()) {
+    if (perm_cache_.size() > 8) perm_cache_.clear();
     std::vector<int64_t> perm(n);
     std::iota(perm.begin(), perm.end(), 0);
     std::mt19937_64 rng(key);
     for (int64_t i = n - 1; i > 0; --i) std::swap(perm[i], perm[static_cast<int64_t>(rng() % static_cast<uint64_t>(i + 1))]);
-    it = cache.emplace(key, std::move(perm)).first;
+    it = perm_cache_.emplace(std::pair{d, epoch}, std::move(perm)).first;
   }
   return it->second[j];
 }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -75,6 +76,10 @@ class SampleSource {
   std::vector<int64_t> windows_;
   int64_t seq_;
   uint64_t seed_;
+  // Epoch permutations by (dataset, epoch), owned by this source: a cache
+  // shared across sources could hand one source another's permutation.
+  mutable std::mutex perm_mu_;
+  mutable std::map<std::pair<size_t, int64_t>, std::vector<int64_t>> perm_cache_;
   mutable std::mutex blend_mu_;
   mutable int64_t blend_next_ = 0;  // first sample not yet assigned
   mutable std::vector<int64_t> blend_counts_;

@@ -100,5 +100,25 @@ TEST(SampleSource, DeterministicWindowsAndBlending) {
   EXPECT_THROW(SampleSource({da}, {1.0}, 401, 1), ckpt::Error);  // but not one of 401 + 1
 }
 
+TEST(SampleSource, SourcesWithTheSameSeedDoNotShareOrders) {
+  ckpt::testing::TempDir d("idx");
+  std::vector<int32_t> big(401), small(81);
+  for (int i = 0; i < 401; ++i) big[i] = i;
+  for (int i = 0; i < 81; ++i) small[i] = 5000 + i;
+  IndexedDataset::Write(d / "big", {big});
+  IndexedDataset::Write(d / "small", {small});
+  SampleSource a({std::make_shared<IndexedDataset>(d / "big")}, {1.0}, 8, 42);
+  SampleSource b({std::make_shared<IndexedDataset>(d / "small")}, {1.0}, 8, 42);
+  std::vector<int32_t> s(9);
+  std::map<int32_t, int> seen;
+  for (int i = 0; i < 10; ++i) {
+    a.Sample(i, s.data());  // fills the big source's 50-window order first
+    b.Sample(i, s.data());  // must use its own 10-window order
+    EXPECT_GE(s[0], 5000);
+    ++seen[s[0]];
+  }
+  EXPECT_EQ(seen.size(), 10u);  // one epoch of the small source: every window once
+}
+
 }  // namespace
 }  // namespace train
