@@ -36,6 +36,10 @@ class MappedFile {
   // The name used in error messages.
   virtual const std::string& path() const = 0;
   std::span<const uint8_t> bytes() const { return {data(), static_cast<size_t>(size())}; }
+  // Hints that [p, p+n) will not be read again soon: a real mapping releases
+  // the whole pages inside it from this process (they are re-read from the
+  // file if touched again), bounding the memory of a pass over a large file.
+  virtual void DropPages(const uint8_t* /*p*/, size_t /*n*/) const {}
 
   // An in-memory file (tests, fuzzing).
   static std::shared_ptr<const MappedFile> FromBuffer(std::string name, std::string contents);

@@ -21,6 +21,10 @@ namespace ckpt {
 
 struct PickleOptions {
   bool weights_only = false;
+  // After copying a storage that is a record of a mapped archive, drop its
+  // pages from memory (MappedFile::DropPages): converters streaming large
+  // inputs keep their memory bounded by this.
+  bool drop_source_pages = false;
 };
 
 struct PickledStorage {

@@ -182,17 +182,30 @@ Value LoadPt(const std::string& path, const LoadOptions& opts, Env* env) {
 uint32_t WritePt(WritableFile& out, const std::string& prefix, const Value& root, const SaveOptions& opts) {
   std::vector<PickledStorage> storages;
   const std::string pkl = Pickle(root, opts, &storages);
-  // CRCs first (in parallel across storages): headers carry them, no descriptors.
+  // CRCs first (in parallel across storages): headers carry them, no
+  // descriptors. Records copied from a mapped archive are summed just before
+  // they are written instead, so a large input is read once, in order, and
+  // their recorded CRC-32 is checked on the way.
   std::vector<uint32_t> crcs(storages.size());
   tbb::parallel_for(size_t{0}, storages.size(), [&](size_t i) {
-    crcs[i] = Crc32({storages[i].storage->data(), storages[i].storage->nbytes()});
+    if (!storages[i].storage->origin()) crcs[i] = Crc32({storages[i].storage->data(), storages[i].storage->nbytes()});
   });
   ZipWriter zip(out, prefix);
   auto bytes = [](const std::string& s) { return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size()); };
   zip.AddRecord("data.pkl", bytes(pkl));
   zip.AddRecord("byteorder", bytes("little"));
-  for (size_t i = 0; i < storages.size(); ++i)
-    zip.AddRecord("data/" + storages[i].key, {storages[i].storage->data(), storages[i].storage->nbytes()}, crcs[i]);
+  for (size_t i = 0; i < storages.size(); ++i) {
+    const Storage& st = *storages[i].storage;
+    const StorageOrigin* origin = st.origin();
+    if (origin) {
+      crcs[i] = Crc32({st.data(), st.nbytes()});
+      if (crcs[i] != origin->crc32)
+        throw Error(origin->file->path() + ": record '" + origin->record + "' fails its CRC-32 check (stored " +
+                    std::to_string(origin->crc32) + ", computed " + std::to_string(crcs[i]) + "): the file is corrupt");
+    }
+    zip.AddRecord("data/" + storages[i].key, {st.data(), st.nbytes()}, crcs[i]);
+    if (origin && opts.drop_source_pages) origin->file->DropPages(st.data(), st.nbytes());
+  }
   zip.AddRecord("version", bytes("3\n"));
   zip.Finish();
   return zip.file_crc();

@@ -9,8 +9,21 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 
 namespace ckpt {
+
+class MappedFile;
+
+// Where a storage's bytes came from when they are a STORED record of a mapped
+// archive: writers that copy the bytes verify them against the record's
+// CRC-32 and can drop the copied pages from memory (SaveOptions).
+struct StorageOrigin {
+  const MappedFile* file;  // kept alive by the storage's owner
+  std::string record;
+  uint32_t crc32;
+};
 
 class Storage {
  public:
@@ -40,6 +53,9 @@ class Storage {
   uint8_t* mutable_data();
   size_t nbytes() const { return nbytes_; }
   bool is_borrowed() const { return owner_ != nullptr; }
+  // nullptr unless the storage is a record of a mapped archive.
+  const StorageOrigin* origin() const { return origin_ ? &*origin_ : nullptr; }
+  void set_origin(StorageOrigin o) { origin_ = std::move(o); }
 
  private:
   Storage() = default;
@@ -48,6 +64,7 @@ class Storage {
   std::shared_ptr<const void> owner_;
   const uint8_t* data_ = nullptr;
   size_t nbytes_ = 0;
+  std::optional<StorageOrigin> origin_;
 };
 
 }  // namespace ckpt

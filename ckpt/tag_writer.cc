@@ -1,5 +1,7 @@
 #include "ckpt/tag_writer.h"
 
+#include <tbb/parallel_for.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <optional>
@@ -80,20 +82,30 @@ void WaitForBegin(Env* env, const std::string& tag_dir, const std::string& save_
 }
 
 std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& tag_dir, int rank,
-                                                 const std::string& save_id, const std::vector<FileToWrite>& files) {
-  std::map<std::string, FileDigest> digests;
+                                                 const std::string& save_id, const std::vector<FileToWrite>& files,
+                                                 const WriteRankOptions& opts) {
   std::set<std::string> dirs;
   for (const auto& f : files) {
-    const std::string path = tag_dir + "/" + f.relpath;
-    const std::string dir = Parent(path);
+    const std::string dir = Parent(tag_dir + "/" + f.relpath);
     if (dirs.insert(dir).second) env->CreateDirs(dir);
-    FileDigest d;
+  }
+  std::vector<FileDigest> written(files.size());
+  auto write = [&](size_t i) {
+    const FileToWrite& f = files[i];
+    const std::string path = tag_dir + "/" + f.relpath;
     WriteFileAtomically(env, path, [&](WritableFile& out) {
       const uint32_t crc = WritePt(out, ArchivePrefixFor(path), f.value, f.options);
-      d = FileDigest{out.Size(), crc};
+      written[i] = FileDigest{out.Size(), crc};
     });
-    digests[f.relpath] = d;
+    if (opts.on_file_written) opts.on_file_written(f, written[i]);
+  };
+  if (opts.parallel) {
+    tbb::parallel_for(size_t{0}, files.size(), write, tbb::simple_partitioner());
+  } else {
+    for (size_t i = 0; i < files.size(); ++i) write(i);
   }
+  std::map<std::string, FileDigest> digests;
+  for (size_t i = 0; i < files.size(); ++i) digests[files[i].relpath] = written[i];
   // WriteFileAtomically synced each file's folder; the folders' own entries
   // in their parents need syncing too.
   for (const auto& dir : dirs)

@@ -43,9 +43,17 @@ void BeginTag(Env* env, const std::string& tag_dir, const std::string& save_id);
 // Ranks other than 0: waits until rank 0 has begun this save.
 void WaitForBegin(Env* env, const std::string& tag_dir, const std::string& save_id, std::chrono::milliseconds timeout);
 
+struct WriteRankOptions {
+  // Write the files concurrently (TBB); the Env must then be thread-safe.
+  bool parallel = false;
+  // Called after each file is durable (from the writing thread).
+  std::function<void(const FileToWrite&, const FileDigest&)> on_file_written;
+};
+
 // Writes the files and this rank's completion record. Returns the digests.
 std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& tag_dir, int rank,
-                                                 const std::string& save_id, const std::vector<FileToWrite>& files);
+                                                 const std::string& save_id, const std::vector<FileToWrite>& files,
+                                                 const WriteRankOptions& opts = {});
 
 struct CommitInfo {
   std::string save_id;

@@ -49,4 +49,58 @@ Value LoadXser(const std::string& path, const LoadOptions& opts, Env* env) {
   return root;
 }
 
+namespace {
+
+Value MakeTensorReference(int64_t tid) {
+  auto o = std::make_shared<Object>();
+  o->cls = Global{"torch_xla.utils.serialization", "TensorReference"};
+  o->how = Object::Build::kNewObj;
+  o->args = std::make_shared<Value>(Value::Tuple());
+  Value state = Value::NewDict();
+  state.as_dict().Set("tid", Value(tid));
+  o->state = std::make_shared<Value>(state);
+  return Value(o);
+}
+
+// A copy of the containers of `v` with tensors swapped for references.
+Value Replace(const Value& v, std::vector<XserPart>& parts, Value& info, const std::string& dir) {
+  if (v.is_tensor()) {
+    const Tensor& t = v.as_tensor();
+    const int64_t tid = static_cast<int64_t>(parts.size());
+    parts.push_back({dir + "/tensor_" + std::to_string(tid) + ".pt", v});
+    Value meta = Value::NewDict();
+    meta.as_dict().Set("dtype", Value(Global{"torch", std::string(DTypeName(t.dtype()))}));
+    std::vector<Value> dims;
+    for (int64_t d : t.shape()) dims.emplace_back(d);
+    meta.as_dict().Set("shape", Value::NewSeq(SeqKind::kTorchSize, std::move(dims)));
+    info.as_dict().items.emplace_back(Value(tid), meta);
+    return MakeTensorReference(tid);
+  }
+  if (v.is_seq()) {
+    const Sequence& s = v.as_seq();
+    std::vector<Value> items;
+    for (const Value& c : s.items) items.push_back(Replace(c, parts, info, dir));
+    return Value::NewSeq(s.kind, std::move(items));
+  }
+  if (v.is_dict()) {
+    const Dict& d = v.as_dict();
+    Value out = Value::NewDict(d.ordered);
+    out.as_dict().attrs = d.attrs;
+    for (const auto& [k, c] : d.items) out.as_dict().items.emplace_back(k, Replace(c, parts, info, dir));
+    return out;
+  }
+  return v;
+}
+
+}  // namespace
+
+std::vector<XserPart> SplitForXser(const std::string& path, const Value& root) {
+  std::vector<XserPart> parts;
+  Value info = Value::NewDict();
+  Value refs = Replace(root, parts, info, XserTensorDir(path));
+  parts.push_back({path, refs});
+  parts.push_back({path + ".info.pt", info});
+  return parts;
+}
+
 }  // namespace ckpt

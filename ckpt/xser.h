@@ -5,6 +5,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "ckpt/env.h"
 #include "ckpt/pt_file.h"
@@ -24,5 +25,16 @@ Value LoadXser(const std::string& path, const LoadOptions& opts = {}, Env* env =
 
 // The tid of a TensorReference object, or -1 if `v` is not one.
 int64_t TensorReferenceId(const Value& v);
+
+// What an xser save of `root` as `path` consists of, as NxD writes it: `path`
+// itself (the tree with each tensor replaced by a
+// torch_xla.utils.serialization.TensorReference, tids numbered in
+// depth-first order), `path`.tensors/tensor_<tid>.pt (one plain tensor each)
+// and `path`.info.pt ({tid: {"dtype", "shape"}}, what NxD's loader reads).
+struct XserPart {
+  std::string path;
+  Value value;
+};
+std::vector<XserPart> SplitForXser(const std::string& path, const Value& root);
 
 }  // namespace ckpt

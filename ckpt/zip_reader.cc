@@ -134,7 +134,11 @@ const ZipRecord& ZipReader::Get(std::string_view name) const {
 }
 
 std::shared_ptr<Storage> ZipReader::Read(const ZipRecord& rec) const {
-  if (rec.stored) return Storage::Borrow(file_, file_->data() + rec.data_offset, rec.size);
+  if (rec.stored) {
+    auto s = Storage::Borrow(file_, file_->data() + rec.data_offset, rec.size);
+    s->set_origin({file_.get(), prefix_ + "/" + rec.name, rec.crc});
+    return s;
+  }
   auto out = Storage::Allocate(rec.size);
   zip_file_t* zf = zip_fopen_index(zip_, rec.index, 0);
   if (!zf) throw Error(path() + ": cannot open record '" + rec.name + "': " + zip_strerror(zip_));

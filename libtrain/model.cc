@@ -8,6 +8,7 @@
 
 #include "ckpt/error.h"
 #include "libtrain/layers.h"
+#include "libtrain/param_groups.h"
 
 namespace train {
 
@@ -20,22 +21,23 @@ std::string LayerName(int l, const std::string& rest) {
 std::vector<ParamInfo> ParameterLayout(const ModelConfig& c) {
   const int64_t H = c.hidden, F = c.ffn, hd = c.head_dim();
   std::vector<ParamInfo> p;
-  p.push_back({"language_model.embedding.word_embeddings.weight", {c.vocab, H}, 0, 1, false});
+  p.push_back({"language_model.embedding.word_embeddings.weight", {c.vocab, H}, 0, 1});
   for (int l = 0; l < c.layers; ++l) {
-    p.push_back({LayerName(l, "input_layernorm.weight"), {H}, -1, 1, true});
+    p.push_back({LayerName(l, "input_layernorm.weight"), {H}, -1, 1});
     if (c.gqa()) {
-      p.push_back({LayerName(l, "self_attention.query.weight"), {H, H}, 0, 1, false});
-      p.push_back({LayerName(l, "self_attention.key_value.weight"), {2 * c.kv_heads * hd, H}, 0, 2, false});
+      p.push_back({LayerName(l, "self_attention.query.weight"), {H, H}, 0, 1});
+      p.push_back({LayerName(l, "self_attention.key_value.weight"), {2 * c.kv_heads * hd, H}, 0, 2});
     } else {
-      p.push_back({LayerName(l, "self_attention.query_key_value.weight"), {3 * H, H}, 0, 3, false});
+      p.push_back({LayerName(l, "self_attention.query_key_value.weight"), {3 * H, H}, 0, 3});
     }
-    p.push_back({LayerName(l, "self_attention.dense.weight"), {H, H}, 1, 1, false});
-    p.push_back({LayerName(l, "post_attention_layernorm.weight"), {H}, -1, 1, true});
-    p.push_back({LayerName(l, "mlp.dense_h_to_4h.weight"), {2 * F, H}, 0, 2, false});
-    p.push_back({LayerName(l, "mlp.dense_4h_to_h.weight"), {H, F}, 1, 1, false});
+    p.push_back({LayerName(l, "self_attention.dense.weight"), {H, H}, 1, 1});
+    p.push_back({LayerName(l, "post_attention_layernorm.weight"), {H}, -1, 1});
+    p.push_back({LayerName(l, "mlp.dense_h_to_4h.weight"), {2 * F, H}, 0, 2});
+    p.push_back({LayerName(l, "mlp.dense_4h_to_h.weight"), {H, F}, 1, 1});
   }
-  p.push_back({"language_model.encoder.final_layernorm.weight", {H}, -1, 1, true});
-  p.push_back({"language_model.output_layer.weight", {c.vocab, H}, 0, 1, false});
+  p.push_back({"language_model.encoder.final_layernorm.weight", {H}, -1, 1});
+  p.push_back({"language_model.output_layer.weight", {c.vocab, H}, 0, 1});
+  for (auto& info : p) info.no_decay = IsNoWeightDecay(info.name);
   return p;
 }
 

@@ -1,23 +1,26 @@
 #include "libtrain/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include <tbb/parallel_for.h>
 
 #include "ckpt/error.h"
+#include "libtrain/param_groups.h"
 
 namespace train {
 
 AdamW::AdamW(const Model& m, const AdamWConfig& c) : c_(c) {
-  for (int g = 0; g < 2; ++g)
-    for (const auto& p : m.layout())
-      if ((g == 1) == (p.no_decay && !c.do_layer_norm_weight_decay)) {
-        order_.push_back(p.name);
-        group_.push_back(g);
-        m_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, p.shape));
-        v_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, p.shape));
-      }
+  std::vector<std::string> names;
+  for (const auto& p : m.layout()) names.push_back(p.name);
+  for (const auto& slot : OptimizerOrder(names, c.do_layer_norm_weight_decay)) {
+    const auto& shape = m.layout()[std::find(names.begin(), names.end(), slot.name) - names.begin()].shape;
+    order_.push_back(slot.name);
+    group_.push_back(slot.group);
+    m_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, shape));
+    v_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, shape));
+  }
 }
 
 void AdamW::Step(Model& m, double lr) {

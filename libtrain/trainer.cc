@@ -11,6 +11,7 @@
 
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/error.h"
+#include "ckpt/progress.h"
 #include "ckpt/pt_file.h"
 #include "libtrain/hdf5_dataset.h"
 #include "libtrain/indexed_dataset.h"
@@ -31,12 +32,6 @@ double AsNumber(const ckpt::Value& v) {
     if (t.dtype() == ckpt::DType::kInt64) return static_cast<double>(*reinterpret_cast<const int64_t*>(t.data()));
   }
   return v.as_float();
-}
-
-std::string Bar(int64_t done, int64_t total) {
-  const int width = 30;
-  const int filled = static_cast<int>(width * done / std::max<int64_t>(total, 1));
-  return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
 }
 
 }  // namespace
@@ -145,7 +140,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
       char line[256];
       std::snprintf(line, sizeof line, "step %lld/%lld loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f",
                     static_cast<long long>(step), static_cast<long long>(c.max_steps), loss, lr, grad_norm, tps);
-      if (tty) std::fprintf(stderr, "\r%s %s", Bar(step, c.max_steps).c_str(), line), std::fflush(stderr);
+      if (tty) std::fprintf(stderr, "\r%s %s", ckpt::ProgressBar(step, c.max_steps).c_str(), line), std::fflush(stderr);
       else log(line);
     }
     if (c.every_n_train_steps > 0 && step % c.every_n_train_steps == 0) save(step, lr), last_saved = step;

@@ -1,0 +1,182 @@
+#include "convert/converter.h"
+
+#include <tbb/parallel_for.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <mutex>
+#include <random>
+
+#include "ckpt/error.h"
+#include "ckpt/progress.h"
+#include "ckpt/pt_file.h"
+#include "ckpt/tag_writer.h"
+#include "ckpt/xser.h"
+#include "convert/nnm_convert.h"
+#include "convert/nnm_source.h"
+
+namespace convert {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+ckpt::Value LoadAny(ckpt::Env* env, const std::string& path) {
+  return ckpt::IsXser(path, env) ? ckpt::LoadXser(path, {}, env) : ckpt::LoadPt(path, {}, env);
+}
+
+std::string Stem(const std::string& file) {
+  std::string s = file;
+  for (const char* ext : {".ckpt", ".pt"})
+    if (s.ends_with(ext)) return s.substr(0, s.size() - std::string(ext).size());
+  return s;
+}
+
+std::string TagDirFor(const ConverterArgs& a, const NnmSource& src, const ConvertPlan& plan) {
+  if (!a.nxdt_ckpt_path.empty()) return a.nxdt_ckpt_path;
+  ckpt::TagName t;
+  t.name = src.name ? src.name->name : Stem(src.file_name);
+  t.step = plan.global_step;
+  t.consumed_samples = plan.consumed_samples;
+  t.last = src.name && src.name->last;
+  return a.checkpoint_dir + "/" + ckpt::FormatTagName(t);
+}
+
+void PrintPlan(const NnmSource& src, const ConvertPlan& plan, const std::string& tag_dir,
+               const std::function<void(const std::string&)>& log) {
+  log("dry run: " + src.root + " (" + src.layout + ", tp=" + std::to_string(src.tp) + " pp=" + std::to_string(src.pp) +
+      (src.zero1_dp ? ", ZeRO-1 dp=" + std::to_string(src.zero1_dp) : "") + ", file " + src.file_name + ") -> " + tag_dir);
+  log("  step " + std::to_string(plan.global_step) + ", epoch " + std::to_string(plan.epoch) + ", consumed samples " +
+      std::to_string(static_cast<int64_t>(plan.consumed_samples)) + ", " + std::to_string(plan.total_layers) + " layers");
+  for (size_t c = 0; c < plan.layers.size(); ++c)
+    for (size_t p = 0; p < plan.layers[c].size(); ++p)
+      log("  stage " + std::to_string(p) + (plan.layers.size() > 1 ? " chunk " + std::to_string(c) : "") + ": " +
+          std::to_string(plan.layers[c][p]) + " layers");
+  uint64_t total = 0;
+  for (const auto& f : plan.files) {
+    log("  write " + f.file.relpath + ": " + std::to_string(f.tensors) + " tensors, " + ckpt::HumanBytes(f.bytes) + " from " + f.source);
+    total += f.bytes;
+  }
+  for (size_t p = 0; p < plan.renames.size(); ++p)
+    for (const auto& r : plan.renames[p])
+      log("  rename (pp " + std::to_string(p) + ") " + r.from + " -> " + r.to);
+  for (const auto& n : plan.notes) log("  note: " + n);
+  log("  total " + std::to_string(plan.files.size()) + " files, " + ckpt::HumanBytes(total));
+}
+
+}  // namespace
+
+ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::function<void(const std::string&)>& log) {
+  const auto t0 = Clock::now();
+  if (a.nxdt_ckpt_path.empty() == a.checkpoint_dir.empty())
+    throw ckpt::Error("give exactly one of --nxdt_ckpt_path (the output tag folder) and --checkpoint_dir (a folder to create the tag in)");
+  const NnmSource src = FindNnmCheckpoint(env, a.nnm_ckpt_path, a.checkpoint_name, log);
+  if ((a.tp && a.tp != src.tp) || (a.pp && a.pp != src.pp))
+    throw ckpt::Error(a.nnm_ckpt_path + ": holds a tp=" + std::to_string(src.tp) + " pp=" + std::to_string(src.pp) + " checkpoint (" +
+                      src.layout + " layout, " + std::to_string(src.files.size()) + " rank files), but --tp " + std::to_string(a.tp) +
+                      " --pp " + std::to_string(a.pp) + " was given");
+
+  // Load every input (pickles only: tensor bytes stay mapped) in parallel.
+  std::vector<RankInput> inputs(src.files.size());
+  tbb::parallel_for(size_t{0}, inputs.size(), [&](size_t i) {
+    RankInput& in = inputs[i];
+    in.path = src.files[i];
+    in.checkpoint = LoadAny(env, in.path);
+    for (int d = 0; d < src.zero1_dp; ++d) {
+      in.zero1_paths.push_back(src.zero1_files[i * src.zero1_dp + d]);
+      in.zero1.push_back(LoadAny(env, in.zero1_paths.back()));
+    }
+  });
+  ConvertPlan plan = PlanConversion(src, inputs, {a.n_layers, a.weights_only, a.save_xser});
+  const std::string tag_dir = TagDirFor(a, src, plan);
+  ConvertSummary sum;
+  sum.tag_dir = tag_dir;
+  sum.inputs = static_cast<int>(src.files.size() + src.zero1_files.size());
+  if (a.dry_run) {
+    PrintPlan(src, plan, tag_dir, log);
+    return sum;
+  }
+  const std::filesystem::path target(tag_dir);
+  const std::string parent = target.has_parent_path() ? target.parent_path().string() : ".";
+  const std::string staging = parent + "/." + target.filename().string() + ".nnm2nxdt-partial";
+  const std::string old = parent + "/." + target.filename().string() + ".nnm2nxdt-old";
+  if (a.rank == 0) {
+    for (const auto& n : plan.notes) log("note: " + n);
+    if (env->Exists(old) && !env->Exists(tag_dir)) {  // an earlier run died while swapping: put the old tag back
+      env->RenameFile(old, tag_dir);
+      env->SyncDir(parent);
+      log("restored " + tag_dir + " that an interrupted run had set aside");
+    }
+    if (env->Exists(tag_dir)) {
+      if (!env->IsDirectory(tag_dir)) throw ckpt::Error(tag_dir + ": exists and is not a folder");
+      if (!env->ListDir(tag_dir).empty() && !a.overwrite)
+        throw ckpt::Error(tag_dir + ": exists and is not empty; pass --overwrite to replace it (it is kept until the new tag is complete)");
+    }
+  }
+
+  // Staging beside the target, under a name no resume logic takes for a tag.
+  std::string save_id = a.job_id;
+  if (save_id.empty()) {
+    if (a.world_size > 1) throw ckpt::Error("running as " + std::to_string(a.world_size) + " ranks but no job id to share a save");
+    std::random_device rd;
+    save_id = "nnm2nxdt-" + std::to_string(::getpid()) + "-" + std::to_string(rd());
+  }
+  env->CreateDirs(parent);
+  if (a.rank == 0) ckpt::BeginTag(env, staging, save_id);
+  else ckpt::WaitForBegin(env, staging, save_id, std::chrono::minutes(10));
+
+  std::vector<ckpt::FileToWrite> mine;
+  std::vector<const PlannedFile*> planned;
+  for (const auto& f : plan.files)
+    if ((f.unit < 0 && a.rank == 0) || (f.unit >= 0 && f.unit % a.world_size == a.rank)) planned.push_back(&f);
+  std::stable_sort(planned.begin(), planned.end(), [](auto* x, auto* y) { return x->bytes > y->bytes; });  // big first: balance
+  uint64_t total = 0;
+  for (auto* f : planned) mine.push_back(f->file), total += f->bytes, sum.tensors += f->tensors;
+  sum.files = static_cast<int>(mine.size());
+  sum.bytes = total;
+
+  std::mutex mu;
+  uint64_t done_bytes = 0;
+  int done_files = 0;
+  ckpt::WriteRankOptions wo;
+  wo.parallel = true;
+  wo.on_file_written = [&](const ckpt::FileToWrite& f, const ckpt::FileDigest& d) {
+    std::lock_guard<std::mutex> lock(mu);
+    done_bytes += d.size;
+    ++done_files;
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    char line[512];
+    std::snprintf(line, sizeof line, "%d/%zu files, %s, %.1f s", done_files, mine.size(),
+                  ckpt::HumanBytes(done_bytes).c_str(), secs);
+    if (a.progress_bar) std::fprintf(stderr, "\r%s %s", ckpt::ProgressBar(done_bytes, total).c_str(), line), std::fflush(stderr);
+    else log("wrote " + f.relpath + " (" + ckpt::HumanBytes(d.size) + ") [" + line + "]");
+  };
+  ckpt::WriteRankFiles(env, staging, a.rank, save_id, mine, wo);
+  if (a.progress_bar) std::fprintf(stderr, "\n");
+  sum.bytes = done_bytes;
+  if (a.rank != 0) {
+    sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    return sum;
+  }
+  ckpt::CommitInfo ci;
+  ci.save_id = save_id;
+  ci.step = plan.global_step;
+  ci.consumed_samples = plan.consumed_samples;
+  ci.grid = plan.grid;
+  ci.world_size = a.world_size;
+  ckpt::CommitTag(env, staging, ci);
+
+  // The complete tag takes the target's name; an old target goes last.
+  if (env->Exists(old)) env->RemoveAll(old);  // not the only copy: tag_dir exists (restored above)
+  const bool replacing = env->Exists(tag_dir);
+  if (replacing) env->RenameFile(tag_dir, old);
+  env->RenameFile(staging, tag_dir);
+  env->SyncDir(parent);
+  if (replacing) env->RemoveAll(old);
+  sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return sum;
+}
+
+}  // namespace convert

@@ -1,0 +1,45 @@
+// Running one NNM -> NxDT conversion: find the NNM files, load them (mapped,
+// in parallel), plan the mapping (nnm_convert.h), then write the tag through
+// the checkpoint store's commit protocol (tag_writer.h):
+//   - the tag is written in a staging folder beside the target
+//     (".<target>.nnm2nxdt-partial"), never under the target's name;
+//   - `done` is written only after every file of every rank is durable and
+//     the manifest lists their sizes and CRC-32s;
+//   - then the staging folder takes the target's name. An existing target
+//     (--overwrite) is set aside first and removed only after the new tag is
+//     in place, so a failed or killed run never loses it.
+// Under `mpirun -np N` the ranks split the input files between them and rank
+// 0 commits; the processes agree on the save through the file system.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "ckpt/env.h"
+
+namespace convert {
+
+struct ConverterArgs {
+  std::string nnm_ckpt_path;
+  std::string nxdt_ckpt_path;  // the output tag folder, or
+  std::string checkpoint_dir;  // the folder to create the tag in, named from the NNM file
+  std::string checkpoint_name;
+  int tp = 0, pp = 0, n_layers = 0;  // 0: not given; taken from the checkpoint
+  bool weights_only = false, save_xser = false, dry_run = false, overwrite = false;
+  bool progress_bar = false;  // a terminal bar instead of a log line per file
+  int rank = 0, world_size = 1;
+  std::string job_id;  // shared by the ranks of one mpirun
+};
+
+struct ConvertSummary {
+  std::string tag_dir;
+  int inputs = 0, files = 0;
+  int64_t tensors = 0;
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+
+// Throws ckpt::Error (naming the file and key) for anything wrong.
+ConvertSummary RunConversion(const ConverterArgs& args, ckpt::Env* env, const std::function<void(const std::string&)>& log);
+
+}  // namespace convert

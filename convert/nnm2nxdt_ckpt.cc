@@ -1,0 +1,101 @@
+// nnm2nxdt-ckpt: converts an NNM checkpoint to the NxDT layout with its
+// optimizer state, LR schedule and step (convert/converter.h). Takes NxDT's
+// converter arguments as they are:
+//   nnm2nxdt-ckpt --tp 8 --pp 4 --n_layers 32 --nnm_ckpt_path A --nxdt_ckpt_path B
+// plus --checkpoint_dir, --checkpoint_name, --weights_only, --save_xser,
+// --dry_run, --overwrite and --threads. Under mpirun the ranks split the files.
+#include <tbb/global_control.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <optional>
+#include <thread>
+
+#include "ckpt/error.h"
+#include "ckpt/progress.h"
+#include "convert/converter.h"
+
+namespace {
+
+// NxDT's converter declares its booleans with argparse type=bool, so "False"
+// turns them on; here True/False/1/0/yes/no/on/off mean what they say.
+std::optional<bool> ParseBool(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (s == "true" || s == "1" || s == "yes" || s == "on" || s == "y" || s == "t") return true;
+  if (s == "false" || s == "0" || s == "no" || s == "off" || s == "n" || s == "f") return false;
+  return std::nullopt;
+}
+
+const char* Env(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : nullptr;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Convert an NNM checkpoint to the NxDT layout, optimizer state, LR schedule and step included"};
+  convert::ConverterArgs a;
+  std::string parallel = "True";
+  int processes = 0, threads = 0;
+  app.add_option("--nnm_ckpt_path", a.nnm_ckpt_path, "NNM checkpoint: a rank-folder tree or a single file")->required();
+  app.add_option("--nxdt_ckpt_path", a.nxdt_ckpt_path, "the output tag folder (for exp_manager.resume_from_checkpoint)");
+  app.add_option("--checkpoint_dir", a.checkpoint_dir,
+                 "instead: create <name>--step=S-consumed_samples=C.ckpt in this folder, where auto-resume finds it");
+  app.add_option("--tp", a.tp, "tensor-parallel degree (checked against the checkpoint)")->check(CLI::PositiveNumber);
+  app.add_option("--pp", a.pp, "pipeline-parallel degree (checked against the checkpoint)")->check(CLI::PositiveNumber);
+  app.add_option("--n_layers", a.n_layers, "number of layers (checked against the checkpoint)")->check(CLI::PositiveNumber);
+  app.add_option("--checkpoint_name", a.checkpoint_name, "the file to convert when a rank folder holds several");
+  app.add_option("--enable_parallel_processing", parallel, "True/False (default True)");
+  app.add_option("--num_parallel_processes", processes, "parallel workers (NxDT's name for --threads)")->check(CLI::PositiveNumber);
+  app.add_option("--threads", threads, "worker threads (default: every core)")->check(CLI::PositiveNumber);
+  app.add_flag("--weights_only", a.weights_only, "convert the model weights only, as NxDT's converter does");
+  app.add_flag("--save_xser", a.save_xser, "write the xser layout (X.pt, X.pt.tensors/, X.pt.info.pt)");
+  app.add_flag("--dry_run", a.dry_run, "print the plan (files, keys, renames, bytes) and write nothing");
+  app.add_flag("--overwrite", a.overwrite, "replace a non-empty output tag (kept until the new one is complete)");
+  CLI11_PARSE(app, argc, argv);
+
+  auto log = [](const std::string& s) { std::cerr << s << std::endl; };
+  const auto enabled = ParseBool(parallel);
+  if (!enabled) {
+    std::cerr << "error: --enable_parallel_processing: '" << parallel << "' is not a boolean (True/False/1/0/yes/no)\n";
+    return 2;
+  }
+  int workers = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (!*enabled) workers = 1;
+  else if (threads) workers = threads;
+  else if (processes) workers = std::min(workers, processes);
+  tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(workers));
+
+  // mpirun (Open MPI / PMIx) tells each process its rank and the job.
+  if (const char* size = Env("OMPI_COMM_WORLD_SIZE")) {
+    a.world_size = std::atoi(size);
+    a.rank = std::atoi(Env("OMPI_COMM_WORLD_RANK") ? Env("OMPI_COMM_WORLD_RANK") : "0");
+    const char* job = Env("OMPI_MCA_ess_base_jobid") ? Env("OMPI_MCA_ess_base_jobid") : Env("PMIX_NAMESPACE");
+    if (a.world_size > 1 && job) a.job_id = std::string("mpirun-") + job;
+  }
+  a.progress_bar = ::isatty(2) && a.rank == 0;
+  try {
+    const auto s = convert::RunConversion(a, ckpt::Env::Default(), log);
+    if (a.dry_run) return 0;
+    char line[512];
+    std::snprintf(line, sizeof line, "converted %d input files -> %d files, %lld tensors, %s in %.2f s (%s/s)", s.inputs, s.files,
+                  static_cast<long long>(s.tensors), ckpt::HumanBytes(s.bytes).c_str(), s.seconds,
+                  ckpt::HumanBytes(static_cast<uint64_t>(static_cast<double>(s.bytes) / std::max(s.seconds, 1e-9))).c_str());
+    if (a.world_size > 1) log("rank " + std::to_string(a.rank) + ": " + line);
+    else log(line);
+    if (a.rank == 0) log("NxDT checkpoint: " + s.tag_dir);
+    return 0;
+  } catch (const ckpt::Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,77 @@
+// The NNM -> NxDT mapping (FORMATS.md §2-3): from the loaded Lightning
+// checkpoints of every (tp, pp) rank to the files of one NxDT tag, at the same
+// parallel degrees. No tensor is copied here: outputs view the inputs' mapped
+// bytes, and writing streams them.
+//
+//  - Model: `state_dict` (or the `model{i}` chunks of a virtual pipeline) with
+//    `model.` stripped and layer indices renumbered to global ones from the
+//    layer counts actually present per stage and chunk (no even-split
+//    assumption), cross-checked with --n_layers. Non-tensor entries
+//    (`untrained_buffer_names`) are dropped with a note; buffers such as
+//    `rotary_emb.inv_freq` are kept.
+//  - Optimizer: `optimizer_states[0]` ids refer to NNM's parameter groups
+//    (param_groups.h: group 0 then group 1, module order); each id is tied to
+//    its parameter by that order, checked against the group sizes and the
+//    moments' shapes, and renumbered to the NxDT id of the same parameter.
+//    ZeRO-1 files keep their shards and get the same renumbering.
+//  - Step, epoch, consumed samples, loops and the LR scheduler state go to
+//    user_content.pt and scheduler.pt, which the training core resumes from.
+// Anything that does not fit throws ckpt::Error naming the file and key.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ckpt/layout.h"
+#include "ckpt/tag_writer.h"
+#include "ckpt/value.h"
+#include "convert/nnm_source.h"
+
+namespace convert {
+
+struct ConvertOptions {
+  int n_layers = 0;  // 0: whatever the checkpoint holds
+  bool weights_only = false;
+  bool save_xser = false;
+};
+
+// One (tp, pp) rank's loaded inputs.
+struct RankInput {
+  std::string path;
+  ckpt::Value checkpoint;                // the Lightning dict
+  std::vector<std::string> zero1_paths;  // by dp rank
+  std::vector<ckpt::Value> zero1;
+};
+
+struct Rename {
+  std::string from, to;
+};
+
+struct PlannedFile {
+  ckpt::FileToWrite file;
+  std::string source;  // the input it comes from
+  int unit;            // input index p * tp + t; -1 for the rank-0 files
+  int64_t tensors = 0;
+  uint64_t bytes = 0;  // tensor bytes
+};
+
+struct ConvertPlan {
+  ckpt::RankGrid grid;
+  int64_t global_step = 0, epoch = 0;
+  double consumed_samples = 0;
+  int total_layers = 0;
+  std::vector<std::vector<int>> layers;     // [chunk][stage]: layer count
+  std::vector<std::vector<Rename>> renames;  // [stage]: tp rank 0's key renames
+  std::vector<PlannedFile> files;
+  std::vector<std::string> notes;
+};
+
+// `inputs` in NnmSource::files order.
+ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& inputs, const ConvertOptions& opts);
+
+// "language_model.encoder.layers.7.mlp..." with its first layer index
+// shifted by `offset`; `local` receives the index. False when no index.
+bool ShiftLayerIndex(const std::string& key, int offset, std::string* out, int* local);
+
+}  // namespace convert
