@@ -151,6 +151,19 @@ TEST(Pickle, RoundTripKeepsKindsSharingAndStorages) {
   EXPECT_EQ(back.as_dict().At("v").as_tensor().storage_offset(), 4);
 }
 
+TEST(PickleWriter, ManyTorchSizesAndSetsStayDistinct) {
+  // Each torch.Size pickles through a temporary tuple; the memo must never
+  // mistake a later temporary (at a reused address) for an earlier one.
+  Value root = Value::NewDict();
+  for (int64_t i = 0; i < 50; ++i) {
+    root.as_dict().items.emplace_back(Value(i), Value::NewSeq(SeqKind::kTorchSize, {Value(i), Value(i + 1)}));
+    root.as_dict().items.emplace_back(Value(1000 + i), Value::NewSeq(SeqKind::kSet, {Value(i)}));
+  }
+  std::vector<PickledStorage> storages;
+  const Value back = Load(Pickle(root, {}, &storages), [](const Value&) { return Value(); });
+  EXPECT_TRUE(DeepEqual(back, root));
+}
+
 TEST(Pickle, WeightsOnlyRejectsWhatTorch113CannotLoad) {
   std::vector<PickledStorage> st;
   Value d = Value::NewDict();

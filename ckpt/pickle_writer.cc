@@ -192,6 +192,7 @@ class Pickler {
   void SaveObject(const std::shared_ptr<Object>& o) {
     if (opts_.weights_only) Fail("object of class " + o->cls.full() + " is not allowed by torch's weights_only loader");
     if (Memoized(o.get())) return;
+    pinned_.push_back(o);
     GlobalOp(o->cls.module, o->cls.name);
     Save(o->args ? *o->args : Value::Tuple());
     switch (o->how) {
@@ -213,6 +214,7 @@ class Pickler {
 
   void SaveSeq(const std::shared_ptr<Sequence>& s) {
     if (Memoized(s.get())) return;
+    pinned_.push_back(s);
     switch (s->kind) {
       case SeqKind::kTuple:
         Tuple(s->items);
@@ -240,6 +242,7 @@ class Pickler {
 
   void SaveDict(const std::shared_ptr<Dict>& d) {
     if (Memoized(d.get())) return;
+    pinned_.push_back(d);
     if (d->ordered) {
       EmptyOrderedDict();
     } else {
@@ -306,6 +309,11 @@ class Pickler {
   std::string out_;
   uint32_t next_memo_ = 0;
   std::unordered_map<const void*, uint32_t> memo_;
+  // The memo is keyed by address, so every memoised container (including
+  // temporaries made while pickling, such as torch.Size's inner tuple) is
+  // kept alive until the end: a freed address reused by a later container
+  // would otherwise turn it into a reference to the first.
+  std::vector<std::shared_ptr<const void>> pinned_;
   std::unordered_map<std::string, uint32_t> global_memo_;
   std::unordered_map<const Storage*, std::pair<std::string, DType>> storage_keys_;
   std::vector<std::string> path_;

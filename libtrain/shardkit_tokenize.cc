@@ -4,6 +4,9 @@
 // bytes (0-255); each paragraph (text between blank lines) is one document
 // and ends with the end-of-document token 256. Vocabulary size: 257.
 //   shardkit-tokenize --dump PREFIX START COUNT   prints COUNT tokens from START
+//   shardkit-tokenize --samples PREFIX SEQ_LENGTH SEED START COUNT
+//       prints training samples START.. (seq_length + 1 tokens each) in the
+//       order the training core draws them, one per line
 #include <CLI/CLI.hpp>
 #include <fstream>
 #include <iostream>
@@ -16,10 +19,11 @@
 int main(int argc, char** argv) {
   CLI::App app{"Byte-level tokenizer writing Megatron mmap indexed datasets"};
   std::vector<std::string> args;
-  bool dump = false;
+  bool dump = false, samples = false;
   std::string format = "mmap";
   app.add_option("args", args, "INPUT.txt OUTPUT_PREFIX, or with --dump: PREFIX START COUNT")->required();
   app.add_flag("--dump", dump, "print tokens of an existing dataset");
+  app.add_flag("--samples", samples, "print training samples: PREFIX SEQ_LENGTH SEED START COUNT");
   app.add_option("--format", format, "mmap (PREFIX.bin/.idx) or hdf5 (one file, OUTPUT_PREFIX.h5)")->check(CLI::IsMember({"mmap", "hdf5"}));
   CLI11_PARSE(app, argc, argv);
   try {
@@ -30,6 +34,18 @@ int main(int argc, char** argv) {
       ds.ReadTokens(std::stoll(args[1]), static_cast<int64_t>(out.size()), out.data());
       for (size_t i = 0; i < out.size(); ++i) std::cout << (i ? " " : "") << out[i];
       std::cout << "\n" << ds.num_sequences() << " sequences, " << ds.num_tokens() << " tokens\n";
+      return 0;
+    }
+    if (samples) {
+      if (args.size() != 5) throw ckpt::Error("--samples takes PREFIX SEQ_LENGTH SEED START COUNT");
+      const int64_t seq = std::stoll(args[1]);
+      train::SampleSource source({std::make_shared<train::IndexedDataset>(args[0])}, {1.0}, seq, std::stoull(args[2]));
+      std::vector<int32_t> out(seq + 1);
+      for (int64_t i = std::stoll(args[3]), end = i + std::stoll(args[4]); i < end; ++i) {
+        source.Sample(i, out.data());
+        for (size_t j = 0; j < out.size(); ++j) std::cout << (j ? " " : "") << out[j];
+        std::cout << "\n";
+      }
       return 0;
     }
     if (args.size() != 2) throw ckpt::Error("expected INPUT.txt OUTPUT_PREFIX");
