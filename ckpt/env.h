@@ -40,6 +40,9 @@ class MappedFile {
   // the whole pages inside it from this process (they are re-read from the
   // file if touched again), bounding the memory of a pass over a large file.
   virtual void DropPages(const uint8_t* /*p*/, size_t /*n*/) const {}
+  // Hints that [p, p+n) will be read soon: a real mapping starts reading it
+  // into the page cache in the background.
+  virtual void Prefetch(const uint8_t* /*p*/, size_t /*n*/) const {}
 
   // An in-memory file (tests, fuzzing).
   static std::shared_ptr<const MappedFile> FromBuffer(std::string name, std::string contents);

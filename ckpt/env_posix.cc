@@ -148,6 +148,12 @@ class PosixMappedFile final : public MappedFile {
     const uintptr_t hi = reinterpret_cast<uintptr_t>(std::min(p + n, data_ + size_)) / kPage * kPage;
     if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);  // a hint: failure is harmless
   }
+  void Prefetch(const uint8_t* p, size_t n) const override {
+    constexpr uintptr_t kPage = 4096;
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(std::max(p, data_)) / kPage * kPage;
+    const uintptr_t hi = reinterpret_cast<uintptr_t>(std::min(p + n, data_ + size_));
+    if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_WILLNEED);  // a hint: failure is harmless
+  }
 
  private:
   std::string path_;

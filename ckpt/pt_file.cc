@@ -194,7 +194,13 @@ uint32_t WritePt(WritableFile& out, const std::string& prefix, const Value& root
   auto bytes = [](const std::string& s) { return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size()); };
   zip.AddRecord("data.pkl", bytes(pkl));
   zip.AddRecord("byteorder", bytes("little"));
+  auto prefetch = [&](size_t i) {  // the next mapped record is read ahead while this one is copied
+    if (i < storages.size() && storages[i].storage->origin())
+      storages[i].storage->origin()->file->Prefetch(storages[i].storage->data(), storages[i].storage->nbytes());
+  };
+  prefetch(0);
   for (size_t i = 0; i < storages.size(); ++i) {
+    prefetch(i + 1);
     const Storage& st = *storages[i].storage;
     const StorageOrigin* origin = st.origin();
     if (origin) {

@@ -4,11 +4,13 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <string>
 
 #include <random>
 
 #include "ckpt/checkpoint_store.h"
+#include "ckpt/error.h"
 #include "ckpt/tensor.h"
 
 namespace ckpt::testing {
@@ -29,6 +31,16 @@ class TempDir {
   static inline int counter_ = 0;
   std::string path_;
 };
+
+// The message of the ckpt::Error `f` throws; "" when it throws none.
+inline std::string ErrorOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 // A float32 tensor holding 0, 1, 2, ... in row-major order.
 inline Tensor Arange(std::vector<int64_t> shape) {

@@ -49,8 +49,6 @@ Value LoadXser(const std::string& path, const LoadOptions& opts, Env* env) {
   return root;
 }
 
-namespace {
-
 Value MakeTensorReference(int64_t tid) {
   auto o = std::make_shared<Object>();
   o->cls = Global{"torch_xla.utils.serialization", "TensorReference"};
@@ -61,6 +59,8 @@ Value MakeTensorReference(int64_t tid) {
   o->state = std::make_shared<Value>(state);
   return Value(o);
 }
+
+namespace {
 
 // A copy of the containers of `v` with tensors swapped for references.
 Value Replace(const Value& v, std::vector<XserPart>& parts, Value& info, const std::string& dir) {

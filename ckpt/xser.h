@@ -25,6 +25,9 @@ Value LoadXser(const std::string& path, const LoadOptions& opts = {}, Env* env =
 
 // The tid of a TensorReference object, or -1 if `v` is not one.
 int64_t TensorReferenceId(const Value& v);
+// A torch_xla.utils.serialization.TensorReference with `tid`, pickled as
+// torch_xla pickles it (NEWOBJ, then BUILD with {"tid": tid}).
+Value MakeTensorReference(int64_t tid);
 
 // What an xser save of `root` as `path` consists of, as NxD writes it: `path`
 // itself (the tree with each tensor replaced by a

@@ -8,16 +8,7 @@
 namespace ckpt {
 namespace {
 
-Value Ref(int64_t tid) {
-  auto o = std::make_shared<Object>();
-  o->cls = Global{"torch_xla.utils.serialization", "TensorReference"};
-  o->how = Object::Build::kNewObj;
-  o->args = std::make_shared<Value>(Value::Tuple());
-  Value state = Value::NewDict();
-  state.as_dict().Set("tid", Value(tid));
-  o->state = std::make_shared<Value>(state);
-  return Value(o);
-}
+Value Ref(int64_t tid) { return MakeTensorReference(tid); }
 
 TEST(Xser, ReferencesResolveToTensorFiles) {
   testing::TempDir dir("xser");

@@ -11,17 +11,9 @@ namespace {
 using ckpt::Tensor;
 using ckpt::Value;
 using ckpt::testing::Arange;
+using ckpt::testing::ErrorOf;
 
 constexpr int64_t H = 4;
-
-std::string ErrorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ckpt::Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // One stage's NNM state dict ("model." keys, local layer numbers) with
 // `layers` layers, in module order.

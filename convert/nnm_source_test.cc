@@ -10,20 +10,12 @@
 namespace convert {
 namespace {
 
+using ckpt::testing::ErrorOf;
 using ckpt::testing::TempDir;
 
 void Touch(const std::string& path) {
   std::filesystem::create_directories(std::filesystem::path(path).parent_path());
   std::ofstream(path) << "x";
-}
-
-std::string ErrorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ckpt::Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 const auto kQuiet = [](const std::string&) {};
