@@ -125,15 +125,6 @@ void CheckpointStore::Persist(const Snapshot& snap) {
   ApplyRetention();
 }
 
-void DeleteTag(Env* env, const std::string& tag_dir) {
-  const std::string done = tag_dir + "/" + kDoneMarker;
-  if (env->Exists(done)) {
-    env->RemoveFile(done);
-    env->SyncDir(tag_dir);
-  }
-  env->RemoveAll(tag_dir);
-}
-
 void CheckpointStore::ApplyRetention() {
   if (opts_.save_top_k < 0) return;
   std::vector<TagEntry> complete;

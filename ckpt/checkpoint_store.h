@@ -89,7 +89,4 @@ class CheckpointStore {
   std::thread writer_;
 };
 
-// Deletes a tag so that no interruption leaves it looking complete.
-void DeleteTag(Env* env, const std::string& tag_dir);
-
 }  // namespace ckpt

@@ -54,15 +54,17 @@ bool WaitFor(const std::function<bool()>& ready, std::chrono::milliseconds timeo
 
 }  // namespace
 
-void BeginTag(Env* env, const std::string& tag_dir, const std::string& save_id) {
-  if (env->Exists(tag_dir)) {  // re-saving a tag: never leave old `done` over new files
-    const std::string done = tag_dir + "/" + kDoneMarker;
-    if (env->Exists(done)) {
-      env->RemoveFile(done);
-      env->SyncDir(tag_dir);
-    }
-    env->RemoveAll(tag_dir);
+void DeleteTag(Env* env, const std::string& tag_dir) {
+  const std::string done = tag_dir + "/" + kDoneMarker;
+  if (env->Exists(done)) {
+    env->RemoveFile(done);
+    env->SyncDir(tag_dir);
   }
+  env->RemoveAll(tag_dir);
+}
+
+void BeginTag(Env* env, const std::string& tag_dir, const std::string& save_id) {
+  if (env->Exists(tag_dir)) DeleteTag(env, tag_dir);  // re-saving a tag: never leave old `done` over new files
   env->CreateDirs(tag_dir + "/" + kRankRecordDir);
   env->SyncDir(Parent(tag_dir));
   WriteText(env, BeginPath(tag_dir), save_id);

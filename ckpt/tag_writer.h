@@ -68,6 +68,10 @@ struct CommitInfo {
 // Throws ckpt::Error naming the missing ranks on timeout (no `done` written).
 void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info);
 
+// Deletes a tag so that no interruption leaves it looking complete: `done`
+// goes first (and is made durable), then everything else.
+void DeleteTag(Env* env, const std::string& tag_dir);
+
 // Writes a small marker file ("1") atomically.
 void WriteMarker(Env* env, const std::string& path);
 

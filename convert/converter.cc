@@ -105,9 +105,13 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   if (a.rank == 0) {
     for (const auto& n : plan.notes) log("note: " + n);
     if (env->Exists(old) && !env->Exists(tag_dir)) {  // an earlier run died while swapping: put the old tag back
-      env->RenameFile(old, tag_dir);
-      env->SyncDir(parent);
-      log("restored " + tag_dir + " that an interrupted run had set aside");
+      if (env->Exists(old + "/" + ckpt::kDoneMarker)) {
+        env->RenameFile(old, tag_dir);
+        env->SyncDir(parent);
+        log("restored " + tag_dir + " that an interrupted run had set aside");
+      } else {
+        ckpt::DeleteTag(env, old);
+      }
     }
     if (env->Exists(tag_dir)) {
       if (!env->IsDirectory(tag_dir)) throw ckpt::Error(tag_dir + ": exists and is not a folder");
@@ -169,12 +173,12 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   ckpt::CommitTag(env, staging, ci);
 
   // The complete tag takes the target's name; an old target goes last.
-  if (env->Exists(old)) env->RemoveAll(old);  // not the only copy: tag_dir exists (restored above)
+  if (env->Exists(old)) ckpt::DeleteTag(env, old);  // not the only copy: tag_dir exists (restored above)
   const bool replacing = env->Exists(tag_dir);
   if (replacing) env->RenameFile(tag_dir, old);
   env->RenameFile(staging, tag_dir);
   env->SyncDir(parent);
-  if (replacing) env->RemoveAll(old);
+  if (replacing) ckpt::DeleteTag(env, old);  // `done` first: a kill mid-delete leaves nothing that looks whole
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return sum;
 }

@@ -249,7 +249,7 @@ class NnmToNxdt(TempDirTest):
         full = time.time() - t0
         self.check_tag(out, expected)
         rng = random.Random(7)
-        for trial in range(10):
+        for trial in range(16):
             p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(rng.uniform(0, full))
             p.send_signal(signal.SIGKILL)
