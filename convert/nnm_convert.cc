@@ -94,11 +94,14 @@ void CountTensors(const Value& v, std::set<const ckpt::Storage*>& seen, int64_t*
   }
 }
 
-// NNM optimizer ids tied to parameters, and their NxDT ids.
+// NNM optimizer ids tied to the parameters they belong to. NxDT builds its
+// groups with the same rule over the output model's parameters, which keep
+// NNM's module order, so every id keeps its number (and every param_groups
+// list stays as it is); what the tie adds is the check of each id against a
+// named parameter: the group sizes and the moments' shapes.
 struct IdMap {
-  std::vector<int64_t> to_nxdt;                 // indexed by NNM id
-  std::vector<std::string> name;                // NNM id -> output parameter name
-  std::vector<std::vector<int64_t>> group_ids;  // NxDT ids per group
+  std::vector<std::string> name;  // id -> output parameter name
+  std::vector<size_t> group_size;
   std::map<std::string, std::vector<int64_t>> shape;
 };
 
@@ -113,16 +116,10 @@ IdMap BuildIdMap(const std::vector<std::pair<std::string, std::vector<int64_t>>>
   std::vector<std::string> names;
   IdMap m;
   for (const auto& [n, s] : params) names.push_back(n), m.shape[n] = s;
-  // NxDT builds its groups with the same rule over the output model's
-  // parameters, which keep NNM's module order, so every id keeps its number.
-  // What the mapping adds is the tie of each id to a named parameter, which
-  // the group sizes and the moments' shapes are checked against.
-  const auto order = train::OptimizerOrder(names, one_group);
-  m.group_ids.resize(groups.as_seq().items.size());
-  for (size_t i = 0; i < order.size(); ++i) {
-    m.name.push_back(order[i].name);
-    m.to_nxdt.push_back(static_cast<int64_t>(i));
-    m.group_ids[order[i].group].push_back(static_cast<int64_t>(i));
+  m.group_size.resize(groups.as_seq().items.size());
+  for (const auto& slot : train::OptimizerOrder(names, one_group)) {
+    m.name.push_back(slot.name);
+    ++m.group_size[slot.group];
   }
   // The groups must list exactly the ids the rule gives them.
   int64_t next = 0;
@@ -130,7 +127,7 @@ IdMap BuildIdMap(const std::vector<std::pair<std::string, std::vector<int64_t>>>
     const Value& gd = groups.as_seq().items[g];
     if (!gd.is_dict()) throw Error(where + ": param_groups[" + std::to_string(g) + "] is a " + gd.kind_name());
     const Value& ids = gd.as_dict().At("params");
-    const size_t want = m.group_ids[g].size();
+    const size_t want = m.group_size[g];
     if (!ids.is_seq() || ids.as_seq().items.size() != want)
       throw Error(where + ": param_groups[" + std::to_string(g) + "] lists " +
                   (ids.is_seq() ? std::to_string(ids.as_seq().items.size()) : ids.kind_name()) + " parameters, but the model state holds " +
@@ -139,16 +136,16 @@ IdMap BuildIdMap(const std::vector<std::pair<std::string, std::vector<int64_t>>>
     for (const Value& id : ids.as_seq().items)
       if (IntOf(id, where + ": param_groups[" + std::to_string(g) + "].params item") != next++)
         throw Error(where + ": param_groups[" + std::to_string(g) + "].params is not numbered in order from " +
-                    std::to_string(g == 0 ? 0 : m.group_ids[0].size()));
+                    std::to_string(g == 0 ? 0 : m.group_size[0]));
   }
   return m;
 }
 
-int64_t MapId(const IdMap& m, const Value& key, const std::string& where) {
+int64_t CheckId(const IdMap& m, const Value& key, const std::string& where) {
   const int64_t id = IntOf(key, where + " key");
-  if (id < 0 || id >= static_cast<int64_t>(m.to_nxdt.size()))
+  if (id < 0 || id >= static_cast<int64_t>(m.name.size()))
     throw Error(where + ": parameter id " + std::to_string(id) + " is out of range (the model has " +
-                std::to_string(m.to_nxdt.size()) + " parameters)");
+                std::to_string(m.name.size()) + " parameters)");
   return id;
 }
 
@@ -159,39 +156,21 @@ std::vector<int64_t> ShapeOf(const Value& v, const std::string& where) {
   return s;
 }
 
-// {id: x} with ids renumbered and sorted; `check` validates each entry.
-Value RemapIds(const Value& by_id, const IdMap& m, const std::string& where,
-               const std::function<void(int64_t nnm_id, const Value&)>& check) {
+// {id: x} with every id checked against the model and sorted; `check`
+// validates each entry.
+Value CheckedById(const Value& by_id, const IdMap& m, const std::string& where,
+                  const std::function<void(int64_t id, const Value&)>& check) {
   if (!by_id.is_dict()) throw Error(where + " is a " + by_id.kind_name() + ", not a dict");
   std::vector<std::pair<int64_t, Value>> out;
   for (const auto& [k, v] : by_id.as_dict().items) {
-    const int64_t id = MapId(m, k, where);
+    const int64_t id = CheckId(m, k, where);
     check(id, v);
-    out.emplace_back(m.to_nxdt[id], v);
+    out.emplace_back(id, v);
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   Value d = Value::NewDict();
   for (auto& [k, v] : out) d.as_dict().items.emplace_back(Value(k), std::move(v));
   return d;
-}
-
-Value RemapGroups(const Value& groups, const IdMap& m) {
-  std::vector<Value> out;
-  for (size_t g = 0; g < groups.as_seq().items.size(); ++g) {
-    const Dict& in = groups.as_seq().items[g].as_dict();
-    Value gd = Value::NewDict(in.ordered);
-    for (const auto& [k, v] : in.items) {
-      if (k.is_str() && k.as_str() == "params") {
-        std::vector<Value> ids;
-        for (int64_t id : m.group_ids[g]) ids.emplace_back(id);
-        gd.as_dict().items.emplace_back(k, Value::List(std::move(ids)));
-      } else {
-        gd.as_dict().items.emplace_back(k, v);
-      }
-    }
-    out.push_back(gd);
-  }
-  return Value::List(std::move(out));
 }
 
 // The moments of NNM id `id` must have its parameter's shape (or, sharded by
@@ -215,9 +194,9 @@ void CheckMoments(const IdMap& m, int64_t id, const Value& entry, int dp, const 
 Value ConvertOptimizer(const Value& osd, const IdMap& m, const std::string& where) {
   if (!osd.is_dict()) throw Error(where + " is a " + osd.kind_name() + ", not an optimizer state dict");
   Value out = Value::NewDict();
-  out.as_dict().Set("state", RemapIds(osd.as_dict().At("state"), m, where + "['state']",
+  out.as_dict().Set("state", CheckedById(osd.as_dict().At("state"), m, where + "['state']",
                                       [&](int64_t id, const Value& e) { CheckMoments(m, id, e, 1, where + "['state']"); }));
-  out.as_dict().Set("param_groups", RemapGroups(osd.as_dict().At("param_groups"), m));
+  out.as_dict().Set("param_groups", osd.as_dict().At("param_groups"));  // checked by BuildIdMap
   return out;
 }
 
@@ -229,20 +208,18 @@ Value ConvertZero1(const Value& z, const IdMap& m, int dp, const std::string& wh
   for (const auto& [k, v] : in.items) {
     const std::string key = k.is_str() ? k.as_str() : "";
     if (key == "base_state") {
-      out.as_dict().items.emplace_back(k, RemapIds(v, m, where + "['base_state']", [&](int64_t id, const Value& e) {
+      out.as_dict().items.emplace_back(k, CheckedById(v, m, where + "['base_state']", [&](int64_t id, const Value& e) {
         CheckMoments(m, id, e, dp, where + "['base_state']");
       }));
     } else if (key == "shape_info") {
-      out.as_dict().items.emplace_back(k, RemapIds(v, m, where + "['shape_info']", [&](int64_t id, const Value& s) {
+      out.as_dict().items.emplace_back(k, CheckedById(v, m, where + "['shape_info']", [&](int64_t id, const Value& s) {
         if (ShapeOf(s, where + "['shape_info'][" + std::to_string(id) + "]") != m.shape.at(m.name[id]))
           throw Error(where + "['shape_info'][" + std::to_string(id) + "] does not match " + m.name[id] + " " +
                       ShapeText(m.shape.at(m.name[id])));
       }));
     } else if (key == "sharded_master_weights" || key == "state") {
-      out.as_dict().items.emplace_back(k, RemapIds(v, m, where + "['" + key + "']", [](int64_t, const Value&) {}));
-    } else if (key == "param_groups") {
-      out.as_dict().items.emplace_back(k, RemapGroups(v, m));
-    } else {
+      out.as_dict().items.emplace_back(k, CheckedById(v, m, where + "['" + key + "']", [](int64_t, const Value&) {}));
+    } else {  // param_groups (checked by BuildIdMap) and anything else, as they are
       out.as_dict().items.emplace_back(k, v);
     }
   }

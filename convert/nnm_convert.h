@@ -12,8 +12,8 @@
 //  - Optimizer: `optimizer_states[0]` ids refer to NNM's parameter groups
 //    (param_groups.h: group 0 then group 1, module order); each id is tied to
 //    its parameter by that order, checked against the group sizes and the
-//    moments' shapes, and renumbered to the NxDT id of the same parameter.
-//    ZeRO-1 files keep their shards and get the same renumbering.
+//    moments' shapes. NxDT numbers the same parameters the same way, so ids
+//    keep their numbers. ZeRO-1 files keep their shards and get the same checks.
 //  - Step, epoch, consumed samples, loops and the LR scheduler state go to
 //    user_content.pt and scheduler.pt, which the training core resumes from.
 // Anything that does not fit throws ckpt::Error naming the file and key.
