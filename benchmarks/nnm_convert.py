@@ -16,12 +16,13 @@ maximum resident set of the converting processes (wait4 / RUSAGE_CHILDREN).
 """
 import argparse
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+
+from bench_util import settle
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "interop"))
@@ -58,17 +59,6 @@ jobs = [(os.path.join(src, f"tp_rank_{t:02d}_pp_rank_{p:03d}", name), out, t, p,
 with ProcessPoolExecutor(2) as ex:
     list(ex.map(one, jobs))
 '''
-
-
-def settle(*remove):
-    for r in remove:
-        shutil.rmtree(r, ignore_errors=True)
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-    except OSError:
-        pass
 
 
 def timed(args):

@@ -15,33 +15,19 @@ Times are the best of --runs.
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 import time
 
 import torch
 
+from bench_util import settle
+
 
 def fsync(path):
     fd = os.open(path, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
-
-
-def settle(remove=None, warm=None):
-    if remove and os.path.exists(remove):
-        os.remove(remove)
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-    except OSError:
-        pass
-    if warm:
-        with open(warm, "rb") as f:
-            while f.read(1 << 24):
-                pass
 
 
 def best(fn, n, prepare):

@@ -6,13 +6,14 @@
 #include "ckpt/error.h"
 
 namespace ckpt {
-namespace {
 
 std::string ShapeString(const std::vector<int64_t>& v) {
   std::string s = "[";
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
   return s + "]";
 }
+
+namespace {
 
 // Multiplies with an overflow check, for numel of hostile shapes.
 int64_t CheckedMul(int64_t a, int64_t b) {

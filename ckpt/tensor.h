@@ -68,4 +68,7 @@ class Tensor {
   bool is_parameter_ = false;
 };
 
+// "[2, 3]": a shape (or strides) for messages and listings.
+std::string ShapeString(const std::vector<int64_t>& shape);
+
 }  // namespace ckpt

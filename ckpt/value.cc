@@ -181,4 +181,17 @@ bool DeepEqual(const Value& a, const Value& b) {
   return true;  // None
 }
 
+double AsScalar(const Value& v) {
+  if (v.is_tensor()) {
+    const Tensor& t = v.as_tensor();
+    if (t.numel() == 1 && (t.dtype() == DType::kFloat32 || t.dtype() == DType::kInt64)) {
+      const Tensor c = t.Contiguous();
+      if (c.dtype() == DType::kFloat32) return *reinterpret_cast<const float*>(c.data());
+      return static_cast<double>(*reinterpret_cast<const int64_t*>(c.data()));
+    }
+    throw Error("expected a number, found a " + std::string(DTypeName(t.dtype())) + " tensor of shape " + ShapeString(t.shape()));
+  }
+  return v.as_float();
+}
+
 }  // namespace ckpt

@@ -156,4 +156,9 @@ class Value {
 // bytes (not strides or sharing); floats compare bitwise.
 bool DeepEqual(const Value& a, const Value& b);
 
+// A number held as a Python int or float, or as a one-element float32 or
+// int64 tensor (torch >= 1.12 keeps optimizer `step` that way). Throws
+// ckpt::Error naming the kind for anything else.
+double AsScalar(const Value& v);
+
 }  // namespace ckpt

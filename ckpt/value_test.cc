@@ -41,4 +41,18 @@ TEST(Value, DeepEqualComparesContentNotIdentity) {
   EXPECT_FALSE(DeepEqual(Value::NewDict(true), Value::NewDict(false)));
 }
 
+TEST(Value, AsScalarReadsNumbersAndOneElementTensors) {
+  EXPECT_DOUBLE_EQ(AsScalar(Value(int64_t{7})), 7.0);
+  EXPECT_DOUBLE_EQ(AsScalar(Value(2.5)), 2.5);
+  Tensor f = Tensor::Zeros(DType::kFloat32, {});
+  *reinterpret_cast<float*>(f.mutable_data()) = 3.0f;
+  EXPECT_DOUBLE_EQ(AsScalar(Value(f)), 3.0);
+  Tensor i = Tensor::Zeros(DType::kInt64, {1});
+  *reinterpret_cast<int64_t*>(i.mutable_data()) = 42;
+  EXPECT_DOUBLE_EQ(AsScalar(Value(i)), 42.0);
+  EXPECT_THROW(AsScalar(Value(Tensor::Zeros(DType::kFloat32, {2}))), Error);
+  EXPECT_THROW(AsScalar(Value(Tensor::Zeros(DType::kFloat16, {}))), Error);
+  EXPECT_THROW(AsScalar(Value("x")), Error);
+}
+
 }  // namespace ckpt

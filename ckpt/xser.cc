@@ -8,6 +8,10 @@ std::string XserTensorDir(const std::string& path) { return path + ".tensors"; }
 
 bool IsXser(const std::string& path, Env* env) { return env->IsDirectory(XserTensorDir(path)); }
 
+Value LoadPtOrXser(const std::string& path, const LoadOptions& opts, Env* env) {
+  return IsXser(path, env) ? LoadXser(path, opts, env) : LoadPt(path, opts, env);
+}
+
 int64_t TensorReferenceId(const Value& v) {
   if (!v.is_object() || v.as_object().cls.name != "TensorReference") return -1;
   const Object& o = v.as_object();

@@ -22,6 +22,8 @@ std::string XserTensorDir(const std::string& path);
 // Loads an xser file with every TensorReference replaced by its tensor.
 // Missing or malformed tensor files raise ckpt::Error naming them.
 Value LoadXser(const std::string& path, const LoadOptions& opts = {}, Env* env = Env::Default());
+// LoadXser when `path` has its tensor folder beside it, else LoadPt.
+Value LoadPtOrXser(const std::string& path, const LoadOptions& opts = {}, Env* env = Env::Default());
 
 // The tid of a TensorReference object, or -1 if `v` is not one.
 int64_t TensorReferenceId(const Value& v);

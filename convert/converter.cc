@@ -23,21 +23,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-ckpt::Value LoadAny(ckpt::Env* env, const std::string& path) {
-  return ckpt::IsXser(path, env) ? ckpt::LoadXser(path, {}, env) : ckpt::LoadPt(path, {}, env);
-}
-
-std::string Stem(const std::string& file) {
-  std::string s = file;
-  for (const char* ext : {".ckpt", ".pt"})
-    if (s.ends_with(ext)) return s.substr(0, s.size() - std::string(ext).size());
-  return s;
-}
-
 std::string TagDirFor(const ConverterArgs& a, const NnmSource& src, const ConvertPlan& plan) {
   if (!a.nxdt_ckpt_path.empty()) return a.nxdt_ckpt_path;
   ckpt::TagName t;
-  t.name = src.name ? src.name->name : Stem(src.file_name);
+  t.name = src.name ? src.name->name : CheckpointStem(src.file_name);
   t.step = plan.global_step;
   t.consumed_samples = plan.consumed_samples;
   t.last = src.name && src.name->last;
@@ -83,10 +72,10 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   tbb::parallel_for(size_t{0}, inputs.size(), [&](size_t i) {
     RankInput& in = inputs[i];
     in.path = src.files[i];
-    in.checkpoint = LoadAny(env, in.path);
+    in.checkpoint = ckpt::LoadPtOrXser(in.path, {}, env);
     for (int d = 0; d < src.zero1_dp; ++d) {
       in.zero1_paths.push_back(src.zero1_files[i * src.zero1_dp + d]);
-      in.zero1.push_back(LoadAny(env, in.zero1_paths.back()));
+      in.zero1.push_back(ckpt::LoadPtOrXser(in.zero1_paths.back(), {}, env));
     }
   });
   ConvertPlan plan = PlanConversion(src, inputs, {a.n_layers, a.weights_only, a.save_xser});
@@ -136,25 +125,25 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   for (const auto& f : plan.files)
     if ((f.unit < 0 && a.rank == 0) || (f.unit >= 0 && f.unit % a.world_size == a.rank)) planned.push_back(&f);
   std::stable_sort(planned.begin(), planned.end(), [](auto* x, auto* y) { return x->bytes > y->bytes; });  // big first: balance
-  uint64_t total = 0;
+  uint64_t total = 0;  // tensor bytes, what the progress bar counts
   for (auto* f : planned) mine.push_back(f->file), total += f->bytes, sum.tensors += f->tensors;
   sum.files = static_cast<int>(mine.size());
-  sum.bytes = total;
 
   std::mutex mu;
-  uint64_t done_bytes = 0;
+  uint64_t done_bytes = 0, done_tensor_bytes = 0;
   int done_files = 0;
   ckpt::WriteRankOptions wo;
   wo.parallel = true;
   wo.on_file_written = [&](const ckpt::FileToWrite& f, const ckpt::FileDigest& d) {
     std::lock_guard<std::mutex> lock(mu);
     done_bytes += d.size;
+    done_tensor_bytes += planned[&f - mine.data()]->bytes;
     ++done_files;
     const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     char line[512];
     std::snprintf(line, sizeof line, "%d/%zu files, %s, %.1f s", done_files, mine.size(),
                   ckpt::HumanBytes(done_bytes).c_str(), secs);
-    if (a.progress_bar) std::fprintf(stderr, "\r%s %s", ckpt::ProgressBar(done_bytes, total).c_str(), line), std::fflush(stderr);
+    if (a.progress_bar) std::fprintf(stderr, "\r%s %s", ckpt::ProgressBar(done_tensor_bytes, total).c_str(), line), std::fflush(stderr);
     else log("wrote " + f.relpath + " (" + ckpt::HumanBytes(d.size) + ") [" + line + "]");
   };
   ckpt::WriteRankFiles(env, staging, a.rank, save_id, mine, wo);

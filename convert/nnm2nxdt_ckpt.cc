@@ -16,7 +16,6 @@
 #include <optional>
 #include <thread>
 
-#include "ckpt/error.h"
 #include "ckpt/progress.h"
 #include "convert/converter.h"
 
@@ -91,10 +90,7 @@ int main(int argc, char** argv) {
     else log(line);
     if (a.rank == 0) log("NxDT checkpoint: " + s.tag_dir);
     return 0;
-  } catch (const ckpt::Error& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return 1;
-  } catch (const std::exception& e) {
+  } catch (const std::exception& e) {  // ckpt::Error names the file and key
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   }

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <map>
 #include <set>
-#include <unordered_map>
 
 #include "ckpt/error.h"
 #include "ckpt/xser.h"
@@ -16,12 +15,6 @@ namespace {
 using ckpt::Dict;
 using ckpt::Error;
 using ckpt::Value;
-
-std::string ShapeText(const std::vector<int64_t>& s) {
-  std::string t = "[";
-  for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
-  return t + "]";
-}
 
 // Buffers are in the state dict but are not parameters: no optimizer state.
 bool IsBuffer(const std::string& key) { return key.ends_with(".inv_freq") || key.ends_with("._extra_state"); }
@@ -75,10 +68,12 @@ int LayerCount(const Chunk& c) {
 
 int64_t IntOf(const Value& v, const std::string& what) {
   if (v.is_int()) return v.as_int();
-  if (v.is_tensor() && v.as_tensor().numel() == 1) {
-    const ckpt::Tensor t = v.as_tensor().Contiguous();
-    if (t.dtype() == ckpt::DType::kInt64) return *reinterpret_cast<const int64_t*>(t.data());
-    if (t.dtype() == ckpt::DType::kFloat32) return static_cast<int64_t>(*reinterpret_cast<const float*>(t.data()));
+  if (v.is_tensor()) {
+    try {
+      return static_cast<int64_t>(ckpt::AsScalar(v));
+    } catch (const Error&) {
+      // reported below, with `what`
+    }
   }
   throw Error(what + " is a " + v.kind_name() + ", not an integer");
 }
@@ -184,9 +179,9 @@ void CheckMoments(const IdMap& m, int64_t id, const Value& entry, int dp, const 
     if (!t) continue;
     if (!t->is_tensor()) throw Error(where + ": state[" + std::to_string(id) + "]['" + key + "'] is a " + t->kind_name());
     if (t->as_tensor().shape() != want)
-      throw Error(where + ": state[" + std::to_string(id) + "]['" + key + "'] has shape " + ShapeText(t->as_tensor().shape()) +
+      throw Error(where + ": state[" + std::to_string(id) + "]['" + key + "'] has shape " + ckpt::ShapeString(t->as_tensor().shape()) +
                   " but parameter " + std::to_string(id) + " in NNM's group order is " + m.name[id] + " of shape " +
-                  ShapeText(m.shape.at(m.name[id])) + (dp > 1 ? " (a ZeRO-1 shard of " + std::to_string(dp) + ")" : "") +
+                  ckpt::ShapeString(m.shape.at(m.name[id])) + (dp > 1 ? " (a ZeRO-1 shard of " + std::to_string(dp) + ")" : "") +
                   ": the optimizer state does not belong to this model");
   }
 }
@@ -215,7 +210,7 @@ Value ConvertZero1(const Value& z, const IdMap& m, int dp, const std::string& wh
       out.as_dict().items.emplace_back(k, CheckedById(v, m, where + "['shape_info']", [&](int64_t id, const Value& s) {
         if (ShapeOf(s, where + "['shape_info'][" + std::to_string(id) + "]") != m.shape.at(m.name[id]))
           throw Error(where + "['shape_info'][" + std::to_string(id) + "] does not match " + m.name[id] + " " +
-                      ShapeText(m.shape.at(m.name[id])));
+                      ckpt::ShapeString(m.shape.at(m.name[id])));
       }));
     } else if (key == "sharded_master_weights" || key == "state") {
       out.as_dict().items.emplace_back(k, CheckedById(v, m, where + "['" + key + "']", [](int64_t, const Value&) {}));

@@ -17,7 +17,7 @@ std::string Join(const std::vector<std::string>& v, const std::string& sep = ", 
 }
 
 bool IsCheckpointFileName(const std::string& n) {
-  return !n.starts_with(".") && !ckpt::IsTempPath(n) && (n.ends_with(".ckpt") || n.ends_with(".pt"));
+  return !n.starts_with(".") && !ckpt::IsTempPath(n) && CheckpointStem(n) != n;
 }
 
 // The checkpoint files directly in `dir`.
@@ -96,13 +96,14 @@ std::vector<RankDir> RankDirs(ckpt::Env* env, const std::string& root, int* tp, 
 
 }  // namespace
 
+std::string CheckpointStem(const std::string& f) {
+  for (const std::string ext : {".ckpt", ".pt"})
+    if (f.ends_with(ext)) return f.substr(0, f.size() - ext.size());
+  return f;
+}
+
 std::string Zero1FileName(const std::string& f) {
-  std::string stem = f;
-  for (const char* ext : {".ckpt", ".pt"})
-    if (stem.ends_with(ext)) {
-      stem.resize(stem.size() - std::string(ext).size());
-      break;
-    }
+  const std::string stem = CheckpointStem(f);
   if (stem.ends_with("-last")) return stem.substr(0, stem.size() - 5) + "-optimizer_states-last.ckpt";
   return stem + "-optimizer_states.ckpt";
 }

@@ -48,6 +48,9 @@ struct NnmSource {
 NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::string& checkpoint_name,
                             const std::function<void(const std::string&)>& log);
 
+// A checkpoint file name without its extension (.ckpt or .pt).
+std::string CheckpointStem(const std::string& file_name);
+
 // The ZeRO-1 optimizer file name NNM pairs with a checkpoint file name:
 // "x-last.ckpt" -> "x-optimizer_states-last.ckpt", "x.ckpt" -> "x-optimizer_states.ckpt".
 std::string Zero1FileName(const std::string& checkpoint_file_name);

@@ -91,6 +91,8 @@ TEST(NnmSource, Zero1OptimizerFilesPerDataParallelRank) {
   const std::string f = "m--step=3-consumed_samples=24.0-last.ckpt";
   EXPECT_EQ(Zero1FileName(f), "m--step=3-consumed_samples=24.0-optimizer_states-last.ckpt");
   EXPECT_EQ(Zero1FileName("m--step=3-consumed_samples=24.0.ckpt"), "m--step=3-consumed_samples=24.0-optimizer_states.ckpt");
+  EXPECT_EQ(CheckpointStem("model_optim_rng.pt"), "model_optim_rng");
+  EXPECT_EQ(CheckpointStem("notes.txt"), "notes.txt");
   for (int t = 0; t < 2; ++t) {
     const std::string r = "mp_rank_0" + std::to_string(t);
     Touch(d / (r + "/" + f));

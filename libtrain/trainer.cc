@@ -25,15 +25,6 @@ using Clock = std::chrono::steady_clock;
 
 const std::string kRankFile = "dp_rank_00_tp_rank_00_pp_rank_00.pt";
 
-double AsNumber(const ckpt::Value& v) {
-  if (v.is_tensor()) {
-    const ckpt::Tensor t = v.as_tensor().Contiguous();
-    if (t.dtype() == ckpt::DType::kFloat32) return *reinterpret_cast<const float*>(t.data());
-    if (t.dtype() == ckpt::DType::kInt64) return static_cast<double>(*reinterpret_cast<const int64_t*>(t.data()));
-  }
-  return v.as_float();
-}
-
 }  // namespace
 
 TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& log) {
@@ -64,7 +55,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
       adamw.LoadStateDict(ckpt::LoadPt(*tag + "/optim/" + kRankFile));
       const ckpt::Value uc = ckpt::LoadPt(*tag + "/" + ckpt::kUserContentFile);
       step = uc.as_dict().At("global_step").as_int();
-      consumed = static_cast<int64_t>(AsNumber(uc.as_dict().At("consumed_samples")));
+      consumed = static_cast<int64_t>(ckpt::AsScalar(uc.as_dict().At("consumed_samples")));
     } catch (const ckpt::Error& e) {
       throw ckpt::Error(*tag + ": cannot resume: " + e.what());
     }

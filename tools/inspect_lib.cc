@@ -41,18 +41,10 @@ void CollectFiles(ckpt::Env* env, const std::string& root, const std::string& re
 InspectedFile InspectFile(const std::string& full, const std::string& rel, bool verify_crc, ckpt::Env* env) {
   InspectedFile f;
   f.file = rel;
-  const bool xser = ckpt::IsXser(full, env);
-  f.format = xser ? "xser" : "pt";
-  ckpt::LoadOptions opts{verify_crc};
-  Value v = xser ? ckpt::LoadXser(full, opts, env) : ckpt::LoadPt(full, opts, env);
+  f.format = ckpt::IsXser(full, env) ? "xser" : "pt";
+  Value v = ckpt::LoadPtOrXser(full, {verify_crc}, env);
   Flatten(v, "", &f.entries);
   return f;
-}
-
-std::string ShapeString(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
 }
 
 }  // namespace
@@ -176,7 +168,7 @@ std::string ReportToText(const InspectReport& r) {
     total_t += nt, total_b += nb;
     o << "== " << (f.file.empty() ? r.path : f.file) << " [" << f.format << "] " << nt << " tensors, " << nb << " bytes\n";
     for (const auto& e : f.entries) {
-      if (e.is_tensor) o << "  " << e.key << "  " << e.dtype << " " << ShapeString(e.shape) << "  " << e.bytes << " B\n";
+      if (e.is_tensor) o << "  " << e.key << "  " << e.dtype << " " << ckpt::ShapeString(e.shape) << "  " << e.bytes << " B\n";
       else o << "  " << e.key << " = " << Scalar(e.value) << "\n";
     }
   }
