@@ -6,6 +6,8 @@
 #include <cstring>
 #include <new>
 
+#include "ckpt/dtype_cast.h"
+
 namespace ckpt {
 
 SnapshotPool::~SnapshotPool() { Trim(); }
@@ -38,14 +40,16 @@ void SnapshotPool::Release(uint8_t* p, size_t nbytes) {
   free_.emplace(nbytes, p);
 }
 
-void SnapshotPool::Reserve(const Value& like) {
+void SnapshotPool::Reserve(const Value& like, std::optional<DType> floats_to) {
   std::vector<std::shared_ptr<Storage>> held;  // released into the pool at the end
   std::vector<const Value*> todo{&like};
   while (!todo.empty()) {
     const Value* v = todo.back();
     todo.pop_back();
     if (v->is_tensor()) {
-      held.push_back(Acquire(v->as_tensor().nbytes()));
+      const Tensor& t = v->as_tensor();
+      const DType dtype = floats_to && CanCast(t.dtype(), *floats_to) ? *floats_to : t.dtype();
+      held.push_back(Acquire(static_cast<size_t>(t.numel()) * ElementSize(dtype)));
       std::memset(held.back()->mutable_data(), 0, held.back()->nbytes());
     } else if (v->is_seq()) {
       for (const Value& c : v->as_seq().items) todo.push_back(&c);
@@ -92,23 +96,26 @@ void CollectTensors(Value& v, std::vector<Tensor*>& out) {
   else if (v.is_dict()) for (auto& [k, c] : v.as_dict().items) CollectTensors(c, out);
 }
 
-Tensor CopyInto(const Tensor& t, SnapshotPool* pool) {
-  if (!pool) return t.Clone();
+Tensor CopyInto(const Tensor& t, SnapshotPool* pool, std::optional<DType> floats_to) {
+  const DType dtype = floats_to && CanCast(t.dtype(), *floats_to) ? *floats_to : t.dtype();
+  if (!pool) return dtype == t.dtype() ? t.Clone() : CastTensor(t, dtype);
   const Tensor src = t.Contiguous();
-  Tensor out(src.dtype(), src.shape(), Tensor::ContiguousStrides(src.shape()), 0, pool->Acquire(src.nbytes()));
+  Tensor out(dtype, src.shape(), Tensor::ContiguousStrides(src.shape()), 0,
+             pool->Acquire(static_cast<size_t>(src.numel()) * ElementSize(dtype)));
   out.set_parameter(t.is_parameter());
   out.set_requires_grad(t.requires_grad());
-  if (src.nbytes()) std::memcpy(out.mutable_data(), src.data(), src.nbytes());
+  if (dtype != src.dtype()) CastInto(src, out);
+  else if (src.nbytes()) std::memcpy(out.mutable_data(), src.data(), src.nbytes());
   return out;
 }
 
 }  // namespace
 
-Value CopyForSnapshot(const Value& v, SnapshotPool* pool) {
+Value CopyForSnapshot(const Value& v, SnapshotPool* pool, std::optional<DType> floats_to) {
   Value out = CopyContainers(v);
   std::vector<Tensor*> tensors;
   CollectTensors(out, tensors);
-  tbb::parallel_for(size_t{0}, tensors.size(), [&](size_t i) { *tensors[i] = CopyInto(*tensors[i], pool); });
+  tbb::parallel_for(size_t{0}, tensors.size(), [&](size_t i) { *tensors[i] = CopyInto(*tensors[i], pool, floats_to); });
   return out;
 }
 

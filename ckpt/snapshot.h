@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "ckpt/value.h"
 
@@ -21,9 +22,10 @@ class SnapshotPool : public std::enable_shared_from_this<SnapshotPool> {
   // Owned, 4096-aligned, uninitialised storage of `nbytes`, reused when a
   // buffer of that size is free.
   std::shared_ptr<Storage> Acquire(size_t nbytes);
-  // Allocates and touches a buffer for every tensor in `like`, so even the
-  // first snapshot is a memcpy (call at start-up, as with pinned buffers).
-  void Reserve(const Value& like);
+  // Allocates and touches a buffer for every tensor in `like` (converted to
+  // `floats_to` as CopyForSnapshot would), so even the first snapshot is a
+  // memcpy (call at start-up, as with pinned buffers).
+  void Reserve(const Value& like, std::optional<DType> floats_to = std::nullopt);
   // Bytes held free for reuse.
   size_t free_bytes() const;
   // Frees every idle buffer.
@@ -38,7 +40,9 @@ class SnapshotPool : public std::enable_shared_from_this<SnapshotPool> {
 
 // A copy of `v` whose tensors own their bytes (containers copied, tensors
 // copied in parallel), safe to hand to an async save while training goes on.
-// Storages come from `pool` when given.
-Value CopyForSnapshot(const Value& v, SnapshotPool* pool = nullptr);
+// Storages come from `pool` when given. With `floats_to`, float32, float64
+// and bfloat16 tensors are converted to it while copying (dtype_cast.h): a
+// mixed-precision trainer computes in float32 and saves bfloat16.
+Value CopyForSnapshot(const Value& v, SnapshotPool* pool = nullptr, std::optional<DType> floats_to = std::nullopt);
 
 }  // namespace ckpt

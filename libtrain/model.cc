@@ -6,6 +6,7 @@
 #include <cstring>
 #include <random>
 
+#include "ckpt/dtype_cast.h"
 #include "ckpt/error.h"
 #include "libtrain/layers.h"
 #include "libtrain/param_groups.h"
@@ -67,6 +68,10 @@ Model::Model(const ModelConfig& c) : c_(c), layout_(ParameterLayout(c)) {
 }
 
 ckpt::Tensor& Model::param(const std::string& n) {
+  return const_cast<ckpt::Tensor&>(static_cast<const Model*>(this)->param(n));
+}
+
+const ckpt::Tensor& Model::param(const std::string& n) const {
   auto it = params_.find(n);
   if (it == params_.end()) throw ckpt::Error("model has no parameter '" + n + "'");
   return it->second;
@@ -91,8 +96,12 @@ void Model::InitWeights() {
     const bool output_proj = p.name.ends_with("self_attention.dense.weight") || p.name.ends_with("mlp.dense_4h_to_h.weight");
     std::normal_distribution<float> dist(0.f, output_proj ? scaled : c_.init_std);
     for (int64_t i = 0; i < n; ++i) w[i] = dist(rng);
+    if (c_.bf16_params)
+      for (int64_t i = 0; i < n; ++i) w[i] = ckpt::RoundToBFloat16(w[i]);
   }
 }
+
+ckpt::DType Model::checkpoint_dtype() const { return c_.bf16_params ? ckpt::DType::kBFloat16 : ckpt::DType::kFloat32; }
 
 void Model::ZeroGrad() {
   for (auto& [n, g] : grads_) std::memset(g.mutable_data(), 0, g.nbytes());
@@ -116,10 +125,18 @@ void Model::LoadStateDict(const ckpt::Value& sd) {
     const ckpt::Value* v = d.Find(p.name);
     if (!v) throw ckpt::Error("state dict has no '" + p.name + "'");
     const ckpt::Tensor& t = v->as_tensor();
-    if (t.dtype() != ckpt::DType::kFloat32 || t.shape() != p.shape)
-      throw ckpt::Error("state dict '" + p.name + "' is " + std::string(ckpt::DTypeName(t.dtype())) + " of the wrong shape for this config");
-    const ckpt::Tensor c = t.Contiguous();
-    std::memcpy(param(p.name).mutable_data(), c.data(), c.nbytes());
+    if (t.shape() != p.shape)
+      throw ckpt::Error("state dict '" + p.name + "' is " + ckpt::ShapeString(t.shape()) + ", the wrong shape for this config (" +
+                        ckpt::ShapeString(p.shape) + ")");
+    if (!ckpt::CanCast(t.dtype(), ckpt::DType::kFloat32))
+      throw ckpt::Error("state dict '" + p.name + "' is " + std::string(ckpt::DTypeName(t.dtype())) +
+                        "; parameters load from float32, float64 or bfloat16");
+    ckpt::Tensor& dst = param(p.name);
+    ckpt::CastInto(t, dst);
+    if (c_.bf16_params) {
+      float* w = W(p.name);
+      for (int64_t i = 0, n = dst.numel(); i < n; ++i) w[i] = ckpt::RoundToBFloat16(w[i]);
+    }
   }
 }
 

@@ -2,7 +2,9 @@
 // build it): RMSNorm, RoPE, attention with the fused per-head
 // [q_h; k_h; v_h] query_key_value weight (or, with GQA, query plus
 // key_value laid out [k_g; v_g] per KV head), causal softmax, SwiGLU with the
-// fused [gate; up] dense_h_to_4h, no biases, untied output layer. fp32.
+// fused [gate; up] dense_h_to_4h, no biases, untied output layer. Computes
+// in float32; with bf16_params (mixed precision) every parameter holds a
+// bfloat16 value and checkpoints store bfloat16, as NxDT's do.
 //
 // Parameters carry NxDT's state-dict names and, as Megatron's parallel layers
 // do, their tensor-parallel partition dim and stride; checkpoint tools read
@@ -32,6 +34,9 @@ struct ModelConfig {
   // "selective" drops the attention probabilities ([B, heads, T, T]) and
   // recomputes them. Gradients are bit-identical either way.
   std::string recompute;
+  // precision.type mixed_precision: parameters are bfloat16 (the optimizer
+  // keeps float32 master weights); activations and gradients stay float32.
+  bool bf16_params = false;
   uint64_t seed = 1234;
   int64_t head_dim() const { return hidden / heads; }
   int64_t rotary_dim() const { return static_cast<int64_t>(head_dim() * rotary_percentage) / 2 * 2; }
@@ -58,6 +63,7 @@ class Model {
 
   // Normal(0, init_std) weights; output projections of each layer (dense,
   // dense_4h_to_h) scaled by 1/sqrt(2 * layers) with scaled_init; norms 1.
+  // Rounded to bfloat16 with bf16_params.
   void InitWeights();
   // Forward over B sequences of T tokens; returns the mean cross-entropy.
   float Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T);
@@ -67,17 +73,22 @@ class Model {
 
   const ModelConfig& config() const { return c_; }
   ckpt::Tensor& param(const std::string& name);
+  const ckpt::Tensor& param(const std::string& name) const;
   ckpt::Tensor& grad(const std::string& name);
   const std::vector<ParamInfo>& layout() const { return layout_; }
   const std::vector<float>& logits() const { return logits_; }
   // Bytes of activations held for backward after the last Forward.
   size_t activation_bytes() const;
 
-  // name -> tensor, viewing the model's own memory (no copy).
+  // name -> float32 tensor, viewing the model's own memory (no copy).
   ckpt::Value StateDict() const;
   ckpt::Value GradDict() const;
-  // Copies matching tensors in; throws ckpt::Error naming a missing or
-  // mis-shaped key.
+  // The dtype a checkpoint stores the parameters in: bfloat16 with
+  // bf16_params, else float32.
+  ckpt::DType checkpoint_dtype() const;
+  // Copies matching tensors in, converting float64 or bfloat16 (and rounding
+  // to bfloat16 with bf16_params); throws ckpt::Error naming a missing,
+  // mis-shaped or non-float key.
   void LoadStateDict(const ckpt::Value& sd);
 
  private:

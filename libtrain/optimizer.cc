@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 
 #include <tbb/parallel_for.h>
 
+#include "ckpt/dtype_cast.h"
 #include "ckpt/error.h"
 #include "libtrain/param_groups.h"
 
@@ -13,14 +15,21 @@ namespace train {
 
 AdamW::AdamW(const Model& m, const AdamWConfig& c) : c_(c) {
   std::vector<std::string> names;
-  for (const auto& p : m.layout()) names.push_back(p.name);
+  std::map<std::string, const std::vector<int64_t>*> shapes;
+  for (const auto& p : m.layout()) names.push_back(p.name), shapes[p.name] = &p.shape;
   for (const auto& slot : OptimizerOrder(names, c.do_layer_norm_weight_decay)) {
-    const auto& shape = m.layout()[std::find(names.begin(), names.end(), slot.name) - names.begin()].shape;
     order_.push_back(slot.name);
     group_.push_back(slot.group);
-    m_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, shape));
-    v_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, shape));
+    m_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, *shapes.at(slot.name)));
+    v_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, *shapes.at(slot.name)));
   }
+  ResetMasterWeights(m);
+}
+
+void AdamW::ResetMasterWeights(const Model& m) {
+  master_.clear();
+  if (!c_.master_weights) return;
+  for (const auto& name : order_) master_.push_back(m.param(name).Clone());
 }
 
 void AdamW::Step(Model& m, double lr) {
@@ -30,7 +39,10 @@ void AdamW::Step(Model& m, double lr) {
   const float step_size = static_cast<float>(lr / bc1), bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   const float b1 = static_cast<float>(c_.beta1), b2 = static_cast<float>(c_.beta2), eps = static_cast<float>(c_.eps);
   for (size_t i = 0; i < order_.size(); ++i) {
-    float* w = reinterpret_cast<float*>(m.param(order_[i]).mutable_data());
+    float* param = reinterpret_cast<float*>(m.param(order_[i]).mutable_data());
+    // With master weights the update runs on the float32 master copy, and
+    // the parameter becomes its bfloat16 rounding.
+    float* w = master_.empty() ? param : reinterpret_cast<float*>(master_[i].mutable_data());
     const float* g = reinterpret_cast<const float*>(m.grad(order_[i]).data());
     float* mo = reinterpret_cast<float*>(m_[i].mutable_data());
     float* vo = reinterpret_cast<float*>(v_[i].mutable_data());
@@ -42,21 +54,27 @@ void AdamW::Step(Model& m, double lr) {
         mo[j] = b1 * mo[j] + (1 - b1) * g[j];
         vo[j] = b2 * vo[j] + (1 - b2) * g[j] * g[j];
         w[j] -= step_size * mo[j] / (std::sqrt(vo[j]) / bc2_sqrt + eps);
+        if (w != param) param[j] = ckpt::RoundToBFloat16(w[j]);
       }
     });
   }
 }
 
 ckpt::Value AdamW::StateDict(double lr) const {
-  ckpt::Value state = ckpt::Value::NewDict();
+  ckpt::Value state = ckpt::Value::NewDict(), shape_info = ckpt::Value::NewDict(), master = ckpt::Value::NewDict();
   for (size_t i = 0; i < order_.size(); ++i) {
+    const ckpt::Value id(static_cast<int64_t>(i));
     ckpt::Value s = ckpt::Value::NewDict();
     ckpt::Tensor step = ckpt::Tensor::Zeros(ckpt::DType::kFloat32, {});
     reinterpret_cast<float*>(step.mutable_data())[0] = static_cast<float>(step_);
     s.as_dict().Set("step", ckpt::Value(step));
     s.as_dict().Set("exp_avg", ckpt::Value(m_[i]));
     s.as_dict().Set("exp_avg_sq", ckpt::Value(v_[i]));
-    state.as_dict().items.emplace_back(ckpt::Value(static_cast<int64_t>(i)), s);
+    state.as_dict().items.emplace_back(id, s);
+    std::vector<ckpt::Value> dims;
+    for (int64_t d : m_[i].shape()) dims.emplace_back(d);
+    shape_info.as_dict().items.emplace_back(id, ckpt::Value::NewSeq(ckpt::SeqKind::kTorchSize, dims));
+    if (!master_.empty()) master.as_dict().items.emplace_back(id, ckpt::Value(master_[i]));
   }
   ckpt::Value groups = ckpt::Value::List();
   for (int g = 0; g < 2; ++g) {
@@ -78,32 +96,65 @@ ckpt::Value AdamW::StateDict(double lr) const {
     groups.as_seq().items.push_back(pg);
   }
   ckpt::Value out = ckpt::Value::NewDict();
-  out.as_dict().Set("state", state);
-  out.as_dict().Set("param_groups", groups);
+  auto& d = out.as_dict();
+  if (!c_.zero1) {
+    d.Set("state", state);
+    d.Set("param_groups", groups);
+    return out;
+  }
+  // ZeRO-1 with one data-parallel rank: each shard is the whole parameter.
+  d.Set("state", ckpt::Value::NewDict());
+  d.Set("param_groups", groups);
+  d.Set("base_state", state);
+  d.Set("shape_info", shape_info);
+  if (c_.master_weights_in_ckpt && !master_.empty()) d.Set("sharded_master_weights", master);
   return out;
 }
 
-void AdamW::LoadStateDict(const ckpt::Value& sd) {
-  const ckpt::Dict& state = sd.as_dict().At("state").as_dict();
+namespace {
+// The entry for optimizer id `id` in a {id: value} dict; nullptr when absent.
+const ckpt::Value* ById(const ckpt::Dict& d, size_t id) {
+  for (const auto& [k, v] : d.items)
+    if (k.is_int() && k.as_int() == static_cast<int64_t>(id)) return &v;
+  return nullptr;
+}
+}  // namespace
+
+bool AdamW::LoadStateDict(const ckpt::Value& sd) {
+  const ckpt::Dict& top = sd.as_dict();
+  const bool zero1 = top.Find("base_state") != nullptr;
+  const ckpt::Dict& state = top.At(zero1 ? "base_state" : "state").as_dict();
+  auto what = [&](size_t i) { return "parameter " + std::to_string(i) + " (" + order_[i] + ")"; };
+  auto copy = [&](const ckpt::Value& v, ckpt::Tensor& dst, const std::string& key, size_t i) {
+    const ckpt::Tensor& t = v.as_tensor();
+    if (t.shape() != dst.shape()) {
+      throw ckpt::Error("optimizer " + key + " of " + what(i) + " is " + ckpt::ShapeString(t.shape()) + ", not " +
+                        ckpt::ShapeString(dst.shape()) +
+                        (zero1 ? " (a ZeRO-1 shard of a run with more data-parallel ranks? this trainer runs one)" : ""));
+    }
+    if (!ckpt::CanCast(t.dtype(), ckpt::DType::kFloat32))
+      throw ckpt::Error("optimizer " + key + " of " + what(i) + " is " + std::string(ckpt::DTypeName(t.dtype())));
+    ckpt::CastInto(t, dst);
+  };
   int64_t step = -1;
   for (size_t i = 0; i < order_.size(); ++i) {
-    const ckpt::Value* s = nullptr;
-    for (const auto& [k, v] : state.items)
-      if (k.is_int() && k.as_int() == static_cast<int64_t>(i)) s = &v;
-    if (!s) throw ckpt::Error("optimizer state has no entry for parameter " + std::to_string(i) + " (" + order_[i] + ")");
-    for (auto [key, dst] : {std::pair{"exp_avg", &m_[i]}, std::pair{"exp_avg_sq", &v_[i]}}) {
-      const ckpt::Tensor& t = s->as_dict().At(key).as_tensor();
-      if (t.shape() != dst->shape() || t.dtype() != ckpt::DType::kFloat32)
-        throw ckpt::Error(std::string("optimizer ") + key + " of parameter " + std::to_string(i) + " (" + order_[i] +
-                          ") does not match its shape");
-      const ckpt::Tensor c = t.Contiguous();
-      std::memcpy(dst->mutable_data(), c.data(), c.nbytes());
-    }
-    const ckpt::Value& st = s->as_dict().At("step");
-    step = st.is_tensor() ? static_cast<int64_t>(*reinterpret_cast<const float*>(st.as_tensor().Contiguous().data()))
-                          : st.as_int();
+    const ckpt::Value* s = ById(state, i);
+    if (!s) throw ckpt::Error("optimizer state has no entry for " + what(i));
+    copy(s->as_dict().At("exp_avg"), m_[i], "exp_avg", i);
+    copy(s->as_dict().At("exp_avg_sq"), v_[i], "exp_avg_sq", i);
+    const double st = ckpt::AsScalar(s->as_dict().At("step"));
+    if (st < 0 || st != std::floor(st)) throw ckpt::Error("optimizer step of " + what(i) + " is " + std::to_string(st));
+    step = static_cast<int64_t>(st);
   }
   step_ = step < 0 ? 0 : step;
+  const ckpt::Value* master = top.Find("sharded_master_weights");
+  if (!master || master_.empty()) return false;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const ckpt::Value* w = ById(master->as_dict(), i);
+    if (!w) throw ckpt::Error("sharded_master_weights has no entry for " + what(i));
+    copy(*w, master_[i], "master weight", i);
+  }
+  return true;
 }
 
 namespace {

@@ -117,7 +117,8 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
   if (tp != 1 || pp != 1 || world != 1)
     r.Fail("distributed_strategy", "tp=" + std::to_string(tp) + " pp=" + std::to_string(pp) + " on " + std::to_string(world) +
                                        " devices: this trainer runs one process (TP=PP=DP=1); distributed training is not built yet");
-  if (r.Bool("distributed_strategy.zero1", false)) c.ignored.push_back("distributed_strategy.zero1 (one process: nothing to shard)");
+  // NxDT's default; with one data-parallel rank it decides the optimizer file's layout.
+  c.optim.zero1 = r.Bool("distributed_strategy.zero1", true);
 
   c.micro_batch_size = r.Int("data.micro_batch_size", 1, 1);
   c.global_batch_size = r.Int("data.global_batch_size", 1, 1);
@@ -192,8 +193,15 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
     r.Fail("model.optim.sched.min_lr", "is above model.optim.lr");
 
   c.precision = r.Str("precision.type", "fp32");
-  if (c.precision != "fp32")
-    r.Fail("precision.type", "'" + c.precision + "' is not supported yet on this CPU trainer (fp32 is)");
+  if (c.precision == "mixed_precision") {
+    if (!c.optim.zero1)
+      r.Fail("precision.type", "mixed_precision keeps float32 master weights only with distributed_strategy.zero1: True "
+                               "(as NxDT does); set zero1 or use fp32");
+    m.bf16_params = c.optim.master_weights = true;
+    c.optim.master_weights_in_ckpt = r.Bool("exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt", false);
+  } else if (c.precision != "fp32") {
+    r.Fail("precision.type", "'" + c.precision + "' is not supported on this CPU trainer (fp32 and mixed_precision are)");
+  }
 
   for (const char* k : {"compiler_flags", "compiler_cache_url", "aync_exec_max_inflight_requests", "bucket_size_collectives",
                         "neuron_rt_exec_timeout", "neuron_experimental_compress_rg", "model.fusions", "model.use_cpu_initialization",

@@ -35,6 +35,9 @@ struct TrainConfig {
   ModelConfig model;
   AdamWConfig optim;
   ScheduleConfig sched;
+  // precision.type: fp32, or mixed_precision (bfloat16 parameters with
+  // float32 master weights and optimizer state: model.bf16_params and
+  // optim.master_weights).
   std::string precision = "fp32";
   std::vector<std::string> ignored;  // Neuron-only keys accepted and ignored
 

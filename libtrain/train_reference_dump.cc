@@ -4,7 +4,9 @@
 // the learning-rate schedule, AdamW) and writes OUT_DIR/result.pt: the batch,
 // the first step's logits, loss and gradients, every step's loss, lr and
 // gradient norm, the final weights and the optimizer state dict, for a
-// PyTorch reference (tests/interop/train_reference.py) to compare.
+// PyTorch reference (tests/interop/train_reference.py) to compare. With
+// --mixed the weights are bfloat16 and the optimizer state is ZeRO-1's layout
+// with float32 master weights.
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <random>
@@ -12,6 +14,7 @@
 
 #include "ckpt/error.h"
 #include "ckpt/pt_file.h"
+#include "ckpt/snapshot.h"
 #include "libtrain/model.h"
 #include "libtrain/optimizer.h"
 
@@ -53,11 +56,15 @@ int main(int argc, char** argv) {
   app.add_option("--max-steps", sched.max_steps);
   app.add_option("--min-lr", sched.min_lr);
   app.add_flag("--decay-norms", opt.do_layer_norm_weight_decay);
+  bool mixed = false;
+  app.add_flag("--mixed", mixed, "mixed_precision: bfloat16 parameters, float32 master weights, ZeRO-1 optimizer layout");
   CLI11_PARSE(app, argc, argv);
+  c.bf16_params = opt.master_weights = opt.zero1 = opt.master_weights_in_ckpt = mixed;
   try {
     train::Model m(c);
     m.InitWeights();
-    ckpt::SavePt(dir + "/weights.pt", m.StateDict(), {.weights_only = true});
+    auto weights = [&] { return ckpt::CopyForSnapshot(m.StateDict(), nullptr, m.checkpoint_dtype()); };
+    ckpt::SavePt(dir + "/weights.pt", weights(), {.weights_only = true});
     const int64_t B = 2, T = 8;
     std::mt19937 rng(7);
     ckpt::Tensor tokens = ckpt::Tensor::Zeros(ckpt::DType::kInt32, {B, T});
@@ -89,7 +96,7 @@ int main(int argc, char** argv) {
     d.Set("losses", ckpt::Value(Floats(losses, {steps})));
     d.Set("lrs", ckpt::Value(Floats(lrs, {steps})));
     d.Set("grad_norms", ckpt::Value(Floats(norms, {steps})));
-    d.Set("final", m.StateDict());
+    d.Set("final", weights());
     d.Set("optim", adamw.StateDict(lr));
     ckpt::Value cfg = ckpt::Value::NewDict();
     for (auto [k, v] : std::vector<std::pair<const char*, int64_t>>{

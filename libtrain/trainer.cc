@@ -52,7 +52,10 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   if (tag) {
     try {
       model.LoadStateDict(ckpt::LoadPt(*tag + "/model/" + kRankFile));
-      adamw.LoadStateDict(ckpt::LoadPt(*tag + "/optim/" + kRankFile));
+      adamw.ResetMasterWeights(model);
+      if (!adamw.LoadStateDict(ckpt::LoadPt(*tag + "/optim/" + kRankFile)) && c.optim.master_weights)
+        log("info: the checkpoint holds no master weights (use_master_weights_in_ckpt was off); they restart from its "
+            "bfloat16 parameters, as in NxDT");
       const ckpt::Value uc = ckpt::LoadPt(*tag + "/" + ckpt::kUserContentFile);
       step = uc.as_dict().At("global_step").as_int();
       consumed = static_cast<int64_t>(ckpt::AsScalar(uc.as_dict().At("consumed_samples")));
@@ -69,7 +72,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   if (c.create_checkpoint_callback) {
     store = std::make_unique<ckpt::CheckpointStore>(ckpt::StoreOptions{
         .dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .log = log});
-    pool->Reserve(model.StateDict());  // snapshot buffers, faulted in before the first step
+    pool->Reserve(model.StateDict(), model.checkpoint_dtype());  // snapshot buffers, faulted in before the first step
     pool->Reserve(adamw.StateDict(0));
   }
   auto save = [&](int64_t global_step, double lr) {
@@ -84,7 +87,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     user.as_dict().Set("consumed_samples", ckpt::Value(static_cast<double>(consumed)));
     ckpt::Snapshot snap;
     snap.tag = {c.name, global_step, static_cast<double>(consumed), false};
-    snap.files = {{"model/" + kRankFile, ckpt::CopyForSnapshot(model.StateDict(), pool.get()), {.weights_only = true}},
+    snap.files = {{"model/" + kRankFile, ckpt::CopyForSnapshot(model.StateDict(), pool.get(), model.checkpoint_dtype()), {.weights_only = true}},
                   {"optim/" + kRankFile, ckpt::CopyForSnapshot(adamw.StateDict(lr), pool.get()), {}},
                   {ckpt::kSchedulerFile, sched, {}},
                   {ckpt::kUserContentFile, user, {}}};

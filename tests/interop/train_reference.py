@@ -166,6 +166,61 @@ class TrainingCoreMatchesTorch(TempDirTest):
     def test_cosine_schedule_with_constant_steps(self):
         self.train_steps(6, lambda s: nemo_cosine(s, 1e-2, 2, 2, 6, 1e-3), 1.0, "--constant", "2")
 
+    def test_mixed_precision_bf16_params_fp32_master_weights(self):
+        """NxDT's mixed_precision: bfloat16 parameters, float32 master weights and
+        moments in ZeRO-1's layout; compute stays float32 here, as in torch below."""
+        steps, clip = 3, 0.5
+        run(TRAIN_DUMP, self.dir, "--mixed", "--steps", str(steps), "--clip", str(clip))
+        weights = torch.load(os.path.join(self.dir, "weights.pt"), weights_only=True)
+        res = torch.load(os.path.join(self.dir, "result.pt"))
+        self.assertEqual({v.dtype for v in weights.values()}, {torch.bfloat16})
+        names = list(weights)
+        norms = [n for n in names if n.endswith("layernorm.weight")]
+        master = {n: weights[n].float().clone() for n in names}  # the master weights start as the bf16 values
+        groups = [{"params": [master[n] for n in names if n not in norms], "weight_decay": 0.1},
+                  {"params": [master[n] for n in norms], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+        bf16 = dict(weights)
+        tokens, targets = res["tokens"].long(), res["targets"].long()
+        for step in range(steps):
+            compute = {n: bf16[n].float().requires_grad_(True) for n in names}
+            logits = forward(compute, res["config"], tokens)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(list(compute.values()), clip)
+            for n in names:
+                master[n].grad = compute[n].grad
+            lr = nemo_cosine(step, 1e-2, 2, 0, 6, 1e-3)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.step()
+            bf16 = {n: master[n].bfloat16() for n in names}
+            self.close(f"loss at step {step}", res["losses"][step], loss.detach(), 1e-4)
+            self.close(f"grad norm at step {step}", res["grad_norms"][step], norm, 1e-4)
+        ours = res["optim"]
+        self.assertEqual(ours["state"], {})
+        self.assertEqual([g["params"] for g in ours["param_groups"]], [g["params"] for g in opt.state_dict()["param_groups"]])
+        ref_state = opt.state_dict()["state"]
+        order = [n for n in names if n not in norms] + norms  # optimizer ids: group 0, then group 1
+        for pid, n in enumerate(order):
+            self.assertEqual(ours["shape_info"][pid], weights[n].shape)
+            self.assertIsInstance(ours["shape_info"][pid], torch.Size)
+            m = ours["sharded_master_weights"][pid]
+            self.assertEqual(m.dtype, torch.float32)
+            self.close(f"master weight {n}", m, master[n].detach(), 1e-3)
+            self.close(f"exp_avg {n}", ours["base_state"][pid]["exp_avg"], ref_state[pid]["exp_avg"], 1e-3)
+            self.close(f"exp_avg_sq {n}", ours["base_state"][pid]["exp_avg_sq"], ref_state[pid]["exp_avg_sq"], 1e-3)
+            self.assertEqual(float(ours["base_state"][pid]["step"]), float(steps))
+            # Our bf16 parameters are exactly torch's rounding of our own master weights ...
+            final = res["final"][n]
+            self.assertEqual(final.dtype, torch.bfloat16)
+            self.assertTrue(torch.equal(final.view(torch.int16), m.bfloat16().view(torch.int16)), n)
+            # ... and rounding two nearby masters moves them apart by at most their distance plus one bf16 step.
+            diff = (final.float() - bf16[n].float()).abs()
+            bound = (m - master[n].detach()).abs() + torch.maximum(m.abs(), master[n].detach().abs()) * 2 ** -7
+            self.assertTrue(bool((diff <= bound).all()), n)
+        self.assertLess(res["losses"][-1].item(), res["losses"][0].item())
+
     def test_linear_annealing_with_warmup_and_one_param_group(self):
         self.train_steps(5, lambda s: linear_with_warmup(s, 1e-2, 2, 6), 1.0, "--sched", "LinearAnnealingWithWarmUp",
                          "--decay-norms", decay_norms=True)

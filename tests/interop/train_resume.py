@@ -3,10 +3,13 @@ resumes by itself to exactly the run that was never interrupted."""
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import time
 import unittest
+
+import torch
 
 from canon import TOKENIZE, TRAIN, TempDirTest, run
 
@@ -15,11 +18,15 @@ TEXT = "/usr/share/common-licenses/GPL-3"  # in every Debian (base-files)
 STEPS = 120
 
 
-def args(log_dir, async_save):
+MIXED = ["precision.type=mixed_precision", "distributed_strategy.zero1=True"]
+RANK_FILE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+
+
+def args(log_dir, async_save, extra=()):
     return [TRAIN, CONF, f"exp_manager.explicit_log_dir={log_dir}", f"trainer.max_steps={STEPS}",
             "exp_manager.checkpoint_callback_params.every_n_train_steps=20",
             "exp_manager.checkpoint_callback_params.save_top_k=3",
-            f"exp_manager.async_checkpointing={async_save}", "+model.optim.sched.max_steps=120"]
+            f"exp_manager.async_checkpointing={async_save}", "+model.optim.sched.max_steps=120", *extra]
 
 
 def losses(log_dir):
@@ -38,8 +45,8 @@ class TrainAndResume(TempDirTest):
         os.makedirs(os.path.join(self.dir, "data"))
         run(TOKENIZE, TEXT, os.path.join(self.dir, "data", "text_document"))
 
-    def train(self, log_dir, async_save):
-        return subprocess.run(args(log_dir, async_save), cwd=self.dir, capture_output=True, text=True, check=True)
+    def train(self, log_dir, async_save, extra=()):
+        return subprocess.run(args(log_dir, async_save, extra), cwd=self.dir, capture_output=True, text=True, check=True)
 
     def test_loss_falls(self):
         self.train("straight", "True")
@@ -47,10 +54,13 @@ class TrainAndResume(TempDirTest):
         first, last = sum(l[s] for s in range(1, 6)) / 5, sum(l[s] for s in range(STEPS - 4, STEPS + 1)) / 5
         self.assertLess(last, 0.6 * first, f"loss {first:.3f} -> {last:.3f}")
 
-    def check_exact_resume(self, async_save):
-        self.train("straight", async_save)
+    def kill_and_resume(self, async_save, extra=()):
+        """Trains to STEPS straight, and again SIGKILLed after the step-40 checkpoint and rerun;
+        returns both runs' losses by step and the rerun's stderr."""
+        self.train("straight", async_save, extra)
         killed = os.path.join(self.dir, "killed")
-        p = subprocess.Popen(args(killed, async_save), cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(args(killed, async_save, extra), cwd=self.dir, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
         deadline = time.time() + 60
         while not glob.glob(os.path.join(killed, "checkpoints", "*step=40*", "done")):
             self.assertIsNone(p.poll(), "the run finished before it could be killed")
@@ -58,15 +68,21 @@ class TrainAndResume(TempDirTest):
             time.sleep(0.002)
         p.send_signal(signal.SIGKILL)
         p.wait()
-        r = self.train("killed", async_save)
+        r = self.train("killed", async_save, extra)
         self.assertRegex(r.stderr, r"resumed from .*step=(40|60|80|100)")
         a, b = losses(os.path.join(self.dir, "straight")), losses(killed)
         self.assertEqual(sorted(a), list(range(1, STEPS + 1)))
-        self.assertEqual(a, b)  # identical loss at every step
+        return a, b, r.stderr
+
+    def final_file(self, run, sub):
         rel = f"checkpoints/tiny_llama--step={STEPS}-consumed_samples={8.0 * STEPS}.ckpt"
+        return os.path.join(self.dir, run, rel, sub, RANK_FILE)
+
+    def check_exact_resume(self, async_save, extra=()):
+        a, b, _ = self.kill_and_resume(async_save, extra)
+        self.assertEqual(a, b)  # identical loss at every step
         for sub in ("model", "optim"):
-            with open(os.path.join(self.dir, "straight", rel, sub, "dp_rank_00_tp_rank_00_pp_rank_00.pt"), "rb") as f1, \
-                 open(os.path.join(killed, rel, sub, "dp_rank_00_tp_rank_00_pp_rank_00.pt"), "rb") as f2:
+            with open(self.final_file("straight", sub), "rb") as f1, open(self.final_file("killed", sub), "rb") as f2:
                 self.assertEqual(f1.read(), f2.read(), f"{sub} files differ")
 
     def test_exact_resume_after_sigkill_async_saves(self):
@@ -74,6 +90,32 @@ class TrainAndResume(TempDirTest):
 
     def test_exact_resume_after_sigkill_sync_saves(self):
         self.check_exact_resume("False")
+
+    def test_mixed_precision_resumes_exactly_with_master_weights_in_the_checkpoint(self):
+        self.check_exact_resume("True", MIXED + ["+exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=True"])
+        model = torch.load(self.final_file("killed", "model"))
+        optim = torch.load(self.final_file("killed", "optim"))
+        self.assertEqual({v.dtype for v in model.values()}, {torch.bfloat16})
+        self.assertEqual(sorted(optim), ["base_state", "param_groups", "shape_info", "sharded_master_weights", "state"])
+        ids = [i for g in optim["param_groups"] for i in g["params"]]
+        self.assertEqual(sorted(optim["sharded_master_weights"]), sorted(ids))
+        # Every parameter is the bfloat16 rounding of its float32 master weight; not all masters are bf16 values.
+        pids = {n: i for i, n in enumerate([n for n in model if not n.endswith("norm.weight")] +
+                                           [n for n in model if n.endswith("norm.weight")])}
+        exact = 0
+        for name, w in model.items():
+            master = optim["sharded_master_weights"][pids[name]]
+            self.assertEqual(master.dtype, torch.float32)
+            self.assertTrue(torch.equal(master.bfloat16(), w), name)
+            exact += int(torch.equal(master, w.float()))
+        self.assertLess(exact, len(model) // 2)
+
+    def test_mixed_precision_without_master_weights_restarts_them_from_bf16_as_nxdt_does(self):
+        a, b, stderr = self.kill_and_resume("False", MIXED)
+        self.assertIn("holds no master weights", stderr)
+        resumed = int(re.search(r"resumed from \S*step=(\d+)-", stderr).group(1))
+        self.assertEqual([a[s] for s in range(1, resumed + 2)], [b[s] for s in range(1, resumed + 2)])  # same bf16 weights
+        self.assertNotEqual(a, b)  # the master weights lost their low bits, so later steps differ
 
     def test_hdf5_data_trains_identically_to_the_same_tokens_in_mmap(self):
         run(TOKENIZE, "--format", "hdf5", TEXT, os.path.join(self.dir, "data", "text"))
@@ -91,7 +133,9 @@ class TrainAndResume(TempDirTest):
             (["data.global_batch_size=6"], "data.global_batch_size: 6 is not a multiple of data.micro_batch_size (4)"),
             (["distributed_strategy.tensor_model_parallel_size=2"], "distributed_strategy: tp=2 pp=1"),
             (["model.num_kv_heads=3"], "model.num_kv_heads: must divide num_attention_heads (4)"),
-            (["precision.type=mixed_precision"], "precision.type: 'mixed_precision' is not supported yet"),
+            (["precision.type=mixed_precision"],
+             "precision.type: mixed_precision keeps float32 master weights only with distributed_strategy.zero1: True"),
+            (["precision.type=bf16SR"], "precision.type: 'bf16SR' is not supported on this CPU trainer"),
             (["data.data_impl=hdf5", "data.data_prefix=[1.0,data/none.h5]"], "data/none.h5: missing"),
             (["model.hidden=1"], "override 'model.hidden=1': key 'model.hidden' is not in the config"),
         ]

@@ -1,0 +1,146 @@
+#include "libtrain/optimizer.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "ckpt/dtype_cast.h"
+#include "ckpt/error.h"
+#include "ckpt/test_util.h"
+
+namespace train {
+namespace {
+
+ModelConfig Small(bool bf16) {
+  ModelConfig c;
+  c.vocab = 32, c.hidden = 16, c.ffn = 24, c.heads = 2, c.kv_heads = 2, c.layers = 1;
+  c.bf16_params = bf16;
+  return c;
+}
+
+AdamWConfig Mixed(bool master_in_ckpt) {
+  AdamWConfig o;
+  o.lr = 1e-2;
+  o.master_weights = o.zero1 = true;
+  o.master_weights_in_ckpt = master_in_ckpt;
+  return o;
+}
+
+// One forward/backward on a fixed batch, then an AdamW step.
+void TrainStep(Model& m, AdamW& opt) {
+  std::mt19937 rng(5);
+  std::vector<int32_t> tokens(16), targets(16);
+  for (auto& t : tokens) t = static_cast<int32_t>(rng() % 32);
+  for (auto& t : targets) t = static_cast<int32_t>(rng() % 32);
+  m.ZeroGrad();
+  m.Forward(tokens.data(), targets.data(), 2, 8);
+  m.Backward();
+  opt.Step(m, 1e-2);
+}
+
+std::vector<uint8_t> Bytes(const Model& m) {
+  std::vector<uint8_t> out;
+  for (const auto& p : m.layout()) {
+    const ckpt::Tensor& t = m.param(p.name);
+    out.insert(out.end(), t.data(), t.data() + t.nbytes());
+  }
+  return out;
+}
+
+TEST(AdamWMixedPrecision, ParametersAreTheBFloat16RoundingOfTheirMasterWeights) {
+  Model m(Small(true));
+  m.InitWeights();
+  AdamW opt(m, Mixed(true));
+  for (int s = 0; s < 3; ++s) TrainStep(m, opt);
+  const ckpt::Value sd = opt.StateDict(1e-2);
+  const ckpt::Dict& master = sd.as_dict().At("sharded_master_weights").as_dict();
+  int64_t off_grid = 0;
+  for (size_t id = 0; id < opt.order().size(); ++id) {
+    const ckpt::Tensor& w = master.items[id].second.as_tensor();
+    const float* mw = reinterpret_cast<const float*>(w.data());
+    const float* p = reinterpret_cast<const float*>(m.param(opt.order()[id]).data());
+    for (int64_t i = 0; i < w.numel(); ++i) {
+      ASSERT_EQ(p[i], ckpt::RoundToBFloat16(mw[i])) << opt.order()[id] << " " << i;
+      off_grid += mw[i] != p[i];
+    }
+  }
+  EXPECT_GT(off_grid, 0);  // the masters keep bits the parameters do not
+}
+
+TEST(AdamWMixedPrecision, Zero1StateDictRoundTripsToTheSameNextStep) {
+  Model a(Small(true)), b(Small(true));
+  a.InitWeights();
+  AdamW oa(a, Mixed(true));
+  for (int s = 0; s < 2; ++s) TrainStep(a, oa);
+  const ckpt::Value sd = oa.StateDict(1e-2);
+  EXPECT_EQ(sd.as_dict().At("state").as_dict().items.size(), 0u);
+  EXPECT_EQ(sd.as_dict().At("shape_info").as_dict().items[0].second.as_seq().kind, ckpt::SeqKind::kTorchSize);
+
+  b.LoadStateDict(a.StateDict());
+  AdamW ob(b, Mixed(true));
+  EXPECT_TRUE(ob.LoadStateDict(sd));
+  EXPECT_EQ(ob.steps(), 2);
+  TrainStep(a, oa);
+  TrainStep(b, ob);
+  EXPECT_EQ(Bytes(a), Bytes(b));
+}
+
+TEST(AdamWMixedPrecision, WithoutMasterWeightsInTheCheckpointTheyRestartFromTheParameters) {
+  Model a(Small(true)), b(Small(true));
+  a.InitWeights();
+  AdamW oa(a, Mixed(false));
+  for (int s = 0; s < 2; ++s) TrainStep(a, oa);
+  const ckpt::Value sd = oa.StateDict(1e-2);
+  EXPECT_EQ(sd.as_dict().Find("sharded_master_weights"), nullptr);
+  b.LoadStateDict(a.StateDict());
+  AdamW ob(b, Mixed(true));
+  EXPECT_FALSE(ob.LoadStateDict(sd));
+  const ckpt::Value restarted = ob.StateDict(1e-2);
+  const ckpt::Dict& master = restarted.as_dict().At("sharded_master_weights").as_dict();
+  for (size_t id = 0; id < ob.order().size(); ++id) {
+    const ckpt::Tensor& w = master.items[id].second.as_tensor();
+    EXPECT_EQ(std::memcmp(w.data(), b.param(ob.order()[id]).data(), w.nbytes()), 0) << ob.order()[id];
+  }
+}
+
+TEST(AdamW, ReadsEitherLayoutAndAnInt64Step) {
+  Model m(Small(false));
+  m.InitWeights();
+  AdamWConfig plain;
+  AdamW a(m, plain);
+  TrainStep(m, a);
+  ckpt::Value sd = a.StateDict(1e-3);
+  for (auto& [id, st] : sd.as_dict().At("state").as_dict().items) {
+    ckpt::Tensor step = ckpt::Tensor::Zeros(ckpt::DType::kInt64, {});
+    reinterpret_cast<int64_t*>(step.mutable_data())[0] = 7;
+    st.as_dict().Set("step", ckpt::Value(step));
+  }
+  AdamWConfig zero1;
+  zero1.zero1 = true;
+  AdamW b(m, zero1);
+  EXPECT_FALSE(b.LoadStateDict(sd));
+  EXPECT_EQ(b.steps(), 7);
+  AdamW c(m, plain);
+  c.LoadStateDict(b.StateDict(1e-3));  // ZeRO-1 layout into a plain optimizer
+  EXPECT_EQ(c.steps(), 7);
+  EXPECT_TRUE(ckpt::DeepEqual(c.StateDict(1e-3).as_dict().At("state"), b.StateDict(1e-3).as_dict().At("base_state")));
+}
+
+TEST(AdamW, AShardFromMoreDataParallelRanksIsNamed) {
+  Model m(Small(false));
+  AdamWConfig zero1;
+  zero1.zero1 = true;
+  AdamW a(m, zero1);
+  ckpt::Value sd = a.StateDict(1e-3);
+  auto& first = sd.as_dict().At("base_state").as_dict().items[0].second.as_dict();
+  first.Set("exp_avg", ckpt::Value(first.At("exp_avg").as_tensor().Narrow0(0, 16)));
+  const std::string err = ckpt::testing::ErrorOf([&] { a.LoadStateDict(sd); });
+  EXPECT_NE(err.find("optimizer exp_avg of parameter 0 (language_model.embedding.word_embeddings.weight) is [16, 16], not [32, 16]"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("ZeRO-1 shard"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace train
