@@ -28,14 +28,20 @@ void RowBlocks(int64_t rows, const F& f) {
 }
 }  // namespace
 
-void LinearForward(float* out, const float* x, const float* w, int64_t N, int64_t K, int64_t C) {
+void LinearForward(float* out, const float* x, const float* w, const float* bias, int64_t N, int64_t K, int64_t C) {
   RowBlocks(N, [&](int64_t r0, int64_t n) {
     Map(out + r0 * C, n, C).noalias() = CMap(x + r0 * K, n, K) * CMap(w, C, K).transpose();
+    if (bias)
+      for (int64_t r = r0; r < r0 + n; ++r)
+        for (int64_t c = 0; c < C; ++c) out[r * C + c] += bias[c];
   });
 }
 
-void LinearBackward(float* dx, float* dw, const float* dout, const float* x, const float* w, int64_t N, int64_t K,
-                    int64_t C) {
+void LinearBackward(float* dx, float* dw, float* dbias, const float* dout, const float* x, const float* w, int64_t N,
+                    int64_t K, int64_t C) {
+  if (dbias)  // serial over rows, so the sum order is fixed
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < C; ++c) dbias[c] += dout[n * C + c];
   if (dx)
     RowBlocks(N, [&](int64_t r0, int64_t n) {
       Map(dx + r0 * K, n, K).noalias() = CMap(dout + r0 * C, n, C) * CMap(w, C, K);
@@ -86,6 +92,44 @@ void RmsNormBackward(float* dx, float* dw, const float* dout, const float* x, co
   });
 }
 
+void LayerNormForward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b, float eps,
+                      int64_t N, int64_t H) {
+  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
+    const float* xn = x + n * H;
+    double sum = 0;
+    for (int64_t i = 0; i < H; ++i) sum += xn[i];
+    const float m = static_cast<float>(sum / H);
+    double ss = 0;
+    for (int64_t i = 0; i < H; ++i) ss += double{xn[i] - m} * (xn[i] - m);
+    const float r = 1.0f / std::sqrt(static_cast<float>(ss / H) + eps);
+    mean[n] = m, rstd[n] = r;
+    for (int64_t i = 0; i < H; ++i) out[n * H + i] = (xn[i] - m) * r * w[i] + b[i];
+  });
+}
+
+void LayerNormBackward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* w,
+                       const float* mean, const float* rstd, int64_t N, int64_t H) {
+  for (int64_t n = 0; n < N; ++n)  // parameter gradients: serial over n to keep the sum order fixed
+    for (int64_t i = 0; i < H; ++i) {
+      dw[i] += dout[n * H + i] * (x[n * H + i] - mean[n]) * rstd[n];
+      db[i] += dout[n * H + i];
+    }
+  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
+    const float* xn = x + n * H;
+    const float* dn = dout + n * H;
+    const float m = mean[n], r = rstd[n];
+    // dx = r * (g - mean(g) - xhat * mean(g * xhat)), g = dout * w
+    double gsum = 0, gxsum = 0;
+    for (int64_t i = 0; i < H; ++i) {
+      const double g = double{dn[i]} * w[i];
+      gsum += g;
+      gxsum += g * ((xn[i] - m) * r);
+    }
+    const float gmean = static_cast<float>(gsum / H), gxmean = static_cast<float>(gxsum / H);
+    for (int64_t i = 0; i < H; ++i) dx[n * H + i] = r * (dn[i] * w[i] - gmean - (xn[i] - m) * r * gxmean);
+  });
+}
+
 void RopeApply(float* x, int64_t t, const float* inv_freq, int64_t rot, bool inverse) {
   const int64_t half = rot / 2;
   for (int64_t i = 0; i < half; ++i) {
@@ -116,6 +160,24 @@ void SwiGluBackward(float* dfc, const float* dout, const float* fc, int64_t N, i
       const float d = dout[n * F + i];
       du[i] = d * g[i] * sig;
       dg[i] = d * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
+    }
+  });
+}
+
+void GeluForward(float* out, const float* x, int64_t n) {
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const tbb::blocked_range<int64_t>& r) {
+    for (int64_t i = r.begin(); i < r.end(); ++i) out[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * static_cast<float>(M_SQRT1_2)));
+  });
+}
+
+void GeluBackward(float* dx, const float* dout, const float* x, int64_t n) {
+  // d/dx x*Phi(x) = Phi(x) + x * phi(x)
+  const float inv_sqrt_2pi = static_cast<float>(0.5 * M_2_SQRTPI * M_SQRT1_2);
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const tbb::blocked_range<int64_t>& r) {
+    for (int64_t i = r.begin(); i < r.end(); ++i) {
+      const float cdf = 0.5f * (1.0f + std::erf(x[i] * static_cast<float>(M_SQRT1_2)));
+      const float pdf = inv_sqrt_2pi * std::exp(-0.5f * x[i] * x[i]);
+      dx[i] = dout[i] * (cdf + x[i] * pdf);
     }
   });
 }

@@ -9,11 +9,12 @@
 
 namespace train {
 
-// out[N,C] = x[N,K] * w[C,K]^T   (a linear layer without bias)
-void LinearForward(float* out, const float* x, const float* w, int64_t N, int64_t K, int64_t C);
-// dx[N,K] = dout * w   (dx may be null); dw[C,K] += dout^T * x
-void LinearBackward(float* dx, float* dw, const float* dout, const float* x, const float* w, int64_t N, int64_t K,
-                    int64_t C);
+// out[N,C] = x[N,K] * w[C,K]^T (+ bias[C] when bias is not null)
+void LinearForward(float* out, const float* x, const float* w, const float* bias, int64_t N, int64_t K, int64_t C);
+// dx[N,K] = dout * w   (dx may be null); dw[C,K] += dout^T * x;
+// dbias[C] += column sums of dout (when dbias is not null)
+void LinearBackward(float* dx, float* dw, float* dbias, const float* dout, const float* x, const float* w, int64_t N,
+                    int64_t K, int64_t C);
 
 // out[n,:] = wte[tokens[n],:]
 void EmbeddingForward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t H);
@@ -24,6 +25,13 @@ void RmsNormForward(float* out, float* rstd, const float* x, const float* w, flo
 void RmsNormBackward(float* dx, float* dw, const float* dout, const float* x, const float* w, const float* rstd,
                      int64_t N, int64_t H);
 
+// out = (x - mean) * rstd * w + b, rstd = 1 / sqrt(var(x) + eps) (biased
+// variance, as torch.nn.LayerNorm); mean[N] and rstd[N] are saved for backward.
+void LayerNormForward(float* out, float* mean, float* rstd, const float* x, const float* w, const float* b, float eps,
+                      int64_t N, int64_t H);
+void LayerNormBackward(float* dx, float* dw, float* db, const float* dout, const float* x, const float* w,
+                       const float* mean, const float* rstd, int64_t N, int64_t H);
+
 // Rotary embedding, Megatron's non-interleaved form, on the first `rot` dims
 // of a head vector at position t: x*cos + rotate_half(x)*sin. `inv_freq` has
 // rot/2 entries. Backward is the rotation by -angle.
@@ -32,6 +40,11 @@ void RopeApply(float* x, int64_t t, const float* inv_freq, int64_t rot, bool inv
 // SwiGLU on the fused [gate; up] projection: fc[N,2F] -> out[N,F] = silu(gate) * up
 void SwiGluForward(float* out, const float* fc, int64_t N, int64_t F);
 void SwiGluBackward(float* dfc, const float* dout, const float* fc, int64_t N, int64_t F);
+
+// out = gelu(x) = x * Phi(x), the exact (erf) form torch.nn.functional.gelu
+// computes by default
+void GeluForward(float* out, const float* x, int64_t n);
+void GeluBackward(float* dx, const float* dout, const float* x, int64_t n);
 
 // Mean cross-entropy over N positions; probs[N,V] holds the softmax.
 float CrossEntropyForward(float* probs, const float* logits, const int32_t* targets, int64_t N, int64_t V);

@@ -22,35 +22,47 @@ std::string LayerName(int l, const std::string& rest) {
 std::vector<ParamInfo> ParameterLayout(const ModelConfig& c) {
   const int64_t H = c.hidden, F = c.ffn, hd = c.head_dim();
   std::vector<ParamInfo> p;
+  // A linear layer's weight and, with has_bias, its bias: column-parallel
+  // biases split like the weight's rows; row-parallel biases are whole.
+  auto linear = [&](const std::string& name, int64_t out, int64_t in, int partition_dim, int stride) {
+    p.push_back({name + ".weight", {out, in}, partition_dim, stride});
+    if (c.bias) p.push_back({name + ".bias", {out}, partition_dim == 0 ? 0 : -1, partition_dim == 0 ? stride : 1});
+  };
+  auto norm = [&](const std::string& name) {
+    p.push_back({name + ".weight", {H}, -1, 1});
+    if (c.layernorm) p.push_back({name + ".bias", {H}, -1, 1});
+  };
   p.push_back({"language_model.embedding.word_embeddings.weight", {c.vocab, H}, 0, 1});
+  if (c.learned_positions) p.push_back({"language_model.embedding.position_embeddings.weight", {c.max_positions, H}, -1, 1});
   for (int l = 0; l < c.layers; ++l) {
-    p.push_back({LayerName(l, "input_layernorm.weight"), {H}, -1, 1});
+    norm(LayerName(l, "input_layernorm"));
     if (c.gqa()) {
-      p.push_back({LayerName(l, "self_attention.query.weight"), {H, H}, 0, 1});
-      p.push_back({LayerName(l, "self_attention.key_value.weight"), {2 * c.kv_heads * hd, H}, 0, 2});
+      linear(LayerName(l, "self_attention.query"), H, H, 0, 1);
+      linear(LayerName(l, "self_attention.key_value"), 2 * c.kv_heads * hd, H, 0, 2);
     } else {
-      p.push_back({LayerName(l, "self_attention.query_key_value.weight"), {3 * H, H}, 0, 3});
+      linear(LayerName(l, "self_attention.query_key_value"), 3 * H, H, 0, 3);
     }
-    p.push_back({LayerName(l, "self_attention.dense.weight"), {H, H}, 1, 1});
-    p.push_back({LayerName(l, "post_attention_layernorm.weight"), {H}, -1, 1});
-    p.push_back({LayerName(l, "mlp.dense_h_to_4h.weight"), {2 * F, H}, 0, 2});
-    p.push_back({LayerName(l, "mlp.dense_4h_to_h.weight"), {H, F}, 1, 1});
+    linear(LayerName(l, "self_attention.dense"), H, H, 1, 1);
+    norm(LayerName(l, "post_attention_layernorm"));
+    if (c.gelu) linear(LayerName(l, "mlp.dense_h_to_4h"), F, H, 0, 1);
+    else linear(LayerName(l, "mlp.dense_h_to_4h"), 2 * F, H, 0, 2);
+    linear(LayerName(l, "mlp.dense_4h_to_h"), H, F, 1, 1);
   }
-  p.push_back({"language_model.encoder.final_layernorm.weight", {H}, -1, 1});
-  p.push_back({"language_model.output_layer.weight", {c.vocab, H}, 0, 1});
+  norm("language_model.encoder.final_layernorm");
+  if (!c.tied_output) p.push_back({"language_model.output_layer.weight", {c.vocab, H}, 0, 1});
   for (auto& info : p) info.no_decay = IsNoWeightDecay(info.name);
   return p;
 }
 
 // Everything one layer's backward needs from its forward.
 struct Model::LayerCache {
-  std::vector<float> x, ln1, rstd1;     // layer input, its norm
+  std::vector<float> x, ln1, mean1, rstd1;  // layer input, its norm (mean: LayerNorm only)
   std::vector<float> proj, kvproj;      // qkv projection (MHA), or q and kv (GQA)
   std::vector<float> q, k, v;           // [B, heads|kv, T, hd], RoPE applied to q and k
   std::vector<float> att;               // [B, heads, T, T] softmax probabilities
   std::vector<float> y;                 // [N, H] attention output before dense
-  std::vector<float> x2, ln2, rstd2;    // after the attention residual, its norm
-  std::vector<float> fc, act;           // [N, 2F] and [N, F]
+  std::vector<float> x2, ln2, mean2, rstd2;  // after the attention residual, its norm
+  std::vector<float> fc, act;           // [N, 2F] (SwiGLU) or [N, F] (GeLU), and [N, F]
 };
 
 Model::~Model() = default;
@@ -58,6 +70,7 @@ Model::~Model() = default;
 Model::Model(const ModelConfig& c) : c_(c), layout_(ParameterLayout(c)) {
   if (c.hidden % c.heads) throw ckpt::Error("hidden_size must be divisible by num_attention_heads");
   if (c.heads % c.kv_heads) throw ckpt::Error("num_attention_heads must be divisible by num_kv_heads");
+  if (c.learned_positions && c.max_positions < 1) throw ckpt::Error("learned position embeddings need max_position_embeddings");
   for (const auto& p : layout_) {
     params_.emplace(p.name, ckpt::Tensor::Zeros(ckpt::DType::kFloat32, p.shape));
     grads_.emplace(p.name, ckpt::Tensor::Zeros(ckpt::DType::kFloat32, p.shape));
@@ -89,6 +102,7 @@ void Model::InitWeights() {
   for (const auto& p : layout_) {
     float* w = W(p.name);
     const int64_t n = param(p.name).numel();
+    if (p.name.ends_with(".bias")) continue;  // zeros
     if (p.no_decay) {  // norm weights
       std::fill(w, w + n, 1.0f);
       continue;
@@ -140,6 +154,37 @@ void Model::LoadStateDict(const ckpt::Value& sd) {
   }
 }
 
+void Model::NormForward(const std::string& prefix, const float* x, float* out, std::vector<float>& mean,
+                        std::vector<float>& rstd) {
+  const int64_t N = B_ * T_, H = c_.hidden;
+  rstd.resize(N);
+  if (c_.layernorm) {
+    mean.resize(N);
+    LayerNormForward(out, mean.data(), rstd.data(), x, W(prefix + ".weight"), W(prefix + ".bias"), c_.eps, N, H);
+  } else {
+    RmsNormForward(out, rstd.data(), x, W(prefix + ".weight"), c_.eps, N, H);
+  }
+}
+
+void Model::NormBackward(const std::string& prefix, const float* dout, const float* x, const std::vector<float>& mean,
+                         const std::vector<float>& rstd, float* dx) {
+  const int64_t N = B_ * T_, H = c_.hidden;
+  if (c_.layernorm)
+    LayerNormBackward(dx, Dw(prefix + ".weight"), Dw(prefix + ".bias"), dout, x, W(prefix + ".weight"), mean.data(),
+                      rstd.data(), N, H);
+  else
+    RmsNormBackward(dx, Dw(prefix + ".weight"), dout, x, W(prefix + ".weight"), rstd.data(), N, H);
+}
+
+void Model::Linear(const std::string& prefix, const float* x, float* out, int64_t K, int64_t C) {
+  LinearForward(out, x, W(prefix + ".weight"), c_.bias ? W(prefix + ".bias") : nullptr, B_ * T_, K, C);
+}
+
+void Model::LinearGrad(const std::string& prefix, const float* dout, const float* x, float* dx, int64_t K, int64_t C) {
+  LinearBackward(dx, Dw(prefix + ".weight"), c_.bias ? Dw(prefix + ".bias") : nullptr, dout, x, W(prefix + ".weight"),
+                 B_ * T_, K, C);
+}
+
 // Attention: project, split heads (with RoPE on q and k), causal softmax
 // attention per (batch, head), heads concatenated into y.
 void Model::AttentionForward(int l, LayerCache& lc) {
@@ -155,12 +200,12 @@ void Model::AttentionForward(int l, LayerCache& lc) {
   if (c_.gqa()) {
     lc.proj.resize(N * H);
     lc.kvproj.resize(N * 2 * G * hd);
-    LinearForward(lc.proj.data(), lc.ln1.data(), W(LayerName(l, "self_attention.query.weight")), N, H, H);
-    LinearForward(lc.kvproj.data(), lc.ln1.data(), W(LayerName(l, "self_attention.key_value.weight")), N, H, 2 * G * hd);
+    Linear(LayerName(l, "self_attention.query"), lc.ln1.data(), lc.proj.data(), H, H);
+    Linear(LayerName(l, "self_attention.key_value"), lc.ln1.data(), lc.kvproj.data(), H, 2 * G * hd);
     qsrc = lc.proj.data(), qstride = H, kvsrc = lc.kvproj.data(), kvstride = 2 * G * hd;
   } else {
     lc.proj.resize(N * 3 * H);
-    LinearForward(lc.proj.data(), lc.ln1.data(), W(LayerName(l, "self_attention.query_key_value.weight")), N, H, 3 * H);
+    Linear(LayerName(l, "self_attention.query_key_value"), lc.ln1.data(), lc.proj.data(), H, 3 * H);
     qsrc = kvsrc = lc.proj.data(), qstride = kvstride = 3 * H;
   }
   lc.q.resize(B * nh * T * hd);
@@ -278,33 +323,32 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
     }
   if (c_.gqa()) {
     std::vector<float> tmp(N * H);
-    LinearBackward(dln1, Dw(LayerName(l, "self_attention.query.weight")), dproj.data(), lc.ln1.data(),
-                   W(LayerName(l, "self_attention.query.weight")), N, H, H);
-    LinearBackward(tmp.data(), Dw(LayerName(l, "self_attention.key_value.weight")), dkvproj.data(), lc.ln1.data(),
-                   W(LayerName(l, "self_attention.key_value.weight")), N, H, 2 * G * hd);
+    LinearGrad(LayerName(l, "self_attention.query"), dproj.data(), lc.ln1.data(), dln1, H, H);
+    LinearGrad(LayerName(l, "self_attention.key_value"), dkvproj.data(), lc.ln1.data(), tmp.data(), H, 2 * G * hd);
     for (int64_t i = 0; i < N * H; ++i) dln1[i] += tmp[i];
   } else {
-    LinearBackward(dln1, Dw(LayerName(l, "self_attention.query_key_value.weight")), dproj.data(), lc.ln1.data(),
-                   W(LayerName(l, "self_attention.query_key_value.weight")), N, H, 3 * H);
+    LinearGrad(LayerName(l, "self_attention.query_key_value"), dproj.data(), lc.ln1.data(), dln1, H, 3 * H);
   }
 }
 
 void Model::LayerForward(int l, LayerCache& lc, float* out) {
   const int64_t N = B_ * T_, H = c_.hidden, F = c_.ffn;
-  lc.ln1.resize(N * H), lc.rstd1.resize(N);
-  RmsNormForward(lc.ln1.data(), lc.rstd1.data(), lc.x.data(), W(LayerName(l, "input_layernorm.weight")), c_.eps, N, H);
+  lc.ln1.resize(N * H);
+  NormForward(LayerName(l, "input_layernorm"), lc.x.data(), lc.ln1.data(), lc.mean1, lc.rstd1);
   AttentionForward(l, lc);
   std::vector<float> attn_out(N * H);
-  LinearForward(attn_out.data(), lc.y.data(), W(LayerName(l, "self_attention.dense.weight")), N, H, H);
+  Linear(LayerName(l, "self_attention.dense"), lc.y.data(), attn_out.data(), H, H);
   lc.x2.resize(N * H);
   for (int64_t i = 0; i < N * H; ++i) lc.x2[i] = lc.x[i] + attn_out[i];
-  lc.ln2.resize(N * H), lc.rstd2.resize(N);
-  RmsNormForward(lc.ln2.data(), lc.rstd2.data(), lc.x2.data(), W(LayerName(l, "post_attention_layernorm.weight")), c_.eps, N, H);
-  lc.fc.resize(N * 2 * F), lc.act.resize(N * F);
-  LinearForward(lc.fc.data(), lc.ln2.data(), W(LayerName(l, "mlp.dense_h_to_4h.weight")), N, H, 2 * F);
-  SwiGluForward(lc.act.data(), lc.fc.data(), N, F);
+  lc.ln2.resize(N * H);
+  NormForward(LayerName(l, "post_attention_layernorm"), lc.x2.data(), lc.ln2.data(), lc.mean2, lc.rstd2);
+  const int64_t fc_width = c_.gelu ? F : 2 * F;
+  lc.fc.resize(N * fc_width), lc.act.resize(N * F);
+  Linear(LayerName(l, "mlp.dense_h_to_4h"), lc.ln2.data(), lc.fc.data(), H, fc_width);
+  if (c_.gelu) GeluForward(lc.act.data(), lc.fc.data(), N * F);
+  else SwiGluForward(lc.act.data(), lc.fc.data(), N, F);
   std::vector<float> mlp_out(N * H);
-  LinearForward(mlp_out.data(), lc.act.data(), W(LayerName(l, "mlp.dense_4h_to_h.weight")), N, F, H);
+  Linear(LayerName(l, "mlp.dense_4h_to_h"), lc.act.data(), mlp_out.data(), F, H);
   for (int64_t i = 0; i < N * H; ++i) out[i] = lc.x2[i] + mlp_out[i];
 }
 
@@ -313,20 +357,27 @@ void Model::Drop(LayerCache& lc) {
   if (c_.recompute == "selective") {
     release(lc.att);
   } else if (c_.recompute == "full") {
-    for (auto* v : {&lc.ln1, &lc.rstd1, &lc.proj, &lc.kvproj, &lc.q, &lc.k, &lc.v, &lc.att, &lc.y, &lc.x2, &lc.ln2,
-                    &lc.rstd2, &lc.fc, &lc.act})
+    for (auto* v : {&lc.ln1, &lc.mean1, &lc.rstd1, &lc.proj, &lc.kvproj, &lc.q, &lc.k, &lc.v, &lc.att, &lc.y, &lc.x2,
+                    &lc.ln2, &lc.mean2, &lc.rstd2, &lc.fc, &lc.act})
       release(*v);
   }
 }
 
 size_t Model::activation_bytes() const {
-  size_t n = x_final_.size() + lnf_.size() + rstdf_.size() + logits_.size() + probs_.size();
+  size_t n = x_final_.size() + lnf_.size() + meanf_.size() + rstdf_.size() + logits_.size() + probs_.size();
   for (const auto& lc : cache_)
-    for (const auto* v : {&lc.x, &lc.ln1, &lc.rstd1, &lc.proj, &lc.kvproj, &lc.q, &lc.k, &lc.v, &lc.att, &lc.y, &lc.x2,
-                          &lc.ln2, &lc.rstd2, &lc.fc, &lc.act})
+    for (const auto* v : {&lc.x, &lc.ln1, &lc.mean1, &lc.rstd1, &lc.proj, &lc.kvproj, &lc.q, &lc.k, &lc.v, &lc.att, &lc.y,
+                          &lc.x2, &lc.ln2, &lc.mean2, &lc.rstd2, &lc.fc, &lc.act})
       n += v->size();
   return n * sizeof(float);
 }
+
+namespace {
+const char kWordEmbeddings[] = "language_model.embedding.word_embeddings.weight";
+const char kPositionEmbeddings[] = "language_model.embedding.position_embeddings.weight";
+const char kFinalNorm[] = "language_model.encoder.final_layernorm";
+const char kOutputLayer[] = "language_model.output_layer.weight";
+}  // namespace
 
 float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T) {
   B_ = B, T_ = T;
@@ -335,11 +386,19 @@ float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, i
     if (tokens[n] < 0 || tokens[n] >= V || targets[n] < 0 || targets[n] >= V)
       throw ckpt::Error("token id " + std::to_string(tokens[n] < 0 || tokens[n] >= V ? tokens[n] : targets[n]) +
                         " at position " + std::to_string(n) + " is outside the vocabulary of " + std::to_string(V));
+  if (c_.learned_positions && T > c_.max_positions)
+    throw ckpt::Error("sequence length " + std::to_string(T) + " is longer than max_position_embeddings (" +
+                      std::to_string(c_.max_positions) + ")");
   tokens_.assign(tokens, tokens + N);
   targets_.assign(targets, targets + N);
   cache_.resize(c_.layers);
   std::vector<float> x(N * H);
-  EmbeddingForward(x.data(), tokens, W("language_model.embedding.word_embeddings.weight"), N, H);
+  EmbeddingForward(x.data(), tokens, W(kWordEmbeddings), N, H);
+  if (c_.learned_positions) {
+    const float* pos = W(kPositionEmbeddings);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < H; ++i) x[n * H + i] += pos[(n % T) * H + i];
+  }
   for (int l = 0; l < c_.layers; ++l) {
     LayerCache& lc = cache_[l];
     lc.x = x;
@@ -347,22 +406,23 @@ float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, i
     Drop(lc);
   }
   x_final_ = x;
-  lnf_.resize(N * H), rstdf_.resize(N);
-  RmsNormForward(lnf_.data(), rstdf_.data(), x_final_.data(), W("language_model.encoder.final_layernorm.weight"), c_.eps, N, H);
+  lnf_.resize(N * H);
+  NormForward(kFinalNorm, x_final_.data(), lnf_.data(), meanf_, rstdf_);
   logits_.resize(N * V), probs_.resize(N * V);
-  LinearForward(logits_.data(), lnf_.data(), W("language_model.output_layer.weight"), N, H, V);
+  // The output layer has no bias; tied, it is the word embedding matrix.
+  LinearForward(logits_.data(), lnf_.data(), W(c_.tied_output ? kWordEmbeddings : kOutputLayer), nullptr, N, H, V);
   return CrossEntropyForward(probs_.data(), logits_.data(), targets, N, V);
 }
 
 void Model::Backward() {
   const int64_t N = B_ * T_, H = c_.hidden, F = c_.ffn, V = c_.vocab;
+  const char* output = c_.tied_output ? kWordEmbeddings : kOutputLayer;
   std::vector<float> dlogits(N * V), dlnf(N * H), dx(N * H);
   CrossEntropyBackward(dlogits.data(), probs_.data(), targets_.data(), N, V);
-  LinearBackward(dlnf.data(), Dw("language_model.output_layer.weight"), dlogits.data(), lnf_.data(),
-                 W("language_model.output_layer.weight"), N, H, V);
-  RmsNormBackward(dx.data(), Dw("language_model.encoder.final_layernorm.weight"), dlnf.data(), x_final_.data(),
-                  W("language_model.encoder.final_layernorm.weight"), rstdf_.data(), N, H);
-  std::vector<float> dact(N * F), dfc(N * 2 * F), dln(N * H), dpart(N * H), dy(N * H);
+  LinearBackward(dlnf.data(), Dw(output), nullptr, dlogits.data(), lnf_.data(), W(output), N, H, V);
+  NormBackward(kFinalNorm, dlnf.data(), x_final_.data(), meanf_, rstdf_, dx.data());
+  const int64_t fc_width = c_.gelu ? F : 2 * F;
+  std::vector<float> dact(N * F), dfc(N * fc_width), dln(N * H), dpart(N * H), dy(N * H);
   for (int l = c_.layers - 1; l >= 0; --l) {
     LayerCache& lc = cache_[l];
     if (lc.fc.empty()) {  // full recompute: rebuild the layer's activations from its input
@@ -372,24 +432,25 @@ void Model::Backward() {
       AttentionCore(lc);
     }
     // MLP block: dx is the gradient at the layer output (x2 + mlp_out).
-    LinearBackward(dact.data(), Dw(LayerName(l, "mlp.dense_4h_to_h.weight")), dx.data(), lc.act.data(),
-                   W(LayerName(l, "mlp.dense_4h_to_h.weight")), N, F, H);
-    SwiGluBackward(dfc.data(), dact.data(), lc.fc.data(), N, F);
-    LinearBackward(dln.data(), Dw(LayerName(l, "mlp.dense_h_to_4h.weight")), dfc.data(), lc.ln2.data(),
-                   W(LayerName(l, "mlp.dense_h_to_4h.weight")), N, H, 2 * F);
-    RmsNormBackward(dpart.data(), Dw(LayerName(l, "post_attention_layernorm.weight")), dln.data(), lc.x2.data(),
-                    W(LayerName(l, "post_attention_layernorm.weight")), lc.rstd2.data(), N, H);
+    LinearGrad(LayerName(l, "mlp.dense_4h_to_h"), dx.data(), lc.act.data(), dact.data(), F, H);
+    if (c_.gelu) GeluBackward(dfc.data(), dact.data(), lc.fc.data(), N * F);
+    else SwiGluBackward(dfc.data(), dact.data(), lc.fc.data(), N, F);
+    LinearGrad(LayerName(l, "mlp.dense_h_to_4h"), dfc.data(), lc.ln2.data(), dln.data(), H, fc_width);
+    NormBackward(LayerName(l, "post_attention_layernorm"), dln.data(), lc.x2.data(), lc.mean2, lc.rstd2, dpart.data());
     for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // now the gradient at x2
     // Attention block.
-    LinearBackward(dy.data(), Dw(LayerName(l, "self_attention.dense.weight")), dx.data(), lc.y.data(),
-                   W(LayerName(l, "self_attention.dense.weight")), N, H, H);
+    LinearGrad(LayerName(l, "self_attention.dense"), dx.data(), lc.y.data(), dy.data(), H, H);
     AttentionBackward(l, lc, dy.data(), dln.data());
-    RmsNormBackward(dpart.data(), Dw(LayerName(l, "input_layernorm.weight")), dln.data(), lc.x.data(),
-                    W(LayerName(l, "input_layernorm.weight")), lc.rstd1.data(), N, H);
+    NormBackward(LayerName(l, "input_layernorm"), dln.data(), lc.x.data(), lc.mean1, lc.rstd1, dpart.data());
     for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // the gradient at the layer input
     Drop(lc);
   }
-  EmbeddingBackward(Dw("language_model.embedding.word_embeddings.weight"), dx.data(), tokens_.data(), N, H);
+  EmbeddingBackward(Dw(kWordEmbeddings), dx.data(), tokens_.data(), N, H);
+  if (c_.learned_positions) {
+    float* dpos = Dw(kPositionEmbeddings);
+    for (int64_t n = 0; n < N; ++n)  // serial: positions repeat across the batch
+      for (int64_t i = 0; i < H; ++i) dpos[(n % T_) * H + i] += dx[n * H + i];
+  }
 }
 
 }  // namespace train

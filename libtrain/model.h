@@ -1,8 +1,11 @@
-// A Megatron-style Llama decoder (as NxDT's model_source: megatron and NNM
-// build it): RMSNorm, RoPE, attention with the fused per-head
+// A Megatron-style decoder as NxDT's model_source: megatron and NNM build it.
+// Llama style: RMSNorm, RoPE, attention with the fused per-head
 // [q_h; k_h; v_h] query_key_value weight (or, with GQA, query plus
 // key_value laid out [k_g; v_g] per KV head), causal softmax, SwiGLU with the
-// fused [gate; up] dense_h_to_4h, no biases, untied output layer. Computes
+// fused [gate; up] dense_h_to_4h, no biases, untied output layer. GPT style
+// swaps in LayerNorm (weight and bias), GeLU on an unfused dense_h_to_4h,
+// biases on every linear layer, learned absolute position embeddings and an
+// output layer tied to the word embeddings, each separately. Computes
 // in float32; with bf16_params (mixed precision) every parameter holds a
 // bfloat16 value and checkpoints store bfloat16, as NxDT's do.
 //
@@ -27,6 +30,12 @@ struct ModelConfig {
   float eps = 1e-5f;
   double rope_theta = 10000.0;
   double rotary_percentage = 1.0;
+  bool layernorm = false;          // normalization: layernorm (else rmsnorm)
+  bool gelu = false;               // activation: gelu (else swiglu)
+  bool bias = false;               // has_bias: every linear layer has a bias
+  bool learned_positions = false;  // position_embedding_type: learned_absolute (else rope)
+  int64_t max_positions = 0;       // max_position_embeddings (rows of the learned table)
+  bool tied_output = false;        // share_embeddings_and_output_weights
   float init_std = 0.02f;
   bool scaled_init = true;
   // activations_checkpoint_granularity: "" keeps every activation; "full"
@@ -39,7 +48,9 @@ struct ModelConfig {
   bool bf16_params = false;
   uint64_t seed = 1234;
   int64_t head_dim() const { return hidden / heads; }
-  int64_t rotary_dim() const { return static_cast<int64_t>(head_dim() * rotary_percentage) / 2 * 2; }
+  int64_t rotary_dim() const {
+    return learned_positions ? 0 : static_cast<int64_t>(head_dim() * rotary_percentage) / 2 * 2;
+  }
   bool gqa() const { return kv_heads != heads; }
 };
 
@@ -61,8 +72,9 @@ class Model {
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
-  // Normal(0, init_std) weights; output projections of each layer (dense,
-  // dense_4h_to_h) scaled by 1/sqrt(2 * layers) with scaled_init; norms 1.
+  // Normal(0, init_std) weights and position embeddings; output projections
+  // of each layer (dense, dense_4h_to_h) scaled by 1/sqrt(2 * layers) with
+  // scaled_init; norm weights 1; biases 0.
   // Rounded to bfloat16 with bf16_params.
   void InitWeights();
   // Forward over B sequences of T tokens; returns the mean cross-entropy.
@@ -95,6 +107,13 @@ class Model {
   struct LayerCache;
   float* W(const std::string& n) { return reinterpret_cast<float*>(param(n).mutable_data()); }
   float* Dw(const std::string& n) { return reinterpret_cast<float*>(grad(n).mutable_data()); }
+  // RMSNorm or LayerNorm of x[N, H] with the module `prefix`'s parameters.
+  void NormForward(const std::string& prefix, const float* x, float* out, std::vector<float>& mean, std::vector<float>& rstd);
+  void NormBackward(const std::string& prefix, const float* dout, const float* x, const std::vector<float>& mean,
+                    const std::vector<float>& rstd, float* dx);
+  // The linear layer `prefix` (its weight, and its bias with has_bias).
+  void Linear(const std::string& prefix, const float* x, float* out, int64_t K, int64_t C);
+  void LinearGrad(const std::string& prefix, const float* dout, const float* x, float* dx, int64_t K, int64_t C);
   // Runs layer l on lc.x, filling lc and writing the layer output to `out`.
   void LayerForward(int l, LayerCache& lc, float* out);
   void AttentionForward(int l, LayerCache& lc);
@@ -112,7 +131,7 @@ class Model {
   int64_t B_ = 0, T_ = 0;
   std::vector<int32_t> tokens_, targets_;
   std::vector<LayerCache> cache_;
-  std::vector<float> x_final_, lnf_, rstdf_, logits_, probs_;
+  std::vector<float> x_final_, lnf_, meanf_, rstdf_, logits_, probs_;
 };
 
 }  // namespace train

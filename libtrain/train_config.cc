@@ -158,12 +158,28 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
   m.recompute = r.Str("model.activations_checkpoint_granularity", "");
   if (m.recompute != "" && m.recompute != "full" && m.recompute != "selective")
     r.Fail("model.activations_checkpoint_granularity", "'" + m.recompute + "' is not full, selective or null");
-  for (const auto& [key, want] : std::vector<std::pair<std::string, std::string>>{
-           {"model.normalization", "rmsnorm"}, {"model.activation", "swiglu"}, {"model.position_embedding_type", "rope"}})
-    if (r.Str(key, want) != want) r.Fail(key, "'" + r.Str(key, want) + "' is not supported yet (only " + want + ")");
-  if (r.Bool("model.has_bias", false)) r.Fail("model.has_bias", "biases are not supported yet");
-  if (r.Bool("model.share_embeddings_and_output_weights", false))
-    r.Fail("model.share_embeddings_and_output_weights", "tied embeddings are not supported yet");
+  auto choice = [&](const std::string& key, const std::string& dflt, std::initializer_list<const char*> allowed) {
+    const std::string v = r.Str(key, dflt);
+    std::string list;
+    for (const char* a : allowed) {
+      if (v == a) return v;
+      list += (list.empty() ? "" : ", ") + std::string(a);
+    }
+    r.Fail(key, "'" + v + "' is not supported (" + list + " are)");
+  };
+  m.layernorm = choice("model.normalization", "rmsnorm", {"rmsnorm", "layernorm"}) == "layernorm";
+  m.gelu = choice("model.activation", "swiglu", {"swiglu", "gelu"}) == "gelu";
+  m.learned_positions = choice("model.position_embedding_type", "rope", {"rope", "learned_absolute"}) == "learned_absolute";
+  choice("model.transformer_block_type", "pre_ln", {"pre_ln"});
+  m.bias = r.Bool("model.has_bias", false);
+  m.tied_output = r.Bool("model.share_embeddings_and_output_weights", false);
+  m.max_positions = r.Int("model.max_position_embeddings", c.seq_length, 1);
+  if (m.learned_positions && c.seq_length > m.max_positions)
+    r.Fail("model.max_position_embeddings", std::to_string(m.max_positions) + " is shorter than data.seq_length (" +
+                                                std::to_string(c.seq_length) + ")");
+  for (const char* k : {"model.hidden_dropout", "model.attention_dropout", "model.ffn_dropout"})
+    if (r.Number(k, 0.0) != 0.0)
+      r.Fail(k, std::to_string(r.Number(k, 0.0)) + ": dropout is not built in this trainer yet; set it to 0.0");
   // Vocabulary: the byte tokenizer has 257 ids; other tokenizers need model.vocab_size.
   const std::string tok = r.Str("data.tokenizer.library", "byte");
   int64_t vocab = 0;
@@ -207,7 +223,10 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
                         "neuron_rt_exec_timeout", "neuron_experimental_compress_rg", "model.fusions", "model.use_cpu_initialization",
                         "distributed_strategy.sequence_parallel", "exp_manager.save_xser", "exp_manager.load_xser",
                         "model.activations_checkpoint_recompute"})
-    if (r.Has(k)) c.ignored.push_back(k);
+    if (r.Has(k)) c.ignored.push_back(std::string(k) + " (a Neuron setting)");
+  // Megatron scales Q.K^T by 1/layer and the softmax input back up: a guard for fp16 softmax.
+  if (r.Bool("model.apply_query_key_layer_scaling", false))
+    c.ignored.push_back("model.apply_query_key_layer_scaling (no effect: softmax runs in float32 here)");
   return c;
 }
 

@@ -2,7 +2,7 @@
 // NxDT's reference configs) with Hydra-style overrides applied and
 // interpolations resolved. Invalid values and combinations raise an error
 // naming the key before any work starts. Keys that only matter on Neuron
-// hardware are accepted and listed once in `ignored`.
+// hardware (or have no effect here) are accepted and listed once in `ignored`.
 #pragma once
 
 #include <string>
@@ -39,7 +39,7 @@ struct TrainConfig {
   // float32 master weights and optimizer state: model.bf16_params and
   // optim.master_weights).
   std::string precision = "fp32";
-  std::vector<std::string> ignored;  // Neuron-only keys accepted and ignored
+  std::vector<std::string> ignored;  // keys accepted and ignored, each with the reason
 
   std::string RunDir() const;
   std::string CheckpointDir() const { return RunDir() + "/checkpoints"; }

@@ -56,10 +56,18 @@ int main(int argc, char** argv) {
   app.add_option("--max-steps", sched.max_steps);
   app.add_option("--min-lr", sched.min_lr);
   app.add_flag("--decay-norms", opt.do_layer_norm_weight_decay);
-  bool mixed = false;
+  bool mixed = false, gpt = false;
+  app.add_flag("--layernorm", c.layernorm);
+  app.add_flag("--gelu", c.gelu);
+  app.add_flag("--bias", c.bias);
+  app.add_flag("--learned-positions", c.learned_positions);
+  app.add_flag("--tied", c.tied_output);
+  app.add_flag("--gpt", gpt, "all five of the above");
   app.add_flag("--mixed", mixed, "mixed_precision: bfloat16 parameters, float32 master weights, ZeRO-1 optimizer layout");
   CLI11_PARSE(app, argc, argv);
   c.bf16_params = opt.master_weights = opt.zero1 = opt.master_weights_in_ckpt = mixed;
+  if (gpt) c.layernorm = c.gelu = c.bias = c.learned_positions = c.tied_output = true;
+  c.max_positions = 12;  // more rows than the batch's 8 positions: the unused ones get no gradient
   try {
     train::Model m(c);
     m.InitWeights();
@@ -102,6 +110,8 @@ int main(int argc, char** argv) {
     for (auto [k, v] : std::vector<std::pair<const char*, int64_t>>{
              {"vocab", c.vocab}, {"hidden", c.hidden}, {"ffn", c.ffn}, {"heads", c.heads}, {"kv_heads", c.kv_heads},
              {"layers", c.layers}, {"rotary_dim", c.rotary_dim()}})
+      cfg.as_dict().Set(k, ckpt::Value(v));
+    for (auto [k, v] : std::vector<std::pair<const char*, bool>>{{"layernorm", c.layernorm}, {"gelu", c.gelu}, {"tied", c.tied_output}})
       cfg.as_dict().Set(k, ckpt::Value(v));
     d.Set("config", cfg);
     ckpt::SavePt(dir + "/result.pt", out);

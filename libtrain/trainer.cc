@@ -29,7 +29,7 @@ const std::string kRankFile = "dp_rank_00_tp_rank_00_pp_rank_00.pt";
 
 TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& log) {
   TrainResult result;
-  for (const auto& k : c.ignored) log("info: " + k + " is a Neuron setting; accepted and ignored here");
+  for (const auto& k : c.ignored) log("info: " + k + " is accepted and ignored");
   // Data.
   std::vector<std::shared_ptr<TokenSource>> datasets;
   std::vector<double> weights;

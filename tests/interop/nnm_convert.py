@@ -172,13 +172,20 @@ class NnmToNxdt(TempDirTest):
         self.assertEqual(sorted(os.listdir(ckdir)), [os.path.basename(tag)])  # no staging debris
 
     def test_end_to_end_training_core_resumes_with_the_nnm_step_loss_and_lr(self):
-        """A megatron Llama trained 3 steps in torch and saved as NNM; converted;
-        shardkit-train resumes from it. Its first step's loss and learning rate,
-        and the weights after that step, equal torch continuing the same run."""
+        self.end_to_end(gpt=False)
+
+    def test_end_to_end_gpt_style_resumes_too(self):
+        self.end_to_end(gpt=True)
+
+    def end_to_end(self, gpt):
+        """A megatron Llama (or GPT) trained 3 steps in torch and saved as NNM;
+        converted; shardkit-train resumes from it. Its first step's loss and
+        learning rate, and the weights after that step, equal torch continuing
+        the same run."""
         os.makedirs(os.path.join(self.dir, "data"))
         run(TOKENIZE, "/usr/share/common-licenses/GPL-3", os.path.join(self.dir, "data", "text_document"))
-        c = dict(hidden=64, ffn=172, heads=4, kv_heads=4, layers=2, vocab=264, seq=64, gpt=False)
-        cfg = dict(c, rotary_dim=16)
+        c = dict(hidden=64, ffn=172, heads=4, kv_heads=4, layers=2, vocab=264, seq=64, gpt=gpt)
+        cfg = dict(c, rotary_dim=0, layernorm=True, gelu=True, tied=True) if gpt else dict(c, rotary_dim=16)
         base_lr, warmup, min_lr, max_steps, S, gbs, wd = 3e-3, 10, 3e-4, 60, 3, 8, 0.01
 
         def samples(start, count):
@@ -204,10 +211,13 @@ class NnmToNxdt(TempDirTest):
 
         run_dir = os.path.join(self.dir, "run")
         self.convert("--tp", 1, "--pp", 1, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--checkpoint_dir", os.path.join(run_dir, "checkpoints"))
-        conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf", "tiny_llama.yaml")
+        conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf",
+                            "tiny_gpt.yaml" if gpt else "tiny_llama.yaml")
+        # tiny_gpt trains in mixed precision; this NNM run was fp32.
+        gpt_overrides = ["precision.type=fp32", "model.ffn_hidden_size=172"] if gpt else []
         p = subprocess.run([TRAIN, conf, f"exp_manager.explicit_log_dir={run_dir}", f"trainer.max_steps={S + 1}",
-                            f"+model.optim.sched.max_steps={max_steps}", "exp_manager.async_checkpointing=False"],
-                           cwd=self.dir, capture_output=True, text=True)
+                            f"+model.optim.sched.max_steps={max_steps}", "exp_manager.async_checkpointing=False",
+                            *gpt_overrides], cwd=self.dir, capture_output=True, text=True)
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertIn(f"at step {S}, {S * gbs} samples consumed", p.stderr)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:

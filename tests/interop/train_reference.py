@@ -31,23 +31,38 @@ def rope(x, rot):
 
 
 def forward(params, cfg, tokens):
+    """Megatron's decoder: Llama style by default; LayerNorm, GeLU, biases (present in params),
+    learned positions (when their table is present) and a tied output layer by cfg."""
     B, T = tokens.shape
     H, nh, G, L = cfg["hidden"], cfg["heads"], cfg["kv_heads"], cfg["layers"]
     hd = H // nh
     p = lambda n: params[n]
+
+    def norm(x, prefix):
+        if cfg.get("layernorm"):
+            return torch.nn.functional.layer_norm(x, (H,), p(prefix + ".weight"), p(prefix + ".bias"), 1e-5)
+        return rms_norm(x, p(prefix + ".weight"))
+
+    def linear(x, prefix):
+        y = x @ p(prefix + ".weight").T
+        return y + p(prefix + ".bias") if prefix + ".bias" in params else y
+
     x = p("language_model.embedding.word_embeddings.weight")[tokens]
+    if "language_model.embedding.position_embeddings.weight" in params:
+        x = x + p("language_model.embedding.position_embeddings.weight")[:T]
     for l in range(L):
         pre = f"language_model.encoder.layers.{l}."
-        h = rms_norm(x, p(pre + "input_layernorm.weight"))
+        h = norm(x, pre + "input_layernorm")
         if G == nh:  # fused per-head [q_h; k_h; v_h]
-            qkv = (h @ p(pre + "self_attention.query_key_value.weight").T).view(B, T, nh, 3, hd)
+            qkv = linear(h, pre + "self_attention.query_key_value").view(B, T, nh, 3, hd)
             q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
         else:  # query, and key_value as per-group [k_g; v_g]
-            q = (h @ p(pre + "self_attention.query.weight").T).view(B, T, nh, hd)
-            kv = (h @ p(pre + "self_attention.key_value.weight").T).view(B, T, G, 2, hd)
+            q = linear(h, pre + "self_attention.query").view(B, T, nh, hd)
+            kv = linear(h, pre + "self_attention.key_value").view(B, T, G, 2, hd)
             k, v = kv[:, :, :, 0], kv[:, :, :, 1]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, hd]
-        q, k = rope(q, cfg["rotary_dim"]), rope(k, cfg["rotary_dim"])
+        if cfg["rotary_dim"]:
+            q, k = rope(q, cfg["rotary_dim"]), rope(k, cfg["rotary_dim"])
         if G != nh:
             k = k.repeat_interleave(nh // G, dim=1)
             v = v.repeat_interleave(nh // G, dim=1)
@@ -55,12 +70,22 @@ def forward(params, cfg, tokens):
         mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
         att = scores.masked_fill(mask, float("-inf")).softmax(-1)
         y = (att @ v).transpose(1, 2).reshape(B, T, H)
-        x = x + y @ p(pre + "self_attention.dense.weight").T
-        h = rms_norm(x, p(pre + "post_attention_layernorm.weight"))
-        gate, up = (h @ p(pre + "mlp.dense_h_to_4h.weight").T).chunk(2, -1)
-        x = x + (torch.nn.functional.silu(gate) * up) @ p(pre + "mlp.dense_4h_to_h.weight").T
-    x = rms_norm(x, p("language_model.encoder.final_layernorm.weight"))
-    return x @ p("language_model.output_layer.weight").T
+        x = x + linear(y, pre + "self_attention.dense")
+        h = norm(x, pre + "post_attention_layernorm")
+        if cfg.get("gelu"):
+            act = torch.nn.functional.gelu(linear(h, pre + "mlp.dense_h_to_4h"))
+        else:
+            gate, up = linear(h, pre + "mlp.dense_h_to_4h").chunk(2, -1)
+            act = torch.nn.functional.silu(gate) * up
+        x = x + linear(act, pre + "mlp.dense_4h_to_h")
+    x = norm(x, "language_model.encoder.final_layernorm")
+    out = "language_model.embedding.word_embeddings.weight" if cfg.get("tied") else "language_model.output_layer.weight"
+    return x @ p(out).T
+
+
+def no_weight_decay(name):
+    """NxDT's group 1: norm weights and biases."""
+    return name.endswith(".bias") or name.split(".")[-2].endswith("norm")
 
 
 def nemo_cosine(step, base, warmup, constant, max_steps, min_lr):
@@ -126,10 +151,25 @@ class TrainingCoreMatchesTorch(TempDirTest):
     def test_partial_rotary(self):
         self.check("--rotary", "0.5")
 
+    def test_gpt_layernorm_gelu_biases_learned_positions_tied_output(self):
+        params, _ = self.load("--gpt")
+        self.assertIn("language_model.encoder.layers.1.mlp.dense_h_to_4h.bias", params)
+        self.assertIn("language_model.encoder.final_layernorm.bias", params)
+        self.assertEqual(params["language_model.embedding.position_embeddings.weight"].shape, (12, 32))
+        self.assertEqual(params["language_model.encoder.layers.0.mlp.dense_h_to_4h.weight"].shape, (48, 32))  # unfused
+        self.assertNotIn("language_model.output_layer.weight", params)
+        self.check("--gpt")
+
+    def test_gpt_blocks_with_rope_gqa_and_untied_output(self):
+        self.check("--layernorm", "--gelu", "--bias", "--kv-heads", "2")
+
+    def test_gpt_training_steps(self):
+        self.train_steps(4, lambda s: nemo_cosine(s, 1e-2, 2, 0, 6, 1e-3), 0.5, "--gpt")
+
     def train_steps(self, steps, sched, clip, *flags, decay_norms=False):
         params, res = self.load("--steps", str(steps), "--clip", str(clip), *flags)
         names = list(params)
-        norms = [n for n in names if n.endswith("layernorm.weight")]
+        norms = [n for n in names if no_weight_decay(n)]
         groups = [{"params": [params[n] for n in names if n not in norms or decay_norms], "weight_decay": 0.1}]
         if not decay_norms:
             groups.append({"params": [params[n] for n in norms], "weight_decay": 0.0})
@@ -175,7 +215,7 @@ class TrainingCoreMatchesTorch(TempDirTest):
         res = torch.load(os.path.join(self.dir, "result.pt"))
         self.assertEqual({v.dtype for v in weights.values()}, {torch.bfloat16})
         names = list(weights)
-        norms = [n for n in names if n.endswith("layernorm.weight")]
+        norms = [n for n in names if no_weight_decay(n)]
         master = {n: weights[n].float().clone() for n in names}  # the master weights start as the bf16 values
         groups = [{"params": [master[n] for n in names if n not in norms], "weight_decay": 0.1},
                   {"params": [master[n] for n in norms], "weight_decay": 0.0}]

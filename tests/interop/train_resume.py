@@ -13,7 +13,9 @@ import torch
 
 from canon import TOKENIZE, TRAIN, TempDirTest, run
 
-CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf", "tiny_llama.yaml")
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf")
+CONF = os.path.join(CONF_DIR, "tiny_llama.yaml")
+GPT_CONF = os.path.join(CONF_DIR, "tiny_gpt.yaml")
 TEXT = "/usr/share/common-licenses/GPL-3"  # in every Debian (base-files)
 STEPS = 120
 
@@ -22,8 +24,8 @@ MIXED = ["precision.type=mixed_precision", "distributed_strategy.zero1=True"]
 RANK_FILE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"
 
 
-def args(log_dir, async_save, extra=()):
-    return [TRAIN, CONF, f"exp_manager.explicit_log_dir={log_dir}", f"trainer.max_steps={STEPS}",
+def args(log_dir, async_save, extra=(), conf=CONF):
+    return [TRAIN, conf, f"exp_manager.explicit_log_dir={log_dir}", f"trainer.max_steps={STEPS}",
             "exp_manager.checkpoint_callback_params.every_n_train_steps=20",
             "exp_manager.checkpoint_callback_params.save_top_k=3",
             f"exp_manager.async_checkpointing={async_save}", "+model.optim.sched.max_steps=120", *extra]
@@ -45,8 +47,9 @@ class TrainAndResume(TempDirTest):
         os.makedirs(os.path.join(self.dir, "data"))
         run(TOKENIZE, TEXT, os.path.join(self.dir, "data", "text_document"))
 
-    def train(self, log_dir, async_save, extra=()):
-        return subprocess.run(args(log_dir, async_save, extra), cwd=self.dir, capture_output=True, text=True, check=True)
+    def train(self, log_dir, async_save, extra=(), conf=CONF):
+        return subprocess.run(args(log_dir, async_save, extra, conf), cwd=self.dir, capture_output=True, text=True,
+                              check=True)
 
     def test_loss_falls(self):
         self.train("straight", "True")
@@ -54,12 +57,12 @@ class TrainAndResume(TempDirTest):
         first, last = sum(l[s] for s in range(1, 6)) / 5, sum(l[s] for s in range(STEPS - 4, STEPS + 1)) / 5
         self.assertLess(last, 0.6 * first, f"loss {first:.3f} -> {last:.3f}")
 
-    def kill_and_resume(self, async_save, extra=()):
+    def kill_and_resume(self, async_save, extra=(), conf=CONF):
         """Trains to STEPS straight, and again SIGKILLed after the step-40 checkpoint and rerun;
         returns both runs' losses by step and the rerun's stderr."""
-        self.train("straight", async_save, extra)
+        self.train("straight", async_save, extra, conf)
         killed = os.path.join(self.dir, "killed")
-        p = subprocess.Popen(args(killed, async_save, extra), cwd=self.dir, stdout=subprocess.DEVNULL,
+        p = subprocess.Popen(args(killed, async_save, extra, conf), cwd=self.dir, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
         deadline = time.time() + 60
         while not glob.glob(os.path.join(killed, "checkpoints", "*step=40*", "done")):
@@ -68,21 +71,22 @@ class TrainAndResume(TempDirTest):
             time.sleep(0.002)
         p.send_signal(signal.SIGKILL)
         p.wait()
-        r = self.train("killed", async_save, extra)
+        r = self.train("killed", async_save, extra, conf)
         self.assertRegex(r.stderr, r"resumed from .*step=(40|60|80|100)")
         a, b = losses(os.path.join(self.dir, "straight")), losses(killed)
         self.assertEqual(sorted(a), list(range(1, STEPS + 1)))
         return a, b, r.stderr
 
-    def final_file(self, run, sub):
-        rel = f"checkpoints/tiny_llama--step={STEPS}-consumed_samples={8.0 * STEPS}.ckpt"
+    def final_file(self, run, sub, name="tiny_llama"):
+        rel = f"checkpoints/{name}--step={STEPS}-consumed_samples={8.0 * STEPS}.ckpt"
         return os.path.join(self.dir, run, rel, sub, RANK_FILE)
 
-    def check_exact_resume(self, async_save, extra=()):
-        a, b, _ = self.kill_and_resume(async_save, extra)
+    def check_exact_resume(self, async_save, extra=(), conf=CONF, name="tiny_llama"):
+        a, b, _ = self.kill_and_resume(async_save, extra, conf)
         self.assertEqual(a, b)  # identical loss at every step
         for sub in ("model", "optim"):
-            with open(self.final_file("straight", sub), "rb") as f1, open(self.final_file("killed", sub), "rb") as f2:
+            with open(self.final_file("straight", sub, name), "rb") as f1, \
+                 open(self.final_file("killed", sub, name), "rb") as f2:
                 self.assertEqual(f1.read(), f2.read(), f"{sub} files differ")
 
     def test_exact_resume_after_sigkill_async_saves(self):
@@ -109,6 +113,17 @@ class TrainAndResume(TempDirTest):
             self.assertTrue(torch.equal(master.bfloat16(), w), name)
             exact += int(torch.equal(master, w.float()))
         self.assertLess(exact, len(model) // 2)
+
+    def test_gpt_style_learns_and_resumes_exactly(self):
+        """conf/tiny_gpt.yaml: LayerNorm, GeLU, biases, learned positions, tied output, mixed precision."""
+        self.check_exact_resume("True", conf=GPT_CONF, name="tiny_gpt")
+        l = losses(os.path.join(self.dir, "straight"))
+        first, last = sum(l[s] for s in range(1, 6)) / 5, sum(l[s] for s in range(STEPS - 4, STEPS + 1)) / 5
+        self.assertLess(last, 0.6 * first, f"loss {first:.3f} -> {last:.3f}")
+        model = torch.load(self.final_file("killed", "model", "tiny_gpt"))
+        self.assertIn("language_model.embedding.position_embeddings.weight", model)
+        self.assertIn("language_model.encoder.layers.1.mlp.dense_4h_to_h.bias", model)
+        self.assertNotIn("language_model.output_layer.weight", model)
 
     def test_mixed_precision_without_master_weights_restarts_them_from_bf16_as_nxdt_does(self):
         a, b, stderr = self.kill_and_resume("False", MIXED)
@@ -138,6 +153,10 @@ class TrainAndResume(TempDirTest):
             (["precision.type=bf16SR"], "precision.type: 'bf16SR' is not supported on this CPU trainer"),
             (["data.data_impl=hdf5", "data.data_prefix=[1.0,data/none.h5]"], "data/none.h5: missing"),
             (["model.hidden=1"], "override 'model.hidden=1': key 'model.hidden' is not in the config"),
+            (["model.normalization=batchnorm"], "model.normalization: 'batchnorm' is not supported (rmsnorm, layernorm are)"),
+            (["+model.hidden_dropout=0.1"], "model.hidden_dropout: 0.100000: dropout is not built in this trainer yet"),
+            (["model.position_embedding_type=learned_absolute", "model.max_position_embeddings=32"],
+             "model.max_position_embeddings: 32 is shorter than data.seq_length (64)"),
         ]
         for overrides, message in cases:
             with self.subTest(message):
