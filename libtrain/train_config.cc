@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "ckpt/error.h"
+#include "libtrain/tokenizer_vocab.h"
 #include "migrate/interpolation.h"
 #include "migrate/overrides.h"
 #include "migrate/yaml_tree.h"
@@ -180,12 +181,19 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
   for (const char* k : {"model.hidden_dropout", "model.attention_dropout", "model.ffn_dropout"})
     if (r.Number(k, 0.0) != 0.0)
       r.Fail(k, std::to_string(r.Number(k, 0.0)) + ": dropout is not built in this trainer yet; set it to 0.0");
-  // Vocabulary: the byte tokenizer has 257 ids; other tokenizers need model.vocab_size.
-  const std::string tok = r.Str("data.tokenizer.library", "byte");
+  // Vocabulary: model.vocab_size when given, else what the tokenizer holds.
   int64_t vocab = 0;
-  if (tok == "byte") vocab = 257;
-  else if (r.Has("model.vocab_size")) vocab = r.Int("model.vocab_size", 0, 1);
-  else r.Fail("data.tokenizer.library", "'" + tok + "' tokenizers are not available here; set model.vocab_size or use library: byte");
+  if (r.Has("model.vocab_size")) {
+    vocab = r.Int("model.vocab_size", 0, 1);
+  } else {
+    TokenizerSpec t{r.Str("data.tokenizer.library", "byte"), r.Str("data.tokenizer.type", ""),
+                    r.Str("data.tokenizer.vocab_file", ""), r.Str("data.tokenizer.model", "")};
+    try {
+      vocab = TokenizerVocabSize(t);
+    } catch (const ckpt::Error& e) {
+      r.Fail("data.tokenizer", e.what());
+    }
+  }
   const int64_t divisible = r.Int("model.make_vocab_size_divisible_by", 8, 1);
   m.vocab = (vocab + divisible - 1) / divisible * divisible;
 

@@ -142,6 +142,19 @@ class TrainAndResume(TempDirTest):
         self.assertEqual(len(a), 15)
         self.assertEqual(a, b)
 
+    def test_vocabulary_comes_from_a_hugging_face_tokenizer_folder(self):
+        tok = os.path.join(self.dir, "tok")
+        os.makedirs(tok)
+        with open(os.path.join(tok, "tokenizer.json"), "w") as f:
+            json.dump({"model": {"type": "BPE", "vocab": {f"t{i}": i for i in range(290)}},
+                       "added_tokens": [{"id": 299, "content": "<|end|>"}]}, f)
+        subprocess.run([TRAIN, CONF, "exp_manager.explicit_log_dir=hf", "trainer.max_steps=1",
+                        "data.tokenizer.library=huggingface", f"+data.tokenizer.type={tok}"],
+                       cwd=self.dir, check=True, capture_output=True)
+        tag = glob.glob(os.path.join(self.dir, "hf", "checkpoints", "*step=1-*"))[0]
+        model = torch.load(os.path.join(tag, "model", RANK_FILE))
+        self.assertEqual(model["language_model.embedding.word_embeddings.weight"].shape, (304, 64))  # 300 padded to 8
+
     def test_precise_errors_before_any_work(self):
         cases = [
             (["data.data_prefix=[1.0,missing/prefix]"], "missing/prefix.idx: missing"),
@@ -154,6 +167,8 @@ class TrainAndResume(TempDirTest):
             (["data.data_impl=hdf5", "data.data_prefix=[1.0,data/none.h5]"], "data/none.h5: missing"),
             (["model.hidden=1"], "override 'model.hidden=1': key 'model.hidden' is not in the config"),
             (["model.normalization=batchnorm"], "model.normalization: 'batchnorm' is not supported (rmsnorm, layernorm are)"),
+            (["data.tokenizer.library=huggingface", "+data.tokenizer.type=no/such/dir"],
+             "data.tokenizer: no/such/dir: no tokenizer.json or vocab.json there"),
             (["+model.hidden_dropout=0.1"], "model.hidden_dropout: 0.100000: dropout is not built in this trainer yet"),
             (["model.position_embedding_type=learned_absolute", "model.max_position_embeddings=32"],
              "model.max_position_embeddings: 32 is shorter than data.seq_length (64)"),
