@@ -182,6 +182,32 @@ void GeluBackward(float* dx, const float* dout, const float* x, int64_t n) {
   });
 }
 
+namespace {
+// splitmix64's finalizer: a bijection of 64-bit words that mixes every bit.
+uint64_t Mix(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+}  // namespace
+
+uint64_t DropoutStream(uint64_t key, uint64_t site) { return Mix(Mix(key) ^ site); }
+
+bool DropoutKeep(uint64_t stream, uint64_t i, float p) {
+  // The top 24 bits as a uniform in [0, 1): exact in float.
+  return static_cast<float>(Mix(stream + i) >> 40) * (1.0f / 16777216.0f) >= p;
+}
+
+void DropoutApply(float* x, int64_t n, float p, uint64_t stream) {
+  if (p <= 0) return;
+  const float scale = 1.0f / (1.0f - p);
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const tbb::blocked_range<int64_t>& r) {
+    for (int64_t i = r.begin(); i < r.end(); ++i)
+      x[i] = DropoutKeep(stream, static_cast<uint64_t>(i), p) ? x[i] * scale : 0.0f;
+  });
+}
+
 float CrossEntropyForward(float* probs, const float* logits, const int32_t* targets, int64_t N, int64_t V) {
   std::vector<double> losses(N);
   tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {

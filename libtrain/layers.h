@@ -46,6 +46,17 @@ void SwiGluBackward(float* dfc, const float* dout, const float* fc, int64_t N, i
 void GeluForward(float* out, const float* x, int64_t n);
 void GeluBackward(float* dx, const float* dout, const float* x, int64_t n);
 
+// Dropout with counter-based masks: element i of stream `stream` is kept
+// when a hash of (stream, i) lands at or above p, and kept elements are scaled
+// by 1/(1-p). A mask is a pure function of its stream and index, so backward
+// (and activation recompute, and a resumed run) regenerates it instead of
+// storing it. DropoutKeep is the mask of one element.
+uint64_t DropoutStream(uint64_t key, uint64_t site);
+bool DropoutKeep(uint64_t stream, uint64_t i, float p);
+// x[i] = keep ? x[i] / (1 - p) : 0 for i in [0, n): forward on activations
+// and backward on their gradients alike.
+void DropoutApply(float* x, int64_t n, float p, uint64_t stream);
+
 // Mean cross-entropy over N positions; probs[N,V] holds the softmax.
 float CrossEntropyForward(float* probs, const float* logits, const int32_t* targets, int64_t N, int64_t V);
 // dlogits = (probs - onehot(target)) / N

@@ -56,6 +56,7 @@ std::vector<ParamInfo> ParameterLayout(const ModelConfig& c) {
 
 // Everything one layer's backward needs from its forward.
 struct Model::LayerCache {
+  int layer = 0;
   std::vector<float> x, ln1, mean1, rstd1;  // layer input, its norm (mean: LayerNorm only)
   std::vector<float> proj, kvproj;      // qkv projection (MHA), or q and kv (GQA)
   std::vector<float> q, k, v;           // [B, heads|kv, T, hd], RoPE applied to q and k
@@ -234,6 +235,8 @@ void Model::AttentionCore(LayerCache& lc) {
   lc.att.assign(B * nh * T * T, 0.f);
   lc.y.assign(N * H, 0.f);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float p = c_.attention_dropout, keep_scale = 1.0f / (1.0f - p);
+  const uint64_t stream = DropoutSite(lc.layer, 0);
   tbb::parallel_for(int64_t{0}, B * nh, [&](int64_t bh) {
     const int64_t b = bh / nh, h = bh % nh, g = h / (nh / G);
     const float* q = &lc.q[bh * T * hd];
@@ -252,8 +255,11 @@ void Model::AttentionCore(LayerCache& lc) {
       for (int64_t s = 0; s <= t; ++s) sum += a[s] = std::exp(a[s] - mx);
       for (int64_t s = 0; s <= t; ++s) a[s] /= sum;
       float* y = &lc.y[(b * T + t) * H + h * hd];
-      for (int64_t s = 0; s <= t; ++s)
-        for (int64_t d = 0; d < hd; ++d) y[d] += a[s] * v[s * hd + d];
+      for (int64_t s = 0; s <= t; ++s) {
+        // att keeps the probabilities; the values see them after dropout.
+        const float w = p > 0 ? (DropoutKeep(stream, static_cast<uint64_t>((bh * T + t) * T + s), p) ? a[s] * keep_scale : 0.f) : a[s];
+        for (int64_t d = 0; d < hd; ++d) y[d] += w * v[s * hd + d];
+      }
     }
   });
 }
@@ -263,6 +269,8 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
   const int64_t rot = c_.rotary_dim(), per_group = nh / G;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   std::vector<float> dq(lc.q.size(), 0.f), dk(lc.k.size(), 0.f), dv(lc.v.size(), 0.f);
+  const float p = c_.attention_dropout, keep_scale = 1.0f / (1.0f - p);
+  const uint64_t stream = DropoutSite(l, 0);
   // Per (batch, group): the group's heads all feed its dk and dv, so one task owns them.
   tbb::parallel_for(int64_t{0}, B * G, [&](int64_t bg) {
     const int64_t b = bg / G, g = bg % G;
@@ -280,13 +288,15 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
         const float* dyt = dy + (b * T + t) * H + h * hd;
         float dsum = 0;
         for (int64_t s = 0; s <= t; ++s) {
+          // The dropout factor of this probability: 1 without dropout.
+          const float f = p > 0 ? (DropoutKeep(stream, static_cast<uint64_t>((bh * T + t) * T + s), p) ? keep_scale : 0.f) : 1.f;
           float d = 0;
           for (int64_t e = 0; e < hd; ++e) {
             d += dyt[e] * v[s * hd + e];
-            dvg[s * hd + e] += a[s] * dyt[e];
+            dvg[s * hd + e] += a[s] * f * dyt[e];
           }
-          datt[s] = d;
-          dsum += a[s] * d;
+          datt[s] = d * f;
+          dsum += a[s] * datt[s];
         }
         for (int64_t s = 0; s <= t; ++s) {
           const float dscore = a[s] * (datt[s] - dsum) * scale;
@@ -338,6 +348,7 @@ void Model::LayerForward(int l, LayerCache& lc, float* out) {
   AttentionForward(l, lc);
   std::vector<float> attn_out(N * H);
   Linear(LayerName(l, "self_attention.dense"), lc.y.data(), attn_out.data(), H, H);
+  DropoutApply(attn_out.data(), N * H, c_.hidden_dropout, DropoutSite(l, 1));
   lc.x2.resize(N * H);
   for (int64_t i = 0; i < N * H; ++i) lc.x2[i] = lc.x[i] + attn_out[i];
   lc.ln2.resize(N * H);
@@ -347,9 +358,15 @@ void Model::LayerForward(int l, LayerCache& lc, float* out) {
   Linear(LayerName(l, "mlp.dense_h_to_4h"), lc.ln2.data(), lc.fc.data(), H, fc_width);
   if (c_.gelu) GeluForward(lc.act.data(), lc.fc.data(), N * F);
   else SwiGluForward(lc.act.data(), lc.fc.data(), N, F);
+  DropoutApply(lc.act.data(), N * F, c_.ffn_dropout, DropoutSite(l, 2));  // act holds what dense_4h_to_h sees
   std::vector<float> mlp_out(N * H);
   Linear(LayerName(l, "mlp.dense_4h_to_h"), lc.act.data(), mlp_out.data(), F, H);
+  DropoutApply(mlp_out.data(), N * H, c_.hidden_dropout, DropoutSite(l, 3));
   for (int64_t i = 0; i < N * H; ++i) out[i] = lc.x2[i] + mlp_out[i];
+}
+
+uint64_t Model::DropoutSite(int l, int site) const {
+  return DropoutStream(dropout_key_, l < 0 ? ~uint64_t{0} : static_cast<uint64_t>(l) * 4 + static_cast<uint64_t>(site));
 }
 
 void Model::Drop(LayerCache& lc) {
@@ -379,8 +396,8 @@ const char kFinalNorm[] = "language_model.encoder.final_layernorm";
 const char kOutputLayer[] = "language_model.output_layer.weight";
 }  // namespace
 
-float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T) {
-  B_ = B, T_ = T;
+float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, uint64_t dropout_key) {
+  B_ = B, T_ = T, dropout_key_ = dropout_key;
   const int64_t N = B * T, H = c_.hidden, V = c_.vocab;
   for (int64_t n = 0; n < N; ++n)
     if (tokens[n] < 0 || tokens[n] >= V || targets[n] < 0 || targets[n] >= V)
@@ -399,8 +416,10 @@ float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, i
     for (int64_t n = 0; n < N; ++n)
       for (int64_t i = 0; i < H; ++i) x[n * H + i] += pos[(n % T) * H + i];
   }
+  DropoutApply(x.data(), N * H, c_.hidden_dropout, DropoutSite(-1, 0));
   for (int l = 0; l < c_.layers; ++l) {
     LayerCache& lc = cache_[l];
+    lc.layer = l;
     lc.x = x;
     LayerForward(l, lc, x.data());
     Drop(lc);
@@ -422,7 +441,7 @@ void Model::Backward() {
   LinearBackward(dlnf.data(), Dw(output), nullptr, dlogits.data(), lnf_.data(), W(output), N, H, V);
   NormBackward(kFinalNorm, dlnf.data(), x_final_.data(), meanf_, rstdf_, dx.data());
   const int64_t fc_width = c_.gelu ? F : 2 * F;
-  std::vector<float> dact(N * F), dfc(N * fc_width), dln(N * H), dpart(N * H), dy(N * H);
+  std::vector<float> dact(N * F), dfc(N * fc_width), dln(N * H), dpart(N * H), dy(N * H), dout(N * H);
   for (int l = c_.layers - 1; l >= 0; --l) {
     LayerCache& lc = cache_[l];
     if (lc.fc.empty()) {  // full recompute: rebuild the layer's activations from its input
@@ -431,20 +450,26 @@ void Model::Backward() {
     } else if (lc.att.empty()) {  // selective: rebuild the attention probabilities
       AttentionCore(lc);
     }
-    // MLP block: dx is the gradient at the layer output (x2 + mlp_out).
-    LinearGrad(LayerName(l, "mlp.dense_4h_to_h"), dx.data(), lc.act.data(), dact.data(), F, H);
+    // MLP block: dx is the gradient at the layer output (x2 + dropout(mlp_out)).
+    dout = dx;
+    DropoutApply(dout.data(), N * H, c_.hidden_dropout, DropoutSite(l, 3));
+    LinearGrad(LayerName(l, "mlp.dense_4h_to_h"), dout.data(), lc.act.data(), dact.data(), F, H);
+    DropoutApply(dact.data(), N * F, c_.ffn_dropout, DropoutSite(l, 2));
     if (c_.gelu) GeluBackward(dfc.data(), dact.data(), lc.fc.data(), N * F);
     else SwiGluBackward(dfc.data(), dact.data(), lc.fc.data(), N, F);
     LinearGrad(LayerName(l, "mlp.dense_h_to_4h"), dfc.data(), lc.ln2.data(), dln.data(), H, fc_width);
     NormBackward(LayerName(l, "post_attention_layernorm"), dln.data(), lc.x2.data(), lc.mean2, lc.rstd2, dpart.data());
     for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // now the gradient at x2
     // Attention block.
-    LinearGrad(LayerName(l, "self_attention.dense"), dx.data(), lc.y.data(), dy.data(), H, H);
+    dout = dx;
+    DropoutApply(dout.data(), N * H, c_.hidden_dropout, DropoutSite(l, 1));
+    LinearGrad(LayerName(l, "self_attention.dense"), dout.data(), lc.y.data(), dy.data(), H, H);
     AttentionBackward(l, lc, dy.data(), dln.data());
     NormBackward(LayerName(l, "input_layernorm"), dln.data(), lc.x.data(), lc.mean1, lc.rstd1, dpart.data());
     for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // the gradient at the layer input
     Drop(lc);
   }
+  DropoutApply(dx.data(), N * H, c_.hidden_dropout, DropoutSite(-1, 0));
   EmbeddingBackward(Dw(kWordEmbeddings), dx.data(), tokens_.data(), N, H);
   if (c_.learned_positions) {
     float* dpos = Dw(kPositionEmbeddings);

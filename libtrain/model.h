@@ -36,6 +36,11 @@ struct ModelConfig {
   bool learned_positions = false;  // position_embedding_type: learned_absolute (else rope)
   int64_t max_positions = 0;       // max_position_embeddings (rows of the learned table)
   bool tied_output = false;        // share_embeddings_and_output_weights
+  // Dropout probabilities, at Megatron's places: hidden_dropout on the
+  // embeddings and on each block's output before its residual add,
+  // attention_dropout on the attention probabilities, ffn_dropout on the MLP's
+  // activation. Masks come from Forward's dropout_key (layers.h).
+  float hidden_dropout = 0, attention_dropout = 0, ffn_dropout = 0;
   float init_std = 0.02f;
   bool scaled_init = true;
   // activations_checkpoint_granularity: "" keeps every activation; "full"
@@ -78,7 +83,9 @@ class Model {
   // Rounded to bfloat16 with bf16_params.
   void InitWeights();
   // Forward over B sequences of T tokens; returns the mean cross-entropy.
-  float Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T);
+  // `dropout_key` seeds this batch's dropout masks (the trainer derives it
+  // from the seed and the batch's position in the data).
+  float Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, uint64_t dropout_key = 0);
   // Accumulates gradients of the last Forward's loss.
   void Backward();
   void ZeroGrad();
@@ -120,6 +127,8 @@ class Model {
   // Softmax attention from lc.q/k/v into lc.att and lc.y.
   void AttentionCore(LayerCache& lc);
   void AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln1);
+  // The dropout mask stream of `site` in layer l (l = -1: the embeddings).
+  uint64_t DropoutSite(int l, int site) const;
   // Frees what the recompute granularity does not keep.
   void Drop(LayerCache& lc);
 
@@ -129,6 +138,7 @@ class Model {
   std::vector<float> inv_freq_;
   // Activations of the last Forward.
   int64_t B_ = 0, T_ = 0;
+  uint64_t dropout_key_ = 0;
   std::vector<int32_t> tokens_, targets_;
   std::vector<LayerCache> cache_;
   std::vector<float> x_final_, lnf_, meanf_, rstdf_, logits_, probs_;

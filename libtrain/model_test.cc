@@ -17,7 +17,10 @@ struct StepResult {
 StepResult TrainStep(const std::string& recompute, int64_t kv_heads, bool gpt = false) {
   ModelConfig c;
   c.vocab = 64, c.hidden = 32, c.ffn = 48, c.heads = 4, c.kv_heads = kv_heads, c.layers = 3;
-  if (gpt) c.layernorm = c.gelu = c.bias = c.learned_positions = c.tied_output = true, c.max_positions = 16;
+  if (gpt) {  // with dropout at every place: recompute must regenerate the same masks
+    c.layernorm = c.gelu = c.bias = c.learned_positions = c.tied_output = true, c.max_positions = 16;
+    c.hidden_dropout = c.attention_dropout = c.ffn_dropout = 0.2f;
+  }
   c.recompute = recompute;
   Model m(c);
   m.InitWeights();
@@ -28,7 +31,7 @@ StepResult TrainStep(const std::string& recompute, int64_t kv_heads, bool gpt = 
   for (auto& t : targets) t = static_cast<int32_t>(rng() % 64);
   m.ZeroGrad();
   StepResult r;
-  r.loss = m.Forward(tokens.data(), targets.data(), B, T);
+  r.loss = m.Forward(tokens.data(), targets.data(), B, T, /*dropout_key=*/99);
   r.activation_bytes = m.activation_bytes();
   m.Backward();
   for (const auto& p : m.layout()) {
@@ -38,31 +41,28 @@ StepResult TrainStep(const std::string& recompute, int64_t kv_heads, bool gpt = 
   return r;
 }
 
+void ExpectIdentical(const StepResult& r, const StepResult& none) {
+  EXPECT_EQ(r.loss, none.loss);
+  ASSERT_EQ(r.grads.size(), none.grads.size());
+  for (size_t i = 0; i < none.grads.size(); ++i)
+    EXPECT_EQ(std::memcmp(r.grads[i].data(), none.grads[i].data(), none.grads[i].size() * sizeof(float)), 0) << i;
+}
+
 TEST(Recompute, GradientsAreBitIdenticalAndMemoryDrops) {
   for (int64_t kv : {4, 2}) {
     SCOPED_TRACE(kv);
     const StepResult none = TrainStep("", kv), selective = TrainStep("selective", kv), full = TrainStep("full", kv);
-    for (const StepResult* r : {&selective, &full}) {
-      EXPECT_EQ(r->loss, none.loss);
-      ASSERT_EQ(r->grads.size(), none.grads.size());
-      for (size_t i = 0; i < none.grads.size(); ++i)
-        EXPECT_EQ(std::memcmp(r->grads[i].data(), none.grads[i].data(), none.grads[i].size() * sizeof(float)), 0) << i;
-    }
+    for (const StepResult* r : {&selective, &full}) ExpectIdentical(*r, none);
     // Selective drops the [B, heads, T, T] probabilities; full keeps one input per layer.
     EXPECT_EQ(none.activation_bytes - selective.activation_bytes, size_t{3} * 2 * 4 * 16 * 16 * sizeof(float));
     EXPECT_LT(full.activation_bytes, selective.activation_bytes / 2);
   }
 }
 
-TEST(Recompute, GptStyleGradientsAreBitIdenticalToo) {
+TEST(Recompute, GptStyleWithDropoutGradientsAreBitIdenticalToo) {
   const StepResult none = TrainStep("", 4, true), selective = TrainStep("selective", 4, true),
                    full = TrainStep("full", 4, true);
-  for (const StepResult* r : {&selective, &full}) {
-    EXPECT_EQ(r->loss, none.loss);
-    ASSERT_EQ(r->grads.size(), none.grads.size());
-    for (size_t i = 0; i < none.grads.size(); ++i)
-      EXPECT_EQ(std::memcmp(r->grads[i].data(), none.grads[i].data(), none.grads[i].size() * sizeof(float)), 0) << i;
-  }
+  for (const StepResult* r : {&selective, &full}) ExpectIdentical(*r, none);
   EXPECT_LT(full.activation_bytes, selective.activation_bytes / 2);
 }
 

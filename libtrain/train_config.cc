@@ -178,9 +178,12 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
   if (m.learned_positions && c.seq_length > m.max_positions)
     r.Fail("model.max_position_embeddings", std::to_string(m.max_positions) + " is shorter than data.seq_length (" +
                                                 std::to_string(c.seq_length) + ")");
-  for (const char* k : {"model.hidden_dropout", "model.attention_dropout", "model.ffn_dropout"})
-    if (r.Number(k, 0.0) != 0.0)
-      r.Fail(k, std::to_string(r.Number(k, 0.0)) + ": dropout is not built in this trainer yet; set it to 0.0");
+  for (auto [key, dst] : {std::pair{"model.hidden_dropout", &m.hidden_dropout}, std::pair{"model.attention_dropout", &m.attention_dropout},
+                           std::pair{"model.ffn_dropout", &m.ffn_dropout}}) {
+    const double v = r.Number(key, 0.0);
+    if (!(v >= 0 && v < 1)) r.Fail(key, std::to_string(v) + " is not a probability in [0, 1)");
+    *dst = static_cast<float>(v);
+  }
   // Vocabulary: model.vocab_size when given, else what the tokenizer holds.
   int64_t vocab = 0;
   if (r.Has("model.vocab_size")) {

@@ -63,10 +63,15 @@ int main(int argc, char** argv) {
   app.add_flag("--learned-positions", c.learned_positions);
   app.add_flag("--tied", c.tied_output);
   app.add_flag("--gpt", gpt, "all five of the above");
+  float dropout = 0;
+  uint64_t dropout_key = 0;
+  app.add_option("--dropout", dropout, "hidden, attention and ffn dropout");
+  app.add_option("--dropout-key", dropout_key);
   app.add_flag("--mixed", mixed, "mixed_precision: bfloat16 parameters, float32 master weights, ZeRO-1 optimizer layout");
   CLI11_PARSE(app, argc, argv);
   c.bf16_params = opt.master_weights = opt.zero1 = opt.master_weights_in_ckpt = mixed;
   if (gpt) c.layernorm = c.gelu = c.bias = c.learned_positions = c.tied_output = true;
+  c.hidden_dropout = c.attention_dropout = c.ffn_dropout = dropout;
   c.max_positions = 12;  // more rows than the batch's 8 positions: the unused ones get no gradient
   try {
     train::Model m(c);
@@ -88,7 +93,7 @@ int main(int argc, char** argv) {
     double lr = 0;
     for (int s = 0; s < steps; ++s) {
       m.ZeroGrad();
-      losses.push_back(m.Forward(tk, tg, B, T));
+      losses.push_back(m.Forward(tk, tg, B, T, dropout_key + static_cast<uint64_t>(s)));
       m.Backward();
       if (s == 0) {  // the raw forward/backward of the initial weights
         d.Set("logits", ckpt::Value(Floats(m.logits(), {B, T, c.vocab})));

@@ -15,6 +15,7 @@
 #include "ckpt/pt_file.h"
 #include "libtrain/hdf5_dataset.h"
 #include "libtrain/indexed_dataset.h"
+#include "libtrain/layers.h"
 #include "libtrain/model.h"
 #include "libtrain/optimizer.h"
 
@@ -110,7 +111,9 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
         std::copy(sample.begin(), sample.end() - 1, tokens.begin() + b * T);
         std::copy(sample.begin() + 1, sample.end(), targets.begin() + b * T);
       }
-      loss += model.Forward(tokens.data(), targets.data(), B, T) / static_cast<double>(micro);
+      // Dropout masks are a function of the seed and the batch's place in the data, so a resumed run draws the same.
+      const uint64_t dropout_key = DropoutStream(c.seed, static_cast<uint64_t>(consumed + m * B));
+      loss += model.Forward(tokens.data(), targets.data(), B, T, dropout_key) / static_cast<double>(micro);
       model.Backward();
     }
     if (micro > 1)  // the mean over micro-batches

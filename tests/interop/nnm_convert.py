@@ -213,8 +213,9 @@ class NnmToNxdt(TempDirTest):
         self.convert("--tp", 1, "--pp", 1, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--checkpoint_dir", os.path.join(run_dir, "checkpoints"))
         conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf",
                             "tiny_gpt.yaml" if gpt else "tiny_llama.yaml")
-        # tiny_gpt trains in mixed precision; this NNM run was fp32.
-        gpt_overrides = ["precision.type=fp32", "model.ffn_hidden_size=172"] if gpt else []
+        # tiny_gpt trains in mixed precision with dropout; this NNM run was fp32 without.
+        gpt_overrides = ["precision.type=fp32", "model.ffn_hidden_size=172", "model.hidden_dropout=0.0",
+                         "model.attention_dropout=0.0", "model.ffn_dropout=0.0"] if gpt else []
         p = subprocess.run([TRAIN, conf, f"exp_manager.explicit_log_dir={run_dir}", f"trainer.max_steps={S + 1}",
                             f"+model.optim.sched.max_steps={max_steps}", "exp_manager.async_checkpointing=False",
                             *gpt_overrides], cwd=self.dir, capture_output=True, text=True)

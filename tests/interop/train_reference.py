@@ -6,6 +6,7 @@ import math
 import os
 import unittest
 
+import numpy as np
 import torch
 
 from canon import TRAIN_DUMP, TempDirTest, run
@@ -30,9 +31,36 @@ def rope(x, rot):
     return torch.cat([xr * cos + rotated * sin, xp], -1)
 
 
-def forward(params, cfg, tokens):
+def dropout_keep(key, site, n, p):
+    """The training core's dropout mask (libtrain/layers.h): element i of the stream
+    of (key, site) is kept when the top 24 bits of splitmix64(stream + i) reach p."""
+    def mix(z):
+        with np.errstate(over="ignore"):
+            z = z + np.uint64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            return z ^ (z >> np.uint64(31))
+
+    stream = mix(mix(np.array([key], dtype=np.uint64)) ^ np.uint64(site))
+    with np.errstate(over="ignore"):
+        u = (mix(stream + np.arange(n, dtype=np.uint64)) >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+    return torch.from_numpy(u >= np.float32(p))
+
+
+def dropout(key, p):
+    """drop(x, layer, site): Megatron-placed dropout with the core's masks; layer -1 is the embeddings."""
+    def drop(x, layer, site):
+        if p == 0:
+            return x
+        s = (1 << 64) - 1 if layer < 0 else layer * 4 + site
+        return x * dropout_keep(key, s, x.numel(), p).view(x.shape) / (1 - np.float32(p))
+    return drop
+
+
+def forward(params, cfg, tokens, drop=lambda x, layer, site: x):
     """Megatron's decoder: Llama style by default; LayerNorm, GeLU, biases (present in params),
-    learned positions (when their table is present) and a tied output layer by cfg."""
+    learned positions (when their table is present) and a tied output layer by cfg; `drop`
+    applies dropout where Megatron does."""
     B, T = tokens.shape
     H, nh, G, L = cfg["hidden"], cfg["heads"], cfg["kv_heads"], cfg["layers"]
     hd = H // nh
@@ -50,6 +78,7 @@ def forward(params, cfg, tokens):
     x = p("language_model.embedding.word_embeddings.weight")[tokens]
     if "language_model.embedding.position_embeddings.weight" in params:
         x = x + p("language_model.embedding.position_embeddings.weight")[:T]
+    x = drop(x, -1, 0)
     for l in range(L):
         pre = f"language_model.encoder.layers.{l}."
         h = norm(x, pre + "input_layernorm")
@@ -68,16 +97,16 @@ def forward(params, cfg, tokens):
             v = v.repeat_interleave(nh // G, dim=1)
         scores = (q @ k.transpose(-1, -2)) / hd ** 0.5
         mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
-        att = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        att = drop(scores.masked_fill(mask, float("-inf")).softmax(-1), l, 0)
         y = (att @ v).transpose(1, 2).reshape(B, T, H)
-        x = x + linear(y, pre + "self_attention.dense")
+        x = x + drop(linear(y, pre + "self_attention.dense"), l, 1)
         h = norm(x, pre + "post_attention_layernorm")
         if cfg.get("gelu"):
             act = torch.nn.functional.gelu(linear(h, pre + "mlp.dense_h_to_4h"))
         else:
             gate, up = linear(h, pre + "mlp.dense_h_to_4h").chunk(2, -1)
             act = torch.nn.functional.silu(gate) * up
-        x = x + linear(act, pre + "mlp.dense_4h_to_h")
+        x = x + drop(linear(drop(act, l, 2), pre + "mlp.dense_4h_to_h"), l, 3)
     x = norm(x, "language_model.encoder.final_layernorm")
     out = "language_model.embedding.word_embeddings.weight" if cfg.get("tied") else "language_model.output_layer.weight"
     return x @ p(out).T
@@ -130,10 +159,10 @@ class TrainingCoreMatchesTorch(TempDirTest):
         res = torch.load(os.path.join(self.dir, "result.pt"))
         return {k: v.clone().requires_grad_(True) for k, v in params.items()}, res
 
-    def check(self, *flags):
+    def check(self, *flags, drop=lambda x, layer, site: x):
         params, res = self.load(*flags)
         tokens, targets = res["tokens"].long(), res["targets"].long()
-        logits = forward(params, res["config"], tokens)
+        logits = forward(params, res["config"], tokens, drop)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         loss.backward()
         self.close("logits", res["logits"], logits.detach())
@@ -162,6 +191,13 @@ class TrainingCoreMatchesTorch(TempDirTest):
 
     def test_gpt_blocks_with_rope_gqa_and_untied_output(self):
         self.check("--layernorm", "--gelu", "--bias", "--kv-heads", "2")
+
+    def test_dropout_at_megatrons_places_with_counter_based_masks(self):
+        key, p = 12345, 0.25
+        self.check("--gpt", "--dropout", str(p), "--dropout-key", str(key), drop=dropout(key, p))
+        self.check("--kv-heads", "2", "--dropout", str(p), "--dropout-key", str(key), drop=dropout(key, p))
+        keep = dropout_keep(key, 7, 100000, p).float().mean().item()
+        self.assertAlmostEqual(keep, 1 - p, delta=0.01)
 
     def test_gpt_training_steps(self):
         self.train_steps(4, lambda s: nemo_cosine(s, 1e-2, 2, 0, 6, 1e-3), 0.5, "--gpt")

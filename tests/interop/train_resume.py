@@ -115,7 +115,8 @@ class TrainAndResume(TempDirTest):
         self.assertLess(exact, len(model) // 2)
 
     def test_gpt_style_learns_and_resumes_exactly(self):
-        """conf/tiny_gpt.yaml: LayerNorm, GeLU, biases, learned positions, tied output, mixed precision."""
+        """conf/tiny_gpt.yaml: LayerNorm, GeLU, biases, learned positions, tied output, dropout 0.1,
+        mixed precision. The resumed run draws the same dropout masks."""
         self.check_exact_resume("True", conf=GPT_CONF, name="tiny_gpt")
         l = losses(os.path.join(self.dir, "straight"))
         first, last = sum(l[s] for s in range(1, 6)) / 5, sum(l[s] for s in range(STEPS - 4, STEPS + 1)) / 5
@@ -169,7 +170,7 @@ class TrainAndResume(TempDirTest):
             (["model.normalization=batchnorm"], "model.normalization: 'batchnorm' is not supported (rmsnorm, layernorm are)"),
             (["data.tokenizer.library=huggingface", "+data.tokenizer.type=no/such/dir"],
              "data.tokenizer: no/such/dir: no tokenizer.json or vocab.json there"),
-            (["+model.hidden_dropout=0.1"], "model.hidden_dropout: 0.100000: dropout is not built in this trainer yet"),
+            (["+model.hidden_dropout=1.0"], "model.hidden_dropout: 1.000000 is not a probability in [0, 1)"),
             (["model.position_embedding_type=learned_absolute", "model.max_position_embeddings=32"],
              "model.max_position_embeddings: 32 is shorter than data.seq_length (64)"),
         ]
