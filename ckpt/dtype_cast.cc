@@ -21,10 +21,6 @@ uint16_t FloatToBFloat16(float f) {
 
 float BFloat16ToFloat(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
 
-bool IsFloatingPoint(DType t) {
-  return t == DType::kFloat32 || t == DType::kFloat64 || t == DType::kFloat16 || t == DType::kBFloat16;
-}
-
 bool CanCast(DType from, DType to) {
   auto ok = [](DType t) { return t == DType::kFloat32 || t == DType::kFloat64 || t == DType::kBFloat16; };
   return ok(from) && ok(to);

@@ -10,6 +10,14 @@
 
 namespace ckpt {
 
+namespace {
+// The dtype a snapshot stores `t` in: `floats_to` for the float types it
+// converts, else t's own.
+DType SnapshotDType(const Tensor& t, std::optional<DType> floats_to) {
+  return floats_to && CanCast(t.dtype(), *floats_to) ? *floats_to : t.dtype();
+}
+}  // namespace
+
 SnapshotPool::~SnapshotPool() { Trim(); }
 
 std::shared_ptr<Storage> SnapshotPool::Acquire(size_t nbytes) {
@@ -48,8 +56,7 @@ void SnapshotPool::Reserve(const Value& like, std::optional<DType> floats_to) {
     todo.pop_back();
     if (v->is_tensor()) {
       const Tensor& t = v->as_tensor();
-      const DType dtype = floats_to && CanCast(t.dtype(), *floats_to) ? *floats_to : t.dtype();
-      held.push_back(Acquire(static_cast<size_t>(t.numel()) * ElementSize(dtype)));
+      held.push_back(Acquire(static_cast<size_t>(t.numel()) * ElementSize(SnapshotDType(t, floats_to))));
       std::memset(held.back()->mutable_data(), 0, held.back()->nbytes());
     } else if (v->is_seq()) {
       for (const Value& c : v->as_seq().items) todo.push_back(&c);
@@ -97,7 +104,7 @@ void CollectTensors(Value& v, std::vector<Tensor*>& out) {
 }
 
 Tensor CopyInto(const Tensor& t, SnapshotPool* pool, std::optional<DType> floats_to) {
-  const DType dtype = floats_to && CanCast(t.dtype(), *floats_to) ? *floats_to : t.dtype();
+  const DType dtype = SnapshotDType(t, floats_to);
   if (!pool) return dtype == t.dtype() ? t.Clone() : CastTensor(t, dtype);
   const Tensor src = t.Contiguous();
   Tensor out(dtype, src.shape(), Tensor::ContiguousStrides(src.shape()), 0,

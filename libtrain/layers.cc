@@ -199,12 +199,17 @@ bool DropoutKeep(uint64_t stream, uint64_t i, float p) {
   return static_cast<float>(Mix(stream + i) >> 40) * (1.0f / 16777216.0f) >= p;
 }
 
+float DropoutFactor(uint64_t stream, uint64_t i, float p) {
+  if (p <= 0) return 1.0f;
+  return DropoutKeep(stream, i, p) ? 1.0f / (1.0f - p) : 0.0f;
+}
+
 void DropoutApply(float* x, int64_t n, float p, uint64_t stream) {
   if (p <= 0) return;
   const float scale = 1.0f / (1.0f - p);
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 14), [&](const tbb::blocked_range<int64_t>& r) {
-    for (int64_t i = r.begin(); i < r.end(); ++i)
-      x[i] = DropoutKeep(stream, static_cast<uint64_t>(i), p) ? x[i] * scale : 0.0f;
+    // A dropped element becomes +0, whatever its sign (x * 0 would keep it).
+    for (int64_t i = r.begin(); i < r.end(); ++i) x[i] = DropoutKeep(stream, static_cast<uint64_t>(i), p) ? x[i] * scale : 0.0f;
   });
 }
 

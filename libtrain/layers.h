@@ -50,9 +50,11 @@ void GeluBackward(float* dx, const float* dout, const float* x, int64_t n);
 // when a hash of (stream, i) lands at or above p, and kept elements are scaled
 // by 1/(1-p). A mask is a pure function of its stream and index, so backward
 // (and activation recompute, and a resumed run) regenerates it instead of
-// storing it. DropoutKeep is the mask of one element.
+// storing it. DropoutKeep is the mask of one element; DropoutFactor what
+// dropout multiplies it by (0, or 1/(1-p) when kept; 1 when p is 0).
 uint64_t DropoutStream(uint64_t key, uint64_t site);
 bool DropoutKeep(uint64_t stream, uint64_t i, float p);
+float DropoutFactor(uint64_t stream, uint64_t i, float p);
 // x[i] = keep ? x[i] / (1 - p) : 0 for i in [0, n): forward on activations
 // and backward on their gradients alike.
 void DropoutApply(float* x, int64_t n, float p, uint64_t stream);

@@ -44,8 +44,7 @@ std::vector<ParamInfo> ParameterLayout(const ModelConfig& c) {
     }
     linear(LayerName(l, "self_attention.dense"), H, H, 1, 1);
     norm(LayerName(l, "post_attention_layernorm"));
-    if (c.gelu) linear(LayerName(l, "mlp.dense_h_to_4h"), F, H, 0, 1);
-    else linear(LayerName(l, "mlp.dense_h_to_4h"), 2 * F, H, 0, 2);
+    linear(LayerName(l, "mlp.dense_h_to_4h"), c.ffn_in_width(), H, 0, c.gelu ? 1 : 2);
     linear(LayerName(l, "mlp.dense_4h_to_h"), H, F, 1, 1);
   }
   norm("language_model.encoder.final_layernorm");
@@ -56,7 +55,6 @@ std::vector<ParamInfo> ParameterLayout(const ModelConfig& c) {
 
 // Everything one layer's backward needs from its forward.
 struct Model::LayerCache {
-  int layer = 0;
   std::vector<float> x, ln1, mean1, rstd1;  // layer input, its norm (mean: LayerNorm only)
   std::vector<float> proj, kvproj;      // qkv projection (MHA), or q and kv (GQA)
   std::vector<float> q, k, v;           // [B, heads|kv, T, hd], RoPE applied to q and k
@@ -227,16 +225,16 @@ void Model::AttentionForward(int l, LayerCache& lc) {
         std::memcpy(&lc.v[((b * G + g) * T + t) * hd], kvsrc + n * kvstride + vcol(g), hd * sizeof(float));
       }
     }
-  AttentionCore(lc);
+  AttentionCore(l, lc);
 }
 
-void Model::AttentionCore(LayerCache& lc) {
+void Model::AttentionCore(int l, LayerCache& lc) {
   const int64_t B = B_, T = T_, N = B * T, H = c_.hidden, hd = c_.head_dim(), nh = c_.heads, G = c_.kv_heads;
   lc.att.assign(B * nh * T * T, 0.f);
   lc.y.assign(N * H, 0.f);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float p = c_.attention_dropout, keep_scale = 1.0f / (1.0f - p);
-  const uint64_t stream = DropoutSite(lc.layer, 0);
+  const float p = c_.attention_dropout;
+  const uint64_t stream = DropoutSite(l, 0);
   tbb::parallel_for(int64_t{0}, B * nh, [&](int64_t bh) {
     const int64_t b = bh / nh, h = bh % nh, g = h / (nh / G);
     const float* q = &lc.q[bh * T * hd];
@@ -257,7 +255,7 @@ void Model::AttentionCore(LayerCache& lc) {
       float* y = &lc.y[(b * T + t) * H + h * hd];
       for (int64_t s = 0; s <= t; ++s) {
         // att keeps the probabilities; the values see them after dropout.
-        const float w = p > 0 ? (DropoutKeep(stream, static_cast<uint64_t>((bh * T + t) * T + s), p) ? a[s] * keep_scale : 0.f) : a[s];
+        const float w = a[s] * DropoutFactor(stream, static_cast<uint64_t>((bh * T + t) * T + s), p);
         for (int64_t d = 0; d < hd; ++d) y[d] += w * v[s * hd + d];
       }
     }
@@ -269,7 +267,7 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
   const int64_t rot = c_.rotary_dim(), per_group = nh / G;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   std::vector<float> dq(lc.q.size(), 0.f), dk(lc.k.size(), 0.f), dv(lc.v.size(), 0.f);
-  const float p = c_.attention_dropout, keep_scale = 1.0f / (1.0f - p);
+  const float p = c_.attention_dropout;
   const uint64_t stream = DropoutSite(l, 0);
   // Per (batch, group): the group's heads all feed its dk and dv, so one task owns them.
   tbb::parallel_for(int64_t{0}, B * G, [&](int64_t bg) {
@@ -288,8 +286,7 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
         const float* dyt = dy + (b * T + t) * H + h * hd;
         float dsum = 0;
         for (int64_t s = 0; s <= t; ++s) {
-          // The dropout factor of this probability: 1 without dropout.
-          const float f = p > 0 ? (DropoutKeep(stream, static_cast<uint64_t>((bh * T + t) * T + s), p) ? keep_scale : 0.f) : 1.f;
+          const float f = DropoutFactor(stream, static_cast<uint64_t>((bh * T + t) * T + s), p);
           float d = 0;
           for (int64_t e = 0; e < hd; ++e) {
             d += dyt[e] * v[s * hd + e];
@@ -353,7 +350,7 @@ void Model::LayerForward(int l, LayerCache& lc, float* out) {
   for (int64_t i = 0; i < N * H; ++i) lc.x2[i] = lc.x[i] + attn_out[i];
   lc.ln2.resize(N * H);
   NormForward(LayerName(l, "post_attention_layernorm"), lc.x2.data(), lc.ln2.data(), lc.mean2, lc.rstd2);
-  const int64_t fc_width = c_.gelu ? F : 2 * F;
+  const int64_t fc_width = c_.ffn_in_width();
   lc.fc.resize(N * fc_width), lc.act.resize(N * F);
   Linear(LayerName(l, "mlp.dense_h_to_4h"), lc.ln2.data(), lc.fc.data(), H, fc_width);
   if (c_.gelu) GeluForward(lc.act.data(), lc.fc.data(), N * F);
@@ -419,7 +416,6 @@ float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, i
   DropoutApply(x.data(), N * H, c_.hidden_dropout, DropoutSite(-1, 0));
   for (int l = 0; l < c_.layers; ++l) {
     LayerCache& lc = cache_[l];
-    lc.layer = l;
     lc.x = x;
     LayerForward(l, lc, x.data());
     Drop(lc);
@@ -440,20 +436,25 @@ void Model::Backward() {
   CrossEntropyBackward(dlogits.data(), probs_.data(), targets_.data(), N, V);
   LinearBackward(dlnf.data(), Dw(output), nullptr, dlogits.data(), lnf_.data(), W(output), N, H, V);
   NormBackward(kFinalNorm, dlnf.data(), x_final_.data(), meanf_, rstdf_, dx.data());
-  const int64_t fc_width = c_.gelu ? F : 2 * F;
-  std::vector<float> dact(N * F), dfc(N * fc_width), dln(N * H), dpart(N * H), dy(N * H), dout(N * H);
+  const int64_t fc_width = c_.ffn_in_width();
+  std::vector<float> dact(N * F), dfc(N * fc_width), dln(N * H), dpart(N * H), dy(N * H), dropped;
+  // The gradient at a block's output as it was before hidden dropout (dx itself without dropout).
+  auto before_dropout = [&](int l, int site) -> const float* {
+    if (c_.hidden_dropout <= 0) return dx.data();
+    dropped = dx;
+    DropoutApply(dropped.data(), N * H, c_.hidden_dropout, DropoutSite(l, site));
+    return dropped.data();
+  };
   for (int l = c_.layers - 1; l >= 0; --l) {
     LayerCache& lc = cache_[l];
     if (lc.fc.empty()) {  // full recompute: rebuild the layer's activations from its input
       std::vector<float> unused(N * H);
       LayerForward(l, lc, unused.data());
     } else if (lc.att.empty()) {  // selective: rebuild the attention probabilities
-      AttentionCore(lc);
+      AttentionCore(l, lc);
     }
     // MLP block: dx is the gradient at the layer output (x2 + dropout(mlp_out)).
-    dout = dx;
-    DropoutApply(dout.data(), N * H, c_.hidden_dropout, DropoutSite(l, 3));
-    LinearGrad(LayerName(l, "mlp.dense_4h_to_h"), dout.data(), lc.act.data(), dact.data(), F, H);
+    LinearGrad(LayerName(l, "mlp.dense_4h_to_h"), before_dropout(l, 3), lc.act.data(), dact.data(), F, H);
     DropoutApply(dact.data(), N * F, c_.ffn_dropout, DropoutSite(l, 2));
     if (c_.gelu) GeluBackward(dfc.data(), dact.data(), lc.fc.data(), N * F);
     else SwiGluBackward(dfc.data(), dact.data(), lc.fc.data(), N, F);
@@ -461,9 +462,7 @@ void Model::Backward() {
     NormBackward(LayerName(l, "post_attention_layernorm"), dln.data(), lc.x2.data(), lc.mean2, lc.rstd2, dpart.data());
     for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // now the gradient at x2
     // Attention block.
-    dout = dx;
-    DropoutApply(dout.data(), N * H, c_.hidden_dropout, DropoutSite(l, 1));
-    LinearGrad(LayerName(l, "self_attention.dense"), dout.data(), lc.y.data(), dy.data(), H, H);
+    LinearGrad(LayerName(l, "self_attention.dense"), before_dropout(l, 1), lc.y.data(), dy.data(), H, H);
     AttentionBackward(l, lc, dy.data(), dln.data());
     NormBackward(LayerName(l, "input_layernorm"), dln.data(), lc.x.data(), lc.mean1, lc.rstd1, dpart.data());
     for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // the gradient at the layer input

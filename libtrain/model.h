@@ -57,6 +57,8 @@ struct ModelConfig {
     return learned_positions ? 0 : static_cast<int64_t>(head_dim() * rotary_percentage) / 2 * 2;
   }
   bool gqa() const { return kv_heads != heads; }
+  // Rows of dense_h_to_4h: [gate; up] for SwiGLU, one projection for GeLU.
+  int64_t ffn_in_width() const { return gelu ? ffn : 2 * ffn; }
 };
 
 struct ParamInfo {
@@ -124,8 +126,8 @@ class Model {
   // Runs layer l on lc.x, filling lc and writing the layer output to `out`.
   void LayerForward(int l, LayerCache& lc, float* out);
   void AttentionForward(int l, LayerCache& lc);
-  // Softmax attention from lc.q/k/v into lc.att and lc.y.
-  void AttentionCore(LayerCache& lc);
+  // Softmax attention of layer l from lc.q/k/v into lc.att and lc.y.
+  void AttentionCore(int l, LayerCache& lc);
   void AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln1);
   // The dropout mask stream of `site` in layer l (l = -1: the embeddings).
   uint64_t DropoutSite(int l, int site) const;
