@@ -5,6 +5,10 @@
 #include <cstring>
 #include <random>
 
+#include "ckpt/dtype_cast.h"
+#include "ckpt/snapshot.h"
+#include "ckpt/test_util.h"
+
 namespace train {
 namespace {
 
@@ -91,6 +95,33 @@ TEST(ParameterLayout, GptStyleNamesShapesAndPartitions) {
     }
     EXPECT_EQ(p.no_decay, p.name.ends_with(".bias") || p.name.find("layernorm") != std::string::npos);
   }
+}
+
+TEST(Model, StateDictsOfOtherFloatTypesLoadAndOthersAreNamed) {
+  ModelConfig c;
+  c.vocab = 16, c.hidden = 8, c.ffn = 8, c.heads = 2, c.kv_heads = 2, c.layers = 1;
+  c.bf16_params = true;
+  Model m(c);
+  m.InitWeights();
+  ckpt::Value sd = ckpt::CopyForSnapshot(m.StateDict(), nullptr, ckpt::DType::kFloat64);
+  const std::string emb = "language_model.embedding.word_embeddings.weight";
+  reinterpret_cast<double*>(sd.as_dict().Find(emb)->as_tensor().mutable_data())[0] = 1.0 + 1.0 / 1024;  // not a bfloat16
+  Model loaded(c);
+  loaded.LoadStateDict(sd);
+  EXPECT_EQ(reinterpret_cast<const float*>(loaded.param(emb).data())[0], ckpt::RoundToBFloat16(1.0f + 1.0f / 1024));
+  sd.as_dict().Set(emb, ckpt::Value(ckpt::Tensor::Zeros(ckpt::DType::kInt64, {16, 8})));
+  EXPECT_EQ(ckpt::testing::ErrorOf([&] { loaded.LoadStateDict(sd); }),
+            "state dict '" + emb + "' is int64; parameters load from float32, float64 or bfloat16");
+}
+
+TEST(Model, LearnedPositionsRefuseLongerSequences) {
+  ModelConfig c;
+  c.vocab = 16, c.hidden = 8, c.ffn = 8, c.heads = 2, c.kv_heads = 2, c.layers = 1;
+  c.learned_positions = true, c.max_positions = 2;
+  Model m(c);
+  const int32_t tokens[3] = {1, 2, 3}, targets[3] = {2, 3, 4};
+  EXPECT_EQ(ckpt::testing::ErrorOf([&] { m.Forward(tokens, targets, 1, 3); }),
+            "sequence length 3 is longer than max_position_embeddings (2)");
 }
 
 TEST(Model, TokensOutsideTheVocabularyAreNamed) {

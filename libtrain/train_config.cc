@@ -166,7 +166,7 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
       if (v == a) return v;
       list += (list.empty() ? "" : ", ") + std::string(a);
     }
-    r.Fail(key, "'" + v + "' is not supported (" + list + " are)");
+    r.Fail(key, "'" + v + "' is not supported (supported: " + list + ")");
   };
   m.layernorm = choice("model.normalization", "rmsnorm", {"rmsnorm", "layernorm"}) == "layernorm";
   m.gelu = choice("model.activation", "swiglu", {"swiglu", "gelu"}) == "gelu";
