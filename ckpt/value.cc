@@ -1,5 +1,6 @@
 #include "ckpt/value.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "ckpt/error.h"
@@ -192,6 +193,17 @@ double AsScalar(const Value& v) {
     throw Error("expected a number, found a " + std::string(DTypeName(t.dtype())) + " tensor of shape " + ShapeString(t.shape()));
   }
   return v.as_float();
+}
+
+int64_t AsInteger(const Value& v, const std::string& what) {
+  if (v.is_int()) return v.as_int();
+  if (v.is_tensor() && v.as_tensor().numel() == 1 &&
+      (v.as_tensor().dtype() == DType::kInt64 || v.as_tensor().dtype() == DType::kFloat32)) {
+    const double d = AsScalar(v);
+    if (d == std::floor(d) && std::fabs(d) < 9.0e15) return static_cast<int64_t>(d);
+    throw Error(what + " is " + std::to_string(d) + ", not an integer");
+  }
+  throw Error(what + " is a " + v.kind_name() + ", not an integer");
 }
 
 }  // namespace ckpt

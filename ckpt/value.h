@@ -161,4 +161,8 @@ bool DeepEqual(const Value& a, const Value& b);
 // ckpt::Error naming the kind for anything else.
 double AsScalar(const Value& v);
 
+// An integer held as a Python int or as a one-element integral tensor;
+// throws ckpt::Error starting with `what` for anything else.
+int64_t AsInteger(const Value& v, const std::string& what);
+
 }  // namespace ckpt

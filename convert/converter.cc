@@ -33,7 +33,16 @@ std::string TagDirFor(const ConverterArgs& a, const NnmSource& src, const Conver
   return a.checkpoint_dir + "/" + ckpt::FormatTagName(t);
 }
 
-void PrintPlan(const NnmSource& src, const ConvertPlan& plan, const std::string& tag_dir,
+// What the optimizer state was and what is written.
+std::vector<std::string> OptimizerReport(const ConvertPlan& plan, bool weights_only) {
+  if (weights_only) return {"optimizer: not converted (--weights_only)"};
+  if (!plan.optimizer) return {"optimizer: the input holds none; the output has none, so training resumes with a fresh optimizer"};
+  return {"optimizer grouping found: " + plan.source_grouping,
+          "optimizer grouping written: " + plan.target_grouping + "; train with model.do_layer_norm_weight_decay: " +
+              (plan.do_layer_norm_weight_decay ? "True" : "False")};
+}
+
+void PrintPlan(const NnmSource& src, const ConvertPlan& plan, const std::string& tag_dir, bool weights_only,
                const std::function<void(const std::string&)>& log) {
   log("dry run: " + src.root + " (" + src.layout + ", tp=" + std::to_string(src.tp) + " pp=" + std::to_string(src.pp) +
       (src.zero1_dp ? ", ZeRO-1 dp=" + std::to_string(src.zero1_dp) : "") + ", file " + src.file_name + ") -> " + tag_dir);
@@ -52,6 +61,7 @@ void PrintPlan(const NnmSource& src, const ConvertPlan& plan, const std::string&
     for (const auto& r : plan.renames[p])
       log("  rename (pp " + std::to_string(p) + ") " + r.from + " -> " + r.to);
   for (const auto& n : plan.notes) log("  note: " + n);
+  for (const auto& line : OptimizerReport(plan, weights_only)) log("  " + line);
   log("  total " + std::to_string(plan.files.size()) + " files, " + ckpt::HumanBytes(total));
 }
 
@@ -78,13 +88,15 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
       in.zero1.push_back(ckpt::LoadPtOrXser(in.zero1_paths.back(), {}, env));
     }
   });
-  ConvertPlan plan = PlanConversion(src, inputs, {a.n_layers, a.weights_only, a.save_xser});
+  ConvertPlan plan = PlanConversion(src, inputs,
+                                    {a.n_layers, a.weights_only, a.save_xser,
+                                     a.nxdt_optimizer_groups ? OptimizerGroups::kNxdt : OptimizerGroups::kKeep, a.require_optimizer});
   const std::string tag_dir = TagDirFor(a, src, plan);
   ConvertSummary sum;
   sum.tag_dir = tag_dir;
   sum.inputs = static_cast<int>(src.files.size() + src.zero1_files.size());
   if (a.dry_run) {
-    PrintPlan(src, plan, tag_dir, log);
+    PrintPlan(src, plan, tag_dir, a.weights_only, log);
     return sum;
   }
   const std::filesystem::path target(tag_dir);
@@ -93,6 +105,7 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   const std::string old = parent + "/." + target.filename().string() + ".nnm2nxdt-old";
   if (a.rank == 0) {
     for (const auto& n : plan.notes) log("note: " + n);
+    for (const auto& line : OptimizerReport(plan, a.weights_only)) log(line);
     if (env->Exists(old) && !env->Exists(tag_dir)) {  // an earlier run died while swapping: put the old tag back
       if (env->Exists(old + "/" + ckpt::kDoneMarker)) {
         env->RenameFile(old, tag_dir);

@@ -26,6 +26,8 @@ struct ConverterArgs {
   std::string checkpoint_name;
   int tp = 0, pp = 0, n_layers = 0;  // 0: not given; taken from the checkpoint
   bool weights_only = false, save_xser = false, dry_run = false, overwrite = false;
+  bool require_optimizer = false;   // an input without optimizer state is an error (MissingOptimizerState)
+  bool nxdt_optimizer_groups = false;  // regroup into NxDT's split instead of keeping what NNM decayed
   bool progress_bar = false;  // a terminal bar instead of a log line per file
   int rank = 0, world_size = 1;
   std::string job_id;  // shared by the ranks of one mpirun

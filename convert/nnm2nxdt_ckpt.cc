@@ -3,7 +3,7 @@
 // converter arguments as they are:
 //   nnm2nxdt-ckpt --tp 8 --pp 4 --n_layers 32 --nnm_ckpt_path A --nxdt_ckpt_path B
 // plus --checkpoint_dir, --checkpoint_name, --weights_only, --save_xser,
-// --dry_run, --overwrite and --threads. Under mpirun the ranks split the files.
+// --dry_run, --overwrite, --threads, --optimizer_groups and --require_optimizer. Under mpirun the ranks split the files.
 #include <tbb/global_control.h>
 #include <unistd.h>
 
@@ -18,6 +18,7 @@
 
 #include "ckpt/progress.h"
 #include "convert/converter.h"
+#include "convert/nnm_convert.h"
 
 namespace {
 
@@ -57,8 +58,15 @@ int main(int argc, char** argv) {
   app.add_flag("--save_xser", a.save_xser, "write the xser layout (X.pt, X.pt.tensors/, X.pt.info.pt)");
   app.add_flag("--dry_run", a.dry_run, "print the plan (files, keys, renames, bytes) and write nothing");
   app.add_flag("--overwrite", a.overwrite, "replace a non-empty output tag (kept until the new one is complete)");
+  app.add_flag("--require_optimizer", a.require_optimizer, "fail (exit 2) when the input holds no optimizer state");
+  std::string groups = "keep";
+  app.add_option("--optimizer_groups", groups,
+                 "keep: decay exactly what NNM decayed (for NNM's Llama: one group, model.do_layer_norm_weight_decay True); "
+                 "nxdt: regroup into NxDT's default split, in which norm weights stop decaying")
+      ->check(CLI::IsMember({"keep", "nxdt"}));
   CLI11_PARSE(app, argc, argv);
 
+  a.nxdt_optimizer_groups = groups == "nxdt";
   auto log = [](const std::string& s) { std::cerr << s << std::endl; };
   const auto enabled = ParseBool(parallel);
   if (!enabled) {
@@ -90,6 +98,9 @@ int main(int argc, char** argv) {
     else log(line);
     if (a.rank == 0) log("NxDT checkpoint: " + s.tag_dir);
     return 0;
+  } catch (const convert::MissingOptimizerState& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
   } catch (const std::exception& e) {  // ckpt::Error names the file and key
     std::cerr << "error: " << e.what() << "\n";
     return 1;

@@ -6,8 +6,9 @@
 #include <set>
 
 #include "ckpt/error.h"
+#include "ckpt/optimizer_groups.h"
 #include "ckpt/xser.h"
-#include "libtrain/param_groups.h"
+#include "convert/nnm_optimizer.h"
 
 namespace convert {
 namespace {
@@ -66,18 +67,6 @@ int LayerCount(const Chunk& c) {
   return static_cast<int>(seen.size());
 }
 
-int64_t IntOf(const Value& v, const std::string& what) {
-  if (v.is_int()) return v.as_int();
-  if (v.is_tensor()) {
-    try {
-      return static_cast<int64_t>(ckpt::AsScalar(v));
-    } catch (const Error&) {
-      // reported below, with `what`
-    }
-  }
-  throw Error(what + " is a " + v.kind_name() + ", not an integer");
-}
-
 void CountTensors(const Value& v, std::set<const ckpt::Storage*>& seen, int64_t* tensors, uint64_t* bytes) {
   if (v.is_tensor()) {
     ++*tensors;
@@ -87,138 +76,6 @@ void CountTensors(const Value& v, std::set<const ckpt::Storage*>& seen, int64_t*
   } else if (v.is_dict()) {
     for (const auto& [k, c] : v.as_dict().items) CountTensors(c, seen, tensors, bytes);
   }
-}
-
-// NNM optimizer ids tied to the parameters they belong to. NxDT builds its
-// groups with the same rule over the output model's parameters, which keep
-// NNM's module order, so every id keeps its number (and every param_groups
-// list stays as it is); what the tie adds is the check of each id against a
-// named parameter: the group sizes and the moments' shapes.
-struct IdMap {
-  std::vector<std::string> name;  // id -> output parameter name
-  std::vector<size_t> group_size;
-  std::map<std::string, std::vector<int64_t>> shape;
-};
-
-// `params`: output names in NNM module order (every chunk, in order) with
-// their shapes; `groups`: the NNM param_groups list.
-IdMap BuildIdMap(const std::vector<std::pair<std::string, std::vector<int64_t>>>& params, const Value& groups,
-                 const std::string& where) {
-  if (!groups.is_seq() || groups.as_seq().items.empty() || groups.as_seq().items.size() > 2)
-    throw Error(where + ": 'param_groups' must list one or two groups (NNM's weight-decay split), found " +
-                (groups.is_seq() ? std::to_string(groups.as_seq().items.size()) : groups.kind_name()));
-  const bool one_group = groups.as_seq().items.size() == 1;
-  std::vector<std::string> names;
-  IdMap m;
-  for (const auto& [n, s] : params) names.push_back(n), m.shape[n] = s;
-  m.group_size.resize(groups.as_seq().items.size());
-  for (const auto& slot : train::OptimizerOrder(names, one_group)) {
-    m.name.push_back(slot.name);
-    ++m.group_size[slot.group];
-  }
-  // The groups must list exactly the ids the rule gives them.
-  int64_t next = 0;
-  for (size_t g = 0; g < groups.as_seq().items.size(); ++g) {
-    const Value& gd = groups.as_seq().items[g];
-    if (!gd.is_dict()) throw Error(where + ": param_groups[" + std::to_string(g) + "] is a " + gd.kind_name());
-    const Value& ids = gd.as_dict().At("params");
-    const size_t want = m.group_size[g];
-    if (!ids.is_seq() || ids.as_seq().items.size() != want)
-      throw Error(where + ": param_groups[" + std::to_string(g) + "] lists " +
-                  (ids.is_seq() ? std::to_string(ids.as_seq().items.size()) : ids.kind_name()) + " parameters, but the model state holds " +
-                  std::to_string(want) + (g == 0 ? " weights that decay" : " norm weights and biases") +
-                  " (NNM groups: weights with decay, then norms and biases; FORMATS.md §3)");
-    for (const Value& id : ids.as_seq().items)
-      if (IntOf(id, where + ": param_groups[" + std::to_string(g) + "].params item") != next++)
-        throw Error(where + ": param_groups[" + std::to_string(g) + "].params is not numbered in order from " +
-                    std::to_string(g == 0 ? 0 : m.group_size[0]));
-  }
-  return m;
-}
-
-int64_t CheckId(const IdMap& m, const Value& key, const std::string& where) {
-  const int64_t id = IntOf(key, where + " key");
-  if (id < 0 || id >= static_cast<int64_t>(m.name.size()))
-    throw Error(where + ": parameter id " + std::to_string(id) + " is out of range (the model has " +
-                std::to_string(m.name.size()) + " parameters)");
-  return id;
-}
-
-std::vector<int64_t> ShapeOf(const Value& v, const std::string& where) {
-  if (!v.is_seq()) throw Error(where + " is a " + v.kind_name() + ", not a shape");
-  std::vector<int64_t> s;
-  for (const auto& d : v.as_seq().items) s.push_back(IntOf(d, where));
-  return s;
-}
-
-// {id: x} with every id checked against the model and sorted; `check`
-// validates each entry.
-Value CheckedById(const Value& by_id, const IdMap& m, const std::string& where,
-                  const std::function<void(int64_t id, const Value&)>& check) {
-  if (!by_id.is_dict()) throw Error(where + " is a " + by_id.kind_name() + ", not a dict");
-  std::vector<std::pair<int64_t, Value>> out;
-  for (const auto& [k, v] : by_id.as_dict().items) {
-    const int64_t id = CheckId(m, k, where);
-    check(id, v);
-    out.emplace_back(id, v);
-  }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  Value d = Value::NewDict();
-  for (auto& [k, v] : out) d.as_dict().items.emplace_back(Value(k), std::move(v));
-  return d;
-}
-
-// The moments of NNM id `id` must have its parameter's shape (or, sharded by
-// ZeRO-1 over `dp` ranks, dim 0 padded to a multiple of dp and split).
-void CheckMoments(const IdMap& m, int64_t id, const Value& entry, int dp, const std::string& where) {
-  if (!entry.is_dict()) throw Error(where + ": state of parameter " + std::to_string(id) + " is a " + entry.kind_name());
-  std::vector<int64_t> want = m.shape.at(m.name[id]);
-  if (dp > 1 && !want.empty()) want[0] = (want[0] + dp - 1) / dp;
-  for (const char* key : {"exp_avg", "exp_avg_sq"}) {
-    const Value* t = entry.as_dict().Find(key);
-    if (!t) continue;
-    if (!t->is_tensor()) throw Error(where + ": state[" + std::to_string(id) + "]['" + key + "'] is a " + t->kind_name());
-    if (t->as_tensor().shape() != want)
-      throw Error(where + ": state[" + std::to_string(id) + "]['" + key + "'] has shape " + ckpt::ShapeString(t->as_tensor().shape()) +
-                  " but parameter " + std::to_string(id) + " in NNM's group order is " + m.name[id] + " of shape " +
-                  ckpt::ShapeString(m.shape.at(m.name[id])) + (dp > 1 ? " (a ZeRO-1 shard of " + std::to_string(dp) + ")" : "") +
-                  ": the optimizer state does not belong to this model");
-  }
-}
-
-Value ConvertOptimizer(const Value& osd, const IdMap& m, const std::string& where) {
-  if (!osd.is_dict()) throw Error(where + " is a " + osd.kind_name() + ", not an optimizer state dict");
-  Value out = Value::NewDict();
-  out.as_dict().Set("state", CheckedById(osd.as_dict().At("state"), m, where + "['state']",
-                                      [&](int64_t id, const Value& e) { CheckMoments(m, id, e, 1, where + "['state']"); }));
-  out.as_dict().Set("param_groups", osd.as_dict().At("param_groups"));  // checked by BuildIdMap
-  return out;
-}
-
-Value ConvertZero1(const Value& z, const IdMap& m, int dp, const std::string& where) {
-  if (!z.is_dict()) throw Error(where + ": is a " + z.kind_name() + ", not a ZeRO-1 optimizer state dict");
-  const Dict& in = z.as_dict();
-  if (!in.Find("base_state")) throw Error(where + ": has no 'base_state' (not a ZeRO-1 optimizer file)");
-  Value out = Value::NewDict(in.ordered);
-  for (const auto& [k, v] : in.items) {
-    const std::string key = k.is_str() ? k.as_str() : "";
-    if (key == "base_state") {
-      out.as_dict().items.emplace_back(k, CheckedById(v, m, where + "['base_state']", [&](int64_t id, const Value& e) {
-        CheckMoments(m, id, e, dp, where + "['base_state']");
-      }));
-    } else if (key == "shape_info") {
-      out.as_dict().items.emplace_back(k, CheckedById(v, m, where + "['shape_info']", [&](int64_t id, const Value& s) {
-        if (ShapeOf(s, where + "['shape_info'][" + std::to_string(id) + "]") != m.shape.at(m.name[id]))
-          throw Error(where + "['shape_info'][" + std::to_string(id) + "] does not match " + m.name[id] + " " +
-                      ckpt::ShapeString(m.shape.at(m.name[id])));
-      }));
-    } else if (key == "sharded_master_weights" || key == "state") {
-      out.as_dict().items.emplace_back(k, CheckedById(v, m, where + "['" + key + "']", [](int64_t, const Value&) {}));
-    } else {  // param_groups (checked by BuildIdMap) and anything else, as they are
-      out.as_dict().items.emplace_back(k, v);
-    }
-  }
-  return out;
 }
 
 void AddFile(ConvertPlan& plan, const std::string& relpath, Value value, bool weights_only, bool xser,
@@ -237,6 +94,82 @@ void AddFile(ConvertPlan& plan, const std::string& relpath, Value value, bool we
     std::set<const ckpt::Storage*> seen;
     CountTensors(f.file.value, seen, &f.tensors, &f.bytes);
     plan.files.push_back(std::move(f));
+  }
+}
+
+// One rank's optimizer inputs (one file, or one per ZeRO-1 dp rank) and the
+// grouping NNM used for them.
+struct RankOptimizer {
+  int unit;
+  std::vector<ckpt::ParamInfo> params;
+  std::vector<SourceOptimizer> sources;
+  std::vector<std::string> paths;
+  ckpt::Grouping from;
+};
+
+// hyper_parameters.cfg.<key> of a Lightning checkpoint, when recorded.
+const Value* HyperParameter(const Value& checkpoint, const char* key) {
+  const Value* hp = checkpoint.as_dict().Find("hyper_parameters");
+  const Value* cfg = hp && hp->is_dict() ? hp->as_dict().Find("cfg") : nullptr;
+  return cfg && cfg->is_dict() ? cfg->as_dict().Find(key) : nullptr;
+}
+
+std::vector<std::string> NamesOf(const std::vector<ckpt::ParamInfo>& params) {
+  std::vector<std::string> names;
+  for (const auto& p : params) names.push_back(p.name);
+  return names;
+}
+
+// Chooses the target grouping (ConvertOptions::optimizer_groups) and plans
+// every rank's optimizer files, renumbered into it.
+void PlanOptimizerFiles(ConvertPlan& plan, const std::vector<RankOptimizer>& ranks, const ConvertOptions& opts, const NnmSource& src) {
+  std::set<std::string> found;
+  for (const auto& r : ranks) found.insert(r.from.id + ": " + r.from.description);
+  for (const auto& f : found) plan.source_grouping += (plan.source_grouping.empty() ? "" : "; ") + f;
+  // A parameter whose decay a target grouping changes, per direction.
+  auto changes = [&](bool flag, std::vector<std::string>* stops, std::vector<std::string>* starts) {
+    for (const auto& r : ranks) {
+      const ckpt::Grouping to = ckpt::NxdtGrouping(NamesOf(r.params), flag);
+      for (const auto& p : r.params) {
+        const bool was = r.from.Decays(p.name), now = to.Decays(p.name);
+        if (was && !now) stops->push_back(p.name);
+        if (!was && now) starts->push_back(p.name);
+      }
+    }
+  };
+  bool flag = false;
+  std::vector<std::string> stops, starts;
+  if (opts.optimizer_groups == OptimizerGroups::kNxdt) {
+    changes(false, &stops, &starts);
+  } else {
+    bool chosen = false;
+    for (bool f : {false, true}) {
+      std::vector<std::string> a, b;
+      changes(f, &a, &b);
+      if (a.empty() && b.empty() && !chosen) flag = f, chosen = true;
+    }
+    if (!chosen) {
+      std::vector<std::string> a, b;
+      changes(false, &a, &b);
+      throw Error(src.root + ": NNM grouped the optimizer as " + plan.source_grouping + ". The NxDT trainer decays either every " +
+                  "parameter (model.do_layer_norm_weight_decay: True) or all but norm weights and biases (False), and neither " +
+                  "keeps what NNM decayed (" + (a.empty() ? b[0] + " would start decaying" : a[0] + " would stop decaying") +
+                  "). Pass --optimizer_groups nxdt to regroup into NxDT's split.");
+    }
+  }
+  plan.do_layer_norm_weight_decay = flag;
+  plan.target_grouping = ckpt::NxdtGrouping({}, flag).id + ": " + ckpt::NxdtGrouping({}, flag).description;
+  if (!stops.empty())
+    plan.notes.push_back(std::to_string(stops.size()) + " parameters that decayed in NNM stop decaying (--optimizer_groups nxdt), e.g. " +
+                         stops[0]);
+  if (!starts.empty())
+    plan.notes.push_back(std::to_string(starts.size()) + " parameters that did not decay in NNM start decaying, e.g. " + starts[0]);
+  for (const auto& r : ranks) {
+    const ckpt::Grouping to = ckpt::NxdtGrouping(NamesOf(r.params), flag);
+    const int t = r.unit % src.tp, p = r.unit / src.tp;
+    for (size_t d = 0; d < r.sources.size(); ++d)
+      AddFile(plan, "optim/" + ckpt::RankFileName({static_cast<int>(d), t, p}), RegroupOptimizerState(r.sources[d], r.from, to),
+              false, opts.save_xser, r.paths[d], r.unit);
   }
 }
 
@@ -269,7 +202,7 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
   auto top_int = [&](const RankInput& in, const char* key) -> int64_t {
     const Value* v = in.checkpoint.as_dict().Find(key);
     if (!v) throw Error(in.path + ": has no '" + std::string(key) + "'");
-    return IntOf(*v, in.path + ": '" + key + "'");
+    return ckpt::AsInteger(*v, in.path + ": '" + key + "'");
   };
   for (const auto& in : inputs)
     if (!in.checkpoint.is_dict()) throw Error(in.path + ": holds a " + in.checkpoint.kind_name() + ", not a Lightning checkpoint dict");
@@ -278,7 +211,7 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
     if (top_int(in, "global_step") != plan.global_step)
       throw Error(in.path + ": global_step " + std::to_string(top_int(in, "global_step")) + " differs from " + inputs[0].path +
                   " (" + std::to_string(plan.global_step) + "): the ranks are from different saves");
-  if (const Value* e = inputs[0].checkpoint.as_dict().Find("epoch")) plan.epoch = IntOf(*e, inputs[0].path + ": 'epoch'");
+  if (const Value* e = inputs[0].checkpoint.as_dict().Find("epoch")) plan.epoch = ckpt::AsInteger(*e, inputs[0].path + ": 'epoch'");
   if (src.name) {
     plan.consumed_samples = src.name->consumed_samples;
     if (src.name->step != plan.global_step)
@@ -333,12 +266,14 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
 
   plan.renames.resize(pp);
   std::set<std::string> dropped;
+  std::vector<RankOptimizer> ranks;
+  std::vector<std::string> without_optimizer;
   for (int p = 0; p < pp; ++p)
     for (int t = 0; t < tp; ++t) {
       const int unit = p * tp + t;
       const RankInput& in = inputs[unit];
       Value model = Value::NewDict(/*ordered=*/true);
-      std::vector<std::pair<std::string, std::vector<int64_t>>> params;
+      std::vector<ckpt::ParamInfo> params;
       for (size_t c = 0; c < n_chunks; ++c)
         for (const auto& [k, v] : chunks[unit][c].dict->items) {
           if (!k.is_str()) throw Error(chunks[unit][c].where + ": has a " + k.kind_name() + " key");
@@ -352,40 +287,56 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
           if (model.as_dict().Find(name)) throw Error(chunks[unit][c].where + ": two entries become " + name);
           if (t == 0) plan.renames[p].push_back({k.as_str(), name});
           model.as_dict().items.emplace_back(Value(name), v);
-          if (!IsBuffer(name)) params.emplace_back(name, v.as_tensor().shape());
+          if (!IsBuffer(name)) params.push_back({name, v.as_tensor().shape()});
         }
       const ckpt::RankCoord rank{0, t, p};
       AddFile(plan, "model/" + ckpt::RankFileName(rank), model, true, opts.save_xser, in.path, unit);
       if (opts.weights_only) continue;
 
+      RankOptimizer ro{unit, params, {}, {}, {}};
       if (src.zero1_dp > 0) {
-        // Group sizes come from the ZeRO-1 files' own param_groups.
         for (int d = 0; d < src.zero1_dp; ++d) {
-          const std::string& zp = in.zero1_paths[d];
-          const Value& z = in.zero1[d];
-          if (!z.is_dict() || !z.as_dict().Find("param_groups"))
-            throw Error(zp + ": has no 'param_groups' (not a ZeRO-1 optimizer file)");
-          const IdMap m = BuildIdMap(params, z.as_dict().At("param_groups"), zp);
-          AddFile(plan, "optim/" + ckpt::RankFileName({d, t, p}), ConvertZero1(z, m, src.zero1_dp, zp), false,
-                  opts.save_xser, zp, unit);
+          ro.sources.push_back(Zero1Optimizer(in.zero1[d], in.zero1_paths[d], src.zero1_dp));
+          ro.paths.push_back(in.zero1_paths[d]);
         }
       } else {
-        const Value* states = in.checkpoint.as_dict().Find("optimizer_states");
-        if (!states || !states->is_seq() || states->as_seq().items.empty())
-          throw Error(in.path + ": has no optimizer state ('optimizer_states' is " +
-                      (states ? states->kind_name() + (states->is_seq() ? " of " + std::to_string(states->as_seq().items.size()) : "") : std::string("absent")) +
-                      " and there are no ZeRO-1 optim/ folders); pass --weights_only to convert the weights alone");
-        const Value& osd = states->as_seq().items[0];
-        const std::string where = in.path + ": optimizer_states[0]";
-        if (!osd.is_dict() || !osd.as_dict().Find("param_groups") || !osd.as_dict().Find("state"))
-          throw Error(where + " is not a torch optimizer state dict (needs 'state' and 'param_groups')");
-        const IdMap m = BuildIdMap(params, osd.as_dict().At("param_groups"), where);
-        AddFile(plan, "optim/" + ckpt::RankFileName(rank), ConvertOptimizer(osd, m, where), false, opts.save_xser, in.path, unit);
+        bool found = false;
+        SourceOptimizer so = PlainOptimizer(in.checkpoint, in.path, &found);
+        if (!found) {
+          if (const Value* zero = HyperParameter(in.checkpoint, "wrap_with_zero"); zero && zero->is_bool() && zero->as_bool())
+            throw Error(in.path + ": hyper_parameters.cfg.wrap_with_zero is True, but no ZeRO-1 optimizer folder (" +
+                        "optim/dp_rank_000/) was found beside it: the optimizer state is missing");
+          without_optimizer.push_back(in.path);
+          continue;
+        }
+        ro.sources.push_back(std::move(so));
+        ro.paths.push_back(in.path);
       }
+      for (const auto& so : ro.sources) {
+        ckpt::Grouping g = FindSourceGrouping(params, so);
+        if (!ro.from.order.empty() && !g.SameTies(ro.from))
+          throw Error(so.where + ": grouped as " + g.id + ", but " + ro.sources[0].where + " as " + ro.from.id);
+        ro.from = std::move(g);
+      }
+      ranks.push_back(std::move(ro));
     }
+  if (!without_optimizer.empty() && !ranks.empty())
+    throw Error(without_optimizer[0] + ": holds no optimizer state, but " + ranks[0].paths[0] +
+                " does: the rank files are from different kinds of save");
+  if (!without_optimizer.empty()) {
+    if (opts.require_optimizer)
+      throw MissingOptimizerState(without_optimizer[0] + ": holds no optimizer state (no 'optimizer_states' and no ZeRO-1 " +
+                                  "optim/ folder), and --require_optimizer was given");
+    plan.optimizer = false;
+    plan.notes.push_back("the input holds no optimizer state (as NNM's HF converter writes it): weights converted; "
+                         "shardkit-train resumes with a fresh optimizer at step " + std::to_string(plan.global_step));
+  }
+  if (!ranks.empty()) PlanOptimizerFiles(plan, ranks, opts, src);
+  if (opts.weights_only) plan.optimizer = false;
+
   for (const auto& d : dropped) plan.notes.push_back("dropped " + d + ": not a tensor, so not model state");
 
-  if (!opts.weights_only) {
+  if (!opts.weights_only) {  // step and schedule, also for an input without optimizer state
     const Dict& top = inputs[0].checkpoint.as_dict();
     Value user = Value::NewDict();
     user.as_dict().Set("epoch", Value(plan.epoch));

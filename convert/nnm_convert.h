@@ -1,4 +1,4 @@
-// The NNM -> NxDT mapping (FORMATS.md §2-3): from the loaded Lightning
+// The NNM -> NxDT mapping: from the loaded Lightning
 // checkpoints of every (tp, pp) rank to the files of one NxDT tag, at the same
 // parallel degrees. No tensor is copied here: outputs view the inputs' mapped
 // bytes, and writing streams them.
@@ -9,11 +9,11 @@
 //    assumption), cross-checked with --n_layers. Non-tensor entries
 //    (`untrained_buffer_names`) are dropped with a note; buffers such as
 //    `rotary_emb.inv_freq` are kept.
-//  - Optimizer: `optimizer_states[0]` ids refer to NNM's parameter groups
-//    (param_groups.h: group 0 then group 1, module order); each id is tied to
-//    its parameter by that order, checked against the group sizes and the
-//    moments' shapes. NxDT numbers the same parameters the same way, so ids
-//    keep their numbers. ZeRO-1 files keep their shards and get the same checks.
+//  - Optimizer (`optimizer_states[0]`, or NNM's ZeRO-1 files): the grouping
+//    NNM used is read from the file, the ids are renumbered into the grouping
+//    the trainer will build (nnm_optimizer.h), ZeRO-1 shards keep their
+//    padding. An input with no optimizer state (NNM's HF converter writes
+//    such files) converts its weights, and the trainer starts a fresh optimizer.
 //  - Step, epoch, consumed samples, loops and the LR scheduler state go to
 //    user_content.pt and scheduler.pt, which the training core resumes from.
 // Anything that does not fit throws ckpt::Error naming the file and key.
@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/error.h"
 #include "ckpt/layout.h"
 #include "ckpt/tag_writer.h"
 #include "ckpt/value.h"
@@ -30,10 +31,24 @@
 
 namespace convert {
 
+// The optimizer grouping written: kKeep, the trainer's grouping that decays
+// exactly what NNM decayed (for NNM's Llama, whose norm weights decay, one
+// group: model.do_layer_norm_weight_decay True); kNxdt, NxDT's default split,
+// in which norm weights and biases do not decay.
+enum class OptimizerGroups { kKeep, kNxdt };
+
 struct ConvertOptions {
   int n_layers = 0;  // 0: whatever the checkpoint holds
   bool weights_only = false;
   bool save_xser = false;
+  OptimizerGroups optimizer_groups = OptimizerGroups::kKeep;
+  bool require_optimizer = false;  // an input without optimizer state is an error
+};
+
+// The input holds no optimizer state and ConvertOptions::require_optimizer is set.
+class MissingOptimizerState : public ckpt::Error {
+ public:
+  using ckpt::Error::Error;
 };
 
 // One (tp, pp) rank's loaded inputs.
@@ -65,6 +80,10 @@ struct ConvertPlan {
   std::vector<std::vector<Rename>> renames;  // [stage]: tp rank 0's key renames
   std::vector<PlannedFile> files;
   std::vector<std::string> notes;
+  bool optimizer = true;          // false: the input held none (or --weights_only)
+  std::string source_grouping;    // what NNM's optimizer ids number, as found in the files
+  std::string target_grouping;    // what the written ids number
+  bool do_layer_norm_weight_decay = false;  // the trainer setting the target grouping needs
 };
 
 // `inputs` in NnmSource::files order.

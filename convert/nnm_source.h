@@ -1,4 +1,4 @@
-// Finding the files of an NNM checkpoint (FORMATS.md §3). NNM keeps one
+// Finding the files of an NNM checkpoint. NNM keeps one
 // Lightning checkpoint file per model-parallel rank:
 //   <root>/<file>                                  TP = PP = 1
 //   <root>/mp_rank_TT/<file>                       PP = 1

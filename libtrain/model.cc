@@ -9,7 +9,7 @@
 #include "ckpt/dtype_cast.h"
 #include "ckpt/error.h"
 #include "libtrain/layers.h"
-#include "libtrain/param_groups.h"
+#include "ckpt/optimizer_groups.h"
 
 namespace train {
 
@@ -49,7 +49,7 @@ std::vector<ParamInfo> ParameterLayout(const ModelConfig& c) {
   }
   norm("language_model.encoder.final_layernorm");
   if (!c.tied_output) p.push_back({"language_model.output_layer.weight", {c.vocab, H}, 0, 1});
-  for (auto& info : p) info.no_decay = IsNoWeightDecay(info.name);
+  for (auto& info : p) info.no_decay = ckpt::IsNoWeightDecay(info.name);
   return p;
 }
 

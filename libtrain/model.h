@@ -66,7 +66,7 @@ struct ParamInfo {
   std::vector<int64_t> shape;
   int partition_dim;  // -1: replicated across tensor-parallel ranks
   int stride;         // 3: per-head [q; k; v], 2: [gate; up] or per-group [k; v]
-  bool no_decay = false;  // norms and biases: IsNoWeightDecay (param_groups.h)
+  bool no_decay = false;  // norms and biases: ckpt::IsNoWeightDecay (ckpt/optimizer_groups.h)
 };
 
 // Every parameter in NxDT's state-dict order.

@@ -9,7 +9,7 @@
 
 #include "ckpt/dtype_cast.h"
 #include "ckpt/error.h"
-#include "libtrain/param_groups.h"
+#include "ckpt/optimizer_groups.h"
 
 namespace train {
 
@@ -17,7 +17,7 @@ AdamW::AdamW(const Model& m, const AdamWConfig& c) : c_(c) {
   std::vector<std::string> names;
   std::map<std::string, const std::vector<int64_t>*> shapes;
   for (const auto& p : m.layout()) names.push_back(p.name), shapes[p.name] = &p.shape;
-  for (const auto& slot : OptimizerOrder(names, c.do_layer_norm_weight_decay)) {
+  for (const auto& slot : ckpt::OptimizerOrder(names, c.do_layer_norm_weight_decay)) {
     order_.push_back(slot.name);
     group_.push_back(slot.group);
     m_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, *shapes.at(slot.name)));
@@ -120,6 +120,32 @@ const ckpt::Value* ById(const ckpt::Dict& d, size_t id) {
 }
 }  // namespace
 
+void AdamW::CheckGroups(const ckpt::Value& groups) const {
+  // The ids each non-empty group must list, as StateDict writes them.
+  std::vector<std::vector<int64_t>> want(2);
+  for (size_t i = 0; i < order_.size(); ++i) want[group_[i]].push_back(static_cast<int64_t>(i));
+  std::erase_if(want, [](const auto& ids) { return ids.empty(); });
+  std::vector<std::vector<int64_t>> got;
+  if (!groups.is_seq()) throw ckpt::Error("optimizer 'param_groups' is a " + groups.kind_name() + ", not a list");
+  for (const auto& g : groups.as_seq().items) {
+    if (!g.is_dict()) throw ckpt::Error("optimizer 'param_groups' holds a " + g.kind_name() + ", not a dict");
+    const ckpt::Value& ids = g.as_dict().At("params");
+    if (!ids.is_seq()) throw ckpt::Error("optimizer 'param_groups' params is a " + ids.kind_name() + ", not a list");
+    got.emplace_back();
+    for (const auto& id : ids.as_seq().items) got.back().push_back(ckpt::AsInteger(id, "optimizer 'param_groups' id"));
+  }
+  std::erase_if(got, [](const auto& ids) { return ids.empty(); });
+  if (got == want) return;
+  auto sizes = [](const std::vector<std::vector<int64_t>>& gs) {
+    std::string s;
+    for (const auto& g : gs) s += (s.empty() ? "" : "/") + std::to_string(g.size());
+    return s.empty() ? std::string("none") : s;
+  };
+  throw ckpt::Error("optimizer param_groups hold " + sizes(got) + " parameter ids, but this run groups them as " + sizes(want) +
+                    " (model.do_layer_norm_weight_decay: " + (c_.do_layer_norm_weight_decay ? "True" : "False") +
+                    "): the checkpoint was grouped for the other setting, so its moments would go to the wrong parameters");
+}
+
 bool AdamW::LoadStateDict(const ckpt::Value& sd) {
   const ckpt::Dict& top = sd.as_dict();
   const bool zero1 = top.Find("base_state") != nullptr;
@@ -136,6 +162,7 @@ bool AdamW::LoadStateDict(const ckpt::Value& sd) {
       throw ckpt::Error("optimizer " + key + " of " + what(i) + " is " + std::string(ckpt::DTypeName(t.dtype())));
     ckpt::CastInto(t, dst);
   };
+  CheckGroups(top.At("param_groups"));
   int64_t step = -1;
   for (size_t i = 0; i < order_.size(); ++i) {
     const ckpt::Value* s = ById(state, i);

@@ -50,13 +50,16 @@ class AdamW {
   // Reads either layout. Returns true when it held master weights and they
   // were taken; without them the master weights stay as they are (copies of
   // the bfloat16 parameters, as NxD resumes). Throws ckpt::Error naming what
-  // does not fit the model.
+  // does not fit the model, including param_groups that number the
+  // parameters differently from this run's grouping.
   bool LoadStateDict(const ckpt::Value& sd);
 
   // Parameter names by optimizer id.
   const std::vector<std::string>& order() const { return order_; }
 
  private:
+  void CheckGroups(const ckpt::Value& param_groups) const;
+
   AdamWConfig c_;
   std::vector<std::string> order_;  // id -> name
   std::vector<int> group_;          // id -> group index

@@ -54,12 +54,19 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     try {
       model.LoadStateDict(ckpt::LoadPt(*tag + "/model/" + kRankFile));
       adamw.ResetMasterWeights(model);
-      if (!adamw.LoadStateDict(ckpt::LoadPt(*tag + "/optim/" + kRankFile)) && c.optim.master_weights)
+      ckpt::Env* env = ckpt::Env::Default();
+      if (!env->Exists(*tag + "/optim/" + kRankFile))  // weights only, e.g. converted from NNM's HF import
+        log("info: " + *tag + " holds no optimizer state; the optimizer starts fresh");
+      else if (!adamw.LoadStateDict(ckpt::LoadPt(*tag + "/optim/" + kRankFile)) && c.optim.master_weights)
         log("info: the checkpoint holds no master weights (use_master_weights_in_ckpt was off); they restart from its "
             "bfloat16 parameters, as in NxDT");
-      const ckpt::Value uc = ckpt::LoadPt(*tag + "/" + ckpt::kUserContentFile);
-      step = uc.as_dict().At("global_step").as_int();
-      consumed = static_cast<int64_t>(ckpt::AsScalar(uc.as_dict().At("consumed_samples")));
+      if (env->Exists(*tag + "/" + ckpt::kUserContentFile)) {
+        const ckpt::Value uc = ckpt::LoadPt(*tag + "/" + ckpt::kUserContentFile);
+        step = ckpt::AsInteger(uc.as_dict().At("global_step"), std::string(ckpt::kUserContentFile) + ": global_step");
+        consumed = static_cast<int64_t>(ckpt::AsScalar(uc.as_dict().At("consumed_samples")));
+      } else {
+        log("info: " + *tag + " holds no " + ckpt::kUserContentFile + " (weights only); training starts at step 0");
+      }
     } catch (const ckpt::Error& e) {
       throw ckpt::Error(*tag + ": cannot resume: " + e.what());
     }

@@ -206,6 +206,28 @@ TEST(Migrate, PrecisionFollowsNnmSettingsAndEnvironment) {
   EXPECT_EQ(Find(manual, "precision.fp32_grad_acc").Scalar(), "False");
 }
 
+// NNM's class-based weight-decay grouping decays RMSNorm weights; NxDT keeps
+// that only with do_layer_norm_weight_decay: True. LayerNorm models keep their value.
+TEST(Migrate, RmsnormModelsKeepDecayingTheirNormWeights) {
+  auto migrate = [](const std::string& model) {
+    return Migrate(LoadYaml("model:\n" + model, "inline.yaml"), {.env = kRecipeEnv});
+  };
+  auto value = [](const Migration& m) { return Find(m.config, "model.do_layer_norm_weight_decay").Scalar(); };
+  const Migration rms = migrate("  normalization: rmsnorm\n  do_layer_norm_weight_decay: False\n");
+  EXPECT_EQ(value(rms), "True");
+  const ReportEntry* e = EntryFor(rms.report, "model.do_layer_norm_weight_decay");
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->fate, "changed");
+  EXPECT_NE(e->reason.find("FastRMSNorm"), std::string::npos) << e->reason;
+  const Migration unset = migrate("  normalization: rmsnorm\n");
+  EXPECT_EQ(value(unset), "True");
+  ASSERT_NE(EntryFor(unset.report, "model.do_layer_norm_weight_decay"), nullptr);
+  EXPECT_EQ(EntryFor(unset.report, "model.do_layer_norm_weight_decay")->fate, "added");
+  const Migration ln = migrate("  normalization: layernorm\n  do_layer_norm_weight_decay: False\n");
+  EXPECT_EQ(value(ln), "False");
+  EXPECT_EQ(EntryFor(ln.report, "model.do_layer_norm_weight_decay")->fate, "kept");
+}
+
 TEST(Migrate, OutputIsByteStable) {
   const std::string a = EmitYaml(Migrate7B().config), b = EmitYaml(Migrate7B().config);
   EXPECT_EQ(a, b);

@@ -1,0 +1,97 @@
+#include "ckpt/optimizer_groups.h"
+
+#include <functional>
+#include <set>
+
+namespace ckpt {
+namespace {
+
+std::string_view ModuleOf(std::string_view name) {
+  const size_t dot = name.rfind('.');
+  return dot == std::string_view::npos ? std::string_view() : name.substr(0, dot);
+}
+
+std::string_view LeafOf(std::string_view name) {
+  const size_t dot = name.rfind('.');
+  return dot == std::string_view::npos ? name : name.substr(dot + 1);
+}
+
+// Group 0 then group 1, each in module order.
+Grouping TwoGroups(std::string id, std::string description, const std::vector<std::string>& names,
+                   const std::function<bool(size_t)>& in_group_1) {
+  Grouping g{std::move(id), std::move(description), 2, {}};
+  for (int group = 0; group < 2; ++group)
+    for (size_t i = 0; i < names.size(); ++i)
+      if (in_group_1(i) == (group == 1)) g.order.push_back({names[i], group});
+  return g;
+}
+
+Grouping OneGroup(std::string id, std::string description, const std::vector<std::string>& names) {
+  Grouping g{std::move(id), std::move(description), 1, {}};
+  for (const auto& n : names) g.order.push_back({n, 0});
+  return g;
+}
+
+}  // namespace
+
+bool IsNoWeightDecay(std::string_view name) {
+  return LeafOf(name) == "bias" || ModuleOf(name).ends_with("norm");
+}
+
+std::vector<OptimizerSlot> OptimizerOrder(const std::vector<std::string>& params, bool do_layer_norm_weight_decay) {
+  return NxdtGrouping(params, do_layer_norm_weight_decay).order;
+}
+
+std::vector<size_t> Grouping::GroupSizes() const {
+  std::vector<size_t> sizes(groups, 0);
+  for (const auto& s : order) ++sizes[s.group];
+  return sizes;
+}
+
+bool Grouping::Decays(const std::string& name) const {
+  for (const auto& s : order)
+    if (s.name == name) return s.group == 0;
+  return false;
+}
+
+bool Grouping::SameTies(const Grouping& o) const {
+  if (order.size() != o.order.size()) return false;
+  for (size_t i = 0; i < order.size(); ++i)
+    if (order[i].name != o.order[i].name || order[i].group != o.order[i].group) return false;
+  return groups == o.groups;
+}
+
+std::vector<Grouping> NnmGroupingCandidates(const std::vector<ParamInfo>& params) {
+  std::vector<std::string> names;
+  std::set<std::string_view> norm_modules;  // modules holding a 1-D `weight`: NNM's norm classes
+  for (const auto& p : params) {
+    names.push_back(p.name);
+    if (LeafOf(p.name) == "weight" && p.shape.size() == 1) norm_modules.insert(ModuleOf(p.name));
+  }
+  auto is_bias = [&](size_t i) { return LeafOf(names[i]) == "bias"; };
+  std::vector<Grouping> out;
+  out.push_back(TwoGroups("nnm-rmsnorm",
+                          "NNM's class rule with a norm outside apex.normalization's classes, as NNM's Llama builds it "
+                          "(FastRMSNorm): norm weights decay, only biases are in group 1",
+                          names, is_bias));
+  out.push_back(TwoGroups("nnm-layernorm",
+                          "NNM's class rule with apex.normalization's norm classes, as NNM's GPT builds it "
+                          "(MixedFusedLayerNorm): norm parameters and biases are in group 1",
+                          names, [&](size_t i) { return is_bias(i) || norm_modules.count(ModuleOf(names[i])) > 0; }));
+  out.push_back(OneGroup("one-group", "one group, everything decays (do_layer_norm_weight_decay)", names));
+  out.push_back(TwoGroups("name-based",
+                          "by name: biases and parameters of modules named '*norm' are in group 1 (other NeMo versions)",
+                          names, [&](size_t i) { return IsNoWeightDecay(names[i]); }));
+  return out;
+}
+
+Grouping NxdtGrouping(const std::vector<std::string>& params, bool do_layer_norm_weight_decay) {
+  if (do_layer_norm_weight_decay)
+    return OneGroup("nxdt-one-group", "NxDT with model.do_layer_norm_weight_decay: True: one group, everything decays",
+                    params);
+  return TwoGroups("nxdt-split",
+                   "NxDT's default split: norm weights and biases do not decay (model.do_layer_norm_weight_decay: False)",
+                   params, [&](size_t i) { return IsNoWeightDecay(params[i]); });
+}
+
+}  // namespace ckpt
