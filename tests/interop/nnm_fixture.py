@@ -1,13 +1,37 @@
-"""NNM checkpoints made by torch as FORMATS.md §3 describes them, for the
-converter's tests and benchmark.
+"""NNM checkpoints made by torch as NNM writes them, for the converter's
+tests and benchmark.
 
 Each (tp, pp) rank is a megatron-style torch module holding its local
 tensor-parallel slices and its stage's layers (numbered locally). Its
-optimizer is a real torch.optim.AdamW over NeMo's two parameter groups, built
-the way NeMo builds them (by module type: norms, and biases, do not decay),
-and stepped, so the state and its ids are what torch produces. Alongside each
-rank the fixture records what an NxDT checkpoint of it must hold: global
-parameter names and, per NNM optimizer id, the parameter it belongs to.
+optimizer is a real torch.optim.AdamW over NNM's parameter groups, built the
+way NNM builds them, and stepped, so the state and its ids are what torch
+produces. Alongside each rank the fixture records what an NxDT checkpoint of
+it must hold: global parameter names and, per NNM optimizer id, the parameter
+and group it belongs to.
+
+Where NNM decides by class, the fixture does too (sources are NNM's, the
+aws-neuron/neuronx-nemo-megatron tree):
+  - Weight-decay groups: get_params_for_weight_decay_optimization
+    (nemo/collections/nlp/modules/common/megatron/utils.py) puts every
+    parameter of a module that isinstance(FusedLayerNorm, FastLayerNorm,
+    MixedFusedRMSNorm) (apex.normalization's classes) in the no-decay group,
+    and of any other module only `bias`. Both groups are always returned.
+  - NNM's Llama norm is apex.transformer.layers.layer_norm.FastRMSNorm,
+    imported "as MixedFusedRMSNorm" in nemo/.../megatron/transformer.py; it
+    derives from FusedRMSNormXLA, not from apex.normalization, so the check
+    misses it: Llama norm weights decay and group 1 is empty.
+  - GPT's MixedFusedLayerNorm subclasses apex.normalization's FusedLayerNorm,
+    so GPT layernorms do not decay.
+  - do_layer_norm_weight_decay: get_all_params_for_weight_decay_optimization,
+    one group of everything.
+  - ZeRO-1 (wrap_with_zero): Lightning's checkpoint["optimizer_states"] list is
+    moved out as it is into optim/dp_rank_XXX/<stem>-optimizer_states[-last].ckpt
+    (nemo/collections/nlp/parts/nlp_overrides.py,
+    _remove_optimizer_states_from_checkpoint); element 0 is torch-xla
+    ZeRO-1's state dict.
+  - NNM asserts num_layers % pp == 0 (transformer.py) unless
+    flexible_pipeline_parallel_stages is set; an uneven split is only written
+    with that option, which hyper_parameters records.
 """
 import math
 import os
@@ -18,12 +42,47 @@ import torch
 from torch import nn
 
 
-class Norm(nn.Module):  # NNM's MixedFusedRMSNorm / MixedFusedLayerNorm
-    def __init__(self, h, bias):
+class FusedLayerNorm(nn.Module):  # apex.normalization
+    def __init__(self, h, bias=True):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(h) + 0.01 * torch.randn(h))
         if bias:
             self.bias = nn.Parameter(0.01 * torch.randn(h))
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):  # apex.normalization; NNM's GPT layernorm
+    pass
+
+
+class FastLayerNorm(nn.Module):  # apex.contrib.layer_norm
+    def __init__(self, h):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+        self.bias = nn.Parameter(torch.zeros(h))
+
+
+class MixedFusedRMSNorm(nn.Module):  # apex.normalization's RMSNorm (not what NNM builds)
+    def __init__(self, h):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h) + 0.01 * torch.randn(h))
+
+
+class FusedRMSNormXLA(nn.Module):  # apex.transformer.layers.layer_norm
+    def __init__(self, h):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h) + 0.01 * torch.randn(h))
+
+
+class FastRMSNorm(FusedRMSNormXLA):  # NNM's Llama norm ("as MixedFusedRMSNorm" in transformer.py)
+    pass
+
+
+# The classes get_params_for_weight_decay_optimization checks for.
+APEX_NORM_CLASSES = (FusedLayerNorm, FastLayerNorm, MixedFusedRMSNorm)
+
+
+def Norm(h, gpt):
+    return MixedFusedLayerNorm(h) if gpt else FastRMSNorm(h)
 
 
 class Linear(nn.Module):
@@ -119,17 +178,29 @@ class Chunk(nn.Module):
             self.word_embeddings = Weight(c["vocab"] // tp, c["hidden"])
 
 
-def nemo_param_groups(chunks):
-    """NeMo's _get_params_for_weight_decay_optimization, by module type."""
+def nemo_param_groups(chunks, grouping="class"):
+    """NNM's parameter groups over a rank's model chunks, in module order.
+
+    "class": get_params_for_weight_decay_optimization, by module class;
+    "one": get_all_params_for_weight_decay_optimization (do_layer_norm_weight_decay);
+    "name": by name (bias, and modules named *norm), as other NeMo versions do."""
+    if grouping == "one":
+        return [{"params": [p for chunk in chunks for p in chunk.parameters()]}]
     decay, no_decay = [], []
     for chunk in chunks:
-        for m in chunk.modules():
-            params = [(n, p) for n, p in m._parameters.items() if p is not None]
-            if isinstance(m, Norm):
-                no_decay += [p for _, p in params]
-            else:
-                decay += [p for n, p in params if n != "bias"]
-                no_decay += [p for n, p in params if n == "bias"]
+        if grouping == "class":
+            for m in chunk.modules():
+                params = [(n, p) for n, p in m._parameters.items() if p is not None]
+                if isinstance(m, APEX_NORM_CLASSES):
+                    no_decay += [p for _, p in params]
+                else:
+                    decay += [p for n, p in params if n != "bias"]
+                    no_decay += [p for n, p in params if n == "bias"]
+        else:
+            assert grouping == "name", grouping
+            for n, p in chunk.named_parameters():
+                module, leaf = n.rsplit(".", 1)
+                (no_decay if leaf == "bias" or module.endswith("norm") else decay).append(p)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -193,10 +264,18 @@ def lr_scheduler_state(step, base_lr, warmup, constant, max_steps, min_lr):
 
 
 def make_nnm(root, c, tp=1, pp=1, vpp=1, zero1_dp=0, xser=False, steps=2, step=7, gbs=8, name="megatron_llama",
-             last=True, seed=0, file_name=None, grads=None, lr=1e-3, weight_decay=0.1, lr_at=None, sched=None):
+             last=True, seed=0, file_name=None, grads=None, lr=1e-3, weight_decay=0.1, lr_at=None, sched=None,
+             grouping="class", write=True, from_full=None):
     """Writes an NNM checkpoint under `root` and returns what NxDT must hold:
     {(t, p): {"model": [(nxdt name, tensor)], "optim_names": [nxdt name per NNM id],
-    "optimizer": state dict, "zero1": [per-dp dicts], "chunks": modules, "opt": the AdamW}}.
+    "optim_groups": [group per NNM id], "optimizer": state dict, "zero1": [per-dp ZeRO-1 dicts],
+    "chunks": modules, "opt": the AdamW}}.
+
+    `grouping`: how NNM grouped the parameters (nemo_param_groups); `write`:
+    False trains and returns without writing files; `from_full`: the entry
+    of a one-rank run (tp=pp=1) whose trained weights and optimizer state are
+    sharded into this layout instead of training, as NNM would have saved the
+    same run at these degrees.
 
     c: hidden, ffn, heads, kv_heads, layers, vocab (padded), seq, gpt (bool).
     `grads(chunks, params, s)` may set real gradients for step s (default:
@@ -217,10 +296,10 @@ def make_nnm(root, c, tp=1, pp=1, vpp=1, zero1_dp=0, xser=False, steps=2, step=7
                 part = v * pp + p
                 chunks.append(Chunk(c, tp, per_part[part], first=(part == 0), last=(part == pp * vpp - 1), pp=pp))
                 chunk_offsets.append(offsets[part])
-            groups = nemo_param_groups(chunks)
+            groups = nemo_param_groups(chunks, grouping)
             opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
             params = [q for g in groups for q in g["params"]]
-            for s in range(steps):
+            for s in range(0 if from_full else steps):
                 if lr_at:
                     for g in opt.param_groups:
                         g["lr"] = lr_at(s)
@@ -237,12 +316,13 @@ def make_nnm(root, c, tp=1, pp=1, vpp=1, zero1_dp=0, xser=False, steps=2, step=7
                     g = global_name(k, chunk_offsets[v])
                     model.append((g, x.detach()))
                     name_of[id(x)] = g
-            osd = opt.state_dict()
+            osd = shard_from_full(from_full, chunks, chunk_offsets, groups, t, tp, c) if from_full else opt.state_dict()
             entry = {"model": model, "optim_names": [name_of[id(q)] for q in params], "optimizer": osd,
+                     "optim_groups": [g for g, grp in enumerate(groups) for _ in grp["params"]],
                      "chunks": chunks, "opt": opt}
             ckpt = {"epoch": 0, "global_step": step, "pytorch-lightning_version": "1.8.6",
                     "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 0}}, "state_dict": {}}},
-                    "hparams_name": "cfg", "hyper_parameters": {"cfg": {"num_layers": c["layers"]}},
+                    "hparams_name": "cfg", "hyper_parameters": {"cfg": hyper_parameters(c, tp, pp, zero1_dp, grouping)},
                     "lr_schedulers": [sched or lr_scheduler_state(step, 1e-3, 2, 0, 100, 1e-4)]}
             if vpp == 1:
                 sd = {"model." + k: x for k, x in chunks[0].state_dict().items()}
@@ -255,6 +335,9 @@ def make_nnm(root, c, tp=1, pp=1, vpp=1, zero1_dp=0, xser=False, steps=2, step=7
                 entry["zero1"] = [zero1_shard(osd, params, r, zero1_dp) for r in range(zero1_dp)]
             else:
                 ckpt["optimizer_states"] = [osd]
+            expected[(t, p)] = entry
+            if not write:
+                continue
             if tp == 1 and pp == 1:
                 rank_dir = root
             elif pp == 1:
@@ -269,9 +352,50 @@ def make_nnm(root, c, tp=1, pp=1, vpp=1, zero1_dp=0, xser=False, steps=2, step=7
                 zname = stem[: -len("-last")] + "-optimizer_states-last.ckpt" if stem.endswith("-last") else stem + "-optimizer_states.ckpt"
                 zdir = os.path.join(rank_dir, "optim", f"dp_rank_{r:03d}")
                 os.makedirs(zdir, exist_ok=True)
-                (save_xser if xser else torch.save)(entry["zero1"][r], os.path.join(zdir, zname))
-            expected[(t, p)] = entry
+                # Lightning's optimizer_states list, moved out as it is.
+                (save_xser if xser else torch.save)([entry["zero1"][r]], os.path.join(zdir, zname))
     return expected, file_name
+
+
+def hyper_parameters(c, tp, pp, zero1_dp, grouping):
+    """The model config NNM records under hyper_parameters.cfg (the keys the converter reads)."""
+    return {"num_layers": c["layers"], "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+            "normalization": "layernorm" if c["gpt"] else "rmsnorm", "do_layer_norm_weight_decay": grouping == "one",
+            "wrap_with_zero": bool(zero1_dp), "flexible_pipeline_parallel_stages": c["layers"] % pp != 0}
+
+
+def shard_from_full(full, chunks, offsets, groups, t, tp, c):
+    """Copies tensor-parallel rank t's slices of a one-rank run's weights into
+    `chunks` and returns the optimizer state dict this rank's AdamW (over
+    `groups`) would hold: the same moments, sliced by the same rule."""
+    import megatron_partition
+
+    full_sd = full["chunks"][0].state_dict(keep_vars=True)
+    full_opt = full["opt"]
+    fsd = full_opt.state_dict()
+    full_id = {id(q): i for i, q in enumerate(q for g in full_opt.param_groups for q in g["params"])}
+    source = {}
+    with torch.no_grad():
+        for v, chunk in enumerate(chunks):
+            for k, x in chunk.state_dict(keep_vars=True).items():
+                g = global_name(k, offsets[v])
+                # GPT's tied copy on the last stage is the embedding (Megatron all-reduces their gradients).
+                g_full = "language_model.embedding.word_embeddings.weight" if g == "word_embeddings.weight" else g
+                x.copy_(megatron_partition.split(g_full, full_sd[g_full].detach(), t, tp, c))
+                source[id(x)] = (g_full, full_sd[g_full])
+    state, param_groups, i = {}, [], 0
+    for gi, grp in enumerate(groups):
+        ids = []
+        for q in grp["params"]:
+            name, fq = source[id(q)]
+            s = fsd["state"][full_id[id(fq)]]
+            state[i] = {"step": s["step"].clone(),
+                        "exp_avg": megatron_partition.split(name, s["exp_avg"], t, tp, c).clone(),
+                        "exp_avg_sq": megatron_partition.split(name, s["exp_avg_sq"], t, tp, c).clone()}
+            ids.append(i)
+            i += 1
+        param_groups.append(dict(fsd["param_groups"][gi], params=ids))
+    return {"state": state, "param_groups": param_groups}
 
 
 def zero1_shard(osd, params, rank, dp):
@@ -290,8 +414,26 @@ def zero1_shard(osd, params, rank, dp):
             "shape_info": {i: q.shape for i, q in enumerate(params)}}
 
 
-def nxdt_ids(names, no_decay):
-    """NxDT's optimizer ids over a stage's parameters: decaying ones first,
-    then norms and biases, each in model order."""
-    order = [n for n in names if not no_decay[n]] + [n for n in names if no_decay[n]]
-    return {n: i for i, n in enumerate(order)}
+def make_hf_converted(root, c, tp=1, pp=1, seed=0):
+    """The files NNM's HF -> NNM converter writes (examples/nlp/language_modeling/
+    checkpoint_conversion/convert_hf_checkpoint_to_nemo_llama.py, convert_checkpoint),
+    after chkpt_merge_mlp_weights.py has joined its dense_h_to_4h and
+    dense_h_to_4h_2 into one [gate_r; up_r] weight: per rank
+    {"state_dict", "pytorch-lightning_version": "1.9.5", "epoch": 0, "global_step": 0}
+    in model_optim_rng.ckpt; no optimizer state, no schedule, no rotary
+    buffer. Returns {(t, p): [(nxdt name, tensor)]}."""
+    torch.manual_seed(seed)
+    per_stage = split_layers(c["layers"], pp)
+    expected = {}
+    for p in range(pp):
+        for t in range(tp):
+            chunk = Chunk(c, tp, per_stage[p], first=p == 0, last=p == pp - 1, pp=pp)
+            sd = {k: v for k, v in chunk.state_dict().items() if not k.endswith("inv_freq")}
+            expected[(t, p)] = [(global_name(k, sum(per_stage[:p])), v) for k, v in sd.items()]
+            out = {"state_dict": {"model." + k: v for k, v in sd.items()}, "pytorch-lightning_version": "1.9.5",
+                   "epoch": 0, "global_step": 0}
+            rank_dir = root if tp == 1 and pp == 1 else os.path.join(
+                root, f"mp_rank_{t:02d}" if pp == 1 else f"tp_rank_{t:02d}_pp_rank_{p:03d}")
+            os.makedirs(rank_dir, exist_ok=True)
+            torch.save(out, os.path.join(rank_dir, "model_optim_rng.ckpt"))
+    return expected
