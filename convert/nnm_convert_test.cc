@@ -163,20 +163,48 @@ TEST(NnmConvert, OptimizerThatDoesNotFitTheModelIsAnError) {
   groups.as_seq().items[1].as_dict().At("params").as_seq().items.pop_back();
   std::string e = ErrorOf([&] { PlanConversion(src, in, {}); });
   EXPECT_NE(e.find("tp_rank_00_pp_rank_001"), std::string::npos) << e;
-  EXPECT_NE(e.find("param_groups[1] lists 2 parameters"), std::string::npos) << e;
-  // Moments of the wrong shape.
+  EXPECT_NE(e.find("2 parameter group(s) of 5/2 ids fit no grouping"), std::string::npos) << e;
+  EXPECT_NE(e.find("nnm-layernorm"), std::string::npos) << e;
+  EXPECT_NE(e.find("needs 2 groups of 5/3 parameters"), std::string::npos) << e;
+  // Moments of the wrong shape: no grouping ties them to a parameter of that shape.
   in[1] = Input(src.files[1], StageDict(1, false, true));
   Value st = in[1].checkpoint.as_dict().At("optimizer_states").as_seq().items[0].as_dict().At("state");
   st.as_dict().items[0].second.as_dict().Set("exp_avg", Value(Arange({2, 2})));
   e = ErrorOf([&] { PlanConversion(src, in, {}); });
-  EXPECT_NE(e.find("state[0]['exp_avg'] has shape [2, 2]"), std::string::npos) << e;
-  EXPECT_NE(e.find("language_model.encoder.layers.1.self_attention.query_key_value.weight"), std::string::npos) << e;
-  // No optimizer state at all: only --weights_only converts it.
+  EXPECT_NE(e.find("state[0]['exp_avg'] has shape [2, 2] but would be "
+                   "language_model.encoder.layers.1.self_attention.query_key_value.weight"), std::string::npos) << e;
+  // One rank without optimizer state beside one with it: different saves.
+  in[1] = Input(src.files[1], StageDict(1, false, true));
   in[1].checkpoint.as_dict().Erase("optimizer_states");
   e = ErrorOf([&] { PlanConversion(src, in, {}); });
-  EXPECT_NE(e.find("--weights_only"), std::string::npos) << e;
+  EXPECT_NE(e.find("holds no optimizer state, but"), std::string::npos) << e;
   const ConvertPlan w = PlanConversion(src, in, {.weights_only = true});
   EXPECT_EQ(w.files.size(), 2u);
+  EXPECT_FALSE(w.optimizer);
+}
+
+TEST(NnmConvert, InputWithoutOptimizerStateConvertsItsWeightsUnlessRequired) {
+  const NnmSource src = TwoStages();
+  std::vector<RankInput> in = {Input(src.files[0], StageDict(1, true, false)), Input(src.files[1], StageDict(1, false, true))};
+  for (auto& i : in) i.checkpoint.as_dict().Erase("optimizer_states");
+  const ConvertPlan plan = PlanConversion(src, in, {});
+  EXPECT_FALSE(plan.optimizer);
+  std::vector<std::string> files;
+  for (const auto& f : plan.files) files.push_back(f.file.relpath);
+  EXPECT_EQ(files, (std::vector<std::string>{"model/dp_rank_00_tp_rank_00_pp_rank_00.pt", "model/dp_rank_00_tp_rank_00_pp_rank_01.pt",
+                                             "scheduler.pt", "user_content.pt"}));
+  bool said = false;
+  for (const auto& n : plan.notes) said |= n.find("holds no optimizer state") != std::string::npos;
+  EXPECT_TRUE(said);
+  EXPECT_THROW(PlanConversion(src, in, {.require_optimizer = true}), MissingOptimizerState);
+  // NNM recorded ZeRO-1 but its optimizer folder is gone: not a weights-only input.
+  Value cfg = Value::NewDict();
+  cfg.as_dict().Set("wrap_with_zero", Value(true));
+  Value hp = Value::NewDict();
+  hp.as_dict().Set("cfg", cfg);
+  in[0].checkpoint.as_dict().Set("hyper_parameters", hp);
+  const std::string e = ErrorOf([&] { PlanConversion(src, in, {}); });
+  EXPECT_NE(e.find("wrap_with_zero is True"), std::string::npos) << e;
 }
 
 TEST(NnmConvert, RanksFromDifferentStepsAreAnError) {

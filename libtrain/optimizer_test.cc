@@ -127,6 +127,21 @@ TEST(AdamW, ReadsEitherLayoutAndAnInt64Step) {
   EXPECT_TRUE(ckpt::DeepEqual(c.StateDict(1e-3).as_dict().At("state"), b.StateDict(1e-3).as_dict().At("base_state")));
 }
 
+// A state dict grouped for the other do_layer_norm_weight_decay setting
+// numbers its ids differently: loading it would give moments to the wrong
+// parameters, so it is refused, naming the setting.
+TEST(AdamW, StateGroupedForTheOtherSettingIsRefused) {
+  Model m(Small(false));
+  AdamWConfig split, one;
+  one.do_layer_norm_weight_decay = true;
+  AdamW a(m, split), b(m, one);
+  TrainStep(m, a);
+  const std::string e = ckpt::testing::ErrorOf([&] { b.LoadStateDict(a.StateDict(1e-2)); });
+  EXPECT_NE(e.find("optimizer param_groups hold 6/3 parameter ids, but this run groups them as 9"), std::string::npos) << e;
+  EXPECT_NE(e.find("model.do_layer_norm_weight_decay: True"), std::string::npos) << e;
+  EXPECT_NO_THROW(AdamW(m, split).LoadStateDict(a.StateDict(1e-2)));
+}
+
 TEST(AdamW, AShardFromMoreDataParallelRanksIsNamed) {
   Model m(Small(false));
   AdamWConfig zero1;

@@ -510,6 +510,8 @@ class NnmToNxdt(TempDirTest):
         p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--dry_run")
         self.assertIn("rename (pp 1) model.language_model.encoder.layers.0.mlp.dense_h_to_4h.weight -> "
                       "language_model.encoder.layers.1.mlp.dense_h_to_4h.weight", p.stderr)
+        self.assertIn("optimizer grouping found: nnm-rmsnorm", p.stderr)
+        self.assertIn("optimizer grouping written: nxdt-one-group", p.stderr)
         self.assertFalse(os.path.exists(out))
         # A non-empty target is kept unless --overwrite.
         os.makedirs(out)
