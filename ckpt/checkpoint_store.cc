@@ -1,5 +1,7 @@
 #include "ckpt/checkpoint_store.h"
 
+#include <algorithm>
+
 #include <sys/resource.h>
 #include <tbb/task_arena.h>
 #include <unistd.h>
@@ -112,6 +114,18 @@ void CheckpointStore::Persist(const Snapshot& snap) {
   Env* env = opts_.env;
   const std::string tag_dir = opts_.dir + "/" + FormatTagName(snap.tag);
   const std::string save_id = opts_.run_id + "/step=" + std::to_string(snap.tag.step);
+  // A complete tag under this name is another save's (a damaged one resume
+  // skipped, or a later step of a run resumed from an earlier tag): set it
+  // aside, never delete it. An incomplete one is an interrupted save of ours.
+  if (opts_.rank == 0 && env->Exists(tag_dir + "/" + kDoneMarker)) {
+    const std::string why = IsDamaged(FormatTagName(snap.tag)) ? "damaged" : "superseded";
+    std::string aside = tag_dir + "." + why;
+    for (int n = 1; env->Exists(aside); ++n) aside = tag_dir + "." + why + "-" + std::to_string(n);
+    env->RenameFile(tag_dir, aside);
+    env->SyncDir(opts_.dir);
+    std::erase(opts_.damaged, FormatTagName(snap.tag));  // the name now holds this save
+    if (opts_.log) opts_.log("checkpoint: set the " + why + " " + tag_dir + " aside as " + aside + " (kept)");
+  }
   if (opts_.rank == 0) BeginTag(env, tag_dir, save_id);
   else WaitForBegin(env, tag_dir, save_id, opts_.rank_timeout);
   WriteRankFiles(env, tag_dir, opts_.rank, save_id, snap.files);
@@ -125,11 +139,15 @@ void CheckpointStore::Persist(const Snapshot& snap) {
   ApplyRetention();
 }
 
+bool CheckpointStore::IsDamaged(const std::string& tag_name) const {
+  return std::find(opts_.damaged.begin(), opts_.damaged.end(), tag_name) != opts_.damaged.end();
+}
+
 void CheckpointStore::ApplyRetention() {
   if (opts_.save_top_k < 0) return;
   std::vector<TagEntry> complete;
   for (TagEntry& t : ListTags(opts_.env, opts_.dir))
-    if (t.has_done) complete.push_back(std::move(t));  // newest first
+    if (t.has_done && !IsDamaged(t.dir_name)) complete.push_back(std::move(t));  // newest first; evidence stays
   const size_t keep = std::max(1, opts_.save_top_k);   // the newest complete tag always stays
   for (size_t i = keep; i < complete.size(); ++i) {
     DeleteTag(opts_.env, complete[i].path);

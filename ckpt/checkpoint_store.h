@@ -14,6 +14,9 @@
 //  - Retention keeps the newest `save_top_k` complete tags by step (-1 keeps
 //    all). Deletes remove `done` first, so an interrupted delete never looks
 //    complete; the newest complete tag and in-progress tags are never deleted.
+//    Tags named in `damaged` (found damaged at resume) are evidence: never
+//    deleted nor counted. A save whose name a complete tag already holds sets
+//    that tag aside as <name>.damaged[-N] (or .superseded[-N]), never deletes it.
 //  - While a store exists it holds a shared lock on <dir>/.shardkit.lock, so
 //    `ckpt-verify --gc` never removes an in-progress save of a live job.
 #pragma once
@@ -53,6 +56,7 @@ struct StoreOptions {
   std::chrono::milliseconds rank_timeout{30 * 60 * 1000};
   Env* env = Env::Default();
   LogFn log = nullptr;
+  std::vector<std::string> damaged = {};  // tag folder names (not paths) that failed verification
 };
 
 inline constexpr const char* kStoreLockFile = ".shardkit.lock";
@@ -75,6 +79,7 @@ class CheckpointStore {
   void WriterLoop();
   void Persist(const Snapshot& snap);
   void ApplyRetention();
+  bool IsDamaged(const std::string& tag_name) const;
   void ThrowPendingError();
 
   StoreOptions opts_;

@@ -249,6 +249,43 @@ TEST(Resume, ExpManagerSemantics) {
   EXPECT_THROW(ResolveResume(env, d.path(), o, nullptr), Error);
 }
 
+// Damaged tags are evidence: resume skips and reports them, retention never
+// counts or deletes them, a re-save of their step sets them aside, and when
+// nothing intact is left resuming stops instead of starting over them.
+TEST(Resume, DamagedTagsAreReportedKeptAndNeverCounted) {
+  TempDir d("store");
+  auto* env = Env::Default();
+  {
+    CheckpointStore store({.dir = d.path()});
+    for (int step : {1, 2, 3}) store.Save(MakeSnapshot("m", step, kGrid, 5000, 9));
+  }
+  FlipByte(TagPath(d, 3) + "/model/dp_rank_00_tp_rank_00_pp_rank_00.pt", 1000);
+  ResumeOptions o{.resume_if_exists = true, .verify_checksums = true};
+  std::vector<DamagedTag> damaged;
+  EXPECT_EQ(ResolveResume(env, d.path(), o, nullptr, &damaged), TagPath(d, 2));
+  ASSERT_EQ(damaged.size(), 1u);
+  EXPECT_EQ(damaged[0].path, TagPath(d, 3));
+  {
+    CheckpointStore store({.dir = d.path(), .save_top_k = 1, .damaged = {FormatTagName({"m", 3, 24, false})}});
+    store.Save(MakeSnapshot("m", 3, kGrid, 5000, 9));  // the damaged step-3 tag is set aside, then retention runs
+  }
+  std::vector<std::string> names;
+  for (const auto& t : ListTags(env, d.path())) names.push_back(t.dir_name);
+  EXPECT_EQ(names, (std::vector<std::string>{"m--step=3-consumed_samples=24.0.ckpt"}));
+  EXPECT_FALSE(VerifyTag(env, TagPath(d, 3) + ".damaged").ok());  // still there, still damaged
+  // Every complete tag damaged: a clear stop naming each, or (asked) a fresh start.
+  FlipByte(TagPath(d, 3) + "/model/dp_rank_00_tp_rank_00_pp_rank_00.pt", 1000);
+  try {
+    ResolveResume(env, d.path(), {.resume_if_exists = true, .resume_ignore_no_checkpoint = true, .verify_checksums = true}, nullptr);
+    FAIL();
+  } catch (const DamagedCheckpoints& e) {
+    EXPECT_NE(std::string(e.what()).find(TagPath(d, 3) + ": model/dp_rank_00_tp_rank_00_pp_rank_00.pt"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(ResolveResume(env, d.path(), {.resume_if_exists = true, .verify_checksums = true, .start_over_damaged = true}, nullptr),
+            std::nullopt);
+}
+
 TEST(Resume, StepBeatsModificationTime) {
   TempDir d("store");
   {

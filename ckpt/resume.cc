@@ -17,7 +17,7 @@ std::string Describe(const TagReport& r) {
 }  // namespace
 
 std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& checkpoint_dir, bool verify_checksums,
-                                                const LogFn& log) {
+                                                const LogFn& log, std::vector<DamagedTag>* damaged) {
   if (!env->IsDirectory(checkpoint_dir)) return std::nullopt;
   for (const TagEntry& t : ListTags(env, checkpoint_dir)) {
     if (!t.has_done && !t.listed_in_newest) {
@@ -28,7 +28,8 @@ std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& che
     if (!r.has_done && t.listed_in_newest)  // NxD 2.16 marked completion with `newest`, not `done`
       std::erase_if(r.problems, [](const TagProblem& p) { return p.file == "done"; });
     if (!r.ok()) {
-      if (log) log("resume: skipping " + t.dir_name + ": " + Describe(r));
+      if (log) log("resume: skipping " + t.dir_name + ": " + Describe(r) + " (kept as evidence)");
+      if (damaged) damaged->push_back({t.path, Describe(r)});
       continue;
     }
     return t.path;
@@ -37,19 +38,32 @@ std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& che
 }
 
 std::optional<std::string> ResolveResume(Env* env, const std::string& checkpoint_dir, const ResumeOptions& opts,
-                                         const LogFn& log) {
+                                         const LogFn& log, std::vector<DamagedTag>* damaged) {
   if (!opts.resume_from_checkpoint.empty()) {
     std::string path = opts.resume_from_checkpoint;
     if (!env->IsDirectory(path) && env->IsDirectory(checkpoint_dir + "/" + path)) path = checkpoint_dir + "/" + path;
     if (!env->IsDirectory(path)) throw Error("resume_from_checkpoint: " + opts.resume_from_checkpoint + ": no such checkpoint");
     TagReport r = VerifyTag(env, path, {.checksums = opts.verify_checksums});
-    if (!r.ok()) throw Error("resume_from_checkpoint: " + path + " is not a complete checkpoint: " + Describe(r));
+    if (!r.ok()) throw Error("resume_from_checkpoint: " + path + " is not a complete, intact checkpoint: " + Describe(r));
     return path;
   }
   if (!opts.resume_if_exists) return std::nullopt;
-  if (auto latest = FindLatestCheckpoint(env, checkpoint_dir, opts.verify_checksums, log)) {
+  std::vector<DamagedTag> found;
+  auto latest = FindLatestCheckpoint(env, checkpoint_dir, opts.verify_checksums, log, &found);
+  if (damaged) damaged->insert(damaged->end(), found.begin(), found.end());
+  if (latest) {
     if (log) log("resume: from " + *latest);
     return latest;
+  }
+  if (!found.empty()) {
+    std::string list;
+    for (const auto& d : found) list += "\n  " + d.path + ": " + d.problem;
+    if (!opts.start_over_damaged)
+      throw DamagedCheckpoints("resume: every complete checkpoint in " + checkpoint_dir + " is damaged:" + list +
+                               "\nnothing was changed; to start from scratch beside them, set "
+                               "exp_manager.resume_past_damaged_checkpoints: True");
+    if (log) log("resume: warning: every complete checkpoint is damaged (kept):" + list + "\nstarting from scratch as asked");
+    return std::nullopt;
   }
   if (opts.resume_ignore_no_checkpoint) {
     if (log) log("resume: warning: no complete checkpoint in " + checkpoint_dir + "; starting from scratch");

@@ -2,13 +2,19 @@
 // without its weaknesses: only tags with `done` (or listed in NxD 2.16's
 // `newest` file) are candidates; they are ordered by the step in their name,
 // mtime only as a tie-break; each is checked against its manifest (sizes
-// always, checksums when asked) and a failing one is skipped, with the reason
-// logged, in favour of the next.
+// always, every byte's CRC-32 when asked, as the trainer asks) and a failing
+// one is skipped, with the reason logged, in favour of the next. Tags that
+// fail are reported, so the caller keeps them as evidence; when complete
+// tags exist and every one fails, resuming stops (DamagedCheckpoints) unless
+// starting over them was asked for explicitly.
 #pragma once
 
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
+
+#include "ckpt/error.h"
 
 #include "ckpt/env.h"
 
@@ -16,9 +22,21 @@ namespace ckpt {
 
 using LogFn = std::function<void(const std::string&)>;
 
-// The newest tag under `checkpoint_dir` that verifies, or nullopt.
+struct DamagedTag {
+  std::string path;
+  std::string problem;
+};
+
+// Every complete tag failed verification and starting over them was not asked for.
+class DamagedCheckpoints : public Error {
+ public:
+  using Error::Error;
+};
+
+// The newest tag under `checkpoint_dir` that verifies, or nullopt. Complete
+// tags that fail verification on the way are appended to `damaged`.
 std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& checkpoint_dir, bool verify_checksums,
-                                                const LogFn& log);
+                                                const LogFn& log, std::vector<DamagedTag>* damaged = nullptr);
 
 struct ResumeOptions {
   bool resume_if_exists = false;
@@ -27,12 +45,18 @@ struct ResumeOptions {
   // An explicit tag path (or a tag name inside checkpoint_dir); always wins.
   std::string resume_from_checkpoint = "";
   bool verify_checksums = false;
+  // With resume_if_exists, when complete tags exist but none verifies: start
+  // from scratch (the damaged tags stay) instead of stopping.
+  bool start_over_damaged = false;
 };
 
 // The tag to resume from, or nullopt to start fresh. Throws ckpt::Error when
 // resume_if_exists finds nothing and resume_ignore_no_checkpoint is off, or
-// when an explicit resume_from_checkpoint is missing or incomplete.
+// when an explicit resume_from_checkpoint is missing, incomplete or damaged;
+// DamagedCheckpoints (naming each tag and its problem) when complete tags
+// exist and all fail verification, unless start_over_damaged. Damaged tags
+// found are appended to `damaged`.
 std::optional<std::string> ResolveResume(Env* env, const std::string& checkpoint_dir, const ResumeOptions& opts,
-                                         const LogFn& log);
+                                         const LogFn& log, std::vector<DamagedTag>* damaged = nullptr);
 
 }  // namespace ckpt

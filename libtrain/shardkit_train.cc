@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "ckpt/error.h"
+#include "ckpt/resume.h"
 #include "libtrain/trainer.h"
 #include "migrate/yaml_tree.h"
 
@@ -23,6 +24,9 @@ int main(int argc, char** argv) {
     log("done: steps " + std::to_string(r.start_step) + " -> " + std::to_string(r.end_step) +
         (r.losses.empty() ? "" : ", loss " + std::to_string(r.losses.front()) + " -> " + std::to_string(r.losses.back())));
     return 0;
+  } catch (const ckpt::DamagedCheckpoints& e) {  // nothing to resume from, and nothing was touched
+    std::cerr << "shardkit-train: " << e.what() << "\n";
+    return 2;
   } catch (const migrate::InputError& e) {
     std::cerr << "shardkit-train: " << e.what() << "\n";
     return 2;

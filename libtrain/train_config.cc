@@ -106,6 +106,8 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
   c.resume_if_exists = r.Bool("exp_manager.resume_if_exists", false);
   c.resume_ignore_no_checkpoint = r.Bool("exp_manager.resume_ignore_no_checkpoint", false);
   c.resume_from_checkpoint = r.Str("exp_manager.resume_from_checkpoint", "");
+  // shardkit's own: start from scratch when every complete checkpoint is damaged (they are kept).
+  c.resume_past_damaged_checkpoints = r.Bool("exp_manager.resume_past_damaged_checkpoints", false);
   c.create_checkpoint_callback = r.Bool("exp_manager.create_checkpoint_callback", true);
   c.async_checkpointing = r.Bool("exp_manager.async_checkpointing", false);
   c.save_top_k = r.Int("exp_manager.checkpoint_callback_params.save_top_k", -1, -1);

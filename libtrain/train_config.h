@@ -24,6 +24,7 @@ struct TrainConfig {
   std::string explicit_log_dir, exp_dir = "nemo_experiments", exp_name, version = "version_0";
   bool resume_if_exists = false, resume_ignore_no_checkpoint = false;
   std::string resume_from_checkpoint;
+  bool resume_past_damaged_checkpoints = false;
   bool create_checkpoint_callback = true, async_checkpointing = false;
   int64_t save_top_k = -1, every_n_train_steps = 0;
   bool log_parameter_norm = true, log_gradient_norm = true;

@@ -28,6 +28,14 @@ const std::string kRankFile = "dp_rank_00_tp_rank_00_pp_rank_00.pt";
 
 }  // namespace
 
+namespace {
+std::vector<std::string> DamagedNames(const std::vector<ckpt::DamagedTag>& damaged) {
+  std::vector<std::string> names;
+  for (const auto& d : damaged) names.push_back(std::filesystem::path(d.path).filename().string());
+  return names;
+}
+}  // namespace
+
 TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& log) {
   TrainResult result;
   for (const auto& k : c.ignored) log("info: " + k + " is accepted and ignored");
@@ -48,8 +56,16 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   const std::string run_dir = c.RunDir(), ckpt_dir = c.CheckpointDir();
   ckpt::Env::Default()->CreateDirs(run_dir);
   int64_t step = 0, consumed = 0;
+  // Every byte of the tag is checked against its manifest before it is loaded; a damaged tag is
+  // skipped for the next one that verifies, and kept (retention neither counts nor deletes it).
+  std::vector<ckpt::DamagedTag> damaged;
   const auto tag = ckpt::ResolveResume(ckpt::Env::Default(), ckpt_dir,
-                                       {c.resume_if_exists, c.resume_ignore_no_checkpoint, c.resume_from_checkpoint, false}, log);
+                                       {.resume_if_exists = c.resume_if_exists,
+                                        .resume_ignore_no_checkpoint = c.resume_ignore_no_checkpoint,
+                                        .resume_from_checkpoint = c.resume_from_checkpoint,
+                                        .verify_checksums = true,
+                                        .start_over_damaged = c.resume_past_damaged_checkpoints},
+                                       log, &damaged);
   if (tag) {
     try {
       model.LoadStateDict(ckpt::LoadPt(*tag + "/model/" + kRankFile));
@@ -79,7 +95,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   auto pool = ckpt::SnapshotPool::Create();
   if (c.create_checkpoint_callback) {
     store = std::make_unique<ckpt::CheckpointStore>(ckpt::StoreOptions{
-        .dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .log = log});
+        .dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .log = log,
+        .damaged = DamagedNames(damaged)});
     pool->Reserve(model.StateDict(), model.checkpoint_dtype());  // snapshot buffers, faulted in before the first step
     pool->Reserve(adamw.StateDict(0));
   }

@@ -95,6 +95,92 @@ class TrainAndResume(TempDirTest):
     def test_exact_resume_after_sigkill_sync_saves(self):
         self.check_exact_resume("False")
 
+    def tag(self, run, step, name="tiny_llama"):
+        return os.path.join(self.dir, run, "checkpoints", f"{name}--step={step}-consumed_samples={8.0 * step}.ckpt")
+
+    def corrupt(self, tag):
+        """Overwrites 4 KiB inside the tag's model file in place: same size, other bytes."""
+        path = os.path.join(tag, "model", RANK_FILE)
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            f.write(bytes(range(256)) * 16)
+        with open(path, "rb") as f:
+            return f.read()
+
+    def check_resume_skips_a_damaged_tag(self, async_save, explicit=False):
+        """The newest tag is corrupted in place: the restarted run resumes from
+        the previous one, ends byte-identical to a run never interrupted, and
+        the corrupted tag is still on disk (set aside when its step is saved again)."""
+        self.train("straight", async_save)
+        self.train("damaged", async_save, ["trainer.max_steps=60"])
+        bad = self.corrupt(self.tag("damaged", 60))
+        extra = [f"exp_manager.resume_from_checkpoint={self.tag('damaged', 40)}"] if explicit else []
+        r = self.train("damaged", async_save, extra)
+        if not explicit:
+            self.assertRegex(r.stderr, r"resume: skipping \S*step=60\S*: model/" + RANK_FILE + r": checksum \w+ differs from the manifest's")
+        self.assertRegex(r.stderr, r"resumed from \S*step=40-")
+        for sub in ("model", "optim"):
+            with open(self.final_file("straight", sub), "rb") as f1, open(self.final_file("damaged", sub), "rb") as f2:
+                self.assertEqual(f1.read(), f2.read(), f"{sub} files differ")
+        aside = self.tag("damaged", 60) + (".superseded" if explicit else ".damaged")
+        with open(os.path.join(aside, "model", RANK_FILE), "rb") as f:
+            self.assertEqual(f.read(), bad)  # the evidence, untouched
+        self.assertEqual(losses(os.path.join(self.dir, "straight")), losses(os.path.join(self.dir, "damaged")))
+
+    def test_resume_skips_a_damaged_newest_tag_sync_saves(self):
+        self.check_resume_skips_a_damaged_tag("False")
+
+    def test_resume_skips_a_damaged_newest_tag_async_saves(self):
+        self.check_resume_skips_a_damaged_tag("True")
+
+    def test_resume_from_checkpoint_naming_a_damaged_tag_is_an_error(self):
+        self.train("damaged", "False", ["trainer.max_steps=60"])
+        self.corrupt(self.tag("damaged", 60))
+        p = subprocess.run(args(os.path.join(self.dir, "damaged"), "False") +
+                           [f"exp_manager.resume_from_checkpoint={self.tag('damaged', 60)}"],
+                           cwd=self.dir, capture_output=True, text=True)
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn("is not a complete, intact checkpoint", p.stderr)
+        self.assertIn("model/" + RANK_FILE, p.stderr)
+        self.assertFalse(os.path.exists(self.tag("damaged", 80)))
+
+    def test_resume_from_an_earlier_tag_by_name_ends_as_the_straight_run(self):
+        # The later (damaged) step-60 tag is set aside when step 60 is saved again, not deleted.
+        self.check_resume_skips_a_damaged_tag("True", explicit=True)
+
+    def test_every_tag_damaged_stops_with_exit_2_and_touches_nothing(self):
+        self.train("damaged", "False", ["trainer.max_steps=60"])
+        tags = [self.tag("damaged", s) for s in (20, 40, 60)]
+        before = {}
+        for tag in tags:
+            self.corrupt(tag)
+        for root, _, files in os.walk(os.path.join(self.dir, "damaged")):
+            for f in files:
+                with open(os.path.join(root, f), "rb") as fh:
+                    before[os.path.join(root, f)] = fh.read()
+        p = subprocess.run(args(os.path.join(self.dir, "damaged"), "False"), cwd=self.dir, capture_output=True, text=True)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        for tag in tags:
+            self.assertIn(tag + ": model/" + RANK_FILE, p.stderr)
+        self.assertIn("resume_past_damaged_checkpoints", p.stderr)
+        after = {}
+        for root, _, files in os.walk(os.path.join(self.dir, "damaged")):
+            for f in files:
+                if f != "metrics.jsonl":
+                    with open(os.path.join(root, f), "rb") as fh:
+                        after[os.path.join(root, f)] = fh.read()
+        before.pop(os.path.join(self.dir, "damaged", "metrics.jsonl"), None)
+        self.assertEqual(before, after)
+        # Asked explicitly, it starts over beside them; the damaged tags are set aside as their steps are saved again.
+        p = subprocess.run(args(os.path.join(self.dir, "damaged"), "False") +
+                           ["+exp_manager.resume_past_damaged_checkpoints=True", "trainer.max_steps=40"],
+                           cwd=self.dir, capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("starting from scratch as asked", p.stderr)
+        for s in (20, 40):
+            self.assertTrue(os.path.exists(self.tag("damaged", s) + ".damaged"))
+        self.assertTrue(os.path.exists(os.path.join(self.tag("damaged", 60), "done")))  # not re-saved: left where it was
+
     def test_mixed_precision_resumes_exactly_with_master_weights_in_the_checkpoint(self):
         self.check_exact_resume("True", MIXED + ["+exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=True"])
         model = torch.load(self.final_file("killed", "model"))
