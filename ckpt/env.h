@@ -90,6 +90,15 @@ class Env {
 void WriteFileAtomically(Env* env, const std::string& path,
                          const std::function<void(WritableFile&)>& fill);
 
+// Writes several files so that a failure leaves none of them under its final
+// name (or the old ones): every temporary is written and fsynced first, then
+// all are renamed. Only a crash between two renames can leave a mix.
+struct FileContent {
+  std::string path;
+  std::function<void(WritableFile&)> fill;
+};
+void WriteFilesAtomically(Env* env, const std::vector<FileContent>& files);
+
 // The name of the temporary sibling WriteFileAtomically uses for `path`;
 // anything with this shape is debris from an interrupted write.
 std::string TempPathFor(const std::string& path);

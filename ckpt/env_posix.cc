@@ -323,4 +323,30 @@ void WriteFileAtomically(Env* env, const std::string& path,
   env->SyncDir(fs::path(path).parent_path().string());
 }
 
+void WriteFilesAtomically(Env* env, const std::vector<FileContent>& files) {
+  std::vector<std::string> temps;
+  auto remove_temps = [&] {
+    for (const auto& t : temps) {
+      try {
+        env->RemoveFile(t);
+      } catch (...) {
+      }
+    }
+  };
+  try {
+    for (const auto& f : files) {
+      temps.push_back(TempPathFor(f.path));
+      auto file = env->NewWritableFile(temps.back());
+      f.fill(*file);
+      file->Sync();
+      file->Close();
+    }
+  } catch (...) {
+    remove_temps();
+    throw;
+  }
+  for (size_t i = 0; i < files.size(); ++i) env->RenameFile(temps[i], files[i].path);
+  for (const auto& f : files) env->SyncDir(fs::path(f.path).has_parent_path() ? fs::path(f.path).parent_path().string() : ".");
+}
+
 }  // namespace ckpt

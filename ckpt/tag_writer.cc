@@ -63,8 +63,32 @@ void DeleteTag(Env* env, const std::string& tag_dir) {
   env->RemoveAll(tag_dir);
 }
 
+std::string NotATag(Env* env, const std::string& dir) {
+  if (!env->IsDirectory(dir)) return "not a folder";
+  const std::vector<std::string> names = env->ListDir(dir);
+  bool marked = false;
+  std::vector<std::string> foreign;
+  for (const auto& n : names) {
+    if (n == kRankRecordDir || n == kCheckpointMarker || n == kDoneMarker || n == kManifestFile) marked = true;
+    else if (!(n == "model" || n == "optim" || n.ends_with(".pt") || IsTempPath(n))) foreign.push_back(n);
+  }
+  std::string why;
+  if (!marked && !names.empty()) why = "it has no checkpoint marker (.shardkit, checkpoint, done or manifest.json)";
+  if (!foreign.empty()) {
+    std::string list;
+    for (size_t i = 0; i < foreign.size() && i < 8; ++i) list += (i ? ", " : "") + foreign[i];
+    if (foreign.size() > 8) list += ", and " + std::to_string(foreign.size() - 8) + " more";
+    why += std::string(why.empty() ? "" : "; ") + "it holds what a checkpoint tag does not: " + list;
+  }
+  return why;
+}
+
 void BeginTag(Env* env, const std::string& tag_dir, const std::string& save_id) {
-  if (env->Exists(tag_dir)) DeleteTag(env, tag_dir);  // re-saving a tag: never leave old `done` over new files
+  if (env->Exists(tag_dir)) {  // re-saving a tag: never leave old `done` over new files
+    if (const std::string why = NotATag(env, tag_dir); !why.empty())
+      throw Error(tag_dir + ": exists and is not a checkpoint tag (" + why + "); not replacing it");
+    DeleteTag(env, tag_dir);
+  }
   env->CreateDirs(tag_dir + "/" + kRankRecordDir);
   env->SyncDir(Parent(tag_dir));
   WriteText(env, BeginPath(tag_dir), save_id);

@@ -72,6 +72,13 @@ void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info);
 // goes first (and is made durable), then everything else.
 void DeleteTag(Env* env, const std::string& tag_dir);
 
+// Why `dir` is not a checkpoint tag that a tool may delete or replace; empty
+// when it is one. A tag carries a marker (our .shardkit record, NxD's
+// `checkpoint` file, `done` or a manifest) and holds nothing but what tags
+// hold (model/, optim/, markers, the manifest, *.pt files, temporaries).
+// Anything else is named, so the user's files are never removed with it.
+std::string NotATag(Env* env, const std::string& dir);
+
 // Writes a small marker file ("1") atomically.
 void WriteMarker(Env* env, const std::string& path);
 

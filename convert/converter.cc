@@ -11,6 +11,7 @@
 #include <random>
 
 #include "ckpt/error.h"
+#include "ckpt/output_guard.h"
 #include "ckpt/progress.h"
 #include "ckpt/pt_file.h"
 #include "ckpt/tag_writer.h"
@@ -92,6 +93,8 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
                                     {a.n_layers, a.weights_only, a.save_xser,
                                      a.nxdt_optimizer_groups ? OptimizerGroups::kNxdt : OptimizerGroups::kKeep, a.require_optimizer});
   const std::string tag_dir = TagDirFor(a, src, plan);
+  ckpt::CheckOutputs({{tag_dir, a.nxdt_ckpt_path.empty() ? "--checkpoint_dir" : "--nxdt_ckpt_path", true}},
+                     {{a.nnm_ckpt_path, "--nnm_ckpt_path"}});
   ConvertSummary sum;
   sum.tag_dir = tag_dir;
   sum.inputs = static_cast<int>(src.files.size() + src.zero1_files.size());
@@ -119,6 +122,8 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
       if (!env->IsDirectory(tag_dir)) throw ckpt::Error(tag_dir + ": exists and is not a folder");
       if (!env->ListDir(tag_dir).empty() && !a.overwrite)
         throw ckpt::Error(tag_dir + ": exists and is not empty; pass --overwrite to replace it (it is kept until the new tag is complete)");
+      if (const std::string why = ckpt::NotATag(env, tag_dir); !why.empty() && a.overwrite)
+        throw ckpt::Error(tag_dir + ": --overwrite replaces only a checkpoint tag, and this folder is not a checkpoint tag: " + why);
     }
   }
 

@@ -95,7 +95,7 @@ void IndexedDataset::Write(const std::string& prefix, const std::vector<std::vec
     for (int32_t t : d) small &= t >= 0 && t < 65536;
   const int code = small ? 8 : 4;
   const size_t elem = small ? 2 : 4;
-  ckpt::WriteFileAtomically(env, prefix + ".bin", [&](ckpt::WritableFile& f) {
+  auto bin = [&](ckpt::WritableFile& f) {
     std::vector<uint8_t> buf;
     for (const auto& d : docs) {
       buf.resize(d.size() * elem);
@@ -109,8 +109,8 @@ void IndexedDataset::Write(const std::string& prefix, const std::vector<std::vec
       }
       f.Append(buf);
     }
-  });
-  ckpt::WriteFileAtomically(env, prefix + ".idx", [&](ckpt::WritableFile& f) {
+  };
+  auto idx = [&](ckpt::WritableFile& f) {
     std::vector<uint8_t> h(kMagic, kMagic + 9);
     auto put = [&](const void* p, size_t n) { h.insert(h.end(), static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n); };
     const uint64_t version = 1, count = docs.size(), doc_count = docs.size() + 1;
@@ -127,7 +127,8 @@ void IndexedDataset::Write(const std::string& prefix, const std::vector<std::vec
       put(&v, 8);
     }
     f.Append(h);
-  });
+  };
+  ckpt::WriteFilesAtomically(env, {{prefix + ".bin", bin}, {prefix + ".idx", idx}});  // both or neither
 }
 
 SampleSource::SampleSource(std::vector<std::shared_ptr<TokenSource>> datasets, std::vector<double> weights,

@@ -12,6 +12,7 @@
 #include <random>
 #include <string>
 
+#include "ckpt/cli.h"
 #include "ckpt/error.h"
 #include "ckpt/pt_file.h"
 #include "ckpt/snapshot.h"
@@ -68,7 +69,7 @@ int main(int argc, char** argv) {
   app.add_option("--dropout", dropout, "hidden, attention and ffn dropout");
   app.add_option("--dropout-key", dropout_key);
   app.add_flag("--mixed", mixed, "mixed_precision: bfloat16 parameters, float32 master weights, ZeRO-1 optimizer layout");
-  CLI11_PARSE(app, argc, argv);
+  SHARDKIT_PARSE(app, argc, argv);
   c.bf16_params = opt.master_weights = opt.zero1 = opt.master_weights_in_ckpt = mixed;
   if (gpt) c.layernorm = c.gelu = c.bias = c.learned_positions = c.tied_output = true;
   c.hidden_dropout = c.attention_dropout = c.ffn_dropout = dropout;

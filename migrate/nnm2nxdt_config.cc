@@ -10,8 +10,10 @@
 #include <iostream>
 #include <sstream>
 
+#include "ckpt/cli.h"
 #include "ckpt/env.h"
 #include "ckpt/error.h"
+#include "ckpt/output_guard.h"
 #include "migrate/check.h"
 #include "migrate/migrate.h"
 #include "migrate/overrides.h"
@@ -30,10 +32,8 @@ std::string ReadInput(const std::string& path) {
   return s.str();
 }
 
-void WriteOut(const std::string& path, const std::string& text) {
-  ckpt::WriteFileAtomically(ckpt::Env::Default(), path, [&](ckpt::WritableFile& f) {
-    f.Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
-  });
+std::function<void(ckpt::WritableFile&)> Text(const std::string& text) {
+  return [&text](ckpt::WritableFile& f) { f.Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()}); };
 }
 
 }  // namespace
@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   app.add_option("--env", env_args, "launch environment NNM read precision from, e.g. XLA_USE_BF16=1");
   app.add_option("--check", check_path, "validate an NxDT config instead of migrating");
   app.allow_extras(false);
-  CLI11_PARSE(app, argc, argv);
+  SHARDKIT_PARSE(app, argc, argv);
   try {
     if (!check_path.empty()) {
       const auto cfg = migrate::LoadYaml(ReadInput(check_path), check_path);
@@ -71,6 +71,8 @@ int main(int argc, char** argv) {
         throw migrate::InputError("more than one input file given ('" + input + "' and '" + a + "')");
       }
     }
+    // Before any work: no output may be the input (or the other output), a link or a missing folder.
+    ckpt::CheckOutputs({{output, "-o"}, {report_path, "--report"}}, {{input, "input"}});
     migrate::MigrateOptions opts;
     opts.source = input.empty() ? "<stdin>" : input;
     for (const auto& e : env_args) {
@@ -83,9 +85,12 @@ int main(int argc, char** argv) {
     migrate::Migration m = migrate::Migrate(nnm, opts);
     for (const auto& o : overrides) m.report.overrides.push_back(o.text);
     const std::string yaml = migrate::EmitYaml(m.config);
+    const std::string report = m.report.ToJson().dump(2) + "\n";
+    std::vector<ckpt::FileContent> files;
+    if (!output.empty()) files.push_back({output, Text(yaml)});
+    if (!report_path.empty()) files.push_back({report_path, Text(report)});
+    ckpt::WriteFilesAtomically(ckpt::Env::Default(), files);  // both or neither
     if (output.empty()) std::cout << yaml;
-    else WriteOut(output, yaml);
-    if (!report_path.empty()) WriteOut(report_path, m.report.ToJson().dump(2) + "\n");
     std::cerr << m.report.Summary();
     return 0;
   } catch (const migrate::InputError& e) {

@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <iostream>
 
+#include "ckpt/cli.h"
 #include "ckpt/error.h"
 #include "tools/inspect_lib.h"
 
@@ -14,7 +15,7 @@ int main(int argc, char** argv) {
   app.add_option("path", path, "file or directory")->required();
   app.add_flag("--json", json, "print the report as JSON");
   app.add_flag("--verify-crc", verify, "recompute every zip record's CRC-32");
-  CLI11_PARSE(app, argc, argv);
+  SHARDKIT_PARSE(app, argc, argv);
   try {
     const auto report = shardkit::Inspect(path, verify);
     if (json) std::cout << shardkit::ReportToJson(report).dump(2) << "\n";

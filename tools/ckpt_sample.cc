@@ -10,6 +10,7 @@
 #include <random>
 
 #include "ckpt/checkpoint_store.h"
+#include "ckpt/cli.h"
 #include "ckpt/env.h"
 #include "ckpt/error.h"
 #include "ckpt/pt_file.h"
@@ -50,7 +51,7 @@ int main(int argc, char** argv) {
   app.add_option("--layers", layers)->check(CLI::Range(1, 64));
   app.add_option("--hidden", hidden)->check(CLI::Range(8, 8192));
   app.add_option("--vocab", vocab)->check(CLI::Range(8, 1 << 20));
-  CLI11_PARSE(app, argc, argv);
+  SHARDKIT_PARSE(app, argc, argv);
   try {
     std::mt19937 rng(1234);
     const int64_t H = hidden, F = hidden * 8 / 3, V = vocab;

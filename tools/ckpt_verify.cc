@@ -11,8 +11,10 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/checkpoint_store.h"
+#include "ckpt/cli.h"
 #include "ckpt/error.h"
 #include "ckpt/tag_verify.h"
+#include "ckpt/tag_writer.h"
 
 namespace {
 
@@ -30,8 +32,14 @@ int Gc(ckpt::Env* env, const std::string& dir, bool dry_run, bool json) {
     return 1;
   }
   nlohmann::ordered_json removed = nlohmann::ordered_json::array();
+  nlohmann::ordered_json kept = nlohmann::ordered_json::array();
   for (const auto& t : ckpt::ListTags(env, dir)) {
     if (t.has_done || t.listed_in_newest) continue;
+    // Only what carries our markers or NxD's tag structure is ours to collect.
+    if (const std::string why = ckpt::NotATag(env, t.path); !why.empty() || env->ListDir(t.path).empty()) {
+      kept.push_back({{"path", t.path}, {"why", why.empty() ? "an empty folder, not a checkpoint tag" : why}});
+      continue;
+    }
     removed.push_back({{"path", t.path}, {"why", "incomplete: no done marker"}});
     if (!dry_run) ckpt::DeleteTag(env, t.path);
   }
@@ -42,11 +50,13 @@ int Gc(ckpt::Env* env, const std::string& dir, bool dry_run, bool json) {
     }
   if (!dry_run) env->SyncDir(dir);
   if (json) {
-    std::cout << nlohmann::ordered_json{{"dry_run", dry_run}, {"removed", removed}}.dump(2) << "\n";
+    std::cout << nlohmann::ordered_json{{"dry_run", dry_run}, {"removed", removed}, {"kept", kept}}.dump(2) << "\n";
   } else {
     for (const auto& r : removed)
       std::cout << (dry_run ? "would remove " : "removed ") << r["path"].get<std::string>() << " ("
                 << r["why"].get<std::string>() << ")\n";
+    for (const auto& k : kept)
+      std::cout << "left alone " << k["path"].get<std::string>() << ": not ours to remove (" << k["why"].get<std::string>() << ")\n";
     if (removed.empty()) std::cout << "nothing to remove\n";
   }
   return 0;
@@ -63,7 +73,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-checksums", no_checksums, "check sizes only");
   app.add_flag("--gc", gc, "remove incomplete tags and leftover temporaries");
   app.add_flag("--dry-run", dry_run, "with --gc: list what would be removed");
-  CLI11_PARSE(app, argc, argv);
+  SHARDKIT_PARSE(app, argc, argv);
   auto* env = ckpt::Env::Default();
   try {
     if (!env->IsDirectory(path)) throw ckpt::Error(path + ": not a directory");

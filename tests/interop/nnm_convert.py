@@ -519,9 +519,21 @@ class NnmToNxdt(TempDirTest):
             f.write("keep")
         self.assertIn("--overwrite", fails("--enable_parallel_processing", "False"))
         self.assertEqual(os.listdir(out), ["mine.txt"])
+        # --overwrite replaces only a checkpoint tag; a folder of the user's files is refused, its contents named.
+        err = fails("--overwrite")
+        self.assertIn("not a checkpoint tag", err)
+        self.assertIn("mine.txt", err)
+        self.assertEqual(os.listdir(out), ["mine.txt"])
+        os.remove(os.path.join(out, "mine.txt"))
+        self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--enable_parallel_processing", "no")
         self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--overwrite", "--enable_parallel_processing", "no")
-        self.assertFalse(os.path.exists(os.path.join(out, "mine.txt")))
         run(VERIFY, out)
+        # An output that is the input, or lies inside it, is refused before anything is touched.
+        for target in (nnm, os.path.join(nnm, "tp_rank_00_pp_rank_000", "out.ckpt"), self.dir):
+            p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", target, "--overwrite", check=False)
+            self.assertEqual(p.returncode, 1, p.stderr)
+            self.assertIn("the input --nnm_ckpt_path", p.stderr)
+        self.assertEqual(sorted(os.listdir(os.path.join(nnm, "tp_rank_00_pp_rank_000"))), [os.path.basename(victim)])
 
     def test_mpirun_ranks_split_the_files_and_write_what_one_process_writes(self):
         nnm = os.path.join(self.dir, "nnm")
