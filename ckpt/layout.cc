@@ -20,7 +20,8 @@ std::string RankFileName(const RankCoord& r) {
 }
 
 std::optional<RankCoord> ParseRankFileName(const std::string& name) {
-  static const std::regex re(R"(dp_rank_(\d+)(?:_ep_rank_\d+)?_tp_rank_(\d+)_pp_rank_(\d+)\.pt)");
+  // At most 6 digits: longer numbers are no rank file (and would overflow int).
+  static const std::regex re(R"(dp_rank_(\d{1,6})(?:_ep_rank_\d{1,6})?_tp_rank_(\d{1,6})_pp_rank_(\d{1,6})\.pt)");
   std::smatch m;
   if (!std::regex_match(name, m, re)) return std::nullopt;
   return RankCoord{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3])};
@@ -52,13 +53,17 @@ std::string FormatTagName(const TagName& t) {
 }
 
 std::optional<TagName> ParseTagName(const std::string& dir_name) {
-  static const std::regex re(R"((.*)--step=(\d+)-consumed_samples=([0-9.eE+-]+?)(-last)?\.ckpt)");
+  static const std::regex re(R"((.*)--step=(\d{1,18})-consumed_samples=([0-9.eE+-]+?)(-last)?\.ckpt)");
   std::smatch m;
   if (!std::regex_match(dir_name, m, re)) return std::nullopt;
   TagName t;
   t.name = m[1];
   t.step = std::stoll(m[2]);
-  t.consumed_samples = std::stod(m[3]);
+  try {
+    t.consumed_samples = std::stod(m[3]);
+  } catch (const std::exception&) {  // not a number ("1e999", "-"): not one of our names
+    return std::nullopt;
+  }
   t.last = m[4].matched;
   return t;
 }

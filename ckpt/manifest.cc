@@ -1,6 +1,8 @@
 #include "ckpt/manifest.h"
 
+#include <cmath>
 #include <cstdio>
+#include <limits>
 
 #include "ckpt/crc32.h"
 #include "ckpt/error.h"
@@ -30,26 +32,61 @@ nlohmann::ordered_json Manifest::ToJson() const {
           {"files", files_json}};
 }
 
+namespace {
+
+int64_t BoundedInt(const nlohmann::json& j, const char* key, int64_t lo, int64_t hi, const std::string& where) {
+  const nlohmann::json& v = j.at(key);
+  const bool fits = v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= static_cast<uint64_t>(hi));
+  const int64_t x = fits ? v.get<int64_t>() : 0;
+  if (!fits || x < lo || x > hi)
+    throw Error(where + ": malformed manifest: '" + key + "' is " + v.dump() + ", not a whole number from " + std::to_string(lo) +
+                " to " + std::to_string(hi));
+  return x;
+}
+
+}  // namespace
+
+FileDigest DigestFromJson(const nlohmann::json& d, const std::string& where) try {
+  if (!d.is_object()) throw Error(where + ": is " + d.dump() + ", not {\"size\", \"crc32\"}");
+  const nlohmann::json& hex = d.at("crc32");
+  if (!hex.is_string() || hex.get<std::string>().size() != 8 ||
+      hex.get<std::string>().find_first_not_of("0123456789abcdefABCDEF") != std::string::npos)
+    throw Error(where + ": malformed checksum " + hex.dump() + " (8 hex digits)");
+  return FileDigest{static_cast<uint64_t>(BoundedInt(d, "size", 0, int64_t{1} << 56, where)),
+                    static_cast<uint32_t>(std::stoul(hex.get<std::string>(), nullptr, 16))};
+} catch (const nlohmann::json::exception& e) {
+  throw Error(where + ": malformed: " + e.what());
+}
+
 Manifest Manifest::FromJson(const nlohmann::json& j, const std::string& source) {
   try {
-    if (j.at("format") != "shardkit-checkpoint-manifest") throw Error(source + ": not a shardkit manifest");
+    if (!j.is_object() || j.at("format") != "shardkit-checkpoint-manifest") throw Error(source + ": not a shardkit manifest");
     if (j.at("version") != 1) throw Error(source + ": unsupported manifest version " + j.at("version").dump());
     Manifest m;
-    m.step = j.at("step");
-    m.consumed_samples = j.at("consumed_samples");
+    m.step = BoundedInt(j, "step", 0, std::numeric_limits<int64_t>::max(), source);
+    const nlohmann::json& cs = j.at("consumed_samples");
+    if (!cs.is_number() || !(cs.get<double>() >= 0) || !std::isfinite(cs.get<double>()))
+      throw Error(source + ": malformed manifest: 'consumed_samples' is " + cs.dump());
+    m.consumed_samples = cs.get<double>();
     const auto& g = j.at("grid");
-    m.grid = RankGrid{g.at("tp"), g.at("pp"), g.at("dp"), g.at("zero1")};
-    m.world_size = j.at("world_size");
-    for (const auto& [p, d] : j.at("files").items()) {
-      const std::string hex = d.at("crc32");
-      if (hex.size() != 8) throw Error(source + ": file '" + p + "' has a malformed checksum");
-      m.files[p] = FileDigest{d.at("size"), static_cast<uint32_t>(std::stoul(hex, nullptr, 16))};
-    }
+    const std::string at = source + " grid";
+    m.grid = RankGrid{static_cast<int>(BoundedInt(g, "tp", 1, kMaxDegree, at)), static_cast<int>(BoundedInt(g, "pp", 1, kMaxDegree, at)),
+                      static_cast<int>(BoundedInt(g, "dp", 1, kMaxDegree, at)), g.at("zero1").get<bool>()};
+    const int64_t ranks = int64_t{m.grid.tp} * m.grid.pp * m.grid.dp;
+    if (ranks > kMaxRanks)
+      throw Error(source + ": malformed manifest: grid tp=" + std::to_string(m.grid.tp) + " pp=" + std::to_string(m.grid.pp) +
+                  " dp=" + std::to_string(m.grid.dp) + " has more than " + std::to_string(kMaxRanks) + " ranks");
+    m.world_size = static_cast<int>(BoundedInt(j, "world_size", 1, kMaxRanks, source));
+    if (!j.at("files").is_object()) throw Error(source + ": malformed manifest: 'files' is not an object");
+    for (const auto& [p, d] : j.at("files").items()) m.files[p] = DigestFromJson(d, source + ": file '" + p + "'");
+    // The files a complete tag of this grid holds must be among those listed.
+    if (int64_t{m.grid.tp} * m.grid.pp > static_cast<int64_t>(m.files.size()))
+      throw Error(source + ": malformed manifest: its grid tp=" + std::to_string(m.grid.tp) + " pp=" + std::to_string(m.grid.pp) +
+                  " needs " + std::to_string(int64_t{m.grid.tp} * m.grid.pp) + " model files, but it lists " +
+                  std::to_string(m.files.size()) + " files");
     return m;
   } catch (const nlohmann::json::exception& e) {
     throw Error(source + ": malformed manifest: " + e.what());
-  } catch (const std::invalid_argument&) {
-    throw Error(source + ": malformed manifest checksum");
   }
 }
 

@@ -53,6 +53,10 @@ Value LoadZip(std::shared_ptr<const MappedFile> file, const LoadOptions& opts) {
   if (opts.verify_crc)
     for (const auto& r : zip.records()) zip.VerifyCrc(r);
   const ZipRecord& pkl = zip.Get("data.pkl");
+  // The pickle is small and every value comes from it: its CRC-32 is always
+  // checked, as torch.load checks it (tensor records: with verify_crc, or as
+  // they are copied).
+  if (!opts.verify_crc) zip.VerifyCrc(pkl);
   auto pkl_bytes = zip.Read(pkl);
   std::unordered_map<std::string, std::shared_ptr<Storage>> loaded;
   PickleSource src;

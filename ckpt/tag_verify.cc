@@ -119,6 +119,14 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
     if (!r.grid) problem("model/", "no rank files (model/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt)");
   }
 
+  // A grid far larger than the files present (a rank file named tp_rank_99999999, say) is one
+  // problem, not millions of missing files.
+  if (r.grid && int64_t{r.grid->tp} * r.grid->pp * r.grid->dp > static_cast<int64_t>(files.size()) + 64) {
+    problem("model/", "rank file names imply a grid tp=" + std::to_string(r.grid->tp) + " pp=" + std::to_string(r.grid->pp) +
+                          " dp=" + std::to_string(r.grid->dp) + ", far more ranks than the " + std::to_string(files.size()) +
+                          " files present");
+    r.grid.reset();
+  }
   if (r.grid) {  // rank-grid completeness
     for (const auto& f : r.grid->ModelFiles())
       if (!present.count(f)) problem(f, "missing for the rank grid tp=" + std::to_string(r.grid->tp) + " pp=" + std::to_string(r.grid->pp));

@@ -160,7 +160,7 @@ void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
     const std::string path = RankRecordPath(tag_dir, r);
     if (!env->Exists(path)) return std::nullopt;
     nlohmann::json rec = nlohmann::json::parse(ReadSmallFile(env, path), nullptr, false);
-    if (rec.is_discarded() || !rec.contains("files") || !rec.contains("save_id"))
+    if (rec.is_discarded() || !rec.is_object() || !rec.contains("files") || !rec["files"].is_object() || !rec.contains("save_id"))
       throw Error(path + ": malformed rank completion record");
     if (rec["save_id"] != info.save_id) return std::nullopt;
     return rec;
@@ -179,7 +179,7 @@ void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
     }
     for (const auto& [p, d] : (*rec)["files"].items()) {
       if (m.files.count(p)) throw Error(RankRecordPath(tag_dir, r) + ": file '" + p + "' was also written by another rank");
-      m.files[p] = FileDigest{d.at("size"), static_cast<uint32_t>(std::stoul(d.at("crc32").get<std::string>(), nullptr, 16))};
+      m.files[p] = DigestFromJson(d, RankRecordPath(tag_dir, r) + ": file '" + p + "'");
     }
   }
   m.Save(env, tag_dir + "/" + kManifestFile);

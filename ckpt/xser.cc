@@ -31,6 +31,16 @@ void Resolve(Value& v, const std::string& dir, const LoadOptions& opts, Env* env
     if (!env->Exists(file)) throw Error(file + ": missing xser tensor file for tid " + std::to_string(tid));
     Value t = LoadPt(file, opts, env);
     if (!t.is_tensor()) throw Error(file + ": xser tensor file holds a " + t.kind_name() + ", not a tensor");
+    // NNM's TensorReference also declares the shape (torch-xla's holds the tid alone).
+    const Object& ref = v.as_object();
+    if (const Value* shape = ref.state && ref.state->is_dict() ? ref.state->as_dict().Find("shape") : nullptr;
+        shape && shape->is_seq()) {
+      std::vector<int64_t> dims;
+      for (const Value& d : shape->as_seq().items) dims.push_back(AsInteger(d, file + ": declared shape"));
+      if (dims != t.as_tensor().shape())
+        throw Error(file + ": holds a tensor of shape " + ShapeString(t.as_tensor().shape()) + ", but its TensorReference (tid " +
+                    std::to_string(tid) + ") declares " + ShapeString(dims));
+    }
     v = std::move(t);
     return;
   }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "ckpt/error.h"
@@ -182,7 +183,7 @@ bool ShiftLayerIndex(const std::string& key, int offset, std::string* out, int* 
     const bool at_segment = pos == 0 || key[pos - 1] == '.';
     size_t end = pos + kLayers.size(), d = end;
     while (d < key.size() && std::isdigit(static_cast<unsigned char>(key[d]))) ++d;
-    if (at_segment && d > end && (d == key.size() || key[d] == '.')) {
+    if (at_segment && d > end && d - end <= 6 && (d == key.size() || key[d] == '.')) {
       *local = std::stoi(key.substr(end, d - end));
       *out = key.substr(0, end) + std::to_string(*local + offset) + key.substr(d);
       return true;
@@ -246,6 +247,15 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
           if (diff.empty()) diff = "\n  (same keys in a different order)";
           throw Error(mine[c].where + ": keys differ from tensor-parallel rank 0 (" + ref[c].where + "):" + diff);
         }
+        // Megatron splits every tensor evenly (or replicates it), so each key has one shape on every tp rank.
+        for (size_t i = 0; i < a.size(); ++i) {
+          const Value& x = ref[c].dict->items[i].second;
+          const Value& y = mine[c].dict->items[i].second;
+          if (x.is_tensor() && y.is_tensor() && x.as_tensor().shape() != y.as_tensor().shape())
+            throw Error(mine[c].where + ": '" + a[i] + "' has shape " + ckpt::ShapeString(y.as_tensor().shape()) + " but " +
+                        ckpt::ShapeString(x.as_tensor().shape()) + " in " + ref[c].where +
+                        ": tensor-parallel shards of one model have equal shapes");
+        }
       }
     }
     for (size_t c = 0; c < n_chunks; ++c) plan.layers[c][p] = LayerCount(ref[c]);
@@ -254,6 +264,25 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
   std::vector<std::vector<int>> offset(n_chunks, std::vector<int>(pp));
   for (size_t c = 0; c < n_chunks; ++c)
     for (int p = 0; p < pp; ++p) offset[c][p] = plan.total_layers, plan.total_layers += plan.layers[c][p];
+  // The checkpoint's own record of its layout, when NNM saved one: a missing
+  // rank folder would otherwise pass for a smaller model.
+  {
+    const Value& first = inputs[0].checkpoint;
+    auto recorded = [&](const char* key) -> std::optional<int64_t> {
+      const Value* v = HyperParameter(first, key);
+      if (!v || v->is_none()) return std::nullopt;
+      return ckpt::AsInteger(*v, inputs[0].path + ": hyper_parameters.cfg." + key);
+    };
+    const std::optional<int64_t> htp = recorded("tensor_model_parallel_size"), hpp = recorded("pipeline_model_parallel_size"),
+                                 hlayers = recorded("num_layers");
+    if ((htp && *htp != tp) || (hpp && *hpp != pp))
+      throw Error(inputs[0].path + ": hyper_parameters.cfg records tensor_model_parallel_size=" + (htp ? std::to_string(*htp) : "?") +
+                  " pipeline_model_parallel_size=" + (hpp ? std::to_string(*hpp) : "?") + ", but " + src.root + " holds the rank files of tp=" +
+                  std::to_string(tp) + " pp=" + std::to_string(pp) + " (" + src.layout + "): rank folders are missing or extra");
+    if (hlayers && *hlayers != plan.total_layers)
+      throw Error(inputs[0].path + ": hyper_parameters.cfg records num_layers=" + std::to_string(*hlayers) + ", but the rank files hold " +
+                  std::to_string(plan.total_layers) + " layers");
+  }
   if (opts.n_layers > 0 && opts.n_layers != plan.total_layers) {
     std::string per;
     for (size_t c = 0; c < n_chunks; ++c)

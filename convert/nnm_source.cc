@@ -55,7 +55,7 @@ struct RankDir {
 };
 
 std::vector<RankDir> RankDirs(ckpt::Env* env, const std::string& root, int* tp, int* pp, std::string* layout) {
-  static const std::regex mp_re(R"(mp_rank_(\d+))"), tppp_re(R"(tp_rank_(\d+)_pp_rank_(\d+))");
+  static const std::regex mp_re(R"(mp_rank_(\d{1,6}))"), tppp_re(R"(tp_rank_(\d{1,6})_pp_rank_(\d{1,6}))");
   std::map<std::pair<int, int>, std::string> mp, tppp;  // (pp, tp) -> dir
   for (const auto& n : env->ListDir(root)) {
     std::smatch m;
@@ -140,7 +140,7 @@ NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::
   for (const auto& d : dirs) s.files[d.pp * s.tp + d.tp] = d.path + "/" + s.file_name;
 
   // ZeRO-1 optimizer files.
-  static const std::regex dp_re(R"(dp_rank_(\d+))");
+  static const std::regex dp_re(R"(dp_rank_(\d{1,6}))");
   std::vector<int> dps;
   for (const auto& d : dirs) {
     const std::string optim = d.path + "/optim";

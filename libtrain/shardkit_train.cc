@@ -33,5 +33,11 @@ int main(int argc, char** argv) {
   } catch (const ckpt::Error& e) {
     std::cerr << "shardkit-train: " << e.what() << "\n";
     return 1;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "shardkit-train: out of memory building or training this model; check the model sizes in " << argv[1] << "\n";
+    return 1;
+  } catch (const std::exception& e) {  // a library's own error: still a message and an exit code, never an abort
+    std::cerr << "shardkit-train: " << e.what() << "\n";
+    return 1;
   }
 }

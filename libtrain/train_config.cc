@@ -1,5 +1,7 @@
 #include "libtrain/train_config.h"
 
+#include <cmath>
+
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -11,6 +13,21 @@
 #include "migrate/yaml_tree.h"
 
 namespace train {
+namespace {
+
+// A whole-string number, or NaN.
+double ParseNumber(const std::string& text) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(text, &used);
+    return used == text.size() ? v : NAN;
+  } catch (const std::exception&) {
+    return NAN;
+  }
+}
+
+}  // namespace
+
 namespace {
 
 using migrate::Find;
@@ -31,7 +48,12 @@ class Reader {
     const YAML::Node n = Find(root_, key);
     static const std::regex integer(R"([+-]?\d+)");
     if (!n.IsScalar() || !std::regex_match(n.Scalar(), integer)) Fail(key, migrate::Describe(n) + " is not an integer");
-    const int64_t v = std::stoll(n.Scalar());
+    int64_t v = 0;
+    try {
+      v = std::stoll(n.Scalar());
+    } catch (const std::out_of_range&) {
+      Fail(key, n.Scalar() + " is out of range");
+    }
     if (v < min) Fail(key, std::to_string(v) + " must be at least " + std::to_string(min));
     return v;
   }
@@ -139,7 +161,13 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
     c.data_prefix.push_back({1.0, prefix.Scalar()});
   } else if (prefix.IsSequence()) {
     if (prefix.size() % 2) r.Fail("data.data_prefix", "must alternate weights and prefixes");
-    for (size_t i = 0; i < prefix.size(); i += 2) c.data_prefix.push_back({std::stod(prefix[i].Scalar()), prefix[i + 1].Scalar()});
+    for (size_t i = 0; i < prefix.size(); i += 2) {
+      const std::string at = "data.data_prefix[" + std::to_string(i) + "]";
+      if (!prefix[i].IsScalar() || !prefix[i + 1].IsScalar()) r.Fail(at, "must alternate weights and prefixes (plain values)");
+      const double w = ParseNumber(prefix[i].Scalar());
+      if (!(w >= 0) || !std::isfinite(w)) r.Fail(at, "weight '" + prefix[i].Scalar() + "' is not a number >= 0");
+      c.data_prefix.push_back({w, prefix[i + 1].Scalar()});
+    }
   } else {
     r.Fail("data.data_prefix", "a mapping of splits is not supported yet; give [weight, prefix, ...]");
   }
@@ -208,7 +236,12 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
   c.optim.do_layer_norm_weight_decay = r.Bool("model.do_layer_norm_weight_decay", false);
   const YAML::Node betas = Find(r.root(), "model.optim.betas");
   if (betas.IsDefined() && (!betas.IsSequence() || betas.size() != 2)) r.Fail("model.optim.betas", "must be a list of two numbers");
-  if (betas.IsDefined()) c.optim.beta1 = std::stod(betas[0].Scalar()), c.optim.beta2 = std::stod(betas[1].Scalar());
+  if (betas.IsDefined()) {
+    const double b[2] = {betas[0].IsScalar() ? ParseNumber(betas[0].Scalar()) : NAN, betas[1].IsScalar() ? ParseNumber(betas[1].Scalar()) : NAN};
+    for (double x : b)
+      if (!(x >= 0 && x < 1)) r.Fail("model.optim.betas", "must be two numbers in [0, 1)");
+    c.optim.beta1 = b[0], c.optim.beta2 = b[1];
+  }
   const std::string opt_name = r.Str("model.optim.name", "adamw");
   if (opt_name != "adamw") r.Fail("model.optim.name", "'" + opt_name + "' is not supported (adamw is)");
   c.sched.name = r.Str("model.optim.sched.name", "CosineAnnealing");
@@ -216,6 +249,20 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
   c.sched.constant_steps = r.Int("model.optim.sched.constant_steps", 0, 0);
   c.sched.max_steps = r.Int("model.optim.sched.max_steps", c.max_steps, 1);
   c.sched.min_lr = r.Number("model.optim.sched.min_lr", 0.0);
+  // Values that train nothing sensible: refused by name, before any work.
+  auto require = [&](const char* key, double v, bool ok, const char* rule) {
+    if (!ok || !std::isfinite(v)) r.Fail(key, std::to_string(v) + " " + rule);
+  };
+  require("model.optim.lr", c.optim.lr, c.optim.lr > 0, "must be a positive number");
+  require("model.optim.weight_decay", c.optim.weight_decay, c.optim.weight_decay >= 0, "must not be negative");
+  require("model.optim.eps", c.optim.eps, c.optim.eps > 0, "must be a positive number");
+  require("model.optim.sched.min_lr", c.sched.min_lr, c.sched.min_lr >= 0 && c.sched.min_lr <= c.optim.lr,
+          "must be from 0 to model.optim.lr");
+  require("trainer.gradient_clip_val", c.gradient_clip_val, c.gradient_clip_val >= 0, "must not be negative");
+  require("model.layernorm_epsilon", m.eps, m.eps > 0, "must be a positive number");
+  require("model.rope_theta", m.rope_theta, m.rope_theta > 0, "must be a positive number");
+  require("model.rotary_percentage", m.rotary_percentage, m.rotary_percentage > 0 && m.rotary_percentage <= 1, "must be in (0, 1]");
+  require("model.init_method_std", m.init_std, m.init_std > 0, "must be a positive number");
   if (c.sched.name != "CosineAnnealing" && c.sched.name != "LinearAnnealingWithWarmUp")
     r.Fail("model.optim.sched.name", "'" + c.sched.name + "' is not supported (CosineAnnealing, LinearAnnealingWithWarmUp)");
   if (c.sched.name == "CosineAnnealing" && c.sched.min_lr > c.optim.lr)

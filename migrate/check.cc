@@ -1,5 +1,6 @@
 #include "migrate/check.h"
 
+#include <algorithm>
 #include <optional>
 #include <regex>
 
@@ -48,7 +49,55 @@ std::optional<long long> IntAt(const YAML::Node& root, std::string path, int dep
   }
   static const std::regex integer(R"([+-]?\d+)");
   if (!std::regex_match(n.Scalar(), integer)) return std::nullopt;
-  return std::stoll(n.Scalar());
+  try {
+    return std::stoll(n.Scalar());
+  } catch (const std::out_of_range&) {
+    return std::nullopt;
+  }
+}
+
+// A number value, following plain ${a.b} interpolations.
+std::optional<double> NumberAt(const YAML::Node& root, std::string path, int depth = 0) {
+  const YAML::Node n = Find(root, path);
+  if (!n.IsDefined() || !n.IsScalar() || depth > 16) return std::nullopt;
+  if (HasInterpolation(n.Scalar())) {
+    auto target = SoleTarget(n.Scalar(), path);
+    return target ? NumberAt(root, *target, depth + 1) : std::nullopt;
+  }
+  if (!Matches(n, ValueType::kNumber)) return std::nullopt;
+  try {
+    return std::stod(n.Scalar());
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+// Plain ${a.b} chains that come back to where they started (OmegaConf fails
+// on them at run time), and ones that point at nothing.
+void CheckInterpolationChains(const YAML::Node& cfg, std::vector<std::string>* problems) {
+  std::vector<std::string> leaves;
+  Leaves(cfg, "", &leaves);
+  for (const auto& leaf : leaves) {
+    std::vector<std::string> chain = {leaf};
+    std::string at = leaf;
+    while (true) {
+      const YAML::Node n = Find(cfg, at);
+      if (!n.IsDefined()) {
+        if (chain.size() > 1) problems->push_back(chain.front() + ": interpolation points to " + at + ", which is not set");
+        break;
+      }
+      if (!n.IsScalar() || !HasInterpolation(n.Scalar())) break;
+      const auto next = SoleTarget(n.Scalar(), at);
+      if (!next) break;
+      if (std::find(chain.begin(), chain.end(), *next) != chain.end()) {
+        std::string loop;
+        for (const auto& c : chain) loop += c + " -> ";
+        if (*next == chain.front()) problems->push_back(chain.front() + ": interpolation cycle " + loop + *next);
+        break;
+      }
+      chain.push_back(at = *next);
+    }
+  }
 }
 
 }  // namespace
@@ -97,7 +146,25 @@ std::vector<std::string> CheckNxdt(const YAML::Node& cfg) {
   if (layers && pp >= 1 && *layers % pp && !cuts)
     problems.push_back("model.num_layers (" + std::to_string(*layers) + ") does not divide evenly over pipeline_model_parallel_size (" +
                        std::to_string(pp) + "); give model.pipeline_cuts or change the sizes");
+  // Sizes that make no model.
+  for (const char* key : {"model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.ffn_hidden_size",
+                          "model.encoder_seq_length", "model.max_position_embeddings", "model.num_kv_heads", "data.global_batch_size",
+                          "data.micro_batch_size", "data.seq_length", "trainer.devices", "trainer.num_nodes", "trainer.max_steps"})
+    if (const auto v = IntAt(cfg, key); v && *v < 1) problems.push_back(std::string(key) + ": " + std::to_string(*v) + " must be at least 1");
+  const auto hidden = IntAt(cfg, "model.hidden_size"), kv = IntAt(cfg, "model.num_kv_heads");
   const auto heads = IntAt(cfg, "model.num_attention_heads");
+  if (hidden && heads && *heads >= 1 && *hidden >= 1 && *hidden % *heads)
+    problems.push_back("model.hidden_size (" + std::to_string(*hidden) + ") is not divisible by model.num_attention_heads (" +
+                       std::to_string(*heads) + ")");
+  if (kv && heads && *kv >= 1 && *heads >= 1 && *heads % *kv)
+    problems.push_back("model.num_kv_heads (" + std::to_string(*kv) + ") does not divide model.num_attention_heads (" +
+                       std::to_string(*heads) + ")");
+  if (const auto lr = NumberAt(cfg, "model.optim.lr"); lr && !(*lr > 0))
+    problems.push_back("model.optim.lr: " + std::to_string(*lr) + " must be positive");
+  for (const char* key : {"model.optim.weight_decay", "model.optim.sched.min_lr", "model.optim.sched.warmup_steps",
+                          "model.optim.sched.constant_steps", "trainer.gradient_clip_val"})
+    if (const auto v = NumberAt(cfg, key); v && !(*v >= 0)) problems.push_back(std::string(key) + ": " + std::to_string(*v) + " must not be negative");
+  CheckInterpolationChains(cfg, &problems);
   if (heads && tp >= 1 && *heads % tp)
     problems.push_back("model.num_attention_heads (" + std::to_string(*heads) + ") is not divisible by tensor_model_parallel_size (" +
                        std::to_string(tp) + ")");

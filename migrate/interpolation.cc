@@ -132,7 +132,11 @@ std::string EvaluateResolvers(const std::string& text) {
     std::string product;
     try {
       if (a.find_first_of(".eE") == std::string::npos && b.find_first_of(".eE") == std::string::npos)
-        product = std::to_string(std::stoll(a) * std::stoll(b));
+      {
+        long long p = 0;
+        if (__builtin_mul_overflow(std::stoll(a), std::stoll(b), &p)) throw std::out_of_range("product");
+        product = std::to_string(p);
+      }
       else
         product = std::to_string(std::stod(a) * std::stod(b));
     } catch (const std::exception&) {

@@ -3,7 +3,9 @@
 // Migrates an NNM config (stdin without INPUT) to the NxDT schema, applying
 // Hydra-style overrides first; writes YAML to OUTPUT (or stdout), a summary
 // of every key's fate to stderr, and with --report the same as JSON.
-// Exit codes: 0 done, 1 --check found problems, 2 bad input (nothing written).
+// Exit codes: 0 done, 1 --check found problems (a migration whose output
+// would not pass --check writes nothing unless --allow-incomplete), 2 bad
+// input (nothing written).
 #include <CLI/CLI.hpp>
 #include <filesystem>
 #include <fstream>
@@ -47,6 +49,9 @@ int main(int argc, char** argv) {
   app.add_option("--report", report_path, "write the report as JSON here");
   app.add_option("--env", env_args, "launch environment NNM read precision from, e.g. XLA_USE_BF16=1");
   app.add_option("--check", check_path, "validate an NxDT config instead of migrating");
+  bool allow_incomplete = false;
+  app.add_flag("--allow-incomplete", allow_incomplete,
+               "write the migrated config even when it does not pass --check (to edit it by hand)");
   app.allow_extras(false);
   SHARDKIT_PARSE(app, argc, argv);
   try {
@@ -86,6 +91,13 @@ int main(int argc, char** argv) {
     for (const auto& o : overrides) m.report.overrides.push_back(o.text);
     const std::string yaml = migrate::EmitYaml(m.config);
     const std::string report = m.report.ToJson().dump(2) + "\n";
+    if (!m.report.check_problems.empty() && !allow_incomplete) {
+      std::cerr << m.report.Summary();
+      std::cerr << "nnm2nxdt-config: the migrated config does not pass --check (" << m.report.check_problems.size()
+                << " problem(s) above); nothing was written. Set the missing values with overrides (e.g. "
+                   "model.data.data_prefix=[1.0,/path/prefix]), or pass --allow-incomplete to write it for editing\n";
+      return 1;
+    }
     std::vector<ckpt::FileContent> files;
     if (!output.empty()) files.push_back({output, Text(yaml)});
     if (!report_path.empty()) files.push_back({report_path, Text(report)});

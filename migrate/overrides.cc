@@ -24,10 +24,13 @@ Override ParseOverride(const std::string& arg) {
   const std::string text = rest.substr(eq + 1);
   try {
     // A flow context parses what Hydra accepts: scalars, [a, b], {k: v}.
-    YAML::Node doc = YAML::Load("v: " + (text.empty() ? std::string("''") : text));
+    YAML::Node doc = LoadYaml("v: " + (text.empty() ? std::string("''") : text), "override '" + arg + "'");
     o.value = doc["v"];
-  } catch (const YAML::Exception& e) {
-    throw InputError("override '" + arg + "': value '" + text + "' does not parse: " + e.msg);
+  } catch (const InputError& e) {
+    const std::string why = e.what();
+    const size_t at = why.find("not valid YAML: ");
+    if (at == std::string::npos) throw;  // bounds (alias bombs, depth): as they are
+    throw InputError("override '" + arg + "': value '" + text + "' does not parse: " + why.substr(at + 16));
   }
   return o;
 }

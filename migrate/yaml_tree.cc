@@ -25,13 +25,77 @@ void CheckDuplicates(const YAML::Node& n, const std::string& prefix, const std::
 
 }  // namespace
 
+namespace {
+
+// A parsed document is a graph: an alias shares its anchor's node. Walking it
+// as a tree, every later pass would expand aliases (exponentially for a
+// "billion laughs" file) and never end on an alias inside its own anchor.
+// So the graph is walked once here, as every later pass will see it, and
+// refused past fixed bounds, which no real config comes near.
+constexpr int kMaxYamlDepth = 64;
+constexpr size_t kMaxYamlValues = 1 << 16;  // after alias expansion
+
+void CheckBounds(const YAML::Node& n, std::vector<YAML::Node>& path, size_t& values, const std::string& source) {
+  const std::string at = source + ":" + std::to_string(n.Mark().line + 1);
+  for (const auto& p : path)
+    if (p.is(n)) throw InputError(at + ": an alias refers to a node that contains it; such a value never ends");
+  if (++values > kMaxYamlValues)
+    throw InputError(source + ": more than " + std::to_string(kMaxYamlValues) +
+                     " values once its aliases are expanded (an alias bomb?); refusing to expand it");
+  if (static_cast<int>(path.size()) >= kMaxYamlDepth)
+    throw InputError(at + ": nested more than " + std::to_string(kMaxYamlDepth) + " levels deep");
+  if (!n.IsMap() && !n.IsSequence()) return;
+  path.push_back(n);
+  for (auto it = n.begin(); it != n.end(); ++it) {
+    if (n.IsMap()) {
+      CheckBounds(it->first, path, values, source);
+      CheckBounds(it->second, path, values, source);
+    } else {
+      CheckBounds(*it, path, values, source);
+    }
+  }
+  path.pop_back();
+}
+
+// Flow collections nest without limit in the parser itself, which recurses
+// per level: refuse deep nesting before parsing.
+void CheckFlowDepth(const std::string& text, const std::string& source) {
+  int depth = 0, line = 1;
+  char quote = 0;
+  for (char c : text) {
+    if (c == '\n') {
+      ++line;
+      if (depth == 0) quote = 0;  // an apostrophe in a plain block scalar ends with its line
+      continue;
+    }
+    if (quote) {
+      if (c == quote) quote = 0;
+      continue;
+    }
+    if (c == '"' || c == '\'') {
+      quote = c;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxYamlDepth)
+        throw InputError(source + ":" + std::to_string(line) + ": nested more than " + std::to_string(kMaxYamlDepth) + " levels deep");
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+}
+
+}  // namespace
+
 YAML::Node LoadYaml(const std::string& text, const std::string& source) {
   YAML::Node root;
+  CheckFlowDepth(text, source);
   try {
     root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
     throw InputError(source + ":" + std::to_string(e.mark.line + 1) + ": not valid YAML: " + e.msg);
   }
+  std::vector<YAML::Node> path;
+  size_t values = 0;
+  CheckBounds(root, path, values, source);
   if (!root.IsMap())
     throw InputError(source + ": the top level must be a mapping of config sections, not " +
                      (root.IsNull() ? std::string("an empty document") : root.IsSequence() ? "a list" : "a scalar"));

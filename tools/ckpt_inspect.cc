@@ -20,7 +20,8 @@ int main(int argc, char** argv) {
     const auto report = shardkit::Inspect(path, verify);
     if (json) std::cout << shardkit::ReportToJson(report).dump(2) << "\n";
     else std::cout << shardkit::ReportToText(report);
-    return 0;
+    for (const auto& p : report.problems) std::cerr << "ckpt-inspect: " << path << ": " << p << "\n";
+    return report.problems.empty() ? 0 : 1;
   } catch (const ckpt::Error& e) {
     std::cerr << "ckpt-inspect: " << e.what() << "\n";
     return 1;

@@ -7,6 +7,7 @@
 
 #include "ckpt/error.h"
 #include "ckpt/pt_file.h"
+#include "ckpt/tag_verify.h"
 #include "ckpt/value_json.h"
 #include "ckpt/xser.h"
 
@@ -102,6 +103,9 @@ InspectReport Inspect(const std::string& path, bool verify_crc, ckpt::Env* env) 
   CollectFiles(env, path, "", &files);
   if (files.empty()) throw ckpt::Error(path + ": directory holds no .pt or .ckpt files");
   for (const auto& rel : files) r.files.push_back(InspectFile(path + "/" + rel, rel, verify_crc, env));
+  if (r.kind == "nxdt_tag")
+    for (const auto& p : ckpt::VerifyTag(env, path, {.checksums = verify_crc}).problems)
+      r.problems.push_back((p.file.empty() ? "" : p.file + ": ") + p.what);
   return r;
 }
 
@@ -124,6 +128,7 @@ nlohmann::ordered_json ReportToJson(const InspectReport& r) {
   }
   j["files"] = files;
   j["totals"] = {{"files", r.files.size()}, {"tensors", tensors}, {"tensor_bytes", bytes}};
+  j["problems"] = r.problems;
   return j;
 }
 
@@ -173,6 +178,7 @@ std::string ReportToText(const InspectReport& r) {
     }
   }
   o << "total: " << r.files.size() << " files, " << total_t << " tensors, " << total_b << " bytes\n";
+  for (const auto& p : r.problems) o << "problem: " << p << "\n";
   return o.str();
 }
 

@@ -32,6 +32,9 @@ struct InspectReport {
   std::string kind;  // "file", "xser", "nxdt_tag", "nnm_folder", "directory"
   std::vector<std::string> markers;  // done, checkpoint, newest, manifest.json present
   std::vector<InspectedFile> files;
+  // For a tag: what ckpt-verify finds wrong (missing rank files, sizes or
+  // checksums against the manifest, no `done`); the command exits 1 when any.
+  std::vector<std::string> problems;
 };
 
 // Throws ckpt::Error naming the offending file.

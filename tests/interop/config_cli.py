@@ -25,7 +25,12 @@ class ConfigCli(TempDirTest):
 
     def test_file_to_file_with_report(self):
         out, rep = self.path("out.yaml"), self.path("rep.json")
+        # Its output would not pass --check (data_prefix is ???): nothing is written without --allow-incomplete.
         p = run(NNM, "-o", out, "--report", rep, "model.tensor_model_parallel_size=2", "+model.save_xser=True")
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn("does not pass --check", p.stderr)
+        self.assertFalse(os.path.exists(out) or os.path.exists(rep))
+        p = run(NNM, "-o", out, "--report", rep, "model.tensor_model_parallel_size=2", "+model.save_xser=True", "--allow-incomplete")
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertEqual(p.stdout, "")
         with open(rep) as f:
