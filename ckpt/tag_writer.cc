@@ -149,6 +149,17 @@ std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& ta
   return digests;
 }
 
+RankRecord ParseRankRecord(const std::string& text, const std::string& where) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("files") || !j["files"].is_object() || !j.contains("save_id") ||
+      !j["save_id"].is_string())
+    throw Error(where + ": malformed rank completion record");
+  RankRecord rec;
+  rec.save_id = j["save_id"].get<std::string>();
+  for (const auto& [p, d] : j["files"].items()) rec.files[p] = DigestFromJson(d, where + ": file '" + p + "'");
+  return rec;
+}
+
 void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
   Manifest m;
   m.step = info.step;
@@ -156,18 +167,16 @@ void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
   m.grid = info.grid;
   m.world_size = info.world_size;
   // A record counts once it exists and belongs to this save.
-  auto record = [&](int r) -> std::optional<nlohmann::json> {
+  auto record = [&](int r) -> std::optional<RankRecord> {
     const std::string path = RankRecordPath(tag_dir, r);
     if (!env->Exists(path)) return std::nullopt;
-    nlohmann::json rec = nlohmann::json::parse(ReadSmallFile(env, path), nullptr, false);
-    if (rec.is_discarded() || !rec.is_object() || !rec.contains("files") || !rec["files"].is_object() || !rec.contains("save_id"))
-      throw Error(path + ": malformed rank completion record");
-    if (rec["save_id"] != info.save_id) return std::nullopt;
+    RankRecord rec = ParseRankRecord(ReadSmallFile(env, path), path);
+    if (rec.save_id != info.save_id) return std::nullopt;
     return rec;
   };
   const auto deadline = std::chrono::steady_clock::now() + info.rank_timeout;
   for (int r = 0; r < info.world_size; ++r) {
-    std::optional<nlohmann::json> rec;
+    std::optional<RankRecord> rec;
     const bool ok = WaitFor([&] { return (rec = record(r)).has_value(); },
                             std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()));
     if (!ok) {
@@ -177,9 +186,9 @@ void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
       throw Error(tag_dir + ": ranks " + missing + " did not finish writing within " +
                   std::to_string(info.rank_timeout.count()) + " ms; the tag stays incomplete (no done)");
     }
-    for (const auto& [p, d] : (*rec)["files"].items()) {
+    for (const auto& [p, d] : rec->files) {
       if (m.files.count(p)) throw Error(RankRecordPath(tag_dir, r) + ": file '" + p + "' was also written by another rank");
-      m.files[p] = DigestFromJson(d, RankRecordPath(tag_dir, r) + ": file '" + p + "'");
+      m.files[p] = d;
     }
   }
   m.Save(env, tag_dir + "/" + kManifestFile);

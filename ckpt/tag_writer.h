@@ -19,6 +19,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,15 @@ struct CommitInfo {
   int world_size = 1;
   std::chrono::milliseconds rank_timeout{30 * 60 * 1000};
 };
+
+// A rank's completion record (.shardkit/rank_NNNNN.json): the save it belongs
+// to and the size and CRC-32 of every file it wrote. Throws ckpt::Error
+// naming `where` when malformed.
+struct RankRecord {
+  std::string save_id;
+  std::map<std::string, FileDigest> files;
+};
+RankRecord ParseRankRecord(const std::string& text, const std::string& where);
 
 // Rank 0: waits for every rank's record, writes manifest.json, then `done`.
 // Throws ckpt::Error naming the missing ranks on timeout (no `done` written).

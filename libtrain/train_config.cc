@@ -106,11 +106,21 @@ std::string TrainConfig::RunDir() const {
 }
 
 TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::string>& overrides) {
-  YAML::Node raw = migrate::LoadYaml(ReadFile(path), path);
+  return ParseTrainConfig(ReadFile(path), path, overrides);
+}
+
+TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, const std::vector<std::string>& overrides) {
+  YAML::Node raw = migrate::LoadYaml(text, path);
   std::vector<migrate::Override> ovs;
   for (const auto& o : overrides) ovs.push_back(migrate::ParseOverride(o));
   migrate::ApplyOverrides(raw, ovs);
-  const Reader r(migrate::ResolveInterpolations(raw), path);
+  YAML::Node resolved;
+  try {
+    resolved = migrate::ResolveInterpolations(raw);
+  } catch (const migrate::InputError& e) {
+    throw migrate::InputError(path + ": " + e.what());
+  }
+  const Reader r(resolved, path);
   TrainConfig c;
   c.source = path;
   c.name = r.Str("name", c.name);

@@ -49,5 +49,7 @@ struct TrainConfig {
 // Throws migrate::InputError (bad YAML or override) or ckpt::Error (bad
 // value), naming the file and key.
 TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::string>& overrides);
+// The same from the YAML text itself; `path` names it in errors and anchors relative paths.
+TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, const std::vector<std::string>& overrides);
 
 }  // namespace train

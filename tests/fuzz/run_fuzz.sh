@@ -1,25 +1,56 @@
 #!/usr/bin/env bash
-# Runs the pt_fuzz libFuzzer target for a bounded time on a fresh seed corpus.
+# Runs every libFuzzer target for a bounded time on a fresh seed corpus:
+#   pt_fuzz        the .pt readers (zip, legacy, pickle), SECONDS
+#   yaml_fuzz      YAML configs: migration, --check, training config, SECONDS
+#   manifest_fuzz  manifest.json and rank completion records, SECONDS / 2
 # Usage: run_fuzz.sh BUILD_DIR SECONDS. Fails on any crash, leak, UB or timeout.
 # -entropic=0: entropic scheduling spends ~90% of the time in its own
-# bookkeeping on this binary's ~80k features (measured: 21 vs 765 exec/s).
+# bookkeeping on pt_fuzz's ~80k features (measured: 21 vs 765 exec/s).
 set -euo pipefail
 build=$(cd "$1" && pwd) seconds=$2
 here=$(cd "$(dirname "$0")" && pwd)
-seeds=$(mktemp -d) work=$(mktemp -d)
-trap 'rm -rf "$seeds" "$work"' EXIT
-/usr/bin/python3 "$here/make_seeds.py" "$seeds"
-cd "$work"
-rc=0
-"$build/tests/fuzz/pt_fuzz" -max_total_time="$seconds" -entropic=0 -print_funcs=0 -max_len=65536 \
-  -rss_limit_mb=4096 -timeout=20 -print_final_stats=1 "$work" "$seeds" >fuzz.log 2>&1 || rc=$?
-grep -E "INITED|DONE|stat::number_of_executed_units|stat::peak_rss" fuzz.log || true
-if [ "$rc" -ne 0 ]; then
-  echo "fuzz: 0 passed, 1 failed (libFuzzer exit $rc)"
-  grep -A40 -E "ERROR|SUMMARY|==[0-9]+==" fuzz.log | head -80
-  for a in crash-* leak-* timeout-* oom-*; do [ -e "$a" ] && { echo "artifact $a:"; xxd "$a" | head -20; }; done
-  exit 1
-fi
-units=$(sed -n 's/^stat::number_of_executed_units: *//p' fuzz.log)
-[ -n "$units" ] && [ "$units" -gt 1000 ] || { echo "fuzz: 0 passed, 1 failed (only '${units:-0}' executions)"; exit 1; }
-echo "fuzz: 1 passed, 0 failed ($units inputs in ${seconds}s, no finding)"
+root=$(cd "$here/../.." && pwd)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+mkdir -p "$tmp/seeds/pt" "$tmp/seeds/yaml" "$tmp/seeds/manifest"
+/usr/bin/python3 "$here/make_seeds.py" "$tmp/seeds/pt"
+cp "$root"/conf/*.yaml "$root"/tests/data/configs/*.yaml "$tmp/seeds/yaml/"
+printf 'model: &a {x: 1, y: [*a]}\n' >"$tmp/seeds/yaml/alias.yaml"
+printf 'a: &a [1, 1]\nb: &b [*a, *a]\nc: [*b, *b]\nmodel: {n: ${a}, m: ${model.n}}\n' >"$tmp/seeds/yaml/laughs.yaml"
+cat >"$tmp/seeds/manifest/manifest.json" <<'JSON'
+{"format": "shardkit-checkpoint-manifest", "version": 1, "step": 3, "consumed_samples": 24.0,
+ "grid": {"tp": 1, "pp": 2, "dp": 1, "zero1": false}, "world_size": 2,
+ "files": {"model/dp_rank_00_tp_rank_00_pp_rank_00.pt": {"size": 1024, "crc32": "0a1b2c3d"},
+           "model/dp_rank_00_tp_rank_00_pp_rank_01.pt": {"size": 0, "crc32": "00000000"}}}
+JSON
+printf '{"rank": 1, "save_id": "run/step=3", "files": {"optim/x.pt": {"size": 7, "crc32": "deadbeef"}}}\n' \
+  >"$tmp/seeds/manifest/rank_00001.json"
+
+passed=0 failed=0
+fuzz() {  # NAME SECONDS MAX_LEN
+  local name=$1 secs=$2 max_len=$3 rc=0
+  mkdir -p "$tmp/work/$name"
+  (cd "$tmp/work/$name" && "$build/tests/fuzz/$name" -max_total_time="$secs" -entropic=0 -print_funcs=0 -max_len="$max_len" \
+    -rss_limit_mb=4096 -timeout=20 -print_final_stats=1 . "$tmp/seeds/${name%_fuzz}" >fuzz.log 2>&1) || rc=$?
+  local log=$tmp/work/$name/fuzz.log
+  grep -E "INITED|DONE|stat::number_of_executed_units|stat::peak_rss" "$log" | sed "s/^/$name: /" || true
+  local units
+  units=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+  if [ "$rc" -ne 0 ] || [ -z "$units" ] || [ "$units" -le 1000 ]; then
+    echo "fuzz: $name failed (libFuzzer exit $rc, ${units:-0} executions)"
+    grep -A40 -E "ERROR|SUMMARY|==[0-9]+==" "$log" | head -80 || true
+    for a in "$tmp/work/$name"/crash-* "$tmp/work/$name"/leak-* "$tmp/work/$name"/timeout-* "$tmp/work/$name"/oom-*; do
+      [ -e "$a" ] && { echo "artifact $a:"; xxd "$a" | head -20; }
+    done
+    failed=$((failed + 1))
+  else
+    echo "fuzz: $name: $units inputs in ${secs}s, no finding"
+    passed=$((passed + 1))
+  fi
+}
+fuzz pt_fuzz "$seconds" 65536
+fuzz yaml_fuzz "$seconds" 8192
+fuzz manifest_fuzz $((seconds / 2)) 8192
+echo "fuzz: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
