@@ -43,7 +43,7 @@ class Reader {
     const YAML::Node n = Find(root_, key);
     return n.IsDefined() && !n.IsNull();
   }
-  int64_t Int(const std::string& key, int64_t dflt, int64_t min = INT64_MIN) const {
+  int64_t Int(const std::string& key, int64_t dflt, int64_t min = INT64_MIN, int64_t max = INT64_MAX) const {
     if (!Has(key)) return dflt;
     const YAML::Node n = Find(root_, key);
     static const std::regex integer(R"([+-]?\d+)");
@@ -55,6 +55,7 @@ class Reader {
       Fail(key, n.Scalar() + " is out of range");
     }
     if (v < min) Fail(key, std::to_string(v) + " must be at least " + std::to_string(min));
+    if (v > max) Fail(key, std::to_string(v) + " must be at most " + std::to_string(max));
     return v;
   }
   double Number(const std::string& key, double dflt) const {
@@ -126,10 +127,10 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   c.name = r.Str("name", c.name);
   c.seed = static_cast<uint64_t>(r.Int("seed", 1234, 0));
 
-  c.max_steps = r.Int("trainer.max_steps", 1, 1);
+  c.max_steps = r.Int("trainer.max_steps", 1, 1, int64_t{1} << 40);
   c.log_every_n_steps = r.Int("trainer.log_every_n_steps", 1, 1);
   c.gradient_clip_val = r.Number("trainer.gradient_clip_val", 0.0);
-  const int64_t world = r.Int("trainer.devices", 1, 1) * r.Int("trainer.num_nodes", 1, 1);
+  const int64_t world = r.Int("trainer.devices", 1, 1, 1 << 20) * r.Int("trainer.num_nodes", 1, 1, 1 << 20);
 
   c.explicit_log_dir = r.Str("exp_manager.explicit_log_dir", "");
   c.exp_dir = r.Str("exp_manager.exp_dir", c.exp_dir);
@@ -147,20 +148,20 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   c.log_parameter_norm = r.Bool("exp_manager.log_parameter_norm", true);
   c.log_gradient_norm = r.Bool("exp_manager.log_gradient_norm", true);
 
-  const int64_t tp = r.Int("distributed_strategy.tensor_model_parallel_size", 1, 1);
-  const int64_t pp = r.Int("distributed_strategy.pipeline_model_parallel_size", 1, 1);
+  const int64_t tp = r.Int("distributed_strategy.tensor_model_parallel_size", 1, 1, 1 << 20);
+  const int64_t pp = r.Int("distributed_strategy.pipeline_model_parallel_size", 1, 1, 1 << 20);
   if (tp != 1 || pp != 1 || world != 1)
     r.Fail("distributed_strategy", "tp=" + std::to_string(tp) + " pp=" + std::to_string(pp) + " on " + std::to_string(world) +
                                        " devices: this trainer runs one process (TP=PP=DP=1); distributed training is not built yet");
   // NxDT's default; with one data-parallel rank it decides the optimizer file's layout.
   c.optim.zero1 = r.Bool("distributed_strategy.zero1", true);
 
-  c.micro_batch_size = r.Int("data.micro_batch_size", 1, 1);
-  c.global_batch_size = r.Int("data.global_batch_size", 1, 1);
+  c.micro_batch_size = r.Int("data.micro_batch_size", 1, 1, 1 << 24);
+  c.global_batch_size = r.Int("data.global_batch_size", 1, 1, 1 << 30);
   if (c.global_batch_size % c.micro_batch_size)
     r.Fail("data.global_batch_size", std::to_string(c.global_batch_size) + " is not a multiple of data.micro_batch_size (" +
                                          std::to_string(c.micro_batch_size) + ")");
-  c.seq_length = r.Int("data.seq_length", r.Int("model.encoder_seq_length", 128, 1), 1);
+  c.seq_length = r.Int("data.seq_length", r.Int("model.encoder_seq_length", 128, 1, 1 << 24), 1, 1 << 24);
   c.data_impl = r.Str("data.data_impl", "mmap");
   if (c.data_impl != "mmap" && c.data_impl != "hdf5")
     r.Fail("data.data_impl", "'" + c.data_impl + "' is not supported (mmap: Megatron indexed datasets; hdf5: one token dataset per file)");
@@ -183,11 +184,11 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   }
 
   ModelConfig& m = c.model;
-  m.layers = r.Int("model.num_layers", 2, 1);
-  m.hidden = r.Int("model.hidden_size", 64, 1);
-  m.ffn = r.Int("model.ffn_hidden_size", m.hidden * 4, 1);
-  m.heads = r.Int("model.num_attention_heads", 4, 1);
-  m.kv_heads = r.Int("model.num_kv_heads", m.heads, 1);
+  m.layers = r.Int("model.num_layers", 2, 1, 1 << 16);
+  m.hidden = r.Int("model.hidden_size", 64, 1, 1 << 20);
+  m.ffn = r.Int("model.ffn_hidden_size", m.hidden * 4, 1, 1 << 24);
+  m.heads = r.Int("model.num_attention_heads", 4, 1, 1 << 16);
+  m.kv_heads = r.Int("model.num_kv_heads", m.heads, 1, 1 << 16);
   if (m.hidden % m.heads) r.Fail("model.hidden_size", "must be divisible by num_attention_heads (" + std::to_string(m.heads) + ")");
   if (m.heads % m.kv_heads) r.Fail("model.num_kv_heads", "must divide num_attention_heads (" + std::to_string(m.heads) + ")");
   m.eps = static_cast<float>(r.Number("model.layernorm_epsilon", 1e-5));
@@ -214,7 +215,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   choice("model.transformer_block_type", "pre_ln", {"pre_ln"});
   m.bias = r.Bool("model.has_bias", false);
   m.tied_output = r.Bool("model.share_embeddings_and_output_weights", false);
-  m.max_positions = r.Int("model.max_position_embeddings", c.seq_length, 1);
+  m.max_positions = r.Int("model.max_position_embeddings", c.seq_length, 1, 1 << 24);
   if (m.learned_positions && c.seq_length > m.max_positions)
     r.Fail("model.max_position_embeddings", std::to_string(m.max_positions) + " is shorter than data.seq_length (" +
                                                 std::to_string(c.seq_length) + ")");
@@ -227,7 +228,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   // Vocabulary: model.vocab_size when given, else what the tokenizer holds.
   int64_t vocab = 0;
   if (r.Has("model.vocab_size")) {
-    vocab = r.Int("model.vocab_size", 0, 1);
+    vocab = r.Int("model.vocab_size", 0, 1, int64_t{1} << 31);
   } else {
     TokenizerSpec t{r.Str("data.tokenizer.library", "byte"), r.Str("data.tokenizer.type", ""),
                     r.Str("data.tokenizer.vocab_file", ""), r.Str("data.tokenizer.model", "")};
@@ -237,7 +238,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
       r.Fail("data.tokenizer", e.what());
     }
   }
-  const int64_t divisible = r.Int("model.make_vocab_size_divisible_by", 8, 1);
+  const int64_t divisible = r.Int("model.make_vocab_size_divisible_by", 8, 1, 1 << 20);
   m.vocab = (vocab + divisible - 1) / divisible * divisible;
 
   c.optim.lr = r.Number("model.optim.lr", 3e-4);
@@ -255,9 +256,9 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   const std::string opt_name = r.Str("model.optim.name", "adamw");
   if (opt_name != "adamw") r.Fail("model.optim.name", "'" + opt_name + "' is not supported (adamw is)");
   c.sched.name = r.Str("model.optim.sched.name", "CosineAnnealing");
-  c.sched.warmup_steps = r.Int("model.optim.sched.warmup_steps", 0, 0);
-  c.sched.constant_steps = r.Int("model.optim.sched.constant_steps", 0, 0);
-  c.sched.max_steps = r.Int("model.optim.sched.max_steps", c.max_steps, 1);
+  c.sched.warmup_steps = r.Int("model.optim.sched.warmup_steps", 0, 0, int64_t{1} << 40);
+  c.sched.constant_steps = r.Int("model.optim.sched.constant_steps", 0, 0, int64_t{1} << 40);
+  c.sched.max_steps = r.Int("model.optim.sched.max_steps", c.max_steps, 1, int64_t{1} << 40);
   c.sched.min_lr = r.Number("model.optim.sched.min_lr", 0.0);
   // Values that train nothing sensible: refused by name, before any work.
   auto require = [&](const char* key, double v, bool ok, const char* rule) {

@@ -124,8 +124,12 @@ std::vector<std::string> CheckNxdt(const YAML::Node& cfg) {
   const auto tp = IntAt(cfg, "distributed_strategy.tensor_model_parallel_size").value_or(1);
   const auto pp = IntAt(cfg, "distributed_strategy.pipeline_model_parallel_size").value_or(1);
   const auto devices = IntAt(cfg, "trainer.devices"), nodes = IntAt(cfg, "trainer.num_nodes");
-  if (tp < 1 || pp < 1) problems.push_back("distributed_strategy: tensor and pipeline parallel sizes must be at least 1");
-  if (devices && tp >= 1 && pp >= 1) {
+  if (tp < 1 || pp < 1 || tp > (1 << 20) || pp > (1 << 20))
+    problems.push_back("distributed_strategy: tensor and pipeline parallel sizes must be from 1 to 1048576");
+  // Degrees past a million ranks are nonsense, and their products would overflow.
+  constexpr long long kMaxRanks = 1 << 20;
+  auto sane = [&](long long v) { return v >= 1 && v <= kMaxRanks; };
+  if (devices && sane(*devices) && sane(nodes.value_or(1)) && sane(tp) && sane(pp)) {
     const long long world = *devices * nodes.value_or(1);
     if (world % (tp * pp)) {
       problems.push_back("distributed_strategy.tensor_model_parallel_size (" + std::to_string(tp) +
@@ -135,7 +139,7 @@ std::vector<std::string> CheckNxdt(const YAML::Node& cfg) {
     } else {
       const long long dp = world / (tp * pp);
       const auto gbs = IntAt(cfg, "data.global_batch_size"), mbs = IntAt(cfg, "data.micro_batch_size");
-      if (gbs && mbs && (*mbs < 1 || *gbs % (*mbs * dp)))
+      if (gbs && mbs && dp >= 1 && sane(*mbs) && *gbs % (*mbs * dp))
         problems.push_back("data.global_batch_size (" + std::to_string(*gbs) + ") is not a multiple of data.micro_batch_size (" +
                            std::to_string(*mbs) + ") * data-parallel size (" + std::to_string(dp) + ") = " +
                            std::to_string(*mbs * dp));
@@ -151,6 +155,9 @@ std::vector<std::string> CheckNxdt(const YAML::Node& cfg) {
                           "model.encoder_seq_length", "model.max_position_embeddings", "model.num_kv_heads", "data.global_batch_size",
                           "data.micro_batch_size", "data.seq_length", "trainer.devices", "trainer.num_nodes", "trainer.max_steps"})
     if (const auto v = IntAt(cfg, key); v && *v < 1) problems.push_back(std::string(key) + ": " + std::to_string(*v) + " must be at least 1");
+  for (const char* key : {"trainer.devices", "trainer.num_nodes"})
+    if (const auto v = IntAt(cfg, key); v && *v > kMaxRanks)
+      problems.push_back(std::string(key) + ": " + std::to_string(*v) + " is more than " + std::to_string(kMaxRanks) + " ranks");
   const auto hidden = IntAt(cfg, "model.hidden_size"), kv = IntAt(cfg, "model.num_kv_heads");
   const auto heads = IntAt(cfg, "model.num_attention_heads");
   if (hidden && heads && *heads >= 1 && *hidden >= 1 && *hidden % *heads)

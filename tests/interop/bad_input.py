@@ -192,8 +192,10 @@ class BadInput(TempDirTest):
                               ("micro_batch_size: 4", "micro_batch_size: 0", "data.micro_batch_size: 0 must be at least 1"),
                               ("lr: 3e-3", "lr: -3e-3", "model.optim.lr"),
                               ("num_kv_heads: 4", "num_kv_heads: 3", "model.num_kv_heads (3) does not divide"),
+                              ("devices: 1", "devices: 0", "trainer.devices: 0 must be at least 1"),  # once a division by zero
+                              ("devices: 1", "devices: 99999999999999", "trainer.devices"),
                               ("encoder_seq_length: 64", "encoder_seq_length: ${model.max_position_embeddings}", "interpolation cycle")):
-            path = os.path.join(self.dir, "bad_" + new.split(":")[0] + ".yaml")
+            path = os.path.join(self.dir, f"bad_{len(os.listdir(self.dir))}_" + new.split(":")[0] + ".yaml")
             self.assertIn(old, text)
             with open(path, "w") as f:
                 f.write(text.replace(old, new))
