@@ -117,7 +117,7 @@ void CheckpointStore::Persist(const Snapshot& snap) {
   // A complete tag under this name is another save's (a damaged one resume
   // skipped, or a later step of a run resumed from an earlier tag): set it
   // aside, never delete it. An incomplete one is an interrupted save of ours.
-  if (opts_.rank == 0 && env->Exists(tag_dir + "/" + kDoneMarker)) {
+  if (opts_.rank == 0 && env->Exists(tag_dir) && (env->Exists(tag_dir + "/" + kDoneMarker) || IsDamaged(FormatTagName(snap.tag)))) {
     const std::string why = IsDamaged(FormatTagName(snap.tag)) ? "damaged" : "superseded";
     std::string aside = tag_dir + "." + why;
     for (int n = 1; env->Exists(aside); ++n) aside = tag_dir + "." + why + "-" + std::to_string(n);
@@ -136,18 +136,22 @@ void CheckpointStore::Persist(const Snapshot& snap) {
     committed_.push_back(tag_dir);
   }
   if (opts_.log) opts_.log("checkpoint: saved " + tag_dir);
-  ApplyRetention();
+  ApplyRetention(snap.tag.step);
 }
 
 bool CheckpointStore::IsDamaged(const std::string& tag_name) const {
   return std::find(opts_.damaged.begin(), opts_.damaged.end(), tag_name) != opts_.damaged.end();
 }
 
-void CheckpointStore::ApplyRetention() {
+void CheckpointStore::ApplyRetention(int64_t saved_step) {
   if (opts_.save_top_k < 0) return;
+  // Only this run's line of saves is counted: tags named as ours up to the step
+  // just saved. Later steps (a run resumed from an earlier tag) and tags named
+  // otherwise are not this run's to delete; damaged ones are evidence.
   std::vector<TagEntry> complete;
   for (TagEntry& t : ListTags(opts_.env, opts_.dir))
-    if (t.has_done && !IsDamaged(t.dir_name)) complete.push_back(std::move(t));  // newest first; evidence stays
+    if (t.has_done && t.parsed && t.parsed->step <= saved_step && !IsDamaged(t.dir_name))
+      complete.push_back(std::move(t));  // newest first
   const size_t keep = std::max(1, opts_.save_top_k);   // the newest complete tag always stays
   for (size_t i = keep; i < complete.size(); ++i) {
     DeleteTag(opts_.env, complete[i].path);

@@ -12,8 +12,11 @@
 //    with its cause; the tag it was writing never gets `done`, and earlier
 //    complete tags are untouched.
 //  - Retention keeps the newest `save_top_k` complete tags by step (-1 keeps
-//    all). Deletes remove `done` first, so an interrupted delete never looks
-//    complete; the newest complete tag and in-progress tags are never deleted.
+//    all) among those named as ours with steps up to the one just saved: a
+//    later step (left by a run this one resumed before) or a tag named
+//    otherwise is never deleted. Deletes remove `done` first, so an
+//    interrupted delete never looks complete; the tag just saved and
+//    in-progress tags are never deleted.
 //    Tags named in `damaged` (found damaged at resume) are evidence: never
 //    deleted nor counted. A save whose name a complete tag already holds sets
 //    that tag aside as <name>.damaged[-N] (or .superseded[-N]), never deletes it.
@@ -78,7 +81,7 @@ class CheckpointStore {
  private:
   void WriterLoop();
   void Persist(const Snapshot& snap);
-  void ApplyRetention();
+  void ApplyRetention(int64_t saved_step);
   bool IsDamaged(const std::string& tag_name) const;
   void ThrowPendingError();
 

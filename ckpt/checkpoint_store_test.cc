@@ -286,6 +286,26 @@ TEST(Resume, DamagedTagsAreReportedKeptAndNeverCounted) {
             std::nullopt);
 }
 
+// A run resumed from an earlier tag saves steps that exist already: the old
+// tags are set aside, never deleted, and later steps are not its to count.
+TEST(CheckpointStore, RetentionAfterResumingFromAnEarlierTagKeepsLaterSteps) {
+  TempDir d("store");
+  auto* env = Env::Default();
+  {
+    CheckpointStore store({.dir = d.path()});
+    for (int step : {1, 2, 3}) store.Save(MakeSnapshot("m", step, kGrid, 1000, 10));
+  }
+  {
+    CheckpointStore store({.dir = d.path(), .save_top_k = 1});
+    store.Save(MakeSnapshot("m", 2, kGrid, 1000, 11));
+  }
+  std::vector<std::string> names;
+  for (const auto& t : ListTags(env, d.path())) names.push_back(t.dir_name);
+  EXPECT_EQ(names, (std::vector<std::string>{"m--step=3-consumed_samples=24.0.ckpt", "m--step=2-consumed_samples=16.0.ckpt"}));
+  EXPECT_TRUE(VerifyTag(env, TagPath(d, 2) + ".superseded").ok());  // the earlier save of step 2, whole
+  EXPECT_TRUE(VerifyTag(env, TagPath(d, 3)).ok());
+}
+
 TEST(Resume, StepBeatsModificationTime) {
   TempDir d("store");
   {

@@ -36,6 +36,10 @@ std::string RankFileName(const RankCoord& r);
 std::optional<RankCoord> ParseRankFileName(const std::string& name);
 
 // The parallel degrees of a checkpoint and what files they imply.
+// The most ranks (and so the largest tensor, pipeline or data-parallel degree)
+// any shardkit input may claim; past it a value is malformed, not large.
+inline constexpr int64_t kMaxRanks = 1 << 20;
+
 struct RankGrid {
   int tp = 1, pp = 1, dp = 1;
   // ZeRO-1: one optim file per dp rank; otherwise dp rank 0 only.

@@ -70,8 +70,8 @@ Manifest Manifest::FromJson(const nlohmann::json& j, const std::string& source) 
     m.consumed_samples = cs.get<double>();
     const auto& g = j.at("grid");
     const std::string at = source + " grid";
-    m.grid = RankGrid{static_cast<int>(BoundedInt(g, "tp", 1, kMaxDegree, at)), static_cast<int>(BoundedInt(g, "pp", 1, kMaxDegree, at)),
-                      static_cast<int>(BoundedInt(g, "dp", 1, kMaxDegree, at)), g.at("zero1").get<bool>()};
+    m.grid = RankGrid{static_cast<int>(BoundedInt(g, "tp", 1, kMaxRanks, at)), static_cast<int>(BoundedInt(g, "pp", 1, kMaxRanks, at)),
+                      static_cast<int>(BoundedInt(g, "dp", 1, kMaxRanks, at)), g.at("zero1").get<bool>()};
     const int64_t ranks = int64_t{m.grid.tp} * m.grid.pp * m.grid.dp;
     if (ranks > kMaxRanks)
       throw Error(source + ": malformed manifest: grid tp=" + std::to_string(m.grid.tp) + " pp=" + std::to_string(m.grid.pp) +

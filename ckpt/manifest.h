@@ -38,11 +38,6 @@ struct Manifest {
   void Save(Env* env, const std::string& path) const;  // atomic
 };
 
-// Bounds a manifest's grid must keep: each degree in [1, kMaxDegree], the
-// whole grid at most kMaxRanks ranks. A manifest past them is malformed.
-inline constexpr int64_t kMaxDegree = 1 << 16;
-inline constexpr int64_t kMaxRanks = 1 << 20;
-
 // One file's {"size", "crc32"} entry (a manifest's or a rank record's);
 // throws ckpt::Error naming `where` when malformed.
 FileDigest DigestFromJson(const nlohmann::json& entry, const std::string& where);

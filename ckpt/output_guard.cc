@@ -2,7 +2,9 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <vector>
 
 #include "ckpt/error.h"
 
@@ -11,29 +13,40 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// The path's components, without empty ones (a trailing separator).
+std::vector<std::string> Parts(const fs::path& p) {
+  std::vector<std::string> out;
+  for (const auto& c : p)
+    if (!c.empty() && c != ".") out.push_back(c.string());
+  return out;
+}
+
 // a == b, or b lies inside a.
 bool Contains(const fs::path& a, const fs::path& b) {
-  auto ai = a.begin(), bi = b.begin();
-  for (; ai != a.end(); ++ai, ++bi) {
-    if (ai->empty()) continue;  // a trailing separator
-    if (bi == b.end() || *ai != *bi) return false;
-  }
-  return true;
+  const auto pa = Parts(a), pb = Parts(b);
+  return pa.size() <= pb.size() && std::equal(pa.begin(), pa.end(), pb.begin());
+}
+
+// The path as the user meant it: "out.ckpt/" names out.ckpt.
+std::string WithoutTrailingSeparators(std::string p) {
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  return p;
 }
 
 }  // namespace
 
 std::string ResolvedPath(const std::string& path) {
   std::error_code ec;
-  fs::path p = fs::weakly_canonical(fs::absolute(path, ec), ec);
-  if (ec) p = fs::absolute(path).lexically_normal();
-  return p.string();
+  fs::path p = fs::weakly_canonical(fs::absolute(WithoutTrailingSeparators(path), ec), ec);
+  if (ec) p = fs::absolute(WithoutTrailingSeparators(path)).lexically_normal();
+  return WithoutTrailingSeparators(p.string());
 }
 
 void CheckOutputs(const std::vector<OutputPath>& outputs, const std::vector<InputPath>& inputs) {
   for (size_t i = 0; i < outputs.size(); ++i) {
-    const OutputPath& o = outputs[i];
+    OutputPath o = outputs[i];
     if (o.path.empty()) continue;
+    o.path = WithoutTrailingSeparators(o.path);  // lstat("link/") would follow the link
     const fs::path out = ResolvedPath(o.path);
     for (const InputPath& in : inputs) {
       if (in.path.empty()) continue;
@@ -47,7 +60,7 @@ void CheckOutputs(const std::vector<OutputPath>& outputs, const std::vector<Inpu
                     "; writing it could destroy the input. Choose an output outside it");
     }
     for (size_t j = 0; j < i; ++j)
-      if (!outputs[j].path.empty() && ResolvedPath(outputs[j].path) == out.string())
+      if (!outputs[j].path.empty() && ResolvedPath(WithoutTrailingSeparators(outputs[j].path)) == out.string())
         throw Error(o.option + " " + o.path + ": is also " + outputs[j].option + "; one would overwrite the other");
     struct stat st;
     if (::lstat(o.path.c_str(), &st) == 0) {

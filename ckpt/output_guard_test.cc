@@ -38,6 +38,14 @@ TEST(OutputGuard, OutputThatIsContainsOrLiesInsideAnInputIsRefused) {
   EXPECT_NE(ErrorOf([&] { CheckOutputs({{d.path() + "/alias", "-o", true}}, inputs); }).find("is the input"), std::string::npos);
   // A sibling whose name starts like the input is not inside it.
   EXPECT_EQ(ErrorOf([&] { CheckOutputs({{in + "2", "--nxdt_ckpt_path", true}}, inputs); }), "");
+  // Trailing separators name the same folder.
+  EXPECT_NE(ErrorOf([&] { CheckOutputs({{in + "/", "--nxdt_ckpt_path", true}}, {{in + "//", "--nnm_ckpt_path"}}); })
+                .find("is the input"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] { CheckOutputs({{d.path() + "/", "--nxdt_ckpt_path", true}}, inputs); }).find("contains the input"),
+            std::string::npos);
+  // "alias/" must not follow the link past the check.
+  EXPECT_NE(ErrorOf([&] { CheckOutputs({{d.path() + "/alias/", "-o", true}}, {}); }).find("symbolic link"), std::string::npos);
 }
 
 TEST(OutputGuard, TwoOutputsAtOnePathAndLinksAndNodesAreRefused) {

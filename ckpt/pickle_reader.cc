@@ -70,39 +70,60 @@ void Dismantle(const std::vector<Value>& roots, std::unordered_set<const void*> 
   }
 }
 
-// Rejects trees deeper than kMaxPickleDepth or with reference cycles, so
-// recursive walkers downstream are safe. Iterative DFS with colours.
-void CheckShape(const Value& root) {
+// The slots holding a container's children, to replace one in place.
+void ForEachChildSlot(Value& v, const std::function<void(Value&)>& fn) {
+  if (v.is_seq()) {
+    for (Value& c : v.as_seq().items) fn(c);
+  } else if (v.is_dict()) {
+    Dict& d = v.as_dict();
+    for (auto& [k, c] : d.items) fn(k), fn(c);
+    if (d.attrs) fn(*d.attrs);
+  } else if (v.is_object()) {
+    Object& o = v.as_object();
+    for (auto* p : {&o.args, &o.kwargs, &o.state})
+      if (*p) fn(**p);
+    for (Value& c : o.list_items) fn(c);
+    for (auto& [k, c] : o.dict_items) fn(k), fn(c);
+  }
+}
+
+// Rejects trees deeper than kMaxPickleDepth and cuts reference cycles, so
+// recursive walkers downstream are safe. A back-reference to a container
+// still being walked (omegaconf's DictConfig pickles each child with a
+// `_parent` pointing back up, and Lightning checkpoints hold one under
+// hyper_parameters) becomes None: nothing shardkit reads follows it.
+// Iterative DFS with colours.
+void CheckShape(Value& root) {
   struct Frame {
-    Value v;
-    std::vector<Value> children;
+    const void* id;
+    std::vector<Value*> children;
     size_t next = 0;
   };
   std::unordered_map<const void*, bool> state;  // false: on the path, true: done
   std::vector<Frame> path;
-  auto push = [&](const Value& v) {
+  auto push = [&](Value& v) {
     const void* id = ContainerId(v);
     if (!id) return;
     auto it = state.find(id);
     if (it != state.end()) {
-      if (!it->second) throw Error("pickle holds a reference cycle, which checkpoints never contain");
+      if (!it->second) v = Value();  // closes a cycle: cut it here
       return;
     }
     if (path.size() >= kMaxPickleDepth)
       throw Error("pickle nests deeper than " + std::to_string(kMaxPickleDepth) + " levels");
     state[id] = false;
-    Frame f{v, {}, 0};
-    ForEachChild(v, [&](const Value& c) { f.children.push_back(c); });
+    Frame f{id, {}, 0};
+    ForEachChildSlot(v, [&](Value& c) { f.children.push_back(&c); });
     path.push_back(std::move(f));
   };
   push(root);
   while (!path.empty()) {
     Frame& top = path.back();
     if (top.next < top.children.size()) {
-      Value child = top.children[top.next++];
-      push(child);
+      Value* child = top.children[top.next++];
+      push(*child);
     } else {
-      state[ContainerId(top.v)] = true;
+      state[top.id] = true;
       path.pop_back();
     }
   }

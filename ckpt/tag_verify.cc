@@ -151,7 +151,7 @@ std::vector<TagEntry> ListTags(Env* env, const std::string& checkpoint_dir) {
     auto m = env->MapFile(newest_path);
     std::istringstream in(std::string(reinterpret_cast<const char*>(m->data()), m->size()));
     for (std::string line; std::getline(in, line);)
-      if (!line.empty()) newest.insert(line);
+      if (!line.empty() && line != "." && line != ".." && line.find('/') == std::string::npos) newest.insert(line);  // names, not paths
   }
   std::vector<TagEntry> tags;
   for (const auto& name : env->ListDir(checkpoint_dir)) {

@@ -25,7 +25,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 std::string TagDirFor(const ConverterArgs& a, const NnmSource& src, const ConvertPlan& plan) {
-  if (!a.nxdt_ckpt_path.empty()) return a.nxdt_ckpt_path;
+  if (!a.nxdt_ckpt_path.empty()) {  // "out.ckpt/" names out.ckpt: its staging folder goes beside it, not inside
+    std::string p = a.nxdt_ckpt_path;
+    while (p.size() > 1 && p.back() == '/') p.pop_back();
+    return p;
+  }
   ckpt::TagName t;
   t.name = src.name ? src.name->name : CheckpointStem(src.file_name);
   t.step = plan.global_step;

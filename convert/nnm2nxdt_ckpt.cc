@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "ckpt/cli.h"
+#include "ckpt/layout.h"
 #include "ckpt/progress.h"
 #include "convert/converter.h"
 #include "convert/nnm_convert.h"
@@ -48,13 +49,13 @@ int main(int argc, char** argv) {
   app.add_option("--nxdt_ckpt_path", a.nxdt_ckpt_path, "the output tag folder (for exp_manager.resume_from_checkpoint)");
   app.add_option("--checkpoint_dir", a.checkpoint_dir,
                  "instead: create <name>--step=S-consumed_samples=C.ckpt in this folder, where auto-resume finds it");
-  app.add_option("--tp", a.tp, "tensor-parallel degree (checked against the checkpoint)")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--pp", a.pp, "pipeline-parallel degree (checked against the checkpoint)")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--n_layers", a.n_layers, "number of layers (checked against the checkpoint)")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--tp", a.tp, "tensor-parallel degree (checked against the checkpoint)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
+  app.add_option("--pp", a.pp, "pipeline-parallel degree (checked against the checkpoint)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
+  app.add_option("--n_layers", a.n_layers, "number of layers (checked against the checkpoint)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
   app.add_option("--checkpoint_name", a.checkpoint_name, "the file to convert when a rank folder holds several");
   app.add_option("--enable_parallel_processing", parallel, "True/False (default True)");
-  app.add_option("--num_parallel_processes", processes, "parallel workers (NxDT's name for --threads)")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--threads", threads, "worker threads (default: every core)")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--num_parallel_processes", processes, "parallel workers (NxDT's name for --threads)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
+  app.add_option("--threads", threads, "worker threads (default: every core)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
   app.add_flag("--weights_only", a.weights_only, "convert the model weights only, as NxDT's converter does");
   app.add_flag("--save_xser", a.save_xser, "write the xser layout (X.pt, X.pt.tensors/, X.pt.info.pt)");
   app.add_flag("--dry_run", a.dry_run, "print the plan (files, keys, renames, bytes) and write nothing");

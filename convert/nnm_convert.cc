@@ -15,6 +15,7 @@ namespace convert {
 namespace {
 
 using ckpt::Dict;
+using ckpt::Object;
 using ckpt::Error;
 using ckpt::Value;
 
@@ -108,11 +109,29 @@ struct RankOptimizer {
   ckpt::Grouping from;
 };
 
+// The entries of a config mapping: a plain dict, or omegaconf's DictConfig as
+// pickled (NeMo's save_hyperparameters("cfg") keeps the model config as one,
+// and Lightning's checkpoint stores it under hyper_parameters): its state's
+// `_content` maps each key to a node whose `_val` is the value.
+const Value* ConfigEntry(const Value& cfg, const std::string& key) {
+  const Value* content = &cfg;
+  if (cfg.is_object()) {
+    const Object& o = cfg.as_object();
+    content = o.state && o.state->is_dict() ? o.state->as_dict().Find("_content") : nullptr;
+  }
+  const Value* v = content && content->is_dict() ? content->as_dict().Find(key) : nullptr;
+  if (v && v->is_object()) {
+    const Object& node = v->as_object();
+    if (const Value* val = node.state && node.state->is_dict() ? node.state->as_dict().Find("_val") : nullptr) return val;
+  }
+  return v;
+}
+
 // hyper_parameters.cfg.<key> of a Lightning checkpoint, when recorded.
 const Value* HyperParameter(const Value& checkpoint, const char* key) {
   const Value* hp = checkpoint.as_dict().Find("hyper_parameters");
-  const Value* cfg = hp && hp->is_dict() ? hp->as_dict().Find("cfg") : nullptr;
-  return cfg && cfg->is_dict() ? cfg->as_dict().Find(key) : nullptr;
+  const Value* cfg = hp ? ConfigEntry(*hp, "cfg") : nullptr;
+  return cfg ? ConfigEntry(*cfg, key) : nullptr;
 }
 
 std::vector<std::string> NamesOf(const std::vector<ckpt::ParamInfo>& params) {
@@ -268,10 +287,9 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
   // rank folder would otherwise pass for a smaller model.
   {
     const Value& first = inputs[0].checkpoint;
-    auto recorded = [&](const char* key) -> std::optional<int64_t> {
+    auto recorded = [&](const char* key) -> std::optional<int64_t> {  // an interpolation or null is no record
       const Value* v = HyperParameter(first, key);
-      if (!v || v->is_none()) return std::nullopt;
-      return ckpt::AsInteger(*v, inputs[0].path + ": hyper_parameters.cfg." + key);
+      return v && v->is_int() ? std::optional<int64_t>(v->as_int()) : std::nullopt;
     };
     const std::optional<int64_t> htp = recorded("tensor_model_parallel_size"), hpp = recorded("pipeline_model_parallel_size"),
                                  hlayers = recorded("num_layers");

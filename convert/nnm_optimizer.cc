@@ -105,7 +105,13 @@ std::string Misfit(const Grouping& g, const std::vector<size_t>& file_sizes, con
 // {id: x} renumbered through `to_target` and sorted by the new id.
 Value Renumbered(const Value& by_id, const std::vector<int64_t>& to_target, const std::string& where) {
   std::vector<std::pair<int64_t, Value>> out;
-  for (const auto& [k, v] : DictAt(by_id, where).items) out.emplace_back(to_target.at(ckpt::AsInteger(k, where + " key")), v);
+  for (const auto& [k, v] : DictAt(by_id, where).items) {
+    const int64_t id = ckpt::AsInteger(k, where + " key");
+    if (id < 0 || id >= static_cast<int64_t>(to_target.size()))
+      throw Error(where + ": parameter id " + std::to_string(id) + " is out of range (the rank has " + std::to_string(to_target.size()) +
+                  " parameters)");
+    out.emplace_back(to_target[id], v);
+  }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   Value d = Value::NewDict(by_id.as_dict().ordered);
   for (auto& [k, v] : out) d.as_dict().items.emplace_back(Value(k), std::move(v));

@@ -142,8 +142,9 @@ void AdamW::CheckGroups(const ckpt::Value& groups) const {
     return s.empty() ? std::string("none") : s;
   };
   throw ckpt::Error("optimizer param_groups hold " + sizes(got) + " parameter ids, but this run groups them as " + sizes(want) +
-                    " (model.do_layer_norm_weight_decay: " + (c_.do_layer_norm_weight_decay ? "True" : "False") +
-                    "): the checkpoint was grouped for the other setting, so its moments would go to the wrong parameters");
+                    (sizes(got) == sizes(want) ? " in another order" : "") + " (model.do_layer_norm_weight_decay: " +
+                    (c_.do_layer_norm_weight_decay ? "True" : "False") +
+                    "): the checkpoint was grouped differently, so its moments would go to the wrong parameters");
 }
 
 bool AdamW::LoadStateDict(const ckpt::Value& sd) {

@@ -3,10 +3,10 @@
 #include <cmath>
 
 #include <fstream>
-#include <regex>
 #include <sstream>
 
 #include "ckpt/error.h"
+#include "ckpt/layout.h"
 #include "libtrain/tokenizer_vocab.h"
 #include "migrate/interpolation.h"
 #include "migrate/overrides.h"
@@ -46,8 +46,7 @@ class Reader {
   int64_t Int(const std::string& key, int64_t dflt, int64_t min = INT64_MIN, int64_t max = INT64_MAX) const {
     if (!Has(key)) return dflt;
     const YAML::Node n = Find(root_, key);
-    static const std::regex integer(R"([+-]?\d+)");
-    if (!n.IsScalar() || !std::regex_match(n.Scalar(), integer)) Fail(key, migrate::Describe(n) + " is not an integer");
+    if (!n.IsScalar() || !migrate::IsIntegerText(n.Scalar())) Fail(key, migrate::Describe(n) + " is not an integer");
     int64_t v = 0;
     try {
       v = std::stoll(n.Scalar());
@@ -130,7 +129,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   c.max_steps = r.Int("trainer.max_steps", 1, 1, int64_t{1} << 40);
   c.log_every_n_steps = r.Int("trainer.log_every_n_steps", 1, 1);
   c.gradient_clip_val = r.Number("trainer.gradient_clip_val", 0.0);
-  const int64_t world = r.Int("trainer.devices", 1, 1, 1 << 20) * r.Int("trainer.num_nodes", 1, 1, 1 << 20);
+  const int64_t world = r.Int("trainer.devices", 1, 1, ckpt::kMaxRanks) * r.Int("trainer.num_nodes", 1, 1, ckpt::kMaxRanks);
 
   c.explicit_log_dir = r.Str("exp_manager.explicit_log_dir", "");
   c.exp_dir = r.Str("exp_manager.exp_dir", c.exp_dir);
@@ -148,8 +147,8 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   c.log_parameter_norm = r.Bool("exp_manager.log_parameter_norm", true);
   c.log_gradient_norm = r.Bool("exp_manager.log_gradient_norm", true);
 
-  const int64_t tp = r.Int("distributed_strategy.tensor_model_parallel_size", 1, 1, 1 << 20);
-  const int64_t pp = r.Int("distributed_strategy.pipeline_model_parallel_size", 1, 1, 1 << 20);
+  const int64_t tp = r.Int("distributed_strategy.tensor_model_parallel_size", 1, 1, ckpt::kMaxRanks);
+  const int64_t pp = r.Int("distributed_strategy.pipeline_model_parallel_size", 1, 1, ckpt::kMaxRanks);
   if (tp != 1 || pp != 1 || world != 1)
     r.Fail("distributed_strategy", "tp=" + std::to_string(tp) + " pp=" + std::to_string(pp) + " on " + std::to_string(world) +
                                        " devices: this trainer runs one process (TP=PP=DP=1); distributed training is not built yet");

@@ -2,8 +2,9 @@
 
 #include <algorithm>
 #include <optional>
-#include <regex>
+#include <set>
 
+#include "ckpt/layout.h"
 #include "migrate/interpolation.h"
 #include "migrate/schema.h"
 
@@ -24,17 +25,14 @@ const char* TypeName(ValueType t) {
 }
 
 bool Matches(const YAML::Node& n, ValueType t) {
-  static const std::regex integer(R"([+-]?\d+)");
-  static const std::regex number(R"([+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?\.?(inf|Inf|INF)|\.?(nan|NaN|NAN))");
-  static const std::regex boolean(R"(true|True|TRUE|false|False|FALSE)");
   switch (t) {
     case ValueType::kAny: return true;
     case ValueType::kMap: return n.IsMap();
     case ValueType::kList: return n.IsSequence();
     case ValueType::kString: return n.IsScalar();
-    case ValueType::kInt: return n.IsScalar() && !IsQuoted(n) && std::regex_match(n.Scalar(), integer);
-    case ValueType::kNumber: return n.IsScalar() && !IsQuoted(n) && std::regex_match(n.Scalar(), number);
-    case ValueType::kBool: return n.IsScalar() && !IsQuoted(n) && std::regex_match(n.Scalar(), boolean);
+    case ValueType::kInt: return n.IsScalar() && !IsQuoted(n) && IsIntegerText(n.Scalar());
+    case ValueType::kNumber: return n.IsScalar() && !IsQuoted(n) && IsNumberText(n.Scalar());
+    case ValueType::kBool: return n.IsScalar() && !IsQuoted(n) && IsBoolText(n.Scalar());
   }
   return false;
 }
@@ -47,8 +45,7 @@ std::optional<long long> IntAt(const YAML::Node& root, std::string path, int dep
     auto target = SoleTarget(n.Scalar(), path);
     return target ? IntAt(root, *target, depth + 1) : std::nullopt;
   }
-  static const std::regex integer(R"([+-]?\d+)");
-  if (!std::regex_match(n.Scalar(), integer)) return std::nullopt;
+  if (!IsIntegerText(n.Scalar())) return std::nullopt;
   try {
     return std::stoll(n.Scalar());
   } catch (const std::out_of_range&) {
@@ -77,10 +74,12 @@ std::optional<double> NumberAt(const YAML::Node& root, std::string path, int dep
 void CheckInterpolationChains(const YAML::Node& cfg, std::vector<std::string>* problems) {
   std::vector<std::string> leaves;
   Leaves(cfg, "", &leaves);
+  std::set<std::string> walked;  // each link is followed once, whichever chain reaches it first
   for (const auto& leaf : leaves) {
+    if (walked.count(leaf)) continue;
     std::vector<std::string> chain = {leaf};
     std::string at = leaf;
-    while (true) {
+    while (walked.insert(at).second) {
       const YAML::Node n = Find(cfg, at);
       if (!n.IsDefined()) {
         if (chain.size() > 1) problems->push_back(chain.front() + ": interpolation points to " + at + ", which is not set");
@@ -89,10 +88,14 @@ void CheckInterpolationChains(const YAML::Node& cfg, std::vector<std::string>* p
       if (!n.IsScalar() || !HasInterpolation(n.Scalar())) break;
       const auto next = SoleTarget(n.Scalar(), at);
       if (!next) break;
-      if (std::find(chain.begin(), chain.end(), *next) != chain.end()) {
+      if (auto start = std::find(chain.begin(), chain.end(), *next); start != chain.end()) {
         std::string loop;
-        for (const auto& c : chain) loop += c + " -> ";
-        if (*next == chain.front()) problems->push_back(chain.front() + ": interpolation cycle " + loop + *next);
+        for (auto c = start; c != chain.end(); ++c) loop += *c + " -> ";
+        problems->push_back(*start + ": interpolation cycle " + loop + *next);
+        break;
+      }
+      if (chain.size() >= 16) {  // as deep as the resolver follows
+        problems->push_back(chain.front() + ": interpolation chain longer than 16 links");
         break;
       }
       chain.push_back(at = *next);
@@ -124,11 +127,10 @@ std::vector<std::string> CheckNxdt(const YAML::Node& cfg) {
   const auto tp = IntAt(cfg, "distributed_strategy.tensor_model_parallel_size").value_or(1);
   const auto pp = IntAt(cfg, "distributed_strategy.pipeline_model_parallel_size").value_or(1);
   const auto devices = IntAt(cfg, "trainer.devices"), nodes = IntAt(cfg, "trainer.num_nodes");
-  if (tp < 1 || pp < 1 || tp > (1 << 20) || pp > (1 << 20))
-    problems.push_back("distributed_strategy: tensor and pipeline parallel sizes must be from 1 to 1048576");
+  if (tp < 1 || pp < 1 || tp > ckpt::kMaxRanks || pp > ckpt::kMaxRanks)
+    problems.push_back("distributed_strategy: tensor and pipeline parallel sizes must be from 1 to " + std::to_string(ckpt::kMaxRanks));
   // Degrees past a million ranks are nonsense, and their products would overflow.
-  constexpr long long kMaxRanks = 1 << 20;
-  auto sane = [&](long long v) { return v >= 1 && v <= kMaxRanks; };
+  auto sane = [&](long long v) { return v >= 1 && v <= ckpt::kMaxRanks; };
   if (devices && sane(*devices) && sane(nodes.value_or(1)) && sane(tp) && sane(pp)) {
     const long long world = *devices * nodes.value_or(1);
     if (world % (tp * pp)) {
@@ -156,8 +158,8 @@ std::vector<std::string> CheckNxdt(const YAML::Node& cfg) {
                           "data.micro_batch_size", "data.seq_length", "trainer.devices", "trainer.num_nodes", "trainer.max_steps"})
     if (const auto v = IntAt(cfg, key); v && *v < 1) problems.push_back(std::string(key) + ": " + std::to_string(*v) + " must be at least 1");
   for (const char* key : {"trainer.devices", "trainer.num_nodes"})
-    if (const auto v = IntAt(cfg, key); v && *v > kMaxRanks)
-      problems.push_back(std::string(key) + ": " + std::to_string(*v) + " is more than " + std::to_string(kMaxRanks) + " ranks");
+    if (const auto v = IntAt(cfg, key); v && *v > ckpt::kMaxRanks)
+      problems.push_back(std::string(key) + ": " + std::to_string(*v) + " is more than " + std::to_string(ckpt::kMaxRanks) + " ranks");
   const auto hidden = IntAt(cfg, "model.hidden_size"), kv = IntAt(cfg, "model.num_kv_heads");
   const auto heads = IntAt(cfg, "model.num_attention_heads");
   if (hidden && heads && *heads >= 1 && *hidden >= 1 && *hidden % *heads)

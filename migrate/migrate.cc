@@ -289,7 +289,8 @@ void KeepNormWeightDecay(const YAML::Node& nnm, YAML::Node* out, Report* report)
   const std::string why =
       "NNM decays RMSNorm weights: its weight-decay grouping (get_params_for_weight_decay_optimization) exempts only "
       "apex.normalization's norm classes, and NNM's RMSNorm (apex.transformer FastRMSNorm) is not one of them; NxDT "
-      "exempts norms by name unless this is True. Kept NNM's behaviour; nnm2nxdt-ckpt groups the optimizer state the same way";
+      "exempts norms by name unless this is True. Kept NNM's behaviour, as nnm2nxdt-ckpt groups the optimizer state by default "
+      "(after nnm2nxdt-ckpt --optimizer_groups nxdt, set it to False)";
   Set(*out, key, Plain("True"));
   for (auto& e : report->entries)
     if (e.to == key && e.fate != "dropped") {

@@ -90,7 +90,8 @@ int main(int argc, char** argv) {
     migrate::Migration m = migrate::Migrate(nnm, opts);
     for (const auto& o : overrides) m.report.overrides.push_back(o.text);
     const std::string yaml = migrate::EmitYaml(m.config);
-    const std::string report = m.report.ToJson().dump(2) + "\n";
+    // YAML text may hold invalid UTF-8: replaced, never thrown.
+    const std::string report = m.report.ToJson().dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
     if (!m.report.check_problems.empty() && !allow_incomplete) {
       std::cerr << m.report.Summary();
       std::cerr << "nnm2nxdt-config: the migrated config does not pass --check (" << m.report.check_problems.size()
@@ -109,6 +110,8 @@ int main(int argc, char** argv) {
     std::cerr << "nnm2nxdt-config: " << e.what() << "\n";
     return 2;
   } catch (const ckpt::Error& e) {
+    std::cerr << "nnm2nxdt-config: " << e.what() << "\n";
+    return 2;  } catch (const std::exception& e) {  // a library's own error: a message and an exit code, never an abort
     std::cerr << "nnm2nxdt-config: " << e.what() << "\n";
     return 2;
   }

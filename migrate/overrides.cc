@@ -14,6 +14,8 @@ Override ParseOverride(const std::string& arg) {
   const auto eq = rest.find('=');
   o.path = rest.substr(0, eq);
   static const std::regex key(R"([A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z_][A-Za-z0-9_\-]*)*)");
+  if (o.path.size() > 1024) throw InputError("override '" + arg.substr(0, 64) + "...': a key path of " + std::to_string(o.path.size()) +
+                                             " characters (at most 1024)");
   if (!std::regex_match(o.path, key))
     throw InputError("override '" + arg + "': '" + o.path + "' is not a dotted key path (expected e.g. model.num_layers=32)");
   if (o.kind == Override::Kind::kDelete) {

@@ -1,5 +1,8 @@
 #include "migrate/yaml_tree.h"
 
+#include <yaml-cpp/depthguard.h>
+
+#include <algorithm>
 #include <set>
 #include <sstream>
 
@@ -33,7 +36,7 @@ namespace {
 // So the graph is walked once here, as every later pass will see it, and
 // refused past fixed bounds, which no real config comes near.
 constexpr int kMaxYamlDepth = 64;
-constexpr size_t kMaxYamlValues = 1 << 16;  // after alias expansion
+constexpr size_t kMaxYamlValues = 1 << 12;  // keys and values after alias expansion; real configs hold under 1000
 
 void CheckBounds(const YAML::Node& n, std::vector<YAML::Node>& path, size_t& values, const std::string& source) {
   const std::string at = source + ":" + std::to_string(n.Mark().line + 1);
@@ -57,39 +60,15 @@ void CheckBounds(const YAML::Node& n, std::vector<YAML::Node>& path, size_t& val
   path.pop_back();
 }
 
-// Flow collections nest without limit in the parser itself, which recurses
-// per level: refuse deep nesting before parsing.
-void CheckFlowDepth(const std::string& text, const std::string& source) {
-  int depth = 0, line = 1;
-  char quote = 0;
-  for (char c : text) {
-    if (c == '\n') {
-      ++line;
-      if (depth == 0) quote = 0;  // an apostrophe in a plain block scalar ends with its line
-      continue;
-    }
-    if (quote) {
-      if (c == quote) quote = 0;
-      continue;
-    }
-    if (c == '"' || c == '\'') {
-      quote = c;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxYamlDepth)
-        throw InputError(source + ":" + std::to_string(line) + ": nested more than " + std::to_string(kMaxYamlDepth) + " levels deep");
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;
-    }
-  }
-}
-
 }  // namespace
 
 YAML::Node LoadYaml(const std::string& text, const std::string& source) {
   YAML::Node root;
-  CheckFlowDepth(text, source);
   try {
-    root = YAML::Load(text);
+    root = YAML::Load(text);  // yaml-cpp >= 0.7 stops its recursive parser at 2000 levels (DepthGuard)
+  } catch (const YAML::DeepRecursion& e) {
+    throw InputError(source + ":" + std::to_string(e.mark.line + 1) + ": nested more than " + std::to_string(kMaxYamlDepth) +
+                     " levels deep");
   } catch (const YAML::Exception& e) {
     throw InputError(source + ":" + std::to_string(e.mark.line + 1) + ": not valid YAML: " + e.msg);
   }
@@ -261,6 +240,37 @@ std::string EmitYaml(const YAML::Node& root) {
   std::ostringstream o;
   EmitBlock(o, root, 0);
   return o.str();
+}
+
+namespace {
+bool Digits(std::string_view s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+std::string_view Unsigned(std::string_view s) {
+  return !s.empty() && (s[0] == '+' || s[0] == '-') ? s.substr(1) : s;
+}
+}  // namespace
+
+bool IsIntegerText(std::string_view s) { return Digits(Unsigned(s)); }
+
+bool IsNumberText(std::string_view s) {
+  if (s == ".nan" || s == ".NaN" || s == ".NAN" || s == "nan" || s == "NaN" || s == "NAN") return true;
+  std::string_view u = Unsigned(s);
+  for (std::string_view inf : {"inf", "Inf", "INF"})
+    if (u == inf || (u.size() == 4 && u[0] == '.' && u.substr(1) == inf)) return true;
+  const size_t e = u.find_first_of("eE");
+  std::string_view mantissa = u.substr(0, e);
+  if (e != std::string_view::npos && !Digits(Unsigned(u.substr(e + 1)))) return false;
+  const size_t dot = mantissa.find('.');
+  if (dot == std::string_view::npos) return Digits(mantissa);
+  const std::string_view whole = mantissa.substr(0, dot), frac = mantissa.substr(dot + 1);
+  return (Digits(whole) && (frac.empty() || Digits(frac))) || (whole.empty() && Digits(frac));
+}
+
+bool IsBoolText(std::string_view s) {
+  for (std::string_view b : {"true", "True", "TRUE", "false", "False", "FALSE"})
+    if (s == b) return true;
+  return false;
 }
 
 }  // namespace migrate

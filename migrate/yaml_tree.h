@@ -11,6 +11,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace migrate {
@@ -41,6 +42,14 @@ void Leaves(const YAML::Node& node, const std::string& prefix, std::vector<std::
 // A scalar's text as written, quoted if it was quoted: for reports.
 std::string Describe(const YAML::Node& n);
 bool IsQuoted(const YAML::Node& n);
+
+// What YAML 1.2's core schema reads as an integer ([+-]?digits), a float
+// (digits with an optional point and exponent, .inf, .nan) or a boolean.
+// Scanned by hand: std::regex recurses per character and overflows the stack
+// on a long hostile scalar.
+bool IsIntegerText(std::string_view s);
+bool IsNumberText(std::string_view s);
+bool IsBoolText(std::string_view s);
 
 // Block-style YAML; top-level keys separated by blank lines.
 std::string EmitYaml(const YAML::Node& root);

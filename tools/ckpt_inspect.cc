@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
   SHARDKIT_PARSE(app, argc, argv);
   try {
     const auto report = shardkit::Inspect(path, verify);
-    if (json) std::cout << shardkit::ReportToJson(report).dump(2) << "\n";
+    if (json) std::cout << shardkit::ReportToJson(report).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     else std::cout << shardkit::ReportToText(report);
     for (const auto& p : report.problems) std::cerr << "ckpt-inspect: " << path << ": " << p << "\n";
     return report.problems.empty() ? 0 : 1;

@@ -50,7 +50,7 @@ int Gc(ckpt::Env* env, const std::string& dir, bool dry_run, bool json) {
     }
   if (!dry_run) env->SyncDir(dir);
   if (json) {
-    std::cout << nlohmann::ordered_json{{"dry_run", dry_run}, {"removed", removed}, {"kept", kept}}.dump(2) << "\n";
+    std::cout << nlohmann::ordered_json{{"dry_run", dry_run}, {"removed", removed}, {"kept", kept}}.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   } else {
     for (const auto& r : removed)
       std::cout << (dry_run ? "would remove " : "removed ") << r["path"].get<std::string>() << " ("
@@ -106,10 +106,13 @@ int main(int argc, char** argv) {
       }
     }
     out["ok"] = all_ok;
-    if (json) std::cout << out.dump(2) << "\n";
+    if (json) std::cout << out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";  // folder names need not be UTF-8
     return all_ok ? 0 : 1;
   } catch (const ckpt::Error& e) {
     std::cerr << "ckpt-verify: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {  // a library's own error: a message and an exit code, never an abort
+    std::cerr << "ckpt-verify: " << path << ": " << e.what() << "\n";
     return 2;
   }
 }

@@ -137,9 +137,9 @@ std::string Scalar(const nlohmann::ordered_json& v) {
   if (v.contains("object")) return "<object " + v["object"].get<std::string>() + ">";
   const std::string t = v.value("t", "");
   if (t == "none") return "None";
-  if (t == "str") return v["v"].dump();
+  if (t == "str") return v["v"].dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   if (t == "bool") return v["v"].get<bool>() ? "True" : "False";
-  if (t == "int" && v.contains("v")) return v["v"].dump();
+  if (t == "int" && v.contains("v")) return v["v"].dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   if (t == "float") {
     std::string be = v["bits"];
     uint64_t bits = std::stoull(be, nullptr, 16);
@@ -151,7 +151,7 @@ std::string Scalar(const nlohmann::ordered_json& v) {
   }
   if ((t == "list" || t == "tuple" || t == "size") && v["items"].empty()) return t == "list" ? "[]" : "()";
   if (t == "dict" || t == "odict") return "{}";
-  std::string d = v.dump();
+  std::string d = v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   return d.size() > 120 ? d.substr(0, 117) + "..." : d;
 }
 }  // namespace

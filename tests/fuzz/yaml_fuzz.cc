@@ -21,7 +21,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     migrate::ApplyOverrides(nnm, {migrate::ParseOverride("+model.fuzz=[1, ${model.num_layers}]")});
     const migrate::Migration m = migrate::Migrate(nnm, {});
     migrate::EmitYaml(m.config);
-    m.report.ToJson().dump();
+    m.report.ToJson().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   } catch (const migrate::InputError&) {
   } catch (const ckpt::Error&) {
   }

@@ -331,9 +331,10 @@ class NnmToNxdt(TempDirTest):
             err, scale = (ours[k] - v).abs().max().item(), v.abs().max().item()
             self.assertLessEqual(err, tol * scale, f"{k}: {err} vs {scale}")
         # The tolerance sees a wrong grouping: where the two differ, they differ by far more than it.
-        other = references["nxdt" if groups == "keep" else "keep"]
-        gaps = [((other[k] - v).abs().max() / v.abs().max()).item() for k, v in want.items() if "norm" in k]
-        self.assertGreater(min(gaps) if not gpt else -1, 10 * tol if not gpt else -2, gaps)
+        if not gpt:  # GPT's norms do not decay under either grouping
+            other = references["nxdt" if groups == "keep" else "keep"]
+            gaps = [((other[k] - v).abs().max() / v.abs().max()).item() for k, v in want.items() if "norm" in k]
+            self.assertGreater(min(gaps), 10 * tol, gaps)
 
     def test_weights_only_input_converts_with_nxdts_arguments(self):
         """NNM's HF converter writes no optimizer state: NxDT's arguments as
@@ -528,6 +529,11 @@ class NnmToNxdt(TempDirTest):
         self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--enable_parallel_processing", "no")
         self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--overwrite", "--enable_parallel_processing", "no")
         run(VERIFY, out)
+        # "out.ckpt/" names out.ckpt: replaced in place, its staging folder beside it, nothing left inside.
+        self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out + "/", "--overwrite")
+        run(VERIFY, out)
+        self.assertFalse([n for n in os.listdir(out) if "nnm2nxdt" in n])
+        self.assertFalse([n for n in os.listdir(self.dir) if "nnm2nxdt" in n])
         # An output that is the input, or lies inside it, is refused before anything is touched.
         for target in (nnm, os.path.join(nnm, "tp_rank_00_pp_rank_000", "out.ckpt"), self.dir):
             p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", target, "--overwrite", check=False)

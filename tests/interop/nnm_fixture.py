@@ -29,6 +29,9 @@ aws-neuron/neuronx-nemo-megatron tree):
     (nemo/collections/nlp/parts/nlp_overrides.py,
     _remove_optimizer_states_from_checkpoint); element 0 is torch-xla
     ZeRO-1's state dict.
+  - hyper_parameters: NeMo's ModelPT calls save_hyperparameters("cfg") on the
+    model config, an omegaconf DictConfig, and Lightning pickles it as it is
+    under checkpoint["hyper_parameters"]["cfg"] (with _parent back-references).
   - NNM asserts num_layers % pp == 0 (transformer.py) unless
     flexible_pipeline_parallel_stages is set; an uneven split is only written
     with that option, which hyper_parameters records.
@@ -39,6 +42,7 @@ import sys
 import types
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 
@@ -322,7 +326,8 @@ def make_nnm(root, c, tp=1, pp=1, vpp=1, zero1_dp=0, xser=False, steps=2, step=7
                      "chunks": chunks, "opt": opt}
             ckpt = {"epoch": 0, "global_step": step, "pytorch-lightning_version": "1.8.6",
                     "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 0}}, "state_dict": {}}},
-                    "hparams_name": "cfg", "hyper_parameters": {"cfg": hyper_parameters(c, tp, pp, zero1_dp, grouping)},
+                    "hparams_name": "cfg",
+                    "hyper_parameters": {"cfg": OmegaConf.create(hyper_parameters(c, tp, pp, zero1_dp, grouping))},
                     "lr_schedulers": [sched or lr_scheduler_state(step, 1e-3, 2, 0, 100, 1e-4)]}
             if vpp == 1:
                 sd = {"model." + k: x for k, x in chunks[0].state_dict().items()}
