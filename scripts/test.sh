@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: install, build, run ctest; then every unit test (the
-# zip and pickle tests among them) under ASan+UBSan, then the libFuzzer target
-# for a bounded time on a seed corpus.
+# zip and pickle tests among them) under ASan+UBSan, then the libFuzzer
+# targets (.pt readers, YAML configs, manifests and rank records) for a
+# bounded time on seed corpora.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup.sh"
@@ -15,6 +16,6 @@ echo "== sanitizer build (ASan + UBSan): unit tests"
 bash "$root/scripts/build.sh" "$root/build-asan" -DSHARDKIT_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
 (cd "$root/build-asan" && ctest --output-on-failure -j 2 --timeout 900 --no-tests=error -L unit)
 
-echo "== libFuzzer: zip + pickle readers"
+echo "== libFuzzer: .pt readers, YAML configs, manifests and rank records"
 CC=clang CXX=clang++ bash "$root/scripts/build.sh" "$root/build-fuzz" -DSHARDKIT_FUZZ=ON -DCMAKE_BUILD_TYPE=Debug
 bash "$root/tests/fuzz/run_fuzz.sh" "$root/build-fuzz" "${FUZZ_SECONDS:-60}"
