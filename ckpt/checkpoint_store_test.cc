@@ -306,6 +306,32 @@ TEST(CheckpointStore, RetentionAfterResumingFromAnEarlierTagKeepsLaterSteps) {
   EXPECT_TRUE(VerifyTag(env, TagPath(d, 3)).ok());
 }
 
+// NxD's trainer names tags freely; like NxD's list_checkpoint_tags, every
+// scan finds a folder by its `checkpoint` marker and a complete one by `done`.
+TEST(Resume, TagsNamedFreelyAreFoundByTheirMarkers) {
+  TempDir d("store");
+  auto* env = Env::Default();
+  {
+    CheckpointStore store({.dir = d.path()});
+    store.Save(MakeSnapshot("m", 1, kGrid, 100, 12));
+  }
+  const std::string nxd = d.path() + "/step_7";
+  std::filesystem::rename(TagPath(d, 1), nxd);
+  const auto tags = ListTags(env, d.path());
+  ASSERT_EQ(tags.size(), 1u);
+  EXPECT_EQ(tags[0].dir_name, "step_7");
+  EXPECT_EQ(FindLatestCheckpoint(env, d.path(), true, nullptr), nxd);
+  // A folder without a marker or a tag name is not a tag.
+  std::filesystem::create_directories(d.path() + "/notes");
+  EXPECT_EQ(ListTags(env, d.path()).size(), 1u);
+  // Retention never counts a tag it cannot date by name.
+  {
+    CheckpointStore store({.dir = d.path(), .save_top_k = 1});
+    store.Save(MakeSnapshot("m", 2, kGrid, 100, 12));
+  }
+  EXPECT_TRUE(env->Exists(nxd + "/done"));
+}
+
 TEST(Resume, StepBeatsModificationTime) {
   TempDir d("store");
   {

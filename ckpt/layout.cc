@@ -68,4 +68,15 @@ std::optional<TagName> ParseTagName(const std::string& dir_name) {
   return t;
 }
 
+bool IsSetAsideTagName(const std::string& name) {
+  for (const std::string suffix : {".damaged", ".superseded"}) {
+    const size_t at = name.rfind(suffix);
+    if (at == std::string::npos || at == 0) continue;
+    const std::string rest = name.substr(at + suffix.size());  // "" or "-N"
+    if (rest.empty() || (rest.size() > 1 && rest[0] == '-' && rest.find_first_not_of("0123456789", 1) == std::string::npos))
+      return true;
+  }
+  return false;
+}
+
 }  // namespace ckpt

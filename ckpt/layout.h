@@ -36,6 +36,11 @@ std::string RankFileName(const RankCoord& r);
 std::optional<RankCoord> ParseRankFileName(const std::string& name);
 
 // The parallel degrees of a checkpoint and what files they imply.
+// A tag the store set aside rather than delete: <tag>.damaged[-N] (it failed
+// verification) or <tag>.superseded[-N] (a later save took its name). Kept on
+// disk, never a candidate for resume, retention or --gc.
+bool IsSetAsideTagName(const std::string& dir_name);
+
 // The most ranks (and so the largest tensor, pipeline or data-parallel degree)
 // any shardkit input may claim; past it a value is malformed, not large.
 inline constexpr int64_t kMaxRanks = 1 << 20;

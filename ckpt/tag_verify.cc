@@ -158,7 +158,11 @@ std::vector<TagEntry> ListTags(Env* env, const std::string& checkpoint_dir) {
     const std::string path = checkpoint_dir + "/" + name;
     if (!env->IsDirectory(path)) continue;
     const bool listed = newest.count(name);
-    if (!name.ends_with(".ckpt") && !listed) continue;
+    // NxD's own trainer names tags freely and finds them as NxD's
+    // checkpoint_storage.list_checkpoint_tags does: by the `checkpoint` marker
+    // inside (complete ones by `done`).
+    const bool marked = env->Exists(path + "/" + kCheckpointMarker) || env->Exists(path + "/" + kDoneMarker);
+    if ((!name.ends_with(".ckpt") && !listed && !marked) || IsSetAsideTagName(name)) continue;
     TagEntry t;
     t.path = path;
     t.dir_name = name;

@@ -43,9 +43,11 @@ struct TagEntry {
   int64_t mtime_ns = 0;
 };
 
-// Tag folders under `checkpoint_dir` (names ending .ckpt, or listed in its
-// `newest` file), newest first: by step from the tag name, mtime only as a
-// tie-break (mtime breaks when a directory is copied).
+// Tag folders under `checkpoint_dir`: names ending .ckpt, folders holding a
+// `checkpoint` or `done` marker (NxD's own tags, named freely, e.g. step_7),
+// and names listed in its `newest` file. Newest first: by step from the tag
+// name, mtime only as a tie-break (mtime breaks when a directory is copied)
+// and the only order among tags whose names carry no step, as in NxD.
 std::vector<TagEntry> ListTags(Env* env, const std::string& checkpoint_dir);
 
 }  // namespace ckpt
