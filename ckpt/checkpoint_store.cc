@@ -1,11 +1,10 @@
 #include "ckpt/checkpoint_store.h"
 
-#include <algorithm>
-
 #include <sys/resource.h>
 #include <tbb/task_arena.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <random>
 
 #include "ckpt/error.h"
@@ -112,19 +111,19 @@ void CheckpointStore::WriterLoop() {
 
 void CheckpointStore::Persist(const Snapshot& snap) {
   Env* env = opts_.env;
-  const std::string tag_dir = opts_.dir + "/" + FormatTagName(snap.tag);
+  const std::string name = FormatTagName(snap.tag), tag_dir = opts_.dir + "/" + name;
   const std::string save_id = opts_.run_id + "/step=" + std::to_string(snap.tag.step);
   // A complete tag under this name is another save's (a damaged one resume
   // skipped, or a later step of a run resumed from an earlier tag): set it
   // aside, never delete it. An incomplete one is an interrupted save of ours.
-  if (opts_.rank == 0 && env->Exists(tag_dir) && (env->Exists(tag_dir + "/" + kDoneMarker) || IsDamaged(FormatTagName(snap.tag)))) {
-    const std::string why = IsDamaged(FormatTagName(snap.tag)) ? "damaged" : "superseded";
-    std::string aside = tag_dir + "." + why;
-    for (int n = 1; env->Exists(aside); ++n) aside = tag_dir + "." + why + "-" + std::to_string(n);
+  if (opts_.rank == 0 && env->Exists(tag_dir) && (env->Exists(tag_dir + "/" + kDoneMarker) || IsDamaged(name))) {
+    const std::string suffix = IsDamaged(name) ? kDamagedSuffix : kSupersededSuffix;
+    std::string aside = tag_dir + suffix;
+    for (int n = 1; env->Exists(aside); ++n) aside = tag_dir + suffix + "-" + std::to_string(n);
     env->RenameFile(tag_dir, aside);
     env->SyncDir(opts_.dir);
-    std::erase(opts_.damaged, FormatTagName(snap.tag));  // the name now holds this save
-    if (opts_.log) opts_.log("checkpoint: set the " + why + " " + tag_dir + " aside as " + aside + " (kept)");
+    std::erase(opts_.damaged, name);  // the name now holds this save
+    if (opts_.log) opts_.log("checkpoint: set the " + suffix.substr(1) + " " + tag_dir + " aside as " + aside + " (kept)");
   }
   if (opts_.rank == 0) BeginTag(env, tag_dir, save_id);
   else WaitForBegin(env, tag_dir, save_id, opts_.rank_timeout);

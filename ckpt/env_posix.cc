@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <set>
 
 #include "ckpt/env.h"
 #include "ckpt/error.h"
@@ -304,35 +305,13 @@ std::string TempPathFor(const std::string& path) {
 
 bool IsTempPath(const std::string& name) { return name.find(".tmp-shardkit-") != std::string::npos; }
 
-void WriteFileAtomically(Env* env, const std::string& path,
-                         const std::function<void(WritableFile&)>& fill) {
-  const std::string tmp = TempPathFor(path);
-  try {
-    auto file = env->NewWritableFile(tmp);
-    fill(*file);
-    file->Sync();
-    file->Close();
-    env->RenameFile(tmp, path);
-  } catch (...) {
-    try {
-      env->RemoveFile(tmp);
-    } catch (...) {
-    }
-    throw;
-  }
-  env->SyncDir(fs::path(path).parent_path().string());
+void WriteFileAtomically(Env* env, const std::string& path, const std::function<void(WritableFile&)>& fill) {
+  WriteFilesAtomically(env, {{path, fill}});
 }
 
 void WriteFilesAtomically(Env* env, const std::vector<FileContent>& files) {
   std::vector<std::string> temps;
-  auto remove_temps = [&] {
-    for (const auto& t : temps) {
-      try {
-        env->RemoveFile(t);
-      } catch (...) {
-      }
-    }
-  };
+  size_t renamed = 0;
   try {
     for (const auto& f : files) {
       temps.push_back(TempPathFor(f.path));
@@ -341,12 +320,19 @@ void WriteFilesAtomically(Env* env, const std::vector<FileContent>& files) {
       file->Sync();
       file->Close();
     }
+    for (; renamed < files.size(); ++renamed) env->RenameFile(temps[renamed], files[renamed].path);
   } catch (...) {
-    remove_temps();
+    for (size_t i = renamed; i < temps.size(); ++i) {  // what was not renamed is debris
+      try {
+        env->RemoveFile(temps[i]);
+      } catch (...) {
+      }
+    }
     throw;
   }
-  for (size_t i = 0; i < files.size(); ++i) env->RenameFile(temps[i], files[i].path);
-  for (const auto& f : files) env->SyncDir(fs::path(f.path).has_parent_path() ? fs::path(f.path).parent_path().string() : ".");
+  std::set<std::string> dirs;
+  for (const auto& f : files) dirs.insert(fs::path(f.path).has_parent_path() ? fs::path(f.path).parent_path().string() : ".");
+  for (const auto& d : dirs) env->SyncDir(d);
 }
 
 }  // namespace ckpt

@@ -69,7 +69,7 @@ std::optional<TagName> ParseTagName(const std::string& dir_name) {
 }
 
 bool IsSetAsideTagName(const std::string& name) {
-  for (const std::string suffix : {".damaged", ".superseded"}) {
+  for (const std::string suffix : {kDamagedSuffix, kSupersededSuffix}) {
     const size_t at = name.rfind(suffix);
     if (at == std::string::npos || at == 0) continue;
     const std::string rest = name.substr(at + suffix.size());  // "" or "-N"

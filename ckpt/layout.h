@@ -39,6 +39,8 @@ std::optional<RankCoord> ParseRankFileName(const std::string& name);
 // A tag the store set aside rather than delete: <tag>.damaged[-N] (it failed
 // verification) or <tag>.superseded[-N] (a later save took its name). Kept on
 // disk, never a candidate for resume, retention or --gc.
+inline constexpr const char* kDamagedSuffix = ".damaged";
+inline constexpr const char* kSupersededSuffix = ".superseded";
 bool IsSetAsideTagName(const std::string& dir_name);
 
 // The most ranks (and so the largest tensor, pipeline or data-parallel degree)

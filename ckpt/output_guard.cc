@@ -27,18 +27,18 @@ bool Contains(const fs::path& a, const fs::path& b) {
   return pa.size() <= pb.size() && std::equal(pa.begin(), pa.end(), pb.begin());
 }
 
-// The path as the user meant it: "out.ckpt/" names out.ckpt.
-std::string WithoutTrailingSeparators(std::string p) {
-  while (p.size() > 1 && p.back() == '/') p.pop_back();
-  return p;
-}
-
 }  // namespace
 
+std::string WithoutTrailingSeparators(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  return path;
+}
+
 std::string ResolvedPath(const std::string& path) {
+  const std::string given = WithoutTrailingSeparators(path);
   std::error_code ec;
-  fs::path p = fs::weakly_canonical(fs::absolute(WithoutTrailingSeparators(path), ec), ec);
-  if (ec) p = fs::absolute(WithoutTrailingSeparators(path)).lexically_normal();
+  fs::path p = fs::weakly_canonical(fs::absolute(given, ec), ec);
+  if (ec) p = fs::absolute(given).lexically_normal();
   return WithoutTrailingSeparators(p.string());
 }
 
@@ -60,7 +60,7 @@ void CheckOutputs(const std::vector<OutputPath>& outputs, const std::vector<Inpu
                     "; writing it could destroy the input. Choose an output outside it");
     }
     for (size_t j = 0; j < i; ++j)
-      if (!outputs[j].path.empty() && ResolvedPath(WithoutTrailingSeparators(outputs[j].path)) == out.string())
+      if (!outputs[j].path.empty() && ResolvedPath(outputs[j].path) == out.string())
         throw Error(o.option + " " + o.path + ": is also " + outputs[j].option + "; one would overwrite the other");
     struct stat st;
     if (::lstat(o.path.c_str(), &st) == 0) {

@@ -32,4 +32,7 @@ void CheckOutputs(const std::vector<OutputPath>& outputs, const std::vector<Inpu
 // The absolute path with symlinks and ".." resolved as far as the path exists.
 std::string ResolvedPath(const std::string& path);
 
+// The path as the user meant it: "out.ckpt/" names out.ckpt ("/" stays "/").
+std::string WithoutTrailingSeparators(std::string path);
+
 }  // namespace ckpt

@@ -9,20 +9,27 @@
 
 namespace ckpt {
 
-void ForEachChild(const Value& v, const std::function<void(const Value&)>& fn) {
+// The slots holding a container's children. They live behind the value's
+// shared pointers, so a const handle still reaches them: the unpickler's
+// shape check replaces one in place.
+void ForEachChildSlot(const Value& v, const std::function<void(Value&)>& fn) {
   if (v.is_seq()) {
-    for (const Value& c : v.as_seq().items) fn(c);
+    for (Value& c : v.as_seq().items) fn(c);
   } else if (v.is_dict()) {
-    const Dict& d = v.as_dict();
-    for (const auto& [k, c] : d.items) fn(k), fn(c);
+    Dict& d = v.as_dict();
+    for (auto& [k, c] : d.items) fn(k), fn(c);
     if (d.attrs) fn(*d.attrs);
   } else if (v.is_object()) {
-    const Object& o = v.as_object();
-    for (const auto* p : {&o.args, &o.kwargs, &o.state})
+    Object& o = v.as_object();
+    for (auto* p : {&o.args, &o.kwargs, &o.state})
       if (*p) fn(**p);
-    for (const Value& c : o.list_items) fn(c);
-    for (const auto& [k, c] : o.dict_items) fn(k), fn(c);
+    for (Value& c : o.list_items) fn(c);
+    for (auto& [k, c] : o.dict_items) fn(k), fn(c);
   }
+}
+
+void ForEachChild(const Value& v, const std::function<void(const Value&)>& fn) {
+  ForEachChildSlot(v, [&](Value& c) { fn(c); });
 }
 
 namespace {
@@ -67,23 +74,6 @@ void Dismantle(const std::vector<Value>& roots, std::unordered_set<const void*> 
       Object& o = v.as_object();
       o.args.reset(), o.kwargs.reset(), o.state.reset(), o.list_items.clear(), o.dict_items.clear();
     }
-  }
-}
-
-// The slots holding a container's children, to replace one in place.
-void ForEachChildSlot(Value& v, const std::function<void(Value&)>& fn) {
-  if (v.is_seq()) {
-    for (Value& c : v.as_seq().items) fn(c);
-  } else if (v.is_dict()) {
-    Dict& d = v.as_dict();
-    for (auto& [k, c] : d.items) fn(k), fn(c);
-    if (d.attrs) fn(*d.attrs);
-  } else if (v.is_object()) {
-    Object& o = v.as_object();
-    for (auto* p : {&o.args, &o.kwargs, &o.state})
-      if (*p) fn(**p);
-    for (Value& c : o.list_items) fn(c);
-    for (auto& [k, c] : o.dict_items) fn(k), fn(c);
   }
 }
 

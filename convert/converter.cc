@@ -25,11 +25,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 std::string TagDirFor(const ConverterArgs& a, const NnmSource& src, const ConvertPlan& plan) {
-  if (!a.nxdt_ckpt_path.empty()) {  // "out.ckpt/" names out.ckpt: its staging folder goes beside it, not inside
-    std::string p = a.nxdt_ckpt_path;
-    while (p.size() > 1 && p.back() == '/') p.pop_back();
-    return p;
-  }
+  // "out.ckpt/" names out.ckpt: its staging folder goes beside it, not inside.
+  if (!a.nxdt_ckpt_path.empty()) return ckpt::WithoutTrailingSeparators(a.nxdt_ckpt_path);
   ckpt::TagName t;
   t.name = src.name ? src.name->name : CheckpointStem(src.file_name);
   t.step = plan.global_step;

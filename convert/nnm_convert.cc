@@ -104,8 +104,7 @@ void AddFile(ConvertPlan& plan, const std::string& relpath, Value value, bool we
 struct RankOptimizer {
   int unit;
   std::vector<ckpt::ParamInfo> params;
-  std::vector<SourceOptimizer> sources;
-  std::vector<std::string> paths;
+  std::vector<SourceOptimizer> sources;  // by ZeRO-1 dp rank, or the one plain state dict
   ckpt::Grouping from;
 };
 
@@ -140,56 +139,64 @@ std::vector<std::string> NamesOf(const std::vector<ckpt::ParamInfo>& params) {
   return names;
 }
 
+// The trainer's grouping for one do_layer_norm_weight_decay setting over every
+// rank, and the parameters whose decay writing it would stop or start.
+struct Target {
+  bool do_layer_norm_weight_decay;
+  std::vector<ckpt::Grouping> by_rank;  // as `ranks`
+  std::vector<std::string> stops, starts;
+  bool KeepsDecay() const { return stops.empty() && starts.empty(); }
+};
+
+Target TargetFor(const std::vector<RankOptimizer>& ranks, bool do_layer_norm_weight_decay) {
+  Target t{do_layer_norm_weight_decay, {}, {}, {}};
+  for (const auto& r : ranks) {
+    t.by_rank.push_back(ckpt::NxdtGrouping(NamesOf(r.params), do_layer_norm_weight_decay));
+    std::set<std::string> decays;
+    for (const auto& s : t.by_rank.back().order)
+      if (s.group == 0) decays.insert(s.name);
+    for (const auto& s : r.from.order) {
+      const bool was = s.group == 0, now = decays.count(s.name) > 0;
+      if (was && !now) t.stops.push_back(s.name);
+      if (!was && now) t.starts.push_back(s.name);
+    }
+  }
+  return t;
+}
+
 // Chooses the target grouping (ConvertOptions::optimizer_groups) and plans
 // every rank's optimizer files, renumbered into it.
 void PlanOptimizerFiles(ConvertPlan& plan, const std::vector<RankOptimizer>& ranks, const ConvertOptions& opts, const NnmSource& src) {
   std::set<std::string> found;
   for (const auto& r : ranks) found.insert(r.from.id + ": " + r.from.description);
   for (const auto& f : found) plan.source_grouping += (plan.source_grouping.empty() ? "" : "; ") + f;
-  // A parameter whose decay a target grouping changes, per direction.
-  auto changes = [&](bool flag, std::vector<std::string>* stops, std::vector<std::string>* starts) {
-    for (const auto& r : ranks) {
-      const ckpt::Grouping to = ckpt::NxdtGrouping(NamesOf(r.params), flag);
-      for (const auto& p : r.params) {
-        const bool was = r.from.Decays(p.name), now = to.Decays(p.name);
-        if (was && !now) stops->push_back(p.name);
-        if (!was && now) starts->push_back(p.name);
-      }
-    }
-  };
-  bool flag = false;
-  std::vector<std::string> stops, starts;
-  if (opts.optimizer_groups == OptimizerGroups::kNxdt) {
-    changes(false, &stops, &starts);
-  } else {
-    bool chosen = false;
-    for (bool f : {false, true}) {
-      std::vector<std::string> a, b;
-      changes(f, &a, &b);
-      if (a.empty() && b.empty() && !chosen) flag = f, chosen = true;
-    }
-    if (!chosen) {
-      std::vector<std::string> a, b;
-      changes(false, &a, &b);
+  // NxDT's split, or (keep) whichever of the trainer's groupings decays exactly what NNM decayed.
+  Target target = TargetFor(ranks, false);
+  if (opts.optimizer_groups == OptimizerGroups::kKeep && !target.KeepsDecay()) {
+    Target one = TargetFor(ranks, true);
+    if (!one.KeepsDecay())
       throw Error(src.root + ": NNM grouped the optimizer as " + plan.source_grouping + ". The NxDT trainer decays either every " +
                   "parameter (model.do_layer_norm_weight_decay: True) or all but norm weights and biases (False), and neither " +
-                  "keeps what NNM decayed (" + (a.empty() ? b[0] + " would start decaying" : a[0] + " would stop decaying") +
+                  "keeps what NNM decayed (" +
+                  (target.stops.empty() ? target.starts[0] + " would start decaying" : target.stops[0] + " would stop decaying") +
                   "). Pass --optimizer_groups nxdt to regroup into NxDT's split.");
-    }
+    target = std::move(one);
   }
-  plan.do_layer_norm_weight_decay = flag;
-  plan.target_grouping = ckpt::NxdtGrouping({}, flag).id + ": " + ckpt::NxdtGrouping({}, flag).description;
-  if (!stops.empty())
-    plan.notes.push_back(std::to_string(stops.size()) + " parameters that decayed in NNM stop decaying (--optimizer_groups nxdt), e.g. " +
-                         stops[0]);
-  if (!starts.empty())
-    plan.notes.push_back(std::to_string(starts.size()) + " parameters that did not decay in NNM start decaying, e.g. " + starts[0]);
-  for (const auto& r : ranks) {
-    const ckpt::Grouping to = ckpt::NxdtGrouping(NamesOf(r.params), flag);
+  plan.do_layer_norm_weight_decay = target.do_layer_norm_weight_decay;
+  const ckpt::Grouping kind = ckpt::NxdtGrouping({}, target.do_layer_norm_weight_decay);
+  plan.target_grouping = kind.id + ": " + kind.description;
+  if (!target.stops.empty())
+    plan.notes.push_back(std::to_string(target.stops.size()) +
+                         " parameters that decayed in NNM stop decaying (--optimizer_groups nxdt), e.g. " + target.stops[0]);
+  if (!target.starts.empty())
+    plan.notes.push_back(std::to_string(target.starts.size()) + " parameters that did not decay in NNM start decaying, e.g. " +
+                         target.starts[0]);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const RankOptimizer& r = ranks[i];
     const int t = r.unit % src.tp, p = r.unit / src.tp;
     for (size_t d = 0; d < r.sources.size(); ++d)
-      AddFile(plan, "optim/" + ckpt::RankFileName({static_cast<int>(d), t, p}), RegroupOptimizerState(r.sources[d], r.from, to),
-              false, opts.save_xser, r.paths[d], r.unit);
+      AddFile(plan, "optim/" + ckpt::RankFileName({static_cast<int>(d), t, p}),
+              RegroupOptimizerState(r.sources[d], r.from, target.by_rank[i]), false, opts.save_xser, r.sources[d].path, r.unit);
   }
 }
 
@@ -340,11 +347,10 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
       AddFile(plan, "model/" + ckpt::RankFileName(rank), model, true, opts.save_xser, in.path, unit);
       if (opts.weights_only) continue;
 
-      RankOptimizer ro{unit, params, {}, {}, {}};
+      RankOptimizer ro{unit, params, {}, {}};
       if (src.zero1_dp > 0) {
         for (int d = 0; d < src.zero1_dp; ++d) {
           ro.sources.push_back(Zero1Optimizer(in.zero1[d], in.zero1_paths[d], src.zero1_dp));
-          ro.paths.push_back(in.zero1_paths[d]);
         }
       } else {
         bool found = false;
@@ -357,7 +363,6 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
           continue;
         }
         ro.sources.push_back(std::move(so));
-        ro.paths.push_back(in.path);
       }
       for (const auto& so : ro.sources) {
         ckpt::Grouping g = FindSourceGrouping(params, so);
@@ -368,7 +373,7 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
       ranks.push_back(std::move(ro));
     }
   if (!without_optimizer.empty() && !ranks.empty())
-    throw Error(without_optimizer[0] + ": holds no optimizer state, but " + ranks[0].paths[0] +
+    throw Error(without_optimizer[0] + ": holds no optimizer state, but " + ranks[0].sources[0].path +
                 " does: the rank files are from different kinds of save");
   if (!without_optimizer.empty()) {
     if (opts.require_optimizer)

@@ -151,7 +151,7 @@ SourceOptimizer PlainOptimizer(const Value& checkpoint, const std::string& path,
   if (states->as_seq().items.size() != 1)
     throw Error(path + ": 'optimizer_states' holds " + std::to_string(states->as_seq().items.size()) +
                 " optimizers; NNM trains with one");
-  SourceOptimizer so{path + ": optimizer_states[0]", states->as_seq().items[0], 0};
+  SourceOptimizer so{path, path + ": optimizer_states[0]", states->as_seq().items[0], 0};
   const Value& osd = so.state_dict;
   if (!osd.is_dict() || !osd.as_dict().Find("param_groups") || !osd.as_dict().Find("state"))
     throw Error(so.where + " is not a torch optimizer state dict (needs 'state' and 'param_groups')");
@@ -165,7 +165,7 @@ SourceOptimizer Zero1Optimizer(const Value& file, const std::string& path, int d
   if (!file.is_seq() || file.as_seq().items.size() != 1)
     throw Error(path + ": holds " + (file.is_seq() ? "a list of " + std::to_string(file.as_seq().items.size()) : "a " + file.kind_name()) +
                 ", not NNM's one-element 'optimizer_states' list");
-  SourceOptimizer so{path + ": optimizer_states[0]", file.as_seq().items[0], dp};
+  SourceOptimizer so{path, path + ": optimizer_states[0]", file.as_seq().items[0], dp};
   if (!so.state_dict.is_dict() || !so.state_dict.as_dict().Find("base_state") || !so.state_dict.as_dict().Find("param_groups"))
     throw Error(so.where + " is not a ZeRO-1 optimizer state dict (needs 'base_state' and 'param_groups')");
   return so;

@@ -23,6 +23,7 @@ namespace convert {
 
 // One optimizer state dict as NNM wrote it.
 struct SourceOptimizer {
+  std::string path;   // the file it was read from
   std::string where;  // "<file>: optimizer_states[0]", for messages
   ckpt::Value state_dict;  // torch AdamW's, or torch-xla ZeRO-1's
   int zero1_dp = 0;        // ZeRO-1 data-parallel degree; 0 for a plain state dict

@@ -1,8 +1,8 @@
 #include "libtrain/train_config.h"
 
 #include <cmath>
-
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "ckpt/error.h"
@@ -15,22 +15,18 @@
 namespace train {
 namespace {
 
-// A whole-string number, or NaN.
-double ParseNumber(const std::string& text) {
+using migrate::Find;
+
+// A whole-string number; nullopt for anything else.
+std::optional<double> ParseNumber(const std::string& text) {
   try {
     size_t used = 0;
     const double v = std::stod(text, &used);
-    return used == text.size() ? v : NAN;
+    if (used == text.size()) return v;
   } catch (const std::exception&) {
-    return NAN;
   }
+  return std::nullopt;
 }
-
-}  // namespace
-
-namespace {
-
-using migrate::Find;
 
 class Reader {
  public:
@@ -60,14 +56,9 @@ class Reader {
   double Number(const std::string& key, double dflt) const {
     if (!Has(key)) return dflt;
     const YAML::Node n = Find(root_, key);
-    try {
-      size_t used = 0;
-      const double v = std::stod(n.Scalar(), &used);
-      if (used != n.Scalar().size()) throw std::invalid_argument("");
-      return v;
-    } catch (const std::exception&) {
-      Fail(key, migrate::Describe(n) + " is not a number");
-    }
+    const std::optional<double> v = n.IsScalar() ? ParseNumber(n.Scalar()) : std::nullopt;
+    if (!v) Fail(key, migrate::Describe(n) + " is not a number");
+    return *v;
   }
   bool Bool(const std::string& key, bool dflt) const {
     if (!Has(key)) return dflt;
@@ -174,7 +165,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
     for (size_t i = 0; i < prefix.size(); i += 2) {
       const std::string at = "data.data_prefix[" + std::to_string(i) + "]";
       if (!prefix[i].IsScalar() || !prefix[i + 1].IsScalar()) r.Fail(at, "must alternate weights and prefixes (plain values)");
-      const double w = ParseNumber(prefix[i].Scalar());
+      const double w = ParseNumber(prefix[i].Scalar()).value_or(NAN);
       if (!(w >= 0) || !std::isfinite(w)) r.Fail(at, "weight '" + prefix[i].Scalar() + "' is not a number >= 0");
       c.data_prefix.push_back({w, prefix[i + 1].Scalar()});
     }
@@ -247,7 +238,8 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   const YAML::Node betas = Find(r.root(), "model.optim.betas");
   if (betas.IsDefined() && (!betas.IsSequence() || betas.size() != 2)) r.Fail("model.optim.betas", "must be a list of two numbers");
   if (betas.IsDefined()) {
-    const double b[2] = {betas[0].IsScalar() ? ParseNumber(betas[0].Scalar()) : NAN, betas[1].IsScalar() ? ParseNumber(betas[1].Scalar()) : NAN};
+    const double b[2] = {betas[0].IsScalar() ? ParseNumber(betas[0].Scalar()).value_or(NAN) : NAN,
+                         betas[1].IsScalar() ? ParseNumber(betas[1].Scalar()).value_or(NAN) : NAN};
     for (double x : b)
       if (!(x >= 0 && x < 1)) r.Fail("model.optim.betas", "must be two numbers in [0, 1)");
     c.optim.beta1 = b[0], c.optim.beta2 = b[1];

@@ -26,14 +26,13 @@ using Clock = std::chrono::steady_clock;
 
 const std::string kRankFile = "dp_rank_00_tp_rank_00_pp_rank_00.pt";
 
-}  // namespace
-
-namespace {
+// The folder names of the tags resume found damaged, as the store keys them.
 std::vector<std::string> DamagedNames(const std::vector<ckpt::DamagedTag>& damaged) {
   std::vector<std::string> names;
   for (const auto& d : damaged) names.push_back(std::filesystem::path(d.path).filename().string());
   return names;
 }
+
 }  // namespace
 
 TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& log) {

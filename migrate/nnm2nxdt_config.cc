@@ -106,12 +106,7 @@ int main(int argc, char** argv) {
     if (output.empty()) std::cout << yaml;
     std::cerr << m.report.Summary();
     return 0;
-  } catch (const migrate::InputError& e) {
-    std::cerr << "nnm2nxdt-config: " << e.what() << "\n";
-    return 2;
-  } catch (const ckpt::Error& e) {
-    std::cerr << "nnm2nxdt-config: " << e.what() << "\n";
-    return 2;  } catch (const std::exception& e) {  // a library's own error: a message and an exit code, never an abort
+  } catch (const std::exception& e) {  // InputError, ckpt::Error and any library's own: a message and exit 2, never an abort
     std::cerr << "nnm2nxdt-config: " << e.what() << "\n";
     return 2;
   }

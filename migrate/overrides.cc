@@ -28,11 +28,8 @@ Override ParseOverride(const std::string& arg) {
     // A flow context parses what Hydra accepts: scalars, [a, b], {k: v}.
     YAML::Node doc = LoadYaml("v: " + (text.empty() ? std::string("''") : text), "override '" + arg + "'");
     o.value = doc["v"];
-  } catch (const InputError& e) {
-    const std::string why = e.what();
-    const size_t at = why.find("not valid YAML: ");
-    if (at == std::string::npos) throw;  // bounds (alias bombs, depth): as they are
-    throw InputError("override '" + arg + "': value '" + text + "' does not parse: " + why.substr(at + 16));
+  } catch (const YamlSyntaxError& e) {  // bounds (alias bombs, depth) propagate as they are
+    throw InputError("override '" + arg + "': value '" + text + "' does not parse: " + e.detail());
   }
   return o;
 }

@@ -70,7 +70,7 @@ YAML::Node LoadYaml(const std::string& text, const std::string& source) {
     throw InputError(source + ":" + std::to_string(e.mark.line + 1) + ": nested more than " + std::to_string(kMaxYamlDepth) +
                      " levels deep");
   } catch (const YAML::Exception& e) {
-    throw InputError(source + ":" + std::to_string(e.mark.line + 1) + ": not valid YAML: " + e.msg);
+    throw YamlSyntaxError(source + ":" + std::to_string(e.mark.line + 1) + ": not valid YAML: " + e.msg, e.msg);
   }
   std::vector<YAML::Node> path;
   size_t values = 0;

@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace migrate {
@@ -20,6 +21,16 @@ namespace migrate {
 class InputError : public std::runtime_error {
  public:
   explicit InputError(const std::string& what) : std::runtime_error(what) {}
+};
+
+// Text that does not parse as YAML; detail() is the parser's own message.
+class YamlSyntaxError : public InputError {
+ public:
+  YamlSyntaxError(const std::string& what, std::string detail) : InputError(what), detail_(std::move(detail)) {}
+  const std::string& detail() const { return detail_; }
+
+ private:
+  std::string detail_;
 };
 
 // Parses YAML text; `source` names it in errors. The top level must be a mapping.

@@ -45,6 +45,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+import megatron_partition
+
 
 class FusedLayerNorm(nn.Module):  # apex.normalization
     def __init__(self, h, bias=True):
@@ -202,9 +204,8 @@ def nemo_param_groups(chunks, grouping="class"):
                     no_decay += [p for n, p in params if n == "bias"]
         else:
             assert grouping == "name", grouping
-            for n, p in chunk.named_parameters():
-                module, leaf = n.rsplit(".", 1)
-                (no_decay if leaf == "bias" or module.endswith("norm") else decay).append(p)
+            for n, p in chunk.named_parameters():  # the same name rule NxDT uses
+                (no_decay if megatron_partition.no_decay(n) else decay).append(p)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -373,8 +374,6 @@ def shard_from_full(full, chunks, offsets, groups, t, tp, c):
     """Copies tensor-parallel rank t's slices of a one-rank run's weights into
     `chunks` and returns the optimizer state dict this rank's AdamW (over
     `groups`) would hold: the same moments, sliced by the same rule."""
-    import megatron_partition
-
     full_sd = full["chunks"][0].state_dict(keep_vars=True)
     full_opt = full["opt"]
     fsd = full_opt.state_dict()
