@@ -370,6 +370,19 @@ TEST(Resume, NxdWrittenTagsWithoutManifestAndTheNewestFileLayout) {
   EXPECT_EQ(FindLatestCheckpoint(env, old.path(), false, nullptr), old / "step_100");
 }
 
+// A folder of the user's files under a tag's name is never replaced by a save.
+TEST(CheckpointStore, SaveRefusesToReplaceAFolderThatIsNotATag) {
+  TempDir d("store");
+  std::filesystem::create_directories(TagPath(d, 4));
+  std::ofstream(TagPath(d, 4) + "/notes.txt") << "mine";
+  CheckpointStore store({.dir = d.path()});
+  const std::string e = testing::ErrorOf([&] { store.Save(MakeSnapshot("m", 4, kGrid, 100, 13)); });
+  EXPECT_NE(e.find("is not a checkpoint tag"), std::string::npos) << e;
+  EXPECT_NE(e.find("notes.txt"), std::string::npos) << e;
+  EXPECT_TRUE(Env::Default()->Exists(TagPath(d, 4) + "/notes.txt"));
+  EXPECT_FALSE(Env::Default()->Exists(TagPath(d, 4) + "/done"));
+}
+
 TEST(CheckpointStore, ResavingATagNeverLeavesOldDoneOverNewFiles) {
   TempDir d("store");
   {

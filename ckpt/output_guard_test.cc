@@ -77,6 +77,11 @@ TEST(OutputGuard, SeveralFilesAreWrittenAllOrNone) {
   std::string got((std::istreambuf_iterator<char>(fa)), {});
   EXPECT_EQ(got, "x");
   EXPECT_EQ(Env::Default()->ListDir(d.path()), std::vector<std::string>{"a"});
+  // The second rename fails: the first file is in place, no temporary is left behind.
+  env.FailRenameAt(2);
+  EXPECT_THROW(WriteFilesAtomically(&env, {{a, text("newer")}, {b, text("b")}}), Error);
+  EXPECT_EQ(Env::Default()->FileSize(a), 5u);
+  EXPECT_EQ(Env::Default()->ListDir(d.path()), std::vector<std::string>{"a"});
   WriteFilesAtomically(&env, {{a, text("new")}, {b, text("b")}});
   EXPECT_EQ(Env::Default()->FileSize(a), 3u);
   EXPECT_EQ(Env::Default()->FileSize(b), 1u);
