@@ -24,6 +24,9 @@ class WritableFile {
   virtual void Close() = 0;
   // Bytes appended so far.
   virtual uint64_t Size() const = 0;
+  // Overwrites bytes already appended, [offset, offset + data.size()) below
+  // Size(): a zip header's CRC-32 once its streamed record is complete.
+  virtual void WriteAt(uint64_t offset, std::span<const uint8_t> data) = 0;
 };
 
 // A whole file mapped read-only (or an in-memory buffer standing in for one).

@@ -65,6 +65,20 @@ class PosixWritableFile final : public WritableFile {
 
   uint64_t Size() const override { return offset_ + buf_.size(); }
 
+  void WriteAt(uint64_t offset, std::span<const uint8_t> data) override {
+    if (offset + data.size() > Size()) throw Error(path_ + ": WriteAt past the end of what was written");
+    // The part still in the buffer is patched there; the rest goes through
+    // the buffered descriptor (never O_DIRECT, which needs whole pages).
+    const size_t flushed = offset < offset_ ? static_cast<size_t>(std::min<uint64_t>(offset_ - offset, data.size())) : 0;
+    for (size_t done = 0; done < flushed;) {
+      ssize_t w = ::pwrite(fd_, data.data() + done, flushed - done, static_cast<off_t>(offset + done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) ThrowErrno(path_, "write failed");
+      done += static_cast<size_t>(w);
+    }
+    if (flushed < data.size()) std::memcpy(buf_.data() + (offset + flushed - offset_), data.data() + flushed, data.size() - flushed);
+  }
+
  private:
   static constexpr size_t kBuf = 1 << 20;
   static constexpr uint64_t kSyncEvery = 32 << 20;

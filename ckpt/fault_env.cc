@@ -41,6 +41,10 @@ class FaultFile final : public WritableFile {
   }
   void Close() override { base_->Close(); }
   uint64_t Size() const override { return base_->Size(); }
+  void WriteAt(uint64_t offset, std::span<const uint8_t> d) override {
+    env_->Op();
+    base_->WriteAt(offset, d);
+  }
 
  private:
   FaultEnv* env_;

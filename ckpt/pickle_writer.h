@@ -25,6 +25,9 @@ struct PickleOptions {
   // pages from memory (MappedFile::DropPages): converters streaming large
   // inputs keep their memory bounded by this.
   bool drop_source_pages = false;
+  // Generated storages (Storage::Generated) are produced and written this
+  // many bytes at a time: the file's memory cost whatever its size.
+  size_t stream_chunk = 8 << 20;
 };
 
 struct PickledStorage {

@@ -192,7 +192,7 @@ uint32_t WritePt(WritableFile& out, const std::string& prefix, const Value& root
   // their recorded CRC-32 is checked on the way.
   std::vector<uint32_t> crcs(storages.size());
   tbb::parallel_for(size_t{0}, storages.size(), [&](size_t i) {
-    if (!storages[i].storage->origin()) crcs[i] = Crc32({storages[i].storage->data(), storages[i].storage->nbytes()});
+    if (!storages[i].storage->origin() && !storages[i].storage->producer()) crcs[i] = Crc32({storages[i].storage->data(), storages[i].storage->nbytes()});
   });
   ZipWriter zip(out, prefix);
   auto bytes = [](const std::string& s) { return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size()); };
@@ -203,9 +203,15 @@ uint32_t WritePt(WritableFile& out, const std::string& prefix, const Value& root
       storages[i].storage->origin()->file->Prefetch(storages[i].storage->data(), storages[i].storage->nbytes());
   };
   prefetch(0);
+  std::shared_ptr<Storage> chunk;  // for generated storages
   for (size_t i = 0; i < storages.size(); ++i) {
     prefetch(i + 1);
     const Storage& st = *storages[i].storage;
+    if (const StorageProducer* produce = st.producer()) {
+      if (!chunk) chunk = Storage::Allocate(std::max<size_t>(4096, opts.stream_chunk / 4096 * 4096), false);
+      zip.AddStreamedRecord("data/" + storages[i].key, st.nbytes(), *produce, {chunk->mutable_data(), chunk->nbytes()});
+      continue;
+    }
     const StorageOrigin* origin = st.origin();
     if (origin) {
       crcs[i] = Crc32({st.data(), st.nbytes()});

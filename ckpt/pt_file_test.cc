@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "ckpt/crc32.h"
 #include "ckpt/error.h"
 #include "ckpt/test_util.h"
 #include "ckpt/zip_reader.h"
@@ -77,13 +78,7 @@ TEST(PtFile, ArchiveLayoutFollowsTorch) {
 }
 
 std::string ZipOf(const std::vector<std::pair<std::string, std::string>>& recs) {
-  struct S : WritableFile {
-    void Append(std::span<const uint8_t> d) override { s.append(reinterpret_cast<const char*>(d.data()), d.size()); }
-    void Sync() override {}
-    void Close() override {}
-    uint64_t Size() const override { return s.size(); }
-    std::string s;
-  } f;
+  testing::StringFile f;
   ZipWriter w(f, "x");
   for (const auto& [n, d] : recs) w.AddRecord(n, {reinterpret_cast<const uint8_t*>(d.data()), d.size()});
   w.Finish();
@@ -129,6 +124,42 @@ TEST(PtFile, FailedSaveLeavesPreviousFile) {
   EXPECT_THROW(SavePt(path, bad, {.weights_only = true}), Error);
   EXPECT_TRUE(DeepEqual(LoadPt(path), good));
   EXPECT_EQ(Env::Default()->ListDir(dir.path()), std::vector<std::string>{"m.pt"});
+}
+
+// A storage produced in chunks writes the bytes a whole one does: the CRC-32
+// patched into its header, the manifest's file CRC, alignment and all.
+TEST(PtFile, GeneratedStoragesWriteTheBytesOfWholeOnes) {
+  TempDir dir("pt_file");
+  for (size_t n : {size_t{0}, size_t{40}, size_t{70000}, size_t{3u << 20}}) {
+    SCOPED_TRACE(n);
+    auto whole = Storage::Allocate(n);
+    for (size_t i = 0; i < n; ++i) whole->mutable_data()[i] = static_cast<uint8_t>(i * 7 + i / 251);
+    size_t calls = 0;
+    auto gen = Storage::Generated(n, [&](uint64_t off, std::span<uint8_t> out) {
+      ++calls;
+      std::memcpy(out.data(), whole->data() + off, out.size());
+    });
+    auto tree = [&](std::shared_ptr<Storage> st) {
+      Value d = Value::NewDict();
+      d.as_dict().Set("a", Value(Tensor(DType::kUInt8, {static_cast<int64_t>(n)}, {1}, 0, st)));
+      d.as_dict().Set("b", Value(Tensor::Zeros(DType::kFloat32, {3})));
+      return d;
+    };
+    testing::StringFile a, b;
+    const uint32_t crc_a = WritePt(a, "x", tree(whole));
+    const uint32_t crc_b = WritePt(b, "x", tree(gen), {.stream_chunk = 4096});
+    EXPECT_EQ(a.s, b.s);
+    EXPECT_EQ(crc_a, crc_b);
+    EXPECT_EQ(crc_b, Crc32({reinterpret_cast<const uint8_t*>(b.s.data()), b.s.size()}));
+    EXPECT_EQ(calls, (n + 4095) / 4096);
+    // Through the POSIX Env: the header is patched whether still buffered or already on disk.
+    SavePt(dir / "g.pt", tree(gen), {.stream_chunk = 8192});
+    const auto f = Env::Default()->MapFile(dir / "g.pt");
+    testing::StringFile g;
+    WritePt(g, "g", tree(whole));
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(f->data()), f->size()), g.s);
+    EXPECT_TRUE(DeepEqual(LoadPt(dir / "g.pt", {.verify_crc = true}), tree(whole)));
+  }
 }
 
 }  // namespace

@@ -44,6 +44,13 @@ std::shared_ptr<Storage> Storage::Borrow(std::shared_ptr<const void> owner,
   return s;
 }
 
+std::shared_ptr<Storage> Storage::Generated(size_t nbytes, StorageProducer produce) {
+  std::shared_ptr<Storage> s(new Storage());
+  s->nbytes_ = nbytes;
+  s->produce_ = std::move(produce);
+  return s;
+}
+
 std::shared_ptr<Storage> Storage::Deferred(size_t nbytes) {
   std::shared_ptr<Storage> s(new Storage());
   s->nbytes_ = nbytes;

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 
 namespace ckpt {
@@ -24,6 +25,9 @@ struct StorageOrigin {
   std::string record;
   uint32_t crc32;
 };
+
+// Fills `out` with a generated storage's bytes [offset, offset + out.size()).
+using StorageProducer = std::function<void(uint64_t offset, std::span<uint8_t> out)>;
 
 class Storage {
  public:
@@ -40,6 +44,14 @@ class Storage {
   // A read-only view of bytes that `owner` keeps alive (e.g. an mmap).
   static std::shared_ptr<Storage> Borrow(std::shared_ptr<const void> owner,
                                          const uint8_t* data, size_t nbytes);
+
+  // A storage whose bytes exist only as they are written: SavePt asks
+  // `produce` for them a chunk at a time (SaveOptions::stream_chunk), so a
+  // file assembled from pieces of other files is never held whole. data()
+  // is null; only a writer reads it.
+  static std::shared_ptr<Storage> Generated(size_t nbytes, StorageProducer produce);
+  // nullptr unless the storage is generated.
+  const StorageProducer* producer() const { return produce_ ? &produce_ : nullptr; }
 
   // A storage of known size whose bytes are bound later (legacy .pt files
   // store data after the pickle that references it).
@@ -65,6 +77,7 @@ class Storage {
   const uint8_t* data_ = nullptr;
   size_t nbytes_ = 0;
   std::optional<StorageOrigin> origin_;
+  StorageProducer produce_;
 };
 
 }  // namespace ckpt

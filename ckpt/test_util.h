@@ -15,6 +15,19 @@
 
 namespace ckpt::testing {
 
+// A WritableFile collecting its bytes in memory.
+class StringFile : public WritableFile {
+ public:
+  void Append(std::span<const uint8_t> d) override { s.append(reinterpret_cast<const char*>(d.data()), d.size()); }
+  void Sync() override {}
+  void Close() override {}
+  uint64_t Size() const override { return s.size(); }
+  void WriteAt(uint64_t offset, std::span<const uint8_t> d) override {
+    s.replace(offset, d.size(), reinterpret_cast<const char*>(d.data()), d.size());
+  }
+  std::string s;
+};
+
 // A fresh directory under the system temp dir, removed on destruction.
 class TempDir {
  public:

@@ -5,20 +5,13 @@
 #include "ckpt/crc32.h"
 #include "ckpt/error.h"
 #include "ckpt/zip_reader.h"
+#include "ckpt/test_util.h"
 #include "ckpt/zip_writer.h"
 
 namespace ckpt {
 namespace {
 
-// Collects appended bytes in memory.
-class StringFile : public WritableFile {
- public:
-  void Append(std::span<const uint8_t> d) override { s.append(reinterpret_cast<const char*>(d.data()), d.size()); }
-  void Sync() override {}
-  void Close() override {}
-  uint64_t Size() const override { return s.size(); }
-  std::string s;
-};
+using testing::StringFile;
 
 std::span<const uint8_t> B(const std::string& s) { return {reinterpret_cast<const uint8_t*>(s.data()), s.size()}; }
 

@@ -1,5 +1,7 @@
 #include "ckpt/zip_writer.h"
 
+#include <algorithm>
+
 #include "ckpt/crc32.h"
 #include "ckpt/error.h"
 
@@ -39,12 +41,8 @@ void ZipWriter::AddRecord(const std::string& name, std::span<const uint8_t> data
   AddRecord(name, data, Crc32(data));
 }
 
-void ZipWriter::AddRecord(const std::string& name, std::span<const uint8_t> data, uint32_t crc) {
-  if (finished_) throw Error("zip: record '" + name + "' added after Finish");
-  const std::string full = prefix_ + "/" + name;
-  const uint64_t offset = out_.Size(), size = data.size();
+std::vector<uint8_t> ZipWriter::LocalHeader(const std::string& full, uint64_t offset, uint64_t size, uint32_t crc) const {
   const bool zip64 = size >= k32Max;
-
   Bytes h;
   h.u32(kLocalSig);
   h.u16(zip64 ? 45 : 20);
@@ -52,7 +50,7 @@ void ZipWriter::AddRecord(const std::string& name, std::span<const uint8_t> data
   h.u16(0);  // STORED
   h.u16(kDosTime);
   h.u16(kDosDate);
-  h.u32(crc);
+  h.u32(crc);  // at kCrcField
   h.u32(zip64 ? k32Max : size);
   h.u32(zip64 ? k32Max : size);
   h.u16(full.size());
@@ -79,8 +77,37 @@ void ZipWriter::AddRecord(const std::string& name, std::span<const uint8_t> data
   std::vector<uint8_t> header(h.span().begin(), h.span().end());
   header[extra_pos] = static_cast<uint8_t>(extra);
   header[extra_pos + 1] = static_cast<uint8_t>(extra >> 8);
-  Emit(header);
+  return header;
+}
+
+void ZipWriter::AddRecord(const std::string& name, std::span<const uint8_t> data, uint32_t crc) {
+  if (finished_) throw Error("zip: record '" + name + "' added after Finish");
+  const std::string full = prefix_ + "/" + name;
+  const uint64_t offset = out_.Size(), size = data.size();
+  Emit(LocalHeader(full, offset, size, crc));
   Emit(data, &crc);
+  entries_.push_back({full, offset, size, crc});
+}
+
+void ZipWriter::AddStreamedRecord(const std::string& name, uint64_t size,
+                                  const std::function<void(uint64_t, std::span<uint8_t>)>& produce, std::span<uint8_t> buffer) {
+  if (finished_) throw Error("zip: record '" + name + "' added after Finish");
+  if (buffer.empty() && size > 0) throw Error("zip: record '" + name + "' streamed through an empty buffer");
+  const std::string full = prefix_ + "/" + name;
+  const uint64_t offset = out_.Size();
+  std::vector<uint8_t> header = LocalHeader(full, offset, size, 0);
+  out_.Append(header);
+  uint32_t crc = 0;
+  for (uint64_t done = 0; done < size;) {
+    const auto chunk = buffer.first(static_cast<size_t>(std::min<uint64_t>(buffer.size(), size - done)));
+    produce(done, chunk);
+    crc = Crc32Combine(crc, Crc32(chunk), chunk.size());
+    out_.Append(chunk);
+    done += chunk.size();
+  }
+  for (int i = 0; i < 4; ++i) header[kCrcField + i] = static_cast<uint8_t>(crc >> (8 * i));
+  out_.WriteAt(offset, std::span<const uint8_t>(header).first(kCrcField + 4));
+  file_crc_ = Crc32Combine(Crc32Combine(file_crc_, Crc32(header), header.size()), crc, size);
   entries_.push_back({full, offset, size, crc});
 }
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -32,6 +33,12 @@ class ZipWriter {
   // Appends `prefix/name` holding `data`; `crc` is its CRC-32.
   void AddRecord(const std::string& name, std::span<const uint8_t> data, uint32_t crc);
   void AddRecord(const std::string& name, std::span<const uint8_t> data);
+  // Appends `prefix/name` of `size` bytes that `produce` fills in order, one
+  // `buffer` at a time, computing the CRC-32 as they pass; the header's CRC
+  // is then patched in place (WritableFile::WriteAt). The bytes on disk are
+  // exactly what AddRecord of the whole data would write.
+  void AddStreamedRecord(const std::string& name, uint64_t size,
+                         const std::function<void(uint64_t offset, std::span<uint8_t> out)>& produce, std::span<uint8_t> buffer);
   // Writes the central directory and end records. No records may follow.
   void Finish();
   // CRC-32 of every byte appended so far, from the record CRCs (no second
@@ -51,6 +58,9 @@ class ZipWriter {
   uint32_t file_crc_ = 0;
 
   void Emit(std::span<const uint8_t> bytes, const uint32_t* crc = nullptr);
+  // The local header of a record at `offset`, and where its CRC-32 field sits.
+  std::vector<uint8_t> LocalHeader(const std::string& full, uint64_t offset, uint64_t size, uint32_t crc) const;
+  static constexpr size_t kCrcField = 14;
 };
 
 }  // namespace ckpt

@@ -19,38 +19,15 @@ std::string LayerName(int l, const std::string& rest) {
 }
 }  // namespace
 
-std::vector<ParamInfo> ParameterLayout(const ModelConfig& c) {
-  const int64_t H = c.hidden, F = c.ffn, hd = c.head_dim();
-  std::vector<ParamInfo> p;
-  // A linear layer's weight and, with has_bias, its bias: column-parallel
-  // biases split like the weight's rows; row-parallel biases are whole.
-  auto linear = [&](const std::string& name, int64_t out, int64_t in, int partition_dim, int stride) {
-    p.push_back({name + ".weight", {out, in}, partition_dim, stride});
-    if (c.bias) p.push_back({name + ".bias", {out}, partition_dim == 0 ? 0 : -1, partition_dim == 0 ? stride : 1});
-  };
-  auto norm = [&](const std::string& name) {
-    p.push_back({name + ".weight", {H}, -1, 1});
-    if (c.layernorm) p.push_back({name + ".bias", {H}, -1, 1});
-  };
-  p.push_back({"language_model.embedding.word_embeddings.weight", {c.vocab, H}, 0, 1});
-  if (c.learned_positions) p.push_back({"language_model.embedding.position_embeddings.weight", {c.max_positions, H}, -1, 1});
-  for (int l = 0; l < c.layers; ++l) {
-    norm(LayerName(l, "input_layernorm"));
-    if (c.gqa()) {
-      linear(LayerName(l, "self_attention.query"), H, H, 0, 1);
-      linear(LayerName(l, "self_attention.key_value"), 2 * c.kv_heads * hd, H, 0, 2);
-    } else {
-      linear(LayerName(l, "self_attention.query_key_value"), 3 * H, H, 0, 3);
-    }
-    linear(LayerName(l, "self_attention.dense"), H, H, 1, 1);
-    norm(LayerName(l, "post_attention_layernorm"));
-    linear(LayerName(l, "mlp.dense_h_to_4h"), c.ffn_in_width(), H, 0, c.gelu ? 1 : 2);
-    linear(LayerName(l, "mlp.dense_4h_to_h"), H, F, 1, 1);
-  }
-  norm("language_model.encoder.final_layernorm");
-  if (!c.tied_output) p.push_back({"language_model.output_layer.weight", {c.vocab, H}, 0, 1});
-  for (auto& info : p) info.no_decay = ckpt::IsNoWeightDecay(info.name);
-  return p;
+ckpt::ModelFormat ModelConfig::format() const {
+  ckpt::ModelFormat f;
+  f.hidden = hidden, f.ffn = ffn, f.heads = heads, f.kv_heads = kv_heads, f.layers = layers;
+  f.vocab_size = vocab_size > 0 ? vocab_size : vocab;
+  f.make_vocab_size_divisible_by = make_vocab_size_divisible_by;
+  if (f.PaddedVocab(1) != vocab) f.vocab_size = vocab, f.make_vocab_size_divisible_by = 1;  // vocab set directly (tests)
+  f.layernorm = layernorm, f.gelu = gelu, f.bias = bias, f.learned_positions = learned_positions;
+  f.max_positions = max_positions, f.tied_output = tied_output;
+  return f;
 }
 
 // Everything one layer's backward needs from its forward.
@@ -66,7 +43,7 @@ struct Model::LayerCache {
 
 Model::~Model() = default;
 
-Model::Model(const ModelConfig& c) : c_(c), layout_(ParameterLayout(c)) {
+Model::Model(const ModelConfig& c) : c_(c), layout_(ckpt::LogicalParameters(c.format())) {
   if (c.hidden % c.heads) throw ckpt::Error("hidden_size must be divisible by num_attention_heads");
   if (c.heads % c.kv_heads) throw ckpt::Error("num_attention_heads must be divisible by num_kv_heads");
   if (c.learned_positions && c.max_positions < 1) throw ckpt::Error("learned position embeddings need max_position_embeddings");

@@ -9,9 +9,9 @@
 // in float32; with bf16_params (mixed precision) every parameter holds a
 // bfloat16 value and checkpoints store bfloat16, as NxDT's do.
 //
-// Parameters carry NxDT's state-dict names and, as Megatron's parallel layers
-// do, their tensor-parallel partition dim and stride; checkpoint tools read
-// that from ParameterLayout instead of keeping a second copy of the rules.
+// Parameters carry NxDT's state-dict names; their partition rules (split dim,
+// fused layout, stage, optimizer group) come from ckpt/partition.h, the one
+// copy the checkpoint tools read too.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/partition.h"
 #include "ckpt/tensor.h"
 #include "ckpt/value.h"
 
@@ -26,6 +27,8 @@ namespace train {
 
 struct ModelConfig {
   int64_t vocab = 256;  // already padded to make_vocab_size_divisible_by
+  int64_t vocab_size = 0;                    // before padding (0: vocab)
+  int64_t make_vocab_size_divisible_by = 1;
   int64_t hidden = 64, ffn = 172, heads = 4, kv_heads = 4, layers = 2;
   float eps = 1e-5f;
   double rope_theta = 10000.0;
@@ -59,18 +62,10 @@ struct ModelConfig {
   bool gqa() const { return kv_heads != heads; }
   // Rows of dense_h_to_4h: [gate; up] for SwiGLU, one projection for GeLU.
   int64_t ffn_in_width() const { return gelu ? ffn : 2 * ffn; }
+  // The checkpoint format this model reads and writes (one process: tp 1).
+  ckpt::ModelFormat format() const;
 };
 
-struct ParamInfo {
-  std::string name;
-  std::vector<int64_t> shape;
-  int partition_dim;  // -1: replicated across tensor-parallel ranks
-  int stride;         // 3: per-head [q; k; v], 2: [gate; up] or per-group [k; v]
-  bool no_decay = false;  // norms and biases: ckpt::IsNoWeightDecay (ckpt/optimizer_groups.h)
-};
-
-// Every parameter in NxDT's state-dict order.
-std::vector<ParamInfo> ParameterLayout(const ModelConfig& c);
 
 class Model {
  public:
@@ -96,7 +91,7 @@ class Model {
   ckpt::Tensor& param(const std::string& name);
   const ckpt::Tensor& param(const std::string& name) const;
   ckpt::Tensor& grad(const std::string& name);
-  const std::vector<ParamInfo>& layout() const { return layout_; }
+  const std::vector<ckpt::ParamRule>& layout() const { return layout_; }
   const std::vector<float>& logits() const { return logits_; }
   // Bytes of activations held for backward after the last Forward.
   size_t activation_bytes() const;
@@ -135,7 +130,7 @@ class Model {
   void Drop(LayerCache& lc);
 
   ModelConfig c_;
-  std::vector<ParamInfo> layout_;
+  std::vector<ckpt::ParamRule> layout_;
   std::map<std::string, ckpt::Tensor> params_, grads_;
   std::vector<float> inv_freq_;
   // Activations of the last Forward.

@@ -70,33 +70,6 @@ TEST(Recompute, GptStyleWithDropoutGradientsAreBitIdenticalToo) {
   EXPECT_LT(full.activation_bytes, selective.activation_bytes / 2);
 }
 
-TEST(ParameterLayout, GptStyleNamesShapesAndPartitions) {
-  ModelConfig c;
-  c.vocab = 64, c.hidden = 32, c.ffn = 48, c.heads = 4, c.kv_heads = 4, c.layers = 1;
-  c.layernorm = c.gelu = c.bias = c.learned_positions = c.tied_output = true, c.max_positions = 16;
-  std::vector<std::string> names;
-  for (const auto& p : ParameterLayout(c)) names.push_back(p.name);
-  const std::string L = "language_model.encoder.layers.0.";
-  EXPECT_EQ(names, (std::vector<std::string>{
-                       "language_model.embedding.word_embeddings.weight", "language_model.embedding.position_embeddings.weight",
-                       L + "input_layernorm.weight", L + "input_layernorm.bias", L + "self_attention.query_key_value.weight",
-                       L + "self_attention.query_key_value.bias", L + "self_attention.dense.weight", L + "self_attention.dense.bias",
-                       L + "post_attention_layernorm.weight", L + "post_attention_layernorm.bias", L + "mlp.dense_h_to_4h.weight",
-                       L + "mlp.dense_h_to_4h.bias", L + "mlp.dense_4h_to_h.weight", L + "mlp.dense_4h_to_h.bias",
-                       "language_model.encoder.final_layernorm.weight", "language_model.encoder.final_layernorm.bias"}));
-  for (const auto& p : ParameterLayout(c)) {
-    SCOPED_TRACE(p.name);
-    if (p.name.ends_with("query_key_value.bias")) {
-      EXPECT_EQ((std::pair{p.partition_dim, p.stride}), (std::pair{0, 3}));
-    } else if (p.name.ends_with("dense_h_to_4h.bias")) {
-      EXPECT_EQ((std::pair{p.partition_dim, p.stride}), (std::pair{0, 1}));
-    } else if (p.name.ends_with("dense.bias") || p.name.ends_with("4h_to_h.bias") || p.name.find("position") != std::string::npos) {
-      EXPECT_EQ(p.partition_dim, -1);  // row-parallel biases and the position table are whole on every rank
-    }
-    EXPECT_EQ(p.no_decay, p.name.ends_with(".bias") || p.name.find("layernorm") != std::string::npos);
-  }
-}
-
 TEST(Model, StateDictsOfOtherFloatTypesLoadAndOthersAreNamed) {
   ModelConfig c;
   c.vocab = 16, c.hidden = 8, c.ffn = 8, c.heads = 2, c.kv_heads = 2, c.layers = 1;

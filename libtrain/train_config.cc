@@ -230,6 +230,8 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   }
   const int64_t divisible = r.Int("model.make_vocab_size_divisible_by", 8, 1, 1 << 20);
   m.vocab = (vocab + divisible - 1) / divisible * divisible;
+  m.vocab_size = vocab;
+  m.make_vocab_size_divisible_by = divisible;
 
   c.optim.lr = r.Number("model.optim.lr", 3e-4);
   c.optim.weight_decay = r.Number("model.optim.weight_decay", 0.01);

@@ -1,0 +1,116 @@
+// The partition rules of a Megatron-style decoder checkpoint: for every
+// parameter name, how tensor parallelism splits it, how its fused rows are
+// laid out, which pipeline stage owns it and which optimizer group holds it.
+// This is the one copy of the rules (Megatron-LM core tensor_parallel/layers.py
+// and NxD's parallel layers state them per layer); the training core,
+// nnm2nxdt-ckpt, ckpt-reshard and export all read them from here.
+//
+// A rule maps each tensor-parallel rank's local tensor to pieces of the
+// logical (tp = 1) tensor along the split dim, so any two layouts can be
+// matched piece by piece without ever assembling the whole tensor:
+//   - rows (dim 0): vocab-parallel embedding and output layer, column-parallel
+//     linears (query_key_value, query, key_value, GPT's dense_h_to_4h) and
+//     their biases;
+//   - columns (dim 1): row-parallel linears (dense, dense_4h_to_h); their
+//     biases are whole;
+//   - replicated: norms and the learned position table.
+// The fused layout is an explicit kind, not Megatron's bare stride, because
+// the stride alone is ambiguous (key_value and dense_h_to_4h both say 2):
+//   - per-head [q_h; k_h; v_h] and per-group [k_g; v_g] rows are whole heads
+//     (groups) in the logical tensor, so a rank's rows are one contiguous run;
+//   - SwiGLU's [gate; up] logically: rank r holds [gate_r; up_r], two runs;
+//   - with fewer KV groups than tp ranks, NxD replicates each group over
+//     tp / kv_heads consecutive ranks (kv_size_multiplier): rank r holds
+//     group r / (tp / kv_heads), so the ranks sharing a group hold copies.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace ckpt {
+
+// What describes a checkpoint's model format, as NxDT's model config names
+// it; nothing about training (dropout, recompute, seeds). A manifest carries
+// it, so a tag can be resharded without its training config.
+struct ModelFormat {
+  int64_t hidden = 0, ffn = 0, heads = 0, kv_heads = 0, layers = 0;
+  int64_t vocab_size = 0;                    // the tokenizer's, before padding
+  int64_t make_vocab_size_divisible_by = 1;  // padded to a multiple of this times tp
+  bool layernorm = false;          // normalization: layernorm (else rmsnorm)
+  bool gelu = false;               // activation: gelu (else swiglu, fused [gate; up])
+  bool bias = false;               // has_bias: every linear layer has a bias
+  bool learned_positions = false;  // position_embedding_type: learned_absolute (else rope)
+  int64_t max_positions = 0;       // rows of the learned position table
+  bool tied_output = false;        // share_embeddings_and_output_weights
+
+  int64_t head_dim() const { return hidden / heads; }
+  int64_t PaddedVocab(int tp) const;  // Megatron's _vocab_size_with_padding
+  std::string Describe() const;       // "llama-style, 4 layers, hidden 64, 4 heads (2 KV), vocab 250"
+  // Why the degrees cannot hold this model ("" when they can): tp must divide
+  // heads, KV heads (or be a multiple of them), ffn; pp at most the layers.
+  std::string CheckTensorParallel(int tp) const;
+  nlohmann::ordered_json ToJson() const;
+  // Throws ckpt::Error naming `where` and the field.
+  static ModelFormat FromJson(const nlohmann::json& j, const std::string& where);
+  bool operator==(const ModelFormat&) const = default;
+};
+
+enum class SplitDim { kReplicated, kRows, kColumns };
+enum class FusedRows { kPlain, kPerHeadQkv, kPerGroupKv, kGateUp };
+
+// One logical parameter.
+struct ParamRule {
+  std::string name;             // NxDT's state-dict name
+  std::vector<int64_t> shape;   // logical: tp = 1, vocab padded for the tp it was made for
+  SplitDim split = SplitDim::kReplicated;
+  FusedRows fused = FusedRows::kPlain;
+  bool vocab = false;           // rows are the (padded) vocabulary
+  int layer = -1;               // the decoder layer it belongs to; -1 for embeddings, final norm, output
+  bool no_decay = false;        // NxDT's split (IsNoWeightDecay): norms and biases
+};
+
+// Every logical parameter in module (state-dict) order, vocab padded for `tp`.
+std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp = 1);
+
+// One run of a rank's local tensor: `count` indices along the split dim
+// starting at local index `local` are logical indices from `logical`.
+struct Run {
+  int64_t local, logical, count;
+};
+// The runs of tp rank `rank` in local order (one whole run when replicated).
+std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank);
+// The local shape of tp rank `rank`'s slice.
+std::vector<int64_t> LocalShape(const ParamRule& p, const ModelFormat& f, int tp, int rank);
+
+// Pipeline stages: the first layer of each stage and, last, the layer count.
+// No cuts: NxD's even split with the remainder on the last stages (10 layers
+// on 3 stages: 3, 3, 4). Cuts: the first layer of stages 1..pp-1, ascending.
+// Throws ckpt::Error naming what does not fit.
+std::vector<int64_t> StageBounds(int64_t layers, int pp, const std::vector<int64_t>& cuts = {});
+// The cuts of a stage split (StageBounds without its first and last entries).
+std::vector<int64_t> CutsOf(const std::vector<int64_t>& bounds);
+
+// A parameter as one pipeline stage holds it: its name in that stage's file
+// and the logical parameter it is a slice of (GPT's tied output copy on the
+// last stage of a pipeline is `word_embeddings.weight`, a slice of the
+// embedding: Megatron's initialize_word_embeddings).
+struct StageParam {
+  std::string name;
+  const ParamRule* rule;
+};
+// The parameters stage `stage` of `bounds` holds, in module order.
+std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, const std::vector<int64_t>& bounds, int stage);
+
+inline constexpr const char* kTiedOutputCopy = "word_embeddings.weight";
+
+// The layer a parameter name belongs to ("...layers.17.mlp..." -> 17), or -1.
+int LayerOfName(const std::string& name);
+
+// ZeRO-1 (torch-xla's ZeroRedundancyOptimizer as NxD runs it): a parameter's
+// state is padded on dim 0 to a multiple of dp and cut in dp equal chunks;
+// dp rank d keeps chunk d. Returns the rows per chunk (dim 0 of every shard).
+int64_t Zero1ShardRows(int64_t rows, int dp);
+
+}  // namespace ckpt
