@@ -29,12 +29,14 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "ckpt/env.h"
 #include "ckpt/layout.h"
+#include "ckpt/partition.h"
 #include "ckpt/resume.h"
 #include "ckpt/snapshot.h"
 #include "ckpt/tag_writer.h"
@@ -60,6 +62,7 @@ struct StoreOptions {
   Env* env = Env::Default();
   LogFn log = nullptr;
   std::vector<std::string> damaged = {};  // tag folder names (not paths) that failed verification
+  std::optional<ModelFormat> model = {};   // recorded in every manifest
 };
 
 inline constexpr const char* kStoreLockFile = ".shardkit.lock";

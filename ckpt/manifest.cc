@@ -23,13 +23,15 @@ FileDigest DigestFile(Env* env, const std::string& path) {
 nlohmann::ordered_json Manifest::ToJson() const {
   nlohmann::ordered_json files_json = nlohmann::ordered_json::object();
   for (const auto& [p, d] : files) files_json[p] = {{"size", d.size}, {"crc32", CrcHex(d.crc32)}};
-  return {{"format", "shardkit-checkpoint-manifest"},
-          {"version", 1},
-          {"step", step},
-          {"consumed_samples", consumed_samples},
-          {"grid", {{"tp", grid.tp}, {"pp", grid.pp}, {"dp", grid.dp}, {"zero1", grid.zero1}}},
-          {"world_size", world_size},
-          {"files", files_json}};
+  nlohmann::ordered_json j = {{"format", "shardkit-checkpoint-manifest"},
+                              {"version", 1},
+                              {"step", step},
+                              {"consumed_samples", consumed_samples},
+                              {"grid", {{"tp", grid.tp}, {"pp", grid.pp}, {"dp", grid.dp}, {"zero1", grid.zero1}}},
+                              {"world_size", world_size}};
+  if (model) j["model"] = model->ToJson();
+  j["files"] = files_json;
+  return j;
 }
 
 namespace {
@@ -77,6 +79,7 @@ Manifest Manifest::FromJson(const nlohmann::json& j, const std::string& source) 
       throw Error(source + ": malformed manifest: grid tp=" + std::to_string(m.grid.tp) + " pp=" + std::to_string(m.grid.pp) +
                   " dp=" + std::to_string(m.grid.dp) + " has more than " + std::to_string(kMaxRanks) + " ranks");
     m.world_size = static_cast<int>(BoundedInt(j, "world_size", 1, kMaxRanks, source));
+    if (j.contains("model")) m.model = ModelFormat::FromJson(j.at("model"), source);
     if (!j.at("files").is_object()) throw Error(source + ": malformed manifest: 'files' is not an object");
     for (const auto& [p, d] : j.at("files").items()) m.files[p] = DigestFromJson(d, source + ": file '" + p + "'");
     // The files a complete tag of this grid holds must be among those listed.

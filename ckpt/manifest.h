@@ -9,12 +9,14 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string>
 
 #include "ckpt/env.h"
 #include "ckpt/layout.h"
+#include "ckpt/partition.h"
 
 namespace ckpt {
 
@@ -29,6 +31,9 @@ struct Manifest {
   double consumed_samples = 0;
   RankGrid grid;
   int world_size = 1;
+  // The model format, when the writer knew it (the trainer, converter and
+  // reshard do): lets ckpt-reshard work without the training config.
+  std::optional<ModelFormat> model;
   std::map<std::string, FileDigest> files;
 
   nlohmann::ordered_json ToJson() const;

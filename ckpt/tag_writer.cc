@@ -160,12 +160,49 @@ RankRecord ParseRankRecord(const std::string& text, const std::string& where) {
   return rec;
 }
 
+StagedTag StageFor(const std::string& target, const std::string& tool) {
+  const std::filesystem::path p(target);
+  const std::string parent = p.has_parent_path() ? p.parent_path().string() : ".";
+  const std::string name = p.filename().string();
+  return {target, parent + "/." + name + "." + tool + "-partial", parent + "/." + name + "." + tool + "-old"};
+}
+
+void PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::function<void(const std::string&)>& log) {
+  const std::string parent = std::filesystem::path(t.staging).parent_path().string();
+  if (env->Exists(t.old) && !env->Exists(t.target)) {  // an earlier run died while swapping: put the old tag back
+    if (env->Exists(t.old + "/" + kDoneMarker)) {
+      env->RenameFile(t.old, t.target);
+      env->SyncDir(parent);
+      log("restored " + t.target + " that an interrupted run had set aside");
+    } else {
+      DeleteTag(env, t.old);
+    }
+  }
+  if (!env->Exists(t.target)) return;
+  if (!env->IsDirectory(t.target)) throw Error(t.target + ": exists and is not a folder");
+  if (!env->ListDir(t.target).empty() && !overwrite)
+    throw Error(t.target + ": exists and is not empty; pass --overwrite to replace it (it is kept until the new tag is complete)");
+  if (const std::string why = NotATag(env, t.target); !why.empty() && overwrite)
+    throw Error(t.target + ": --overwrite replaces only a checkpoint tag, and this folder is not a checkpoint tag: " + why);
+}
+
+void PublishStaged(Env* env, const StagedTag& t) {
+  const std::string parent = std::filesystem::path(t.staging).parent_path().string();
+  if (env->Exists(t.old)) DeleteTag(env, t.old);  // not the only copy: the target exists (PrepareTarget restored it)
+  const bool replacing = env->Exists(t.target);
+  if (replacing) env->RenameFile(t.target, t.old);
+  env->RenameFile(t.staging, t.target);
+  env->SyncDir(parent);
+  if (replacing) DeleteTag(env, t.old);  // `done` first: a kill mid-delete leaves nothing that looks whole
+}
+
 void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
   Manifest m;
   m.step = info.step;
   m.consumed_samples = info.consumed_samples;
   m.grid = info.grid;
   m.world_size = info.world_size;
+  m.model = info.model;
   // A record counts once it exists and belongs to this save.
   auto record = [&](int r) -> std::optional<RankRecord> {
     const std::string path = RankRecordPath(tag_dir, r);

@@ -20,6 +20,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,7 @@ struct CommitInfo {
   RankGrid grid;
   int world_size = 1;
   std::chrono::milliseconds rank_timeout{30 * 60 * 1000};
+  std::optional<ModelFormat> model;  // recorded in the manifest when known
 };
 
 // A rank's completion record (.shardkit/rank_NNNNN.json): the save it belongs
@@ -88,6 +90,25 @@ void DeleteTag(Env* env, const std::string& tag_dir);
 // hold (model/, optim/, markers, the manifest, *.pt files, temporaries).
 // Anything else is named, so the user's files are never removed with it.
 std::string NotATag(Env* env, const std::string& dir);
+
+// A tag a tool writes whole (nnm2nxdt-ckpt, ckpt-reshard): it is written in a
+// staging folder beside the target, committed there, and only then takes the
+// target's name, so the target is never an incomplete tag and an existing
+// target survives any failure.
+struct StagedTag {
+  std::string target;   // the tag folder the user named
+  std::string staging;  // .<name>.<tool>-partial beside it: never a resume candidate
+  std::string old;      // .<name>.<tool>-old: an existing target while it is being replaced
+};
+StagedTag StageFor(const std::string& target, const std::string& tool);
+// Rank 0, before writing: puts back a target an interrupted publish set
+// aside; refuses an existing non-empty target without `overwrite`, and any
+// folder that is not a checkpoint tag (NotATag) even with it. Throws
+// ckpt::Error naming the folder.
+void PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::function<void(const std::string&)>& log);
+// Rank 0, after CommitTag on the staging folder: the complete tag takes the
+// target's name; a replaced target is deleted last (`done` first).
+void PublishStaged(Env* env, const StagedTag& t);
 
 // Writes a small marker file ("1") atomically.
 void WriteMarker(Env* env, const std::string& path);

@@ -103,29 +103,11 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
     PrintPlan(src, plan, tag_dir, a.weights_only, log);
     return sum;
   }
-  const std::filesystem::path target(tag_dir);
-  const std::string parent = target.has_parent_path() ? target.parent_path().string() : ".";
-  const std::string staging = parent + "/." + target.filename().string() + ".nnm2nxdt-partial";
-  const std::string old = parent + "/." + target.filename().string() + ".nnm2nxdt-old";
+  const ckpt::StagedTag staged = ckpt::StageFor(tag_dir, "nnm2nxdt");
   if (a.rank == 0) {
     for (const auto& n : plan.notes) log("note: " + n);
     for (const auto& line : OptimizerReport(plan, a.weights_only)) log(line);
-    if (env->Exists(old) && !env->Exists(tag_dir)) {  // an earlier run died while swapping: put the old tag back
-      if (env->Exists(old + "/" + ckpt::kDoneMarker)) {
-        env->RenameFile(old, tag_dir);
-        env->SyncDir(parent);
-        log("restored " + tag_dir + " that an interrupted run had set aside");
-      } else {
-        ckpt::DeleteTag(env, old);
-      }
-    }
-    if (env->Exists(tag_dir)) {
-      if (!env->IsDirectory(tag_dir)) throw ckpt::Error(tag_dir + ": exists and is not a folder");
-      if (!env->ListDir(tag_dir).empty() && !a.overwrite)
-        throw ckpt::Error(tag_dir + ": exists and is not empty; pass --overwrite to replace it (it is kept until the new tag is complete)");
-      if (const std::string why = ckpt::NotATag(env, tag_dir); !why.empty() && a.overwrite)
-        throw ckpt::Error(tag_dir + ": --overwrite replaces only a checkpoint tag, and this folder is not a checkpoint tag: " + why);
-    }
+    ckpt::PrepareTarget(env, staged, a.overwrite, log);
   }
 
   // Staging beside the target, under a name no resume logic takes for a tag.
@@ -135,9 +117,9 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
     std::random_device rd;
     save_id = "nnm2nxdt-" + std::to_string(::getpid()) + "-" + std::to_string(rd());
   }
-  env->CreateDirs(parent);
-  if (a.rank == 0) ckpt::BeginTag(env, staging, save_id);
-  else ckpt::WaitForBegin(env, staging, save_id, std::chrono::minutes(10));
+  env->CreateDirs(std::filesystem::path(staged.staging).parent_path().string());
+  if (a.rank == 0) ckpt::BeginTag(env, staged.staging, save_id);
+  else ckpt::WaitForBegin(env, staged.staging, save_id, std::chrono::minutes(10));
 
   std::vector<ckpt::FileToWrite> mine;
   std::vector<const PlannedFile*> planned;
@@ -165,7 +147,7 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
     if (a.progress_bar) std::fprintf(stderr, "\r%s %s", ckpt::ProgressBar(done_tensor_bytes, total).c_str(), line), std::fflush(stderr);
     else log("wrote " + f.relpath + " (" + ckpt::HumanBytes(d.size) + ") [" + line + "]");
   };
-  ckpt::WriteRankFiles(env, staging, a.rank, save_id, mine, wo);
+  ckpt::WriteRankFiles(env, staged.staging, a.rank, save_id, mine, wo);
   if (a.progress_bar) std::fprintf(stderr, "\n");
   sum.bytes = done_bytes;
   if (a.rank != 0) {
@@ -178,15 +160,8 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   ci.consumed_samples = plan.consumed_samples;
   ci.grid = plan.grid;
   ci.world_size = a.world_size;
-  ckpt::CommitTag(env, staging, ci);
-
-  // The complete tag takes the target's name; an old target goes last.
-  if (env->Exists(old)) ckpt::DeleteTag(env, old);  // not the only copy: tag_dir exists (restored above)
-  const bool replacing = env->Exists(tag_dir);
-  if (replacing) env->RenameFile(tag_dir, old);
-  env->RenameFile(staging, tag_dir);
-  env->SyncDir(parent);
-  if (replacing) ckpt::DeleteTag(env, old);  // `done` first: a kill mid-delete leaves nothing that looks whole
+  ckpt::CommitTag(env, staged.staging, ci);
+  ckpt::PublishStaged(env, staged);
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return sum;
 }

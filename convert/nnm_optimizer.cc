@@ -4,6 +4,7 @@
 #include <map>
 
 #include "ckpt/error.h"
+#include "ckpt/optimizer_state.h"
 #include "ckpt/tensor.h"
 
 namespace convert {
@@ -118,29 +119,6 @@ Value Renumbered(const Value& by_id, const std::vector<int64_t>& to_target, cons
   return d;
 }
 
-Value CopyDict(const Value& v) {
-  Value out = Value::NewDict(v.as_dict().ordered);
-  out.as_dict().items = v.as_dict().items;
-  return out;
-}
-
-Value TargetParamGroups(const Value& source_groups, const Grouping& to) {
-  const auto& src = source_groups.as_seq().items;
-  Value out = Value::List();
-  for (int g = 0; g < to.groups; ++g) {
-    Value ids = Value::List();
-    for (size_t i = 0; i < to.order.size(); ++i)
-      if (to.order[i].group == g) ids.as_seq().items.emplace_back(static_cast<int64_t>(i));
-    if (ids.as_seq().items.empty()) continue;
-    const bool borrowed = g >= static_cast<int>(src.size());
-    Value pg = CopyDict(src[borrowed ? 0 : g]);
-    if (borrowed) pg.as_dict().Set("weight_decay", Value(0.0));  // a no-decay group made from the decaying one
-    pg.as_dict().Set("params", ids);
-    out.as_seq().items.push_back(pg);
-  }
-  return out;
-}
-
 }  // namespace
 
 SourceOptimizer PlainOptimizer(const Value& checkpoint, const std::string& path, bool* found) {
@@ -207,7 +185,7 @@ Value RegroupOptimizerState(const SourceOptimizer& so, const Grouping& from, con
   Value out = Value::NewDict(in.ordered);
   for (const auto& [k, v] : in.items) {
     const std::string key = k.is_str() ? k.as_str() : "";
-    if (key == "param_groups") out.as_dict().items.emplace_back(k, TargetParamGroups(v, to));
+    if (key == "param_groups") out.as_dict().items.emplace_back(k, ckpt::ParamGroupsFor(v, to));
     else if (key == "state" || key == "base_state" || key == "shape_info" || key == "sharded_master_weights")
       out.as_dict().items.emplace_back(k, Renumbered(v, to_target, so.where + "['" + key + "']"));
     else out.as_dict().items.emplace_back(k, v);  // anything else, as it is

@@ -1,0 +1,60 @@
+#include "ckpt/optimizer_state.h"
+
+#include "ckpt/error.h"
+
+namespace ckpt {
+
+Value OptimizerFile::ToValue() const {
+  Value state = Value::NewDict(), shapes = Value::NewDict(), masters = Value::NewDict();
+  bool any_master = false;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamState& p = params[i];
+    const Value id(static_cast<int64_t>(i));
+    Value s = Value::NewDict();
+    s.as_dict().Set("step", p.step);
+    s.as_dict().Set("exp_avg", p.exp_avg);
+    s.as_dict().Set("exp_avg_sq", p.exp_avg_sq);
+    state.as_dict().items.emplace_back(id, std::move(s));
+    std::vector<Value> dims;
+    for (int64_t d : p.shape) dims.emplace_back(d);
+    shapes.as_dict().items.emplace_back(id, Value::NewSeq(SeqKind::kTorchSize, dims));
+    if (p.master) masters.as_dict().items.emplace_back(id, *p.master), any_master = true;
+  }
+  Value out = Value::NewDict();
+  auto& d = out.as_dict();
+  if (!zero1) {
+    if (any_master) throw Error("a plain AdamW state dict has no place for master weights");
+    d.Set("state", state);
+    d.Set("param_groups", param_groups);
+    return out;
+  }
+  d.Set("state", Value::NewDict());
+  d.Set("param_groups", param_groups);
+  d.Set("base_state", state);
+  d.Set("shape_info", shapes);
+  if (any_master) d.Set("sharded_master_weights", masters);
+  return out;
+}
+
+Value ParamGroupsFor(const Value& source, const Grouping& to) {
+  if (!source.is_seq() || source.as_seq().items.empty()) throw Error("param_groups must be a non-empty list");
+  const auto& src = source.as_seq().items;
+  Value out = Value::List();
+  for (int g = 0; g < to.groups; ++g) {
+    Value ids = Value::List();
+    for (size_t i = 0; i < to.order.size(); ++i)
+      if (to.order[i].group == g) ids.as_seq().items.emplace_back(static_cast<int64_t>(i));
+    if (ids.as_seq().items.empty()) continue;
+    const bool borrowed = g >= static_cast<int>(src.size());
+    const Value& from = src[borrowed ? 0 : g];
+    if (!from.is_dict()) throw Error("param_groups holds a " + from.kind_name() + ", not a dict");
+    Value pg = Value::NewDict(from.as_dict().ordered);
+    pg.as_dict().items = from.as_dict().items;
+    if (borrowed) pg.as_dict().Set("weight_decay", Value(0.0));
+    pg.as_dict().Set("params", ids);
+    out.as_seq().items.push_back(pg);
+  }
+  return out;
+}
+
+}  // namespace ckpt

@@ -1,0 +1,37 @@
+// The optimizer file schemas NxDT reads, in one typed form: torch's AdamW
+// state dict ({"state": {id: {step, exp_avg, exp_avg_sq}}, "param_groups"})
+// and torch-xla ZeRO-1's ({"state": {}, "param_groups", "base_state": {id:
+// shards}, "shape_info": {id: torch.Size}, optional
+// "sharded_master_weights"}). Ids are positions in the grouping's order.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "ckpt/optimizer_groups.h"
+#include "ckpt/value.h"
+
+namespace ckpt {
+
+struct ParamState {
+  Value step;                     // as torch keeps it (a 0-d float32 tensor)
+  Value exp_avg, exp_avg_sq;      // the whole local tensor, or this dp rank's ZeRO-1 shard
+  std::optional<Value> master;    // ZeRO-1 sharded_master_weights
+  std::vector<int64_t> shape;     // the unsharded local shape (ZeRO-1's shape_info)
+};
+
+struct OptimizerFile {
+  bool zero1 = false;
+  Value param_groups;               // ParamGroupsFor
+  std::vector<ParamState> params;   // by optimizer id
+  Value ToValue() const;
+};
+
+// `param_groups` for the grouping `to`, hyperparameters from `source` (a
+// param_groups list whose non-empty groups are listed in order): group g takes
+// source group g, or source group 0's with weight_decay 0 when the source
+// listed no such group (a no-decay group made from the decaying one). Empty
+// groups are dropped, as torch's optimizers are built without them.
+Value ParamGroupsFor(const Value& source, const Grouping& to);
+
+}  // namespace ckpt

@@ -1,0 +1,518 @@
+#include "ckpt/sharded_tag.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <set>
+
+#include "ckpt/error.h"
+#include "ckpt/manifest.h"
+#include "ckpt/optimizer_groups.h"
+#include "ckpt/output_guard.h"
+#include "ckpt/pt_file.h"
+
+namespace ckpt {
+
+const char* FieldName(StateField f) {
+  switch (f) {
+    case StateField::kParam: return "param";
+    case StateField::kExpAvg: return "exp_avg";
+    case StateField::kExpAvgSq: return "exp_avg_sq";
+    case StateField::kMaster: return "master weight";
+  }
+  return "?";
+}
+
+void Touched::Add(const MappedFile* f, const uint8_t* p, size_t n) {
+  for (Span& s : spans_)
+    if (s.file == f) {
+      s.lo = std::min(s.lo, p), s.hi = std::max(s.hi, p + n);
+      return;
+    }
+  spans_.push_back({f, p, p + n});
+}
+
+void Touched::Release() {
+  constexpr uintptr_t kPage = 4096;
+  for (const Span& s : spans_) {  // whole pages around what was read: the next copy re-reads a shared edge page from the cache
+    const auto lo = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(s.lo) / kPage * kPage);
+    const auto hi = reinterpret_cast<const uint8_t*>((reinterpret_cast<uintptr_t>(s.hi) + kPage - 1) / kPage * kPage);
+    s.file->DropPages(lo, static_cast<size_t>(hi - lo));
+  }
+  spans_.clear();
+}
+
+namespace {
+
+const Dict& AsDict(const Value& v, const std::string& where) {
+  if (!v.is_dict()) throw Error(where + " is a " + v.kind_name() + ", not a dict");
+  return v.as_dict();
+}
+
+const Tensor& AsTensor(const Value& v, const std::string& where) {
+  if (!v.is_tensor()) throw Error(where + " is a " + v.kind_name() + ", not a tensor");
+  if (!v.as_tensor().is_contiguous()) throw Error(where + " is a strided view; ckpt-reshard reads contiguous tensors only");
+  return v.as_tensor();
+}
+
+std::string ShapeOf(const Tensor& t) { return ShapeString(t.shape()); }
+
+int64_t Numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<size_t> NonEmpty(std::vector<size_t> sizes) {
+  sizes.erase(std::remove(sizes.begin(), sizes.end(), size_t{0}), sizes.end());
+  return sizes;
+}
+
+}  // namespace
+
+class ShardedTagBuilder {
+ public:
+  ShardedTagBuilder(Env* env, const std::string& dir, const FormatHints& hints) : env_(env), hints_(hints) {
+    t_ = std::unique_ptr<ShardedTag>(new ShardedTag());
+    t_->dir_ = dir;
+  }
+
+  std::unique_ptr<ShardedTag> Build() {
+    FindFiles();
+    LoadModelFiles();
+    LearnStages();
+    LearnFormat();
+    CheckModelFiles();
+    if (t_->layout_.has_optimizer) LoadOptimizerFiles();
+    LearnStep();
+    for (auto& [key, idx] : t_->index_) {
+      std::sort(idx.extents.begin(), idx.extents.end(), [](const auto& a, const auto& b) { return a.begin < b.begin; });
+      uint64_t at = 0;
+      for (const auto& e : idx.extents) {
+        if (e.begin != at) throw Error(t_->dir_ + ": " + key.name + " (" + FieldName(key.field) + "): the rank files do not cover elements " +
+                                       std::to_string(at) + ".." + std::to_string(e.begin) + " of it");
+        at = e.end;
+      }
+      if (at != static_cast<uint64_t>(Numel(Rule(key.name).shape)))
+        throw Error(t_->dir_ + ": " + key.name + " (" + FieldName(key.field) + "): the rank files hold " + std::to_string(at) + " of its " +
+                    std::to_string(Numel(Rule(key.name).shape)) + " elements");
+    }
+    return std::move(t_);
+  }
+
+ private:
+  struct RankFiles {
+    Value model;
+    std::vector<Value> optim;  // one per dp rank (ZeRO-1) or one
+  };
+
+  std::string Rel(const std::string& sub, const RankCoord& r) const { return sub + "/" + RankFileName(r); }
+  std::string Path(const std::string& rel) const { return t_->dir_ + "/" + rel; }
+
+  Value Load(const std::string& rel) {
+    auto f = env_->MapFile(Path(rel));
+    t_->bytes_ += f->size();
+    Value v = LoadPtFromFile(f);
+    t_->files_.push_back(f);
+    file_of_[rel] = f.get();
+    return v;
+  }
+
+  const ParamRule& Rule(const std::string& name) const {
+    for (const auto& p : t_->params_)
+      if (p.name == name) return p;
+    throw Error("no parameter " + name);
+  }
+
+  void FindFiles() {
+    TagLayout& L = t_->layout_;
+    if (!env_->IsDirectory(t_->dir_)) throw Error(t_->dir_ + ": not a folder");
+    if (!env_->IsDirectory(Path("model"))) throw Error(t_->dir_ + ": holds no model/ folder; not a checkpoint tag");
+    std::set<std::pair<int, int>> model;
+    int tp = 0, pp = 0;
+    for (const auto& n : env_->ListDir(Path("model"))) {
+      if (IsTempPath(n)) continue;
+      auto r = ParseRankFileName(n);
+      if (!r) continue;
+      if (r->dp != 0) throw Error(Path("model/" + n) + ": model files come from dp rank 0 only");
+      model.insert({r->tp, r->pp});
+      tp = std::max(tp, r->tp + 1), pp = std::max(pp, r->pp + 1);
+    }
+    if (model.empty()) throw Error(Path("model") + ": holds no rank files (dp_rank_00_tp_rank_XX_pp_rank_XX.pt)");
+    if (env_->Exists(Path(kManifestFile))) {
+      manifest_ = Manifest::Load(env_, Path(kManifestFile));
+      if (manifest_->grid.tp != tp || manifest_->grid.pp != pp)
+        throw Error(Path(kManifestFile) + ": records tp=" + std::to_string(manifest_->grid.tp) + " pp=" + std::to_string(manifest_->grid.pp) +
+                    " but model/ holds files up to tp rank " + std::to_string(tp - 1) + ", pp rank " + std::to_string(pp - 1));
+    }
+    for (int p = 0; p < pp; ++p)
+      for (int t = 0; t < tp; ++t)
+        if (!model.count({t, p})) throw Error(Path(Rel("model", {0, t, p})) + ": missing; the tag holds other ranks' model files (tp " +
+                                              std::to_string(tp) + ", pp " + std::to_string(pp) + ")");
+    L.grid.tp = tp, L.grid.pp = pp;
+    // Optimizer files: ZeRO-1 when they hold base_state, one per dp rank.
+    std::set<std::tuple<int, int, int>> optim;
+    int dp = 0;
+    if (env_->IsDirectory(Path("optim")))
+      for (const auto& n : env_->ListDir(Path("optim"))) {
+        if (IsTempPath(n)) continue;
+        if (auto r = ParseRankFileName(n)) optim.insert({r->dp, r->tp, r->pp}), dp = std::max(dp, r->dp + 1);
+      }
+    L.has_optimizer = !optim.empty();
+    if (!L.has_optimizer) {
+      L.grid.dp = manifest_ ? manifest_->grid.dp : 1;
+      return;
+    }
+    for (int d = 0; d < dp; ++d)
+      for (int p = 0; p < pp; ++p)
+        for (int t = 0; t < tp; ++t)
+          if (!optim.count({d, t, p}))
+            throw Error(Path(Rel("optim", {d, t, p})) + ": missing; the tag holds optimizer files for " + std::to_string(dp) +
+                        " dp rank(s) of tp " + std::to_string(tp) + ", pp " + std::to_string(pp));
+    L.grid.dp = dp;
+    L.grid.zero1 = dp > 1;
+    if (manifest_ && (manifest_->grid.zero1 != (dp > 1) && dp > 1)) throw Error(Path(kManifestFile) + ": grid disagrees with optim/ files");
+    if (manifest_ && dp == 1) L.grid.dp = manifest_->grid.dp, L.grid.zero1 = manifest_->grid.zero1;
+  }
+
+  void LoadModelFiles() {
+    const RankGrid& g = t_->layout_.grid;
+    ranks_.resize(static_cast<size_t>(g.tp) * g.pp);
+    for (int p = 0; p < g.pp; ++p)
+      for (int t = 0; t < g.tp; ++t) {
+        const std::string rel = Rel("model", {0, t, p});
+        RankFiles& rf = At(t, p);
+        rf.model = Load(rel);
+        AsDict(rf.model, Path(rel));
+        if (p == 0 && t == 0) t_->ordered_ = rf.model.as_dict().ordered;
+      }
+  }
+
+  RankFiles& At(int t, int p) { return ranks_[static_cast<size_t>(p) * t_->layout_.grid.tp + t]; }
+
+  // Stage p's layers are the layer numbers in its files: contiguous, in order.
+  void LearnStages() {
+    const RankGrid& g = t_->layout_.grid;
+    std::vector<int64_t> bounds{0};
+    for (int p = 0; p < g.pp; ++p) {
+      int64_t lo = -1, hi = -1;
+      for (const auto& [k, v] : At(0, p).model.as_dict().items) {
+        if (!k.is_str()) throw Error(Path(Rel("model", {0, 0, p})) + ": holds a key that is not a string");
+        const int l = LayerOfName(k.as_str());
+        if (l < 0) continue;
+        lo = lo < 0 ? l : std::min<int64_t>(lo, l), hi = std::max<int64_t>(hi, l);
+      }
+      if (lo < 0) throw Error(Path(Rel("model", {0, 0, p})) + ": holds no decoder layer; every pipeline stage holds at least one");
+      if (lo != bounds.back())
+        throw Error(Path(Rel("model", {0, 0, p})) + ": starts at layer " + std::to_string(lo) + " but the stage before ends at layer " +
+                    std::to_string(bounds.back() - 1) + "; stages must hold consecutive layers");
+      bounds.push_back(hi + 1);
+    }
+    t_->layout_.stage_bounds = bounds;
+  }
+
+  const Tensor* FindTensor(const std::string& suffix, int t = 0) {
+    for (int p = 0; p < t_->layout_.grid.pp; ++p)
+      for (const auto& [k, v] : At(t, p).model.as_dict().items)
+        if (k.as_str().ends_with(suffix) && v.is_tensor()) return &v.as_tensor();
+    return nullptr;
+  }
+
+  void LearnFormat() {
+    TagLayout& L = t_->layout_;
+    const int tp = L.grid.tp;
+    if (manifest_ && manifest_->model) {
+      L.format = *manifest_->model;
+      L.format_from_manifest = true;
+    } else {
+      const std::string why = t_->dir_ + " has no manifest recording its model format (NxD writes none), ";
+      ModelFormat& f = L.format;
+      const Tensor* norm = FindTensor("final_layernorm.weight");
+      const Tensor* emb = FindTensor("embedding.word_embeddings.weight");
+      const Tensor* fc2 = FindTensor("mlp.dense_4h_to_h.weight");
+      const Tensor* fc1 = FindTensor("mlp.dense_h_to_4h.weight");
+      if (!norm || !emb || !fc2 || !fc1 || norm->shape().size() != 1 || emb->shape().size() != 2 || fc2->shape().size() != 2 ||
+          fc1->shape().size() != 2)
+        throw Error(why + "and its model files do not hold a Megatron decoder's word_embeddings, final_layernorm and mlp weights");
+      f.hidden = norm->shape()[0];
+      f.layers = L.stage_bounds.back();
+      f.ffn = fc2->shape()[1] * tp;
+      f.gelu = fc1->shape()[0] * tp == f.ffn;
+      f.layernorm = FindTensor("input_layernorm.bias") != nullptr;
+      f.bias = FindTensor("self_attention.dense.bias") != nullptr;
+      if (const Tensor* pos = FindTensor("position_embeddings.weight")) f.learned_positions = true, f.max_positions = pos->shape()[0];
+      f.tied_output = FindTensor("output_layer.weight") == nullptr;
+      if (!hints_.heads) throw Error(why + "so give --heads (model.num_attention_heads)");
+      f.heads = *hints_.heads;
+      if (f.heads < 1 || f.hidden % f.heads) throw Error("--heads " + std::to_string(f.heads) + " does not divide the hidden size " + std::to_string(f.hidden));
+      const Tensor* kv = FindTensor("self_attention.key_value.weight");
+      if (!kv) {
+        f.kv_heads = f.heads;
+      } else if (hints_.kv_heads) {
+        f.kv_heads = *hints_.kv_heads;
+      } else {
+        const int64_t rows = kv->shape()[0], group = 2 * f.head_dim();
+        if (rows == group && tp > 1) throw Error(why + "and each tp rank holds one KV group, so give --kv_heads (model.num_kv_heads)");
+        f.kv_heads = rows * tp / group;
+      }
+      if (f.kv_heads < 1 || f.heads % f.kv_heads) throw Error("--kv_heads " + std::to_string(f.kv_heads) + " does not divide --heads");
+      const int64_t padded = emb->shape()[0] * tp;
+      if (hints_.vocab_size) {
+        if (!hints_.make_vocab_size_divisible_by) throw Error("--vocab_size needs --make_vocab_size_divisible_by (the padding rule)");
+        f.vocab_size = *hints_.vocab_size, f.make_vocab_size_divisible_by = *hints_.make_vocab_size_divisible_by;
+      } else {
+        f.vocab_size = padded;  // every row is kept as vocabulary
+        f.make_vocab_size_divisible_by = hints_.make_vocab_size_divisible_by.value_or(1);
+      }
+      if (f.vocab_size < 1 || f.make_vocab_size_divisible_by < 1 || f.PaddedVocab(tp) != padded)
+        throw Error(t_->dir_ + ": its word_embeddings hold " + std::to_string(padded) + " rows over tp " + std::to_string(tp) +
+                    ", not vocab_size " + std::to_string(f.vocab_size) + " padded to a multiple of " +
+                    std::to_string(f.make_vocab_size_divisible_by) + " x " + std::to_string(tp));
+    }
+    if (const std::string why = L.format.CheckTensorParallel(tp); !why.empty()) throw Error(t_->dir_ + ": " + why);
+    t_->params_ = LogicalParameters(L.format, tp);
+  }
+
+  // Every model file holds exactly its stage's parameters, shaped by the rules.
+  void CheckModelFiles() {
+    const TagLayout& L = t_->layout_;
+    std::map<std::tuple<std::string, StateField, int64_t>, int> owner;
+    for (int p = 0; p < L.grid.pp; ++p) {
+      const auto stage = StageParameters(t_->params_, L.stage_bounds, p);
+      for (int t = 0; t < L.grid.tp; ++t) {
+        const std::string where = Path(Rel("model", {0, t, p}));
+        const Dict& d = At(t, p).model.as_dict();
+        size_t next = 0;
+        std::string prev;
+        for (const auto& [k, v] : d.items) {
+          const std::string& name = k.as_str();
+          if (next < stage.size() && stage[next].name == name) {
+            const StageParam& sp = stage[next++];
+            const Tensor& x = AsTensor(v, where + ": '" + name + "'");
+            const auto want = LocalShape(*sp.rule, L.format, L.grid.tp, t);
+            if (x.shape() != want)
+              throw Error(where + ": '" + name + "' has shape " + ShapeOf(x) + " but " + L.format.Describe() + " at tp " +
+                          std::to_string(L.grid.tp) + " gives tp rank " + std::to_string(t) + " " + ShapeString(want));
+            if (name != kTiedOutputCopy) AddRuns(*sp.rule, StateField::kParam, t, x.data(), file_of_.at(Rel("model", {0, t, p})), 0,
+                                                 want[0], want[0], owner, x.dtype(), where + ": '" + name + "'");
+            prev = name;
+            continue;
+          }
+          const int layer = LayerOfName(name);
+          const bool known = std::any_of(t_->params_.begin(), t_->params_.end(), [&](const ParamRule& r) { return r.name == name; });
+          if (known || name == kTiedOutputCopy)
+            throw Error(where + ": '" + name + "' is out of place: stage " + std::to_string(p) + " holds layers " +
+                        std::to_string(L.stage_bounds[p]) + ".." + std::to_string(L.stage_bounds[p + 1] - 1) +
+                        " and its parameters in module order" + (next < stage.size() ? " ('" + stage[next].name + "' comes next)" : ""));
+          if (layer < 0 || !(name.ends_with(".inv_freq") || name.ends_with("._extra_state")))
+            throw Error(where + ": '" + name + "' is not a parameter of " + L.format.Describe() + " that ckpt-reshard knows how to split");
+          if (t == 0) t_->buffers_.push_back({name, prev, layer, v});
+          prev = name;
+        }
+        if (next < stage.size()) throw Error(where + ": has no '" + stage[next].name + "'");
+      }
+    }
+  }
+
+  // Indexes a local tensor's rows [row_lo, row_hi) held at `data` (ZeRO-1:
+  // one dp shard of them); `rows` is the local tensor's dim 0.
+  void AddRuns(const ParamRule& rule, StateField field, int t, const uint8_t* data, const MappedFile* file, int64_t row_lo,
+               int64_t row_hi, int64_t rows, std::map<std::tuple<std::string, StateField, int64_t>, int>& owner, DType dtype,
+               const std::string& where) {
+    const TagLayout& L = t_->layout_;
+    auto& idx = t_->index_[{rule.name, field}];
+    if (!idx.typed) idx.dtype = dtype, idx.typed = true;
+    if (dtype != idx.dtype) throw Error(where + " is " + std::string(DTypeName(dtype)) + " but other ranks hold " + std::string(DTypeName(idx.dtype)));
+    row_hi = std::min(row_hi, rows);
+    if (row_hi <= row_lo) return;
+    const auto local = LocalShape(rule, L.format, L.grid.tp, t);
+    const int64_t inner = Numel(local) / local[0];
+    const size_t es = ElementSize(dtype);
+    for (const Run& run : LocalRuns(rule, L.format, L.grid.tp, t)) {
+      // Replicas (norms on every tp rank, KV groups NxD repeats) are read from their first holder only.
+      if (owner.try_emplace({rule.name, field, run.logical}, t).first->second != t) continue;
+      if (rule.split == SplitDim::kColumns) {
+        const int64_t width = rule.shape[1];
+        for (int64_t r = row_lo; r < row_hi; ++r)
+          idx.extents.push_back({static_cast<uint64_t>(r * width + run.logical), static_cast<uint64_t>(r * width + run.logical + inner),
+                                 data + (r - row_lo) * inner * es, file});
+        continue;
+      }
+      const int64_t lo = std::max(row_lo, run.local), hi = std::min(row_hi, run.local + run.count);
+      if (lo >= hi) continue;
+      const int64_t g = run.logical + (lo - run.local);
+      idx.extents.push_back({static_cast<uint64_t>(g * inner), static_cast<uint64_t>((g + hi - lo) * inner), data + (lo - row_lo) * inner * es, file});
+    }
+  }
+
+  void LoadOptimizerFiles() {
+    TagLayout& L = t_->layout_;
+    const int files = L.grid.zero1 ? L.grid.dp : 1;
+    std::map<std::tuple<std::string, StateField, int64_t>, int> owner;
+    bool first = true;
+    for (int p = 0; p < L.grid.pp; ++p) {
+      const auto stage = StageParameters(t_->params_, L.stage_bounds, p);
+      std::vector<std::string> names;
+      for (const auto& sp : stage) names.push_back(sp.name);
+      for (int t = 0; t < L.grid.tp; ++t) {
+        for (int d = 0; d < files; ++d) {
+          const std::string rel = Rel("optim", {d, t, p}), where = Path(rel);
+          const Value v = Load(rel);
+          const Dict& top = AsDict(v, where);
+          const bool zero1 = top.Find("base_state") != nullptr;
+          if (zero1 != L.grid.zero1)
+            throw Error(where + (zero1 ? ": is a ZeRO-1 state dict (base_state), but the tag has one optimizer file per stage"
+                                       : ": is a plain state dict, but the tag has ZeRO-1 files for " + std::to_string(L.grid.dp) + " dp ranks"));
+          for (const auto& [k, _] : top.items) {
+            const std::string key = k.is_str() ? k.as_str() : "?";
+            static const std::set<std::string> kKnown{"state", "param_groups", "base_state", "shape_info", "sharded_master_weights"};
+            if (!kKnown.count(key)) throw Error(where + ": holds '" + key + "', which ckpt-reshard does not know how to re-lay");
+          }
+          const Grouping order = Ids(top.At("param_groups"), names, where, first);
+          if (first) t_->param_groups_ = top.At("param_groups"), L.master_weights = top.Find("sharded_master_weights") != nullptr, first = false;
+          if (zero1 && !AsDict(top.At("state"), where + ": 'state'").items.empty())
+            throw Error(where + ": ZeRO-1 'state' is not empty; its entries have no known place in a re-laid file");
+          const Dict& state = AsDict(top.At(zero1 ? "base_state" : "state"), where + ": '" + (zero1 ? "base_state" : "state") + "'");
+          const Dict* masters = top.Find("sharded_master_weights") ? &AsDict(top.At("sharded_master_weights"), where + ": masters") : nullptr;
+          if ((masters != nullptr) != L.master_weights) throw Error(where + ": has master weights where other files have none, or the reverse");
+          const Dict* shapes = zero1 ? &AsDict(top.At("shape_info"), where + ": 'shape_info'") : nullptr;
+          if (state.items.size() != order.order.size())
+            throw Error(where + ": holds state for " + std::to_string(state.items.size()) + " parameters, but stage " + std::to_string(p) +
+                        " has " + std::to_string(order.order.size()));
+          for (size_t id = 0; id < order.order.size(); ++id) {
+            const std::string& name = order.order[id].name;
+            const ParamRule& rule = *stage[std::find(names.begin(), names.end(), name) - names.begin()].rule;
+            const std::string at = where + ": parameter id " + std::to_string(id) + " (" + name + ")";
+            const Value* e = ById(state, id);
+            if (!e) throw Error(at + " has no state");
+            const Dict& entry = AsDict(*e, at);
+            for (const auto& [k, _] : entry.items)
+              if (!k.is_str() || (k.as_str() != "step" && k.as_str() != "exp_avg" && k.as_str() != "exp_avg_sq"))
+                throw Error(at + " holds '" + (k.is_str() ? k.as_str() : "?") + "', not AdamW's step, exp_avg and exp_avg_sq");
+            const auto local = LocalShape(rule, L.format, L.grid.tp, t);
+            auto want = local;
+            const int64_t rows = local[0];
+            const int64_t shard = zero1 ? Zero1ShardRows(rows, L.grid.dp) : rows;
+            want[0] = shard;
+            if (zero1) {
+              const Value* s = ById(*shapes, id);
+              std::vector<int64_t> dims;
+              if (s && s->is_seq())
+                for (const auto& x : s->as_seq().items) dims.push_back(AsInteger(x, at + " shape_info"));
+              if (dims != local) throw Error(at + ": shape_info is " + (s ? ShapeString(dims) : "missing") + ", not its local shape " + ShapeString(local));
+            }
+            if (name == kTiedOutputCopy) continue;  // the embedding's state, all-reduced alike: read from the embedding
+            if (!t_->steps_.count(rule.name)) t_->steps_[rule.name] = entry.At("step");
+            const std::pair<StateField, const Value*> fields[] = {{StateField::kExpAvg, &entry.At("exp_avg")},
+                                                                   {StateField::kExpAvgSq, &entry.At("exp_avg_sq")},
+                                                                   {StateField::kMaster, masters ? ById(*masters, id) : nullptr}};
+            for (const auto& [field, val] : fields) {
+              if (field == StateField::kMaster && !masters) continue;
+              const std::string fat = at + " " + FieldName(field);
+              if (!val) throw Error(fat + " is missing");
+              const Tensor& x = AsTensor(*val, fat);
+              if (x.shape() != want) throw Error(fat + " has shape " + ShapeOf(x) + ", not " + ShapeString(want));
+              AddRuns(rule, field, t, x.data(), file_of_.at(rel), d * shard, (d + 1) * shard, rows, owner, x.dtype(), fat);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  static const Value* ById(const Dict& d, size_t id) {
+    for (const auto& [k, v] : d.items)
+      if (k.is_int() && k.as_int() == static_cast<int64_t>(id)) return &v;
+    return nullptr;
+  }
+
+  // Ties the file's ids to parameters: NxDT's grouping whose group sizes the
+  // file's param_groups list (ids numbered 0, 1, ... across groups, as torch does).
+  Grouping Ids(const Value& groups, const std::vector<std::string>& names, const std::string& where, bool first) {
+    if (!groups.is_seq()) throw Error(where + ": 'param_groups' is a " + groups.kind_name() + ", not a list");
+    std::vector<size_t> sizes;
+    int64_t next = 0;
+    for (const auto& g : groups.as_seq().items) {
+      const Value& ids = AsDict(g, where + ": a param group").At("params");
+      if (!ids.is_seq()) throw Error(where + ": a param group's 'params' is not a list");
+      for (const auto& id : ids.as_seq().items)
+        if (AsInteger(id, where + ": param id") != next++) throw Error(where + ": 'param_groups' ids are not numbered 0, 1, ... in order");
+      sizes.push_back(ids.as_seq().items.size());
+    }
+    std::vector<std::string> params;
+    for (const auto& n : names) params.push_back(n);
+    const Grouping split = NxdtGrouping(params, false), one = NxdtGrouping(params, true);
+    const bool fits_split = NonEmpty(split.GroupSizes()) == sizes, fits_one = NonEmpty(one.GroupSizes()) == sizes;
+    if (!fits_split && !fits_one)
+      throw Error(where + ": its param_groups hold groups of sizes that fit neither NxDT grouping of the stage's " +
+                  std::to_string(names.size()) + " parameters (norms and biases apart, or one group)");
+    const bool one_group = fits_one && !fits_split;
+    if (first) t_->layout_.one_group = one_group;
+    else if (fits_split != fits_one && one_group != t_->layout_.one_group)
+      throw Error(where + ": groups its parameters differently from the first optimizer file");
+    return t_->layout_.one_group && fits_one ? one : split;
+  }
+
+  void LearnStep() {
+    if (manifest_) {
+      t_->step_ = manifest_->step, t_->consumed_ = manifest_->consumed_samples;
+      return;
+    }
+    const std::string name = std::filesystem::path(t_->dir_).filename().string();
+    if (auto tn = ParseTagName(name)) {
+      t_->step_ = tn->step, t_->consumed_ = tn->consumed_samples;
+      return;
+    }
+    if (env_->Exists(Path(kUserContentFile))) {
+      const Value uc = LoadPt(Path(kUserContentFile), {}, env_);
+      if (uc.is_dict()) {
+        if (const Value* s = uc.as_dict().Find("global_step"); s && s->is_int()) t_->step_ = s->as_int();
+        if (const Value* c = uc.as_dict().Find("consumed_samples"); c && (c->is_float() || c->is_int()))
+          t_->consumed_ = c->is_float() ? c->as_float() : static_cast<double>(c->as_int());
+      }
+    }
+  }
+
+  Env* env_;
+  FormatHints hints_;
+  std::unique_ptr<ShardedTag> t_;
+  std::optional<Manifest> manifest_;
+  std::vector<RankFiles> ranks_;
+  std::map<std::string, const MappedFile*> file_of_;
+};
+
+std::unique_ptr<ShardedTag> ShardedTag::Open(Env* env, const std::string& tag_dir, const FormatHints& hints) {
+  return ShardedTagBuilder(env, WithoutTrailingSeparators(tag_dir), hints).Build();
+}
+
+DType ShardedTag::dtype(const std::string& name, StateField f) const {
+  auto it = index_.find({name, f});
+  if (it == index_.end()) throw Error(dir_ + ": holds no " + FieldName(f) + " of " + name);
+  return it->second.dtype;
+}
+
+const Value& ShardedTag::Step(const std::string& name) const {
+  auto it = steps_.find(name);
+  if (it == steps_.end()) throw Error(dir_ + ": holds no optimizer step of " + name);
+  return it->second;
+}
+
+void ShardedTag::Read(const std::string& name, StateField f, uint64_t begin, std::span<uint8_t> out, Touched* touched) const {
+  const Index& idx = index_.at({name, f});
+  const size_t es = ElementSize(idx.dtype);
+  const uint64_t end = begin + out.size() / es;
+  auto it = std::upper_bound(idx.extents.begin(), idx.extents.end(), begin, [](uint64_t b, const Extent& e) { return b < e.end; });
+  uint64_t at = begin;
+  for (; at < end && it != idx.extents.end(); ++it) {
+    const uint64_t lo = std::max(at, it->begin), hi = std::min(end, it->end);
+    if (lo >= hi) break;
+    if (lo > at) std::memset(out.data() + (at - begin) * es, 0, (lo - at) * es);
+    const uint8_t* src = it->data + (lo - it->begin) * es;
+    std::memcpy(out.data() + (lo - begin) * es, src, (hi - lo) * es);
+    if (touched) touched->Add(it->file, src, (hi - lo) * es);
+    at = hi;
+  }
+  if (at < end) std::memset(out.data() + (at - begin) * es, 0, (end - at) * es);
+}
+
+}  // namespace ckpt

@@ -1,0 +1,136 @@
+// ShardedTag reads a checkpoint tag of any layout as logical tensors: it maps
+// every rank file, learns the layout (degrees, stage split, model format,
+// optimizer form), checks every tensor against the partition rules
+// (ckpt/partition.h), and indexes where each run of each logical tensor's
+// elements lies in which mapped file. A reader then copies any range of a
+// logical tensor without assembling it, so tools that re-lay a checkpoint
+// (ckpt-reshard, export) need memory for what they copy, not for the model.
+//
+// The layout comes from the tag's manifest when it has one; NxD's own tags
+// have none, and then the degrees come from the rank-file names (tp, pp) and
+// the optimizer files (dp, ZeRO-1), the stage split from the layer numbers in
+// each stage's file, and the model format from tensor shapes plus what
+// shapes cannot tell (FormatHints: heads, KV heads, the unpadded vocabulary).
+//
+// Optimizer state: torch's AdamW state dict (`state`), or torch-xla ZeRO-1's
+// (`base_state` of dim-0 shards, `shape_info`, optional
+// `sharded_master_weights`); ids are tied to parameters by NxDT's grouping
+// (OptimizerOrder), checked against the file's `param_groups`.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ckpt/dtype.h"
+#include "ckpt/env.h"
+#include "ckpt/layout.h"
+#include "ckpt/partition.h"
+#include "ckpt/value.h"
+
+namespace ckpt {
+
+enum class StateField { kParam, kExpAvg, kExpAvgSq, kMaster };
+const char* FieldName(StateField f);  // "exp_avg", ...; "param" for the weights
+
+struct FormatHints {
+  std::optional<int64_t> heads, kv_heads, vocab_size, make_vocab_size_divisible_by;
+};
+
+struct TagLayout {
+  RankGrid grid;
+  std::vector<int64_t> stage_bounds;  // StageBounds of the tag's stage split
+  ModelFormat format;
+  bool format_from_manifest = false;
+  bool has_optimizer = false;
+  bool one_group = false;       // one optimizer group (do_layer_norm_weight_decay)
+  bool master_weights = false;  // ZeRO-1 sharded_master_weights
+};
+
+// Pages of mapped files a copy touched, released once the copy is done.
+class Touched {
+ public:
+  void Add(const MappedFile* f, const uint8_t* p, size_t n);
+  void Release();  // MappedFile::DropPages of every span touched
+  ~Touched() { Release(); }
+
+ private:
+  struct Span {
+    const MappedFile* file;
+    const uint8_t *lo, *hi;
+  };
+  std::vector<Span> spans_;
+};
+
+class ShardedTag {
+ public:
+  // Throws ckpt::Error naming the file, key and problem for anything that is
+  // not a complete, consistent tag.
+  static std::unique_ptr<ShardedTag> Open(Env* env, const std::string& tag_dir, const FormatHints& hints = {});
+
+  const std::string& path() const { return dir_; }
+  const TagLayout& layout() const { return layout_; }
+  // The logical parameters, vocab padded as this tag pads it.
+  const std::vector<ParamRule>& params() const { return params_; }
+  bool Has(const std::string& name, StateField f) const { return index_.count({name, f}) > 0; }
+  DType dtype(const std::string& name, StateField f) const;
+  // Copies logical (row-major) elements [begin, begin + out.size() / element
+  // size) of `name`'s `f` into `out`. Elements past what the tag holds (vocab
+  // rows beyond its padding) read as zero. Thread-safe.
+  void Read(const std::string& name, StateField f, uint64_t begin, std::span<uint8_t> out, Touched* touched) const;
+  // The optimizer `step` entry of a logical parameter (as its first holder wrote it).
+  const Value& Step(const std::string& name) const;
+  // `param_groups` of the first optimizer file: the hyperparameters.
+  const Value& ParamGroups() const { return param_groups_; }
+  // Model-file entries that are not parameters (rotary inv_freq buffers):
+  // whole on every rank, carried with their layer.
+  struct Buffer {
+    std::string name, after;  // `after`: the key it followed ("" at the front)
+    int layer;
+    Value value;
+  };
+  const std::vector<Buffer>& buffers() const { return buffers_; }
+  bool model_dict_ordered() const { return ordered_; }
+  // Bytes of every rank file.
+  uint64_t bytes() const { return bytes_; }
+  int64_t step() const { return step_; }
+  double consumed_samples() const { return consumed_; }
+
+ private:
+  struct Extent {
+    uint64_t begin, end;  // logical elements
+    const uint8_t* data;  // element `begin`
+    const MappedFile* file;
+  };
+  struct Index {
+    DType dtype = DType::kFloat32;
+    bool typed = false;
+    std::vector<Extent> extents;  // sorted, disjoint
+  };
+  struct Key {
+    std::string name;
+    StateField field;
+    bool operator<(const Key& o) const { return name != o.name ? name < o.name : field < o.field; }
+  };
+
+  std::string dir_;
+  TagLayout layout_;
+  std::vector<ParamRule> params_;
+  std::map<Key, Index> index_;
+  std::map<std::string, Value> steps_;
+  Value param_groups_;
+  std::vector<Buffer> buffers_;
+  std::vector<std::shared_ptr<const MappedFile>> files_;
+  bool ordered_ = false;
+  uint64_t bytes_ = 0;
+  int64_t step_ = 0;
+  double consumed_ = 0;
+
+  friend class ShardedTagBuilder;
+};
+
+}  // namespace ckpt

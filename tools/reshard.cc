@@ -1,0 +1,383 @@
+#include "tools/reshard.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <random>
+
+#include "ckpt/error.h"
+#include "ckpt/layout.h"
+#include "ckpt/optimizer_state.h"
+#include "ckpt/output_guard.h"
+#include "ckpt/partition.h"
+#include "ckpt/progress.h"
+#include "ckpt/pt_file.h"
+#include "ckpt/resume.h"
+#include "ckpt/tag_verify.h"
+#include "ckpt/tag_writer.h"
+
+namespace tools {
+namespace {
+
+using ckpt::Error;
+using ckpt::ParamRule;
+using ckpt::Run;
+using ckpt::StateField;
+using ckpt::Value;
+using Clock = std::chrono::steady_clock;
+
+int64_t Numel(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+uint64_t CurrentRss() {
+  std::ifstream f("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  f >> size >> resident;
+  return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// One target tensor (or ZeRO-1 shard of one): the rows [row_lo, row_lo +
+// rows) of tp rank `runs`' local tensor of `rule`, copied from the source.
+struct TargetSlice {
+  const ckpt::ShardedTag* src;
+  std::string name;  // the logical parameter read
+  StateField field;
+  ckpt::SplitDim split;
+  std::vector<Run> runs;
+  std::vector<int64_t> local;  // the unsharded local shape
+  int64_t row_lo, rows;        // rows of `local` this slice holds; past local[0] they are ZeRO-1 padding (zeros)
+  int64_t logical_width;       // dim 1 of the logical tensor (column splits)
+  size_t es;
+
+  // Bytes [offset, offset + out.size()) of the slice, row-major.
+  void Produce(uint64_t offset, std::span<uint8_t> out) const {
+    const int64_t inner = local.empty() ? 1 : Numel(local) / local[0];
+    uint64_t e = offset / es, n = out.size() / es;
+    uint8_t* o = out.data();
+    ckpt::Touched touched;
+    while (n > 0) {
+      const int64_t r = row_lo + static_cast<int64_t>(e / inner), c = static_cast<int64_t>(e % inner);
+      uint64_t take, flat;
+      if (r >= local[0]) {  // ZeRO-1 padding
+        std::memset(o, 0, n * es);
+        break;
+      }
+      if (split == ckpt::SplitDim::kColumns) {
+        take = std::min<uint64_t>(n, inner - c);
+        flat = static_cast<uint64_t>(r * logical_width + runs[0].logical + c);
+      } else {
+        const Run* run = &runs[0];
+        for (const Run& x : runs)
+          if (r >= x.local && r < x.local + x.count) run = &x;
+        take = std::min<uint64_t>(n, static_cast<uint64_t>((run->local + run->count - r) * inner - c));
+        flat = static_cast<uint64_t>((run->logical + r - run->local) * inner + c);
+      }
+      src->Read(name, field, flat, {o, take * es}, &touched);
+      o += take * es, e += take, n -= take;
+    }
+  }
+};
+
+Value SliceTensor(std::shared_ptr<TargetSlice> s, ckpt::DType dtype) {
+  std::vector<int64_t> shape = s->local;
+  shape[0] = s->rows;
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
+  const uint64_t bytes = static_cast<uint64_t>(Numel(shape)) * s->es;
+  auto storage = ckpt::Storage::Generated(bytes, [s](uint64_t off, std::span<uint8_t> out) { s->Produce(off, out); });
+  return Value(ckpt::Tensor(dtype, shape, strides, 0, storage));
+}
+
+struct PlannedFile {
+  ckpt::FileToWrite file;
+  uint64_t bytes = 0;  // tensor bytes
+  int unit = -1;       // rank files are spread over the processes; -1: rank 0
+};
+
+class Planner {
+ public:
+  Planner(const ckpt::ShardedTag& src, ckpt::RankGrid to, std::vector<int64_t> bounds, size_t chunk)
+      : src_(src), to_(to), bounds_(std::move(bounds)), chunk_(chunk) {
+    rules_ = ckpt::LogicalParameters(src.layout().format, to.tp);
+  }
+
+  std::vector<PlannedFile> Plan() {
+    std::vector<PlannedFile> out;
+    int unit = 0;
+    for (int p = 0; p < to_.pp; ++p) {
+      const auto stage = ckpt::StageParameters(rules_, bounds_, p);
+      for (int t = 0; t < to_.tp; ++t) {
+        out.push_back(ModelFile(stage, t, p, unit++));
+        if (!src_.layout().has_optimizer) continue;
+        for (int d = 0; d < (to_.zero1 ? to_.dp : 1); ++d) out.push_back(OptimFile(stage, t, p, d, unit++));
+      }
+    }
+    return out;
+  }
+
+ private:
+  std::shared_ptr<TargetSlice> Slice(const ckpt::StageParam& sp, StateField f, int t, int64_t row_lo, int64_t rows) const {
+    const ParamRule& rule = *sp.rule;
+    auto s = std::make_shared<TargetSlice>();
+    s->src = &src_;
+    s->name = rule.name;
+    s->field = f;
+    s->split = rule.split;
+    s->runs = ckpt::LocalRuns(rule, src_.layout().format, to_.tp, t);
+    s->local = ckpt::LocalShape(rule, src_.layout().format, to_.tp, t);
+    s->row_lo = row_lo;
+    s->rows = rows < 0 ? s->local[0] : rows;
+    s->logical_width = rule.shape.size() > 1 ? rule.shape[1] : 1;
+    s->es = ckpt::ElementSize(src_.dtype(rule.name, f));
+    return s;
+  }
+
+  PlannedFile ModelFile(const std::vector<ckpt::StageParam>& stage, int t, int p, int unit) {
+    PlannedFile pf;
+    Value model = Value::NewDict(src_.model_dict_ordered());
+    auto& d = model.as_dict();
+    auto add_buffers_after = [&](const std::string& key) { add_buffers_after_name(key, d, p); };
+    add_buffers_after("");
+    for (const auto& sp : stage) {
+      auto s = Slice(sp, StateField::kParam, t, 0, -1);
+      pf.bytes += static_cast<uint64_t>(Numel(s->local)) * s->es;
+      d.Set(sp.name, SliceTensor(s, src_.dtype(sp.rule->name, StateField::kParam)));
+      add_buffers_after(sp.name);
+    }
+    pf.file = {"model/" + ckpt::RankFileName({0, t, p}), model, {.weights_only = true, .stream_chunk = chunk_}};
+    pf.unit = unit;
+    return pf;
+  }
+
+  // Buffers that followed another buffer in the source.
+  void add_buffers_after_name(const std::string& name, ckpt::Dict& d, int p) {
+    for (const auto& b : src_.buffers())
+      if (b.after == name && b.layer >= bounds_[p] && b.layer < bounds_[p + 1]) {
+        d.Set(b.name, b.value);
+        add_buffers_after_name(b.name, d, p);
+      }
+  }
+
+  PlannedFile OptimFile(const std::vector<ckpt::StageParam>& stage, int t, int p, int d, int unit) {
+    PlannedFile pf;
+    std::vector<std::string> names;
+    for (const auto& sp : stage) names.push_back(sp.name);
+    const ckpt::Grouping g = ckpt::NxdtGrouping(names, src_.layout().one_group);
+    ckpt::OptimizerFile of;
+    of.zero1 = to_.zero1;
+    of.param_groups = ckpt::ParamGroupsFor(src_.ParamGroups(), g);
+    for (const auto& slot : g.order) {
+      const ckpt::StageParam& sp = stage[std::find(names.begin(), names.end(), slot.name) - names.begin()];
+      const auto local = ckpt::LocalShape(*sp.rule, src_.layout().format, to_.tp, t);
+      const int64_t shard = to_.zero1 ? ckpt::Zero1ShardRows(local[0], to_.dp) : local[0];
+      ckpt::ParamState ps;
+      ps.step = src_.Step(sp.rule->name);
+      ps.shape = local;
+      auto tensor = [&](StateField f) {
+        auto s = Slice(sp, f, t, d * shard, shard);
+        pf.bytes += static_cast<uint64_t>(shard * (Numel(local) / local[0])) * s->es;
+        return SliceTensor(s, src_.dtype(sp.rule->name, f));
+      };
+      ps.exp_avg = tensor(StateField::kExpAvg);
+      ps.exp_avg_sq = tensor(StateField::kExpAvgSq);
+      if (src_.layout().master_weights) ps.master = tensor(StateField::kMaster);
+      of.params.push_back(std::move(ps));
+    }
+    pf.file = {"optim/" + ckpt::RankFileName({d, t, p}), of.ToValue(), {.weights_only = false, .stream_chunk = chunk_}};
+    pf.unit = unit;
+    return pf;
+  }
+
+  const ckpt::ShardedTag& src_;
+  ckpt::RankGrid to_;
+  std::vector<int64_t> bounds_;
+  size_t chunk_;
+  std::vector<ParamRule> rules_;
+};
+
+std::string GridString(const ckpt::RankGrid& g) {
+  return "tp " + std::to_string(g.tp) + ", pp " + std::to_string(g.pp) + ", dp " + std::to_string(g.dp) + (g.zero1 ? " (ZeRO-1)" : "");
+}
+
+std::string StagesString(const std::vector<int64_t>& b) {
+  std::string s;
+  for (size_t i = 0; i + 1 < b.size(); ++i) s += (i ? "/" : "") + std::to_string(b[i + 1] - b[i]);
+  return s;
+}
+
+// The tag SRC names: itself, or a checkpoint folder's newest complete tag.
+std::string SourceTag(const ReshardArgs& a, ckpt::Env* env, const LogFn& log) {
+  const std::string src = ckpt::WithoutTrailingSeparators(a.src);
+  if (!env->IsDirectory(src)) throw Error(src + ": no such folder");
+  if (env->IsDirectory(src + "/model")) {
+    if (!env->Exists(src + "/" + ckpt::kDoneMarker))
+      throw Error(src + ": has no `done` marker, so its save never finished; refusing to reshard an incomplete tag");
+    return src;
+  }
+  const auto newest = ckpt::FindLatestCheckpoint(env, src, a.verify_source, log);
+  if (!newest) throw Error(src + ": is neither a checkpoint tag (no model/ folder) nor a folder holding a complete tag");
+  log("source: " + *newest + " (the newest complete tag in " + src + ")");
+  return *newest;
+}
+
+}  // namespace
+
+uint64_t PeakRss() {
+  struct rusage ru;
+  ::getrusage(RUSAGE_SELF, &ru);
+  return static_cast<uint64_t>(ru.ru_maxrss) * 1024;
+}
+
+ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log) {
+  const auto t0 = Clock::now();
+  ReshardSummary sum;
+  sum.src_tag = SourceTag(a, env, log);
+  if (a.verify_source && a.rank == 0) {
+    const ckpt::TagReport rep = ckpt::VerifyTag(env, sum.src_tag, {.checksums = true});
+    if (!rep.ok()) {
+      std::string what;
+      for (const auto& p : rep.problems) what += "\n  " + (p.file.empty() ? "" : p.file + ": ") + p.what;
+      throw Error(sum.src_tag + ": fails verification, so it is not resharded (--no_verify skips this):" + what);
+    }
+  }
+  const auto src = ckpt::ShardedTag::Open(env, sum.src_tag, a.hints);
+  const ckpt::TagLayout& L = src->layout();
+  sum.format = L.format;
+  sum.from = L.grid;
+  sum.from_bounds = L.stage_bounds;
+  sum.bytes_read = src->bytes();
+
+  ckpt::RankGrid to;
+  to.tp = a.tp, to.pp = a.pp;
+  to.dp = a.dp.value_or(L.grid.dp);
+  to.zero1 = a.zero1.value_or(L.grid.zero1);
+  if (to.zero1 && to.dp < 1) throw Error("--dp must be at least 1");
+  if (int64_t{to.tp} * to.pp * to.dp > ckpt::kMaxRanks) throw Error("the target grid has more than " + std::to_string(ckpt::kMaxRanks) + " ranks");
+  if (const std::string why = L.format.CheckTensorParallel(to.tp); !why.empty()) throw Error("--tp " + std::to_string(to.tp) + ": " + why);
+  sum.to = to;
+  sum.to_bounds = ckpt::StageBounds(L.format.layers, to.pp, a.pipeline_cuts);
+  if (L.master_weights && !to.zero1)
+    throw Error(sum.src_tag + ": holds fp32 master weights (ZeRO-1 sharded_master_weights), which a plain optimizer file cannot hold; "
+                "keep --zero1 (any --dp, 1 included)");
+  sum.vocab_rows_from = L.format.PaddedVocab(L.grid.tp);
+  sum.vocab_rows_to = L.format.PaddedVocab(to.tp);
+  if (sum.vocab_rows_to < sum.vocab_rows_from)
+    sum.notes.push_back("the vocabulary padding shrinks from " + std::to_string(sum.vocab_rows_from) + " to " +
+                        std::to_string(sum.vocab_rows_to) + " rows: the padding rows past it are dropped (no token uses them)");
+  if (sum.vocab_rows_to > sum.vocab_rows_from)
+    sum.notes.push_back("the vocabulary padding grows from " + std::to_string(sum.vocab_rows_from) + " to " +
+                        std::to_string(sum.vocab_rows_to) + " rows: the new padding rows are zero");
+  if (!L.format_from_manifest) sum.notes.push_back("model format (no manifest): " + L.format.Describe());
+  if (!L.has_optimizer) sum.notes.push_back("the source holds no optimizer state; the target has none either");
+
+  // The output, named as the trainer names tags with --checkpoint_dir.
+  if (a.dst.empty() == a.checkpoint_dir.empty()) throw Error("give exactly one of DST (the new tag folder) and --checkpoint_dir");
+  if (!a.dst.empty()) {
+    sum.dst_tag = ckpt::WithoutTrailingSeparators(a.dst);
+  } else {
+    ckpt::TagName tn;
+    const auto src_name = ckpt::ParseTagName(std::filesystem::path(sum.src_tag).filename().string());
+    tn.name = src_name ? src_name->name : "megatron";
+    tn.step = src->step(), tn.consumed_samples = src->consumed_samples();
+    sum.dst_tag = a.checkpoint_dir + "/" + ckpt::FormatTagName(tn);
+  }
+  ckpt::CheckOutputs({{sum.dst_tag, a.dst.empty() ? "--checkpoint_dir" : "DST", true}}, {{sum.src_tag, "SRC"}});
+
+  // Memory: each writing thread holds one chunk of output and the source
+  // pages it was copied from, which are released after every chunk.
+  const uint64_t base = CurrentRss();
+  const uint64_t min_chunk = 256 << 10, per_thread = 2;
+  const uint64_t usable = a.memory_budget > base ? a.memory_budget - base : 0;
+  if (usable < uint64_t(a.threads) * per_thread * min_chunk)
+    throw Error("--memory_budget " + ckpt::HumanBytes(a.memory_budget) + " is smaller than one slice: the process already holds " +
+                ckpt::HumanBytes(base) + " (the source's index) and each of " + std::to_string(a.threads) + " writing thread(s) needs " +
+                ckpt::HumanBytes(per_thread * min_chunk) + " at least; give at least " +
+                ckpt::HumanBytes(base + uint64_t(a.threads) * per_thread * min_chunk));
+  sum.stream_chunk = std::clamp<uint64_t>(usable / (uint64_t(a.threads) * per_thread) / 4096 * 4096, min_chunk, uint64_t{64} << 20);
+
+  Planner planner(*src, to, sum.to_bounds, sum.stream_chunk);
+  std::vector<PlannedFile> plan = planner.Plan();
+  for (const char* f : {ckpt::kSchedulerFile, ckpt::kUserContentFile})
+    if (env->Exists(sum.src_tag + "/" + f)) plan.push_back({{f, ckpt::LoadPt(sum.src_tag + "/" + f, {}, env), {}}, 0, -1});
+
+  if (a.rank == 0) {
+    log("resharding " + sum.src_tag + ": " + GridString(L.grid) + ", stages " + StagesString(L.stage_bounds) + " -> " + GridString(to) +
+        ", stages " + StagesString(sum.to_bounds));
+    for (const auto& n : sum.notes) log("note: " + n);
+  }
+  if (a.dry_run) {
+    uint64_t bytes = 0;
+    for (const auto& f : plan) bytes += f.bytes;
+    sum.files = static_cast<int>(plan.size());
+    sum.bytes_written = bytes;
+    if (a.rank == 0)
+      for (const auto& f : plan) log("would write " + f.file.relpath + " (" + ckpt::HumanBytes(f.bytes) + " of tensors)");
+    sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    sum.peak_rss = PeakRss();
+    return sum;
+  }
+
+  const ckpt::StagedTag staged = ckpt::StageFor(sum.dst_tag, "reshard");
+  if (a.rank == 0) ckpt::PrepareTarget(env, staged, a.overwrite, log);
+  std::string save_id = a.job_id;
+  if (save_id.empty()) {
+    if (a.world_size > 1) throw Error("running as " + std::to_string(a.world_size) + " ranks but no job id to share a save");
+    std::random_device rd;
+    save_id = "reshard-" + std::to_string(::getpid()) + "-" + std::to_string(rd());
+  }
+  env->CreateDirs(std::filesystem::path(staged.staging).parent_path().string());
+  if (a.rank == 0) ckpt::BeginTag(env, staged.staging, save_id);
+  else ckpt::WaitForBegin(env, staged.staging, save_id, std::chrono::minutes(10));
+
+  std::vector<ckpt::FileToWrite> mine;
+  std::vector<uint64_t> mine_bytes;
+  std::stable_sort(plan.begin(), plan.end(), [](const auto& x, const auto& y) { return x.bytes > y.bytes; });  // big first: balance
+  uint64_t total = 0;
+  for (auto& f : plan)
+    if ((f.unit < 0 && a.rank == 0) || (f.unit >= 0 && f.unit % a.world_size == a.rank))
+      mine.push_back(f.file), mine_bytes.push_back(f.bytes), total += f.bytes;
+  std::mutex mu;
+  uint64_t done_bytes = 0, done_tensor = 0;
+  int done_files = 0;
+  ckpt::WriteRankOptions wo;
+  wo.parallel = true;
+  wo.on_file_written = [&](const ckpt::FileToWrite& f, const ckpt::FileDigest& dg) {
+    std::lock_guard<std::mutex> lock(mu);
+    done_bytes += dg.size, done_tensor += mine_bytes[&f - mine.data()], ++done_files;
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    char line[256];
+    std::snprintf(line, sizeof line, "%d/%zu files, %s, %.1f s", done_files, mine.size(), ckpt::HumanBytes(done_bytes).c_str(), secs);
+    if (a.progress_bar) std::fprintf(stderr, "\r%s %s", ckpt::ProgressBar(done_tensor, total).c_str(), line), std::fflush(stderr);
+    else log("wrote " + f.relpath + " (" + ckpt::HumanBytes(dg.size) + ") [" + line + "]");
+  };
+  ckpt::WriteRankFiles(env, staged.staging, a.rank, save_id, mine, wo);
+  if (a.progress_bar) std::fprintf(stderr, "\n");
+  sum.files = static_cast<int>(mine.size());
+  sum.bytes_written = done_bytes;
+  if (a.rank == 0) {
+    ckpt::CommitInfo ci;
+    ci.save_id = save_id;
+    ci.step = src->step();
+    ci.consumed_samples = src->consumed_samples();
+    ci.grid = to;
+    ci.world_size = a.world_size;
+    ci.model = L.format;
+    ckpt::CommitTag(env, staged.staging, ci);
+    ckpt::PublishStaged(env, staged);
+  }
+  sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  sum.peak_rss = PeakRss();
+  return sum;
+}
+
+}  // namespace tools

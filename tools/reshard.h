@@ -1,0 +1,67 @@
+// ckpt-reshard: re-lays a checkpoint tag for other tensor, pipeline and data
+// parallel degrees, weights and optimizer state alike, streaming.
+//
+// The source is read through ShardedTag (ckpt/sharded_tag.h), which indexes
+// every logical tensor's runs in the mapped rank files. Every target tensor
+// is a generated storage (Storage::Generated): when the writer asks for a
+// chunk of its bytes, the target rank's runs (ckpt/partition.h) name the
+// logical elements, which are copied from the source's mapped pages, and
+// those pages are then released. So memory holds a few chunks per writing
+// thread, never a tensor or a file, and each byte is read once and written
+// once. The tag is written in a staging folder, committed (manifest with the
+// target degrees and model format, then `done`) and only then published
+// under its name (ckpt/tag_writer.h), so no interruption leaves a target
+// that looks complete and the source is only ever read.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckpt/env.h"
+#include "ckpt/sharded_tag.h"
+
+namespace tools {
+
+struct ReshardArgs {
+  std::string src;             // a tag, or a checkpoint folder (its newest complete tag)
+  std::string dst;             // the new tag; or
+  std::string checkpoint_dir;  // a folder to create the tag in, named as the trainer names tags
+  int tp = 0, pp = 0;
+  std::optional<int> dp;       // default: the source's
+  std::optional<bool> zero1;   // default: the source's
+  std::vector<int64_t> pipeline_cuts;
+  uint64_t memory_budget = uint64_t{512} << 20;
+  int threads = 1;
+  bool dry_run = false, overwrite = false, verify_source = true;
+  ckpt::FormatHints hints;
+  int rank = 0, world_size = 1;
+  std::string job_id;
+  bool progress_bar = false;
+};
+
+struct ReshardSummary {
+  std::string src_tag, dst_tag;
+  ckpt::RankGrid from, to;
+  std::vector<int64_t> from_bounds, to_bounds;
+  ckpt::ModelFormat format;
+  int files = 0;
+  uint64_t bytes_read = 0, bytes_written = 0;
+  uint64_t stream_chunk = 0;
+  int64_t vocab_rows_from = 0, vocab_rows_to = 0;
+  double seconds = 0;
+  uint64_t peak_rss = 0;
+  std::vector<std::string> notes;
+};
+
+using LogFn = std::function<void(const std::string&)>;
+
+// Throws ckpt::Error naming the file, key or degree for bad input.
+ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log);
+
+// Peak resident memory of this process so far, in bytes.
+uint64_t PeakRss();
+
+}  // namespace tools
