@@ -169,10 +169,17 @@ class ShardedTagBuilder {
           if (!optim.count({d, t, p}))
             throw Error(Path(Rel("optim", {d, t, p})) + ": missing; the tag holds optimizer files for " + std::to_string(dp) +
                         " dp rank(s) of tp " + std::to_string(tp) + ", pp " + std::to_string(pp));
+    // ZeRO-1 or plain is read from the files themselves (LoadOptimizerFiles).
     L.grid.dp = dp;
-    L.grid.zero1 = dp > 1;
-    if (manifest_ && (manifest_->grid.zero1 != (dp > 1) && dp > 1)) throw Error(Path(kManifestFile) + ": grid disagrees with optim/ files");
-    if (manifest_ && dp == 1) L.grid.dp = manifest_->grid.dp, L.grid.zero1 = manifest_->grid.zero1;
+    const Value first = LoadPt(Path(Rel("optim", {0, 0, 0})), {}, env_);
+    L.grid.zero1 = first.is_dict() && first.as_dict().Find("base_state") != nullptr;
+    if (!L.grid.zero1) {
+      if (dp > 1) throw Error(Path(Rel("optim", {1, 0, 0})) + ": a plain optimizer state dict comes from dp rank 0 only");
+      L.grid.dp = manifest_ ? manifest_->grid.dp : 1;
+    } else if (manifest_ && (manifest_->grid.dp != dp || !manifest_->grid.zero1)) {
+      throw Error(Path(kManifestFile) + ": records dp=" + std::to_string(manifest_->grid.dp) + (manifest_->grid.zero1 ? " with" : " without") +
+                  " ZeRO-1, but optim/ holds ZeRO-1 files for " + std::to_string(dp) + " dp rank(s)");
+    }
   }
 
   void LoadModelFiles() {

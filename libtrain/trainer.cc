@@ -95,7 +95,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   if (c.create_checkpoint_callback) {
     store = std::make_unique<ckpt::CheckpointStore>(ckpt::StoreOptions{
         .dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .log = log,
-        .damaged = DamagedNames(damaged)});
+        .damaged = DamagedNames(damaged), .model = model.config().format()});
     pool->Reserve(model.StateDict(), model.checkpoint_dtype());  // snapshot buffers, faulted in before the first step
     pool->Reserve(adamw.StateDict(0));
   }
@@ -111,6 +111,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     user.as_dict().Set("consumed_samples", ckpt::Value(static_cast<double>(consumed)));
     ckpt::Snapshot snap;
     snap.tag = {c.name, global_step, static_cast<double>(consumed), false};
+    snap.grid.zero1 = c.optim.zero1;  // the optimizer file is ZeRO-1's (one dp rank)
     snap.files = {{"model/" + kRankFile, ckpt::CopyForSnapshot(model.StateDict(), pool.get(), model.checkpoint_dtype()), {.weights_only = true}},
                   {"optim/" + kRankFile, ckpt::CopyForSnapshot(adamw.StateDict(lr), pool.get()), {}},
                   {ckpt::kSchedulerFile, sched, {}},

@@ -1,0 +1,448 @@
+"""ckpt-reshard against torch: NxD tags written by torch from one full model
+(nxd_fixture.py) are resharded, and every file of the output, read back with
+torch.load, is compared with what torch writes directly at the target layout
+from the same model; the output is also merged back to the full model on its
+own (nxd_fixture.read_full) and compared with it. Round trips are byte-stable,
+bad input is refused without a complete-looking output, a SIGKILLed run
+leaves no `done` and the source untouched, --dry_run writes nothing.
+
+What a target layout must hold follows from the source model alone (see
+nxd_fixture's docstring for the NxD sources): tensor-parallel slices by
+Megatron's partition (KV groups replicated when kv_heads < tp), the vocab
+padded for the target tp (rows past the source's padding zero, rows past the
+target's dropped), the pipeline split evenly with the remainder last or at
+--pipeline_cuts, AdamW ids in NxDT's order, ZeRO-1 shards of the target dp,
+scheduler.pt and user_content.pt as they were."""
+import collections
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+import unittest
+
+import torch
+
+from canon import BIN, VERIFY, TempDirTest
+from megatron_partition import rank_file
+from nxd_fixture import at_vocab, make_full, read_full, stage_bounds, write_tag
+
+RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
+
+LLAMA = dict(gpt=False, hidden=32, ffn=64, heads=4, kv_heads=4, layers=4, vocab=96, divisible=8, seq=16)
+GQA = dict(LLAMA, hidden=64, heads=8, kv_heads=2, layers=3, vocab=100)  # KV groups replicated at tp 4 and 8
+PADDED = dict(LLAMA, vocab=100)  # padded to 104 at tp 1, 112 at tp 2, 128 at tp 4
+GPT = dict(gpt=True, hidden=32, ffn=64, heads=4, kv_heads=4, layers=5, vocab=90, divisible=8, seq=16)
+BIG = dict(gpt=False, hidden=256, ffn=512, heads=8, kv_heads=8, layers=8, vocab=1000, divisible=8, seq=16)
+
+
+class L(collections.namedtuple("L", "tp pp dp zero1 cuts", defaults=(1, 1, 1, False, None))):
+    """A layout: degrees, ZeRO-1, explicit pipeline cuts."""
+
+    def args(self):
+        a = ["--tp", self.tp, "--pp", self.pp, "--dp", self.dp, "--zero1" if self.zero1 else "--no-zero1"]
+        if self.cuts:
+            a += ["--pipeline_cuts", ",".join(map(str, self.cuts))]
+        return a
+
+    def write(self, parent, full, **kw):
+        return write_tag(parent, full, self.tp, self.pp, self.dp, self.zero1, self.cuts, **kw)
+
+
+def format_args(c):
+    return ["--heads", c["heads"], "--kv_heads", c["kv_heads"], "--vocab_size", c["vocab"],
+            "--make_vocab_size_divisible_by", c["divisible"]]
+
+
+def reshard(*args, timeout=120):
+    return subprocess.run([RESHARD, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def files(root, bookkeeping=True):
+    """Relative path -> bytes of every file under root (folders as None);
+    without `bookkeeping`, leaving out the store's .shardkit/ records of the
+    save (they name the save that wrote them)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        if not bookkeeping and dirpath == root and ".shardkit" in dirnames:
+            dirnames.remove(".shardkit")
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), root) + "/"] = None
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = fh.read()
+    return out
+
+
+def tree_hash(root):
+    return {k: None if v is None else hashlib.sha256(v).hexdigest() for k, v in files(root).items()}
+
+
+def first_difference(got, want):
+    diff = (got != want)
+    if got.dtype.is_floating_point:
+        diff &= ~(torch.isnan(got) & torch.isnan(want))
+    idx = diff.nonzero()
+    if len(idx) == 0:
+        return None
+    i = tuple(idx[0].tolist())
+    return f"first differing index {i}: got {got[i].item()!r}, want {want[i].item()!r} ({len(idx)} elements differ)"
+
+
+class Reshard(TempDirTest):
+    def setUp(self):
+        super().setUp()
+        if not os.path.exists(RESHARD):
+            self.skipTest(f"{RESHARD} is not built")
+        self.out = os.path.join(self.dir, "out")
+        os.makedirs(self.out)
+
+    # Comparisons.
+
+    def assert_same(self, what, got, want):
+        """Equal as torch.load returns them: types, key order, tensors with dtype and shape."""
+        self.assertIs(type(got), type(want), f"{what}: type {type(got).__name__}, want {type(want).__name__}")
+        if isinstance(want, torch.Tensor):
+            self.assertEqual(got.dtype, want.dtype, what)
+            self.assertEqual(got.shape, want.shape, what)
+            self.assertTrue(torch.equal(got, want), f"{what}: {first_difference(got, want)}")
+        elif isinstance(want, dict):
+            self.assertEqual(list(got), list(want), f"{what}: keys")
+            for k in want:
+                self.assert_same(f"{what}[{k!r}]", got[k], want[k])
+        elif isinstance(want, (list, tuple)) and not isinstance(want, torch.Size):
+            self.assertEqual(len(got), len(want), f"{what}: length")
+            for i, (g, w) in enumerate(zip(got, want)):
+                self.assert_same(f"{what}[{i}]", g, w)
+        else:
+            self.assertEqual(got, want, what)
+
+    def assert_same_tag(self, got, want):
+        """Every file of `want` (torch's own writing) is in `got` with equal content;
+        `got` has nothing else but manifest.json (and the store's .shardkit/)."""
+        g, w = files(got, bookkeeping=False), files(want)
+        self.assertEqual(sorted(set(g) - {"manifest.json"}), sorted(w), f"{got}: files")
+        for rel, data in w.items():
+            if data is None:
+                continue
+            if rel.endswith(".pt"):
+                self.assert_same(rel, torch.load(os.path.join(got, rel)), torch.load(os.path.join(want, rel)))
+            else:
+                self.assertEqual(g[rel], data, rel)
+
+    def assert_manifest(self, tag, layout):
+        with open(os.path.join(tag, "manifest.json")) as f:
+            grid = json.load(f)["grid"]
+        self.assertEqual({k: grid.get(k) for k in ("tp", "pp", "dp", "zero1")},
+                         {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero1": layout.zero1})
+
+    def assert_holds(self, tag, full, c, layout, master):
+        """Merged back on its own, the tag is `full` at the layout's vocab padding."""
+        back = read_full(tag, c)
+        want = at_vocab(full, layout.tp)
+        self.assertEqual(back["grid"], (layout.tp, layout.pp, layout.dp, layout.zero1))
+        self.assertEqual(back["bounds"], stage_bounds(c["layers"], layout.pp, layout.cuts))
+        self.assertEqual(back["steps"], {float(full["step"])})
+        self.assertEqual(list(back["params"]), list(want["params"]))
+        for k in ("params", "exp_avg", "exp_avg_sq") + (("master",) if master else ()):
+            for n, x in want[k].items():
+                self.assert_same(f"merged {k} {n}", back[k][n], x)
+        if not master:
+            self.assertIsNone(back["master"])
+
+    # Running.
+
+    def source(self, c, layout, full=None, name="src", style="nxdt", **kw):
+        full = full or make_full(c, tp=layout.tp, **kw)
+        parent = os.path.join(self.dir, name)
+        os.makedirs(parent, exist_ok=True)
+        return full, layout.write(parent, full, style=style)
+
+    def check(self, c, a, b, style="nxdt", **kw):
+        """Writes the model at layout a with torch, reshards it to b and checks
+        the output against torch's writing at b and against the model."""
+        full, src = self.source(c, a, style=style, **kw)
+        before = tree_hash(src)
+        dst = os.path.join(self.out, os.path.basename(src))
+        r = reshard(src, dst, *b.args(), *format_args(c))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(tree_hash(src), before, "the source changed")
+        master = a.zero1 and b.zero1 and full["master"] is not None
+        want = b.write(os.path.join(self.dir, "want"), full, master=master, style=style)
+        self.assert_same_tag(dst, want)
+        self.assert_manifest(dst, b)
+        self.assert_holds(dst, full, c, b, master)
+        return full, dst
+
+    # 1. Against torch.
+
+    def test_llama_mha_tp1_pp1_to_tp2_pp2(self):
+        self.check(LLAMA, L(1, 1), L(2, 2))
+
+    def test_llama_mha_tp2_pp2_to_tp4_pp1(self):
+        self.check(LLAMA, L(2, 2), L(4, 1))
+
+    def test_llama_mha_tp4_to_tp1_pp3_uneven(self):
+        self.check(LLAMA, L(4, 1), L(1, 3))  # 4 layers: 1, 1, 2
+
+    def test_llama_gqa_kv_replicated_tp2_to_tp4_pp2(self):
+        self.check(GQA, L(2, 1), L(4, 2))  # 2 KV groups on 4 ranks: each on 2
+
+    def test_llama_gqa_kv_replicated_tp4_to_tp8(self):
+        self.check(GQA, L(4, 1), L(8, 1))
+
+    def test_llama_gqa_kv_replicated_tp8_pp3_to_tp1(self):
+        self.check(GQA, L(8, 3), L(1, 1))
+
+    def test_vocab_padding_grows_tp1_to_tp4(self):
+        self.check(PADDED, L(1, 1), L(4, 2))  # 104 rows -> 128: 24 zero rows
+
+    def test_vocab_padding_shrinks_tp4_to_tp2(self):
+        self.check(PADDED, L(4, 1), L(2, 1))  # 128 rows -> 112: 16 rows dropped
+
+    def test_gpt_tied_embedding_pp1_to_pp2(self):
+        self.check(GPT, L(1, 1), L(2, 2))  # 5 layers: 2, 3; the last stage gains word_embeddings.weight
+
+    def test_gpt_pp2_to_pp3_uneven(self):
+        self.check(GPT, L(2, 2), L(1, 3))  # 1, 2, 2
+
+    def test_gpt_pp3_to_pp1_drops_the_tied_copy(self):
+        self.check(GPT, L(2, 3), L(4, 1))
+
+    def test_gpt_explicit_pipeline_cuts(self):
+        self.check(GPT, L(1, 1), L(2, 3, cuts=[1, 4]))  # stages [0], [1, 2, 3], [4]
+
+    def test_gpt_from_explicit_cuts(self):
+        self.check(GPT, L(2, 3, cuts=[3, 4]), L(1, 2))
+
+    def test_bf16_zero1_master_dp2_to_zero1_dp1(self):
+        self.check(LLAMA, L(2, 2, 2, True), L(1, 1, 1, True))
+
+    def test_bf16_zero1_master_dp1_to_dp2(self):
+        self.check(LLAMA, L(1, 1, 1, True), L(2, 2, 2, True))
+
+    def test_bf16_zero1_without_master_dp2_to_plain_dp1(self):
+        self.check(LLAMA, L(2, 2, 2, True), L(1, 1, 1, False), master=False)
+
+    def test_refuses_zero1_master_weights_to_plain(self):
+        """A plain optimizer file has nowhere for the fp32 master weights: dropping
+        them would lose the precision bf16 weights do not carry."""
+        _, src = self.source(LLAMA, L(2, 2, 2, True))
+        self.refused(src, os.path.join(self.out, "dst"), [*L(1, 1, 1, False).args(), *format_args(LLAMA)], r"master")
+
+    def test_plain_dp1_to_zero1_dp2(self):
+        self.check(LLAMA, L(1, 1, 1, False), L(2, 2, 2, True))
+
+    def test_gpt_zero1_master_dp2_tp_pp_change(self):
+        self.check(GPT, L(2, 2, 2, True), L(4, 3, 2, True))
+
+    def test_zero1_dp2_to_dp3_pads_shards(self):
+        self.check(PADDED, L(2, 1, 2, True), L(1, 2, 3, True))  # rows not a multiple of 3: zero padding
+
+    def test_zero1_dp1(self):
+        self.check(GQA, L(1, 1, 1, True), L(4, 1, 2, True))
+
+    def test_fp32_plain(self):
+        self.check(LLAMA, L(2, 1), L(1, 2), dtype=torch.float32)
+
+    def test_fp32_zero1_with_master(self):
+        self.check(GPT, L(1, 2, 2, True), L(2, 1, 1, True), dtype=torch.float32, master=True)
+
+    def test_one_optimizer_group(self):
+        self.check(LLAMA, L(1, 1), L(2, 2), one_group=True)
+
+    def test_nxd_tag_name(self):
+        self.check(GQA, L(2, 1, 2, True), L(4, 1, 2, True), style="nxd")
+
+    def test_dp_and_zero1_default_to_the_source(self):
+        full, src = self.source(GPT, L(2, 2, 2, True))
+        dst = os.path.join(self.out, "dst")
+        r = reshard(src, dst, "--tp", 1, "--pp", 1, *format_args(GPT))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        b = L(1, 1, 2, True)
+        self.assert_same_tag(dst, b.write(os.path.join(self.dir, "want"), full, tag="dst"))
+        self.assert_manifest(dst, b)
+
+    def test_checkpoint_dir_creates_a_trainer_named_tag(self):
+        full, src = self.source(LLAMA, L(2, 1), style="nxd")
+        r = reshard(src, "--checkpoint_dir", self.out, "--tp", 1, "--pp", 2, *format_args(LLAMA))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        tags = os.listdir(self.out)
+        self.assertEqual(len(tags), 1, tags)
+        self.assertRegex(tags[0], r"--step=7-consumed_samples=56\.0\.ckpt$")
+        self.assert_same_tag(os.path.join(self.out, tags[0]), L(1, 2).write(os.path.join(self.dir, "want"), full))
+
+    # 2. Round trips.
+
+    def round_trip(self, c, a, b):
+        """A (torch) -> B -> A' -> B' -> A'': A'' is A' and B' is B, byte for byte.
+        Tags after the first carry a manifest, so no format flags."""
+        full, src = self.source(c, a)
+        tags = [src]
+        for i, layout in enumerate([b, a, b, a]):
+            dst = os.path.join(self.out, f"hop{i}")
+            r = reshard(tags[-1], dst, *layout.args(), *(format_args(c) if i == 0 else []))
+            self.assertEqual(r.returncode, 0, f"hop {i}: {r.stderr}")
+            tags.append(dst)
+        master = a.zero1 and b.zero1 and full["master"] is not None
+        self.assert_same_tag(tags[1], b.write(os.path.join(self.dir, "want"), full, master=master, tag="hop0"))
+        for x, y in ((tags[1], tags[3]), (tags[2], tags[4])):
+            fx, fy = files(x, bookkeeping=False), files(y, bookkeeping=False)
+            self.assertEqual(sorted(fx), sorted(fy))
+            for rel in fx:
+                if fx[rel] is not None:
+                    self.assertEqual(fx[rel], fy[rel], f"{rel}: {os.path.basename(x)} and {os.path.basename(y)} differ")
+
+    def test_round_trip_gpt_zero1(self):
+        self.round_trip(GPT, L(2, 2, 2, True), L(4, 3, 1, True))
+
+    def test_round_trip_gqa_plain_to_zero1(self):
+        self.round_trip(GQA, L(1, 1, 1, False), L(4, 2, 2, True))
+
+    # 3. Refused input: exit 2, the problem named, no `done`, the source untouched.
+
+    def refused(self, src, dst, args, pattern):
+        before = tree_hash(src)
+        dst_before = tree_hash(dst) if os.path.isdir(dst) else None
+        r = reshard(src, dst, *args)
+        self.assertEqual(r.returncode, 2, f"stdout {r.stdout!r} stderr {r.stderr!r}")
+        self.assertRegex(r.stderr, pattern)
+        self.assertEqual(tree_hash(src), before, "the source changed")
+        if dst_before is not None:
+            self.assertEqual(tree_hash(dst), dst_before, "an existing output changed")
+        else:
+            for dirpath, _, filenames in os.walk(dst):
+                self.assertNotIn("done", filenames, dirpath)
+        return r
+
+    def test_refuses_tp_not_dividing_heads(self):
+        _, src = self.source(LLAMA, L(1, 1))
+        self.refused(src, os.path.join(self.out, "dst"), ["--tp", 3, "--pp", 1, *format_args(LLAMA)], r"(?i)heads")
+
+    def test_refuses_kv_heads_neither_multiple_nor_divisor_of_tp(self):
+        c = dict(LLAMA, hidden=48, heads=6, kv_heads=3)
+        _, src = self.source(c, L(1, 1))
+        self.refused(src, os.path.join(self.out, "dst"), ["--tp", 2, "--pp", 1, *format_args(c)], r"(?i)kv")
+
+    def test_refuses_kv_heads_below_tp_not_dividing_it(self):
+        c = dict(LLAMA, hidden=48, heads=12, kv_heads=3, ffn=48)  # tp 4: heads and ffn divide, 3 KV groups do not
+        _, src = self.source(c, L(1, 1))
+        self.refused(src, os.path.join(self.out, "dst"), ["--tp", 4, "--pp", 1, *format_args(c)], r"(?i)kv")
+
+    def test_refuses_pp_above_layers(self):
+        c = dict(LLAMA, layers=2)
+        _, src = self.source(c, L(1, 1))
+        self.refused(src, os.path.join(self.out, "dst"), ["--tp", 1, "--pp", 3, *format_args(c)], r"(?i)layers")
+
+    def test_refuses_tp_not_dividing_ffn(self):
+        c = dict(LLAMA, ffn=66)
+        _, src = self.source(c, L(2, 1))
+        self.refused(src, os.path.join(self.out, "dst"), ["--tp", 4, "--pp", 1, *format_args(c)], r"(?i)ffn")
+
+    def test_refuses_a_missing_model_rank_file(self):
+        _, src = self.source(LLAMA, L(2, 2))
+        os.remove(os.path.join(src, "model", rank_file(1, 1)))
+        self.refused(src, os.path.join(self.out, "dst"), ["--tp", 1, "--pp", 1, *format_args(LLAMA)], rank_file(1, 1))
+
+    def test_refuses_a_missing_optim_rank_file(self):
+        _, src = self.source(LLAMA, L(2, 1, 3, True))
+        os.remove(os.path.join(src, "optim", rank_file(1, 0, 1)))
+        self.refused(src, os.path.join(self.out, "dst"), ["--tp", 1, "--pp", 1, *format_args(LLAMA)], rank_file(1, 0, 1))
+
+    def test_refuses_a_memory_budget_below_the_minimum(self):
+        _, src = self.source(LLAMA, L(1, 1))
+        self.refused(src, os.path.join(self.out, "dst"), ["--tp", 2, "--pp", 1, "--memory_budget", "1K", *format_args(LLAMA)],
+                     r"(?i)memory|budget")
+
+    def test_refuses_an_existing_output_without_overwrite(self):
+        full, src = self.source(LLAMA, L(1, 1))
+        dst = os.path.join(self.out, "dst")
+        r = reshard(src, dst, *L(2, 1).args(), *format_args(LLAMA))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.refused(src, dst, [*L(1, 2).args(), *format_args(LLAMA)], r"(?i)exist|overwrite")
+        # A user's folder is not replaced either.
+        mine = os.path.join(self.out, "mine")
+        os.makedirs(mine)
+        with open(os.path.join(mine, "notes.txt"), "w") as f:
+            f.write("mine")
+        self.refused(src, mine, [*L(2, 1).args(), *format_args(LLAMA)], r"(?i)exist|overwrite")
+        # With --overwrite the old tag is replaced by the new layout.
+        r = reshard(src, dst, *L(1, 2).args(), "--overwrite", *format_args(LLAMA))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assert_same_tag(dst, L(1, 2).write(os.path.join(self.dir, "want"), full))
+
+    def test_refuses_an_output_inside_the_source(self):
+        _, src = self.source(LLAMA, L(1, 1))
+        self.refused(src, os.path.join(src, "model", "dst"), ["--tp", 2, "--pp", 1, *format_args(LLAMA)], r"(?i)inside|input")
+        self.refused(src, src, ["--tp", 2, "--pp", 1, "--overwrite", *format_args(LLAMA)], r"(?i)\bis\b.*input|input")
+
+    # 4. SIGKILL.
+
+    def test_sigkill_leaves_no_done_and_the_source_untouched(self):
+        full, src = self.source(BIG, L(1, 1, 2, True))
+        before = tree_hash(src)
+        args = [*L(4, 1, 2, True).args(), *format_args(BIG)]
+        t0 = time.time()
+        r = reshard(src, os.path.join(self.out, "timing"), *args)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        took = time.time() - t0
+        landed = []
+        for i, delay in enumerate([0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, took * 0.5, took * 0.8]):
+            parent = os.path.join(self.dir, f"kill{i}")
+            os.makedirs(parent)
+            dst = os.path.join(parent, "dst")
+            p = subprocess.Popen([RESHARD, src, dst, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(delay)
+            running = p.poll() is None
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            left = os.listdir(parent)
+            done = os.path.exists(os.path.join(dst, "done"))
+            if running and left and not done:
+                landed.append(delay)
+            if done:  # it finished: the tag must be complete
+                v = subprocess.run([VERIFY, dst], capture_output=True, text=True)
+                self.assertEqual(v.returncode, 0, f"delay {delay}: a tag with done fails verification: {v.stdout}{v.stderr}")
+            for dirpath, _, filenames in os.walk(parent):
+                if "done" in filenames:
+                    self.assertEqual(dirpath, dst, f"delay {delay}: a done outside the output")
+            self.assertEqual(tree_hash(src), before, f"delay {delay}: the source changed")
+            if landed and i >= 3:
+                break
+        self.assertTrue(landed, f"no kill landed mid-write (a run takes {took:.2f} s)")
+        # The run again over what the killed one left.
+        dst = os.path.join(self.dir, f"kill{i}", "dst")
+        r = reshard(src, dst, *args, "--overwrite")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assert_same_tag(dst, L(4, 1, 2, True).write(os.path.join(self.dir, "want"), full, tag="dst"))
+
+    # 5. --dry_run and --json.
+
+    def test_dry_run_writes_nothing(self):
+        _, src = self.source(GPT, L(2, 2, 2, True))
+        before = tree_hash(self.dir)
+        for extra in ([], ["--json"]):
+            r = reshard(src, os.path.join(self.out, "dst"), *L(1, 3, 2, True).args(), "--dry_run", *extra, *format_args(GPT))
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(tree_hash(self.dir), before, f"--dry_run {extra} wrote")
+            if extra:
+                j = json.loads(r.stdout)
+                self.assertIsInstance(j, dict)
+                self.assertTrue("grid" in json.dumps(j) or "tp" in json.dumps(j), r.stdout)
+
+    def test_json_prints_one_object(self):
+        full, src = self.source(LLAMA, L(2, 1))
+        dst = os.path.join(self.out, "dst")
+        r = reshard(src, dst, *L(1, 2).args(), "--json", *format_args(LLAMA))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        j = json.loads(r.stdout)
+        self.assertIsInstance(j, dict)
+        text = json.dumps(j)
+        self.assertTrue("grid" in j or "target" in j or "tp" in text, r.stdout)
+        self.assert_same_tag(dst, L(1, 2).write(os.path.join(self.dir, "want"), full, tag="dst"))
+
+
+if __name__ == "__main__":
+    unittest.main()
