@@ -13,6 +13,9 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/cli.h"
 #include "ckpt/error.h"
+#include "ckpt/progress.h"
+#include "ckpt/sharded_tag.h"
+#include "ckpt/tag_compare.h"
 #include "ckpt/tag_verify.h"
 #include "ckpt/tag_writer.h"
 
@@ -62,6 +65,27 @@ int Gc(ckpt::Env* env, const std::string& dir, bool dry_run, bool json) {
   return 0;
 }
 
+// ckpt-verify TAG --against OTHER: 0 when both hold the same state, 1 naming
+// every tensor that differs, 2 when either is not a readable tag.
+int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ckpt::FormatHints& h, bool json) {
+  const auto ta = ckpt::ShardedTag::Open(env, a, h), tb = ckpt::ShardedTag::Open(env, b, h);
+  const ckpt::CompareReport r = ckpt::CompareTags(*ta, *tb);
+  const bool same = r.differences.empty();
+  if (json) {
+    nlohmann::ordered_json d = nlohmann::ordered_json::array();
+    for (const auto& x : r.differences) d.push_back({{"tensor", x.name}, {"difference", x.what}});
+    std::cout << nlohmann::ordered_json{{"tag", a}, {"against", b}, {"same", same}, {"tensors_compared", r.tensors},
+                                        {"bytes_compared", r.bytes}, {"differences", d}}
+                     .dump(2, ' ', false, nlohmann::json::error_handler_t::replace)
+              << "\n";
+  } else {
+    for (const auto& x : r.differences) std::cout << "DIFFERS  " << (x.name.empty() ? "(tag)" : x.name) << ": " << x.what << "\n";
+    std::cout << (same ? "same     " : "FAILED   ") << a << " and " << b << ": " << r.tensors << " logical tensors, "
+              << ckpt::HumanBytes(r.bytes) << " compared" << (same ? "" : ", " + std::to_string(r.differences.size()) + " differ") << "\n";
+  }
+  return same ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -73,9 +97,24 @@ int main(int argc, char** argv) {
   app.add_flag("--no-checksums", no_checksums, "check sizes only");
   app.add_flag("--gc", gc, "remove incomplete tags and leftover temporaries");
   app.add_flag("--dry-run", dry_run, "with --gc: list what would be removed");
+  std::string against;
+  int64_t heads = 0, kv_heads = 0, vocab = 0, divisible = 0;
+  app.add_option("--against", against, "another tag, in any layout: do both hold the same model and optimizer state?");
+  app.add_option("--heads", heads, "with --against, for a tag without a manifest: num_attention_heads");
+  app.add_option("--kv_heads", kv_heads, "with --against: num_kv_heads, when shapes cannot tell");
+  app.add_option("--vocab_size", vocab, "with --against: the unpadded vocabulary");
+  app.add_option("--make_vocab_size_divisible_by", divisible, "with --against: the vocabulary padding rule");
   SHARDKIT_PARSE(app, argc, argv);
   auto* env = ckpt::Env::Default();
   try {
+    if (!against.empty()) {
+      ckpt::FormatHints h;
+      if (heads) h.heads = heads;
+      if (kv_heads) h.kv_heads = kv_heads;
+      if (vocab) h.vocab_size = vocab;
+      if (divisible) h.make_vocab_size_divisible_by = divisible;
+      return Against(env, path, against, h, json);
+    }
     if (!env->IsDirectory(path)) throw ckpt::Error(path + ": not a directory");
     if (gc) {
       if (LooksLikeTag(env, path)) throw ckpt::Error(path + ": --gc takes a checkpoint directory, not a tag");

@@ -41,6 +41,18 @@ class TrainAcrossReshard(TempDirTest):
         self.assertEqual((grid["tp"], grid["pp"]), (tp, pp))
         self.assertEqual(len(os.listdir(os.path.join(mid, "model"))), tp * pp)
         subprocess.run([VERIFY, mid], check=True, capture_output=True)
+        # ckpt-verify --against compares logical tensors across layouts: the same state, and then a different one.
+        v = subprocess.run([VERIFY, src, "--against", mid], capture_output=True, text=True)
+        self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
+        self.assertRegex(v.stdout, r"^same ")
+        later = glob.glob(os.path.join(self.dir, "straight", "checkpoints", f"{name}--step=100-*.ckpt"))[0]
+        v = subprocess.run([VERIFY, later, "--against", mid, "--json"], capture_output=True, text=True)
+        self.assertEqual(v.returncode, 1, v.stdout + v.stderr)
+        report = json.loads(v.stdout)
+        differ = {(d["tensor"], d["difference"].split()[0]) for d in report["differences"]}
+        self.assertIn((f"language_model.encoder.layers.0.self_attention.dense.weight", "param"), differ)
+        self.assertIn((f"language_model.encoder.final_layernorm.weight", "exp_avg_sq"), differ)
+        self.assertIn((f"language_model.embedding.word_embeddings.weight", "optimizer"), differ)  # its step
         back = os.path.join(self.dir, "resharded", "checkpoints")
         self.reshard(mid, "--checkpoint_dir", back, "--tp", "1", "--pp", "1")
         # Back at the source layout every file is the one the trainer wrote.
