@@ -33,10 +33,14 @@ void Touched::Add(const MappedFile* f, const uint8_t* p, size_t n) {
 }
 
 void Touched::Release() {
-  constexpr uintptr_t kPage = 4096;
-  for (const Span& s : spans_) {  // whole pages around what was read: the next copy re-reads a shared edge page from the cache
-    const auto lo = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(s.lo) / kPage * kPage);
-    const auto hi = reinterpret_cast<const uint8_t*>((reinterpret_cast<uintptr_t>(s.hi) + kPage - 1) / kPage * kPage);
+  // A fault maps more than the page it needs: the cached pages around it
+  // (fault-around, 64 KiB) or its whole large folio (up to 2 MiB on ext4
+  // since Linux 6.16). So the aligned 2 MiB windows around what was read are
+  // released; the next copy re-maps a shared edge from the page cache.
+  constexpr uintptr_t kWindow = 2 << 20;
+  for (const Span& s : spans_) {
+    const auto lo = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(s.lo) / kWindow * kWindow);
+    const auto hi = reinterpret_cast<const uint8_t*>((reinterpret_cast<uintptr_t>(s.hi) + kWindow - 1) / kWindow * kWindow);
     s.file->DropPages(lo, static_cast<size_t>(hi - lo));
   }
   spans_.clear();
@@ -113,6 +117,7 @@ class ShardedTagBuilder {
     auto f = env_->MapFile(Path(rel));
     t_->bytes_ += f->size();
     Value v = LoadPtFromFile(f);
+    f->DropPages(f->data(), f->size());  // what parsing touched (headers, the pickle) is not needed again
     t_->files_.push_back(f);
     file_of_[rel] = f.get();
     return v;

@@ -1,10 +1,12 @@
 #include "ckpt/tag_writer.h"
 
 #include <tbb/parallel_for.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <optional>
+#include <random>
 #include <set>
 #include <thread>
 
@@ -184,6 +186,19 @@ void PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::func
     throw Error(t.target + ": exists and is not empty; pass --overwrite to replace it (it is kept until the new tag is complete)");
   if (const std::string why = NotATag(env, t.target); !why.empty() && overwrite)
     throw Error(t.target + ": --overwrite replaces only a checkpoint tag, and this folder is not a checkpoint tag: " + why);
+}
+
+std::string BeginStaged(Env* env, const StagedTag& t, int rank, int world_size, const std::string& job_id, const std::string& tool) {
+  std::string save_id = job_id;
+  if (save_id.empty()) {
+    if (world_size > 1) throw Error("running as " + std::to_string(world_size) + " ranks but no job id to share a save");
+    std::random_device rd;
+    save_id = tool + "-" + std::to_string(::getpid()) + "-" + std::to_string(rd());
+  }
+  env->CreateDirs(std::filesystem::path(t.staging).parent_path().string());
+  if (rank == 0) BeginTag(env, t.staging, save_id);
+  else WaitForBegin(env, t.staging, save_id, std::chrono::minutes(10));
+  return save_id;
 }
 
 void PublishStaged(Env* env, const StagedTag& t) {

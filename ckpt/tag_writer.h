@@ -106,6 +106,10 @@ StagedTag StageFor(const std::string& target, const std::string& tool);
 // folder that is not a checkpoint tag (NotATag) even with it. Throws
 // ckpt::Error naming the folder.
 void PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::function<void(const std::string&)>& log);
+// Every rank, after PrepareTarget: begins (rank 0) or joins the save in the
+// staging folder. `job_id` is the save id all ranks share (required with
+// more than one); empty makes one from `tool`. Returns the save id.
+std::string BeginStaged(Env* env, const StagedTag& t, int rank, int world_size, const std::string& job_id, const std::string& tool);
 // Rank 0, after CommitTag on the staging folder: the complete tag takes the
 // target's name; a replaced target is deleted last (`done` first).
 void PublishStaged(Env* env, const StagedTag& t);

@@ -110,16 +110,7 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
     ckpt::PrepareTarget(env, staged, a.overwrite, log);
   }
 
-  // Staging beside the target, under a name no resume logic takes for a tag.
-  std::string save_id = a.job_id;
-  if (save_id.empty()) {
-    if (a.world_size > 1) throw ckpt::Error("running as " + std::to_string(a.world_size) + " ranks but no job id to share a save");
-    std::random_device rd;
-    save_id = "nnm2nxdt-" + std::to_string(::getpid()) + "-" + std::to_string(rd());
-  }
-  env->CreateDirs(std::filesystem::path(staged.staging).parent_path().string());
-  if (a.rank == 0) ckpt::BeginTag(env, staged.staging, save_id);
-  else ckpt::WaitForBegin(env, staged.staging, save_id, std::chrono::minutes(10));
+  const std::string save_id = ckpt::BeginStaged(env, staged, a.rank, a.world_size, a.job_id, "nnm2nxdt");
 
   std::vector<ckpt::FileToWrite> mine;
   std::vector<const PlannedFile*> planned;

@@ -233,9 +233,13 @@ std::string SourceTag(const ReshardArgs& a, ckpt::Env* env, const LogFn& log) {
 }  // namespace
 
 uint64_t PeakRss() {
-  struct rusage ru;
-  ::getrusage(RUSAGE_SELF, &ru);
-  return static_cast<uint64_t>(ru.ru_maxrss) * 1024;
+  // VmHWM, not getrusage's ru_maxrss: Linux carries the latter over from the
+  // process that forked us, so a tool started by a large parent would report its size.
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  return 0;
 }
 
 ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log) {
@@ -294,16 +298,16 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
   ckpt::CheckOutputs({{sum.dst_tag, a.dst.empty() ? "--checkpoint_dir" : "DST", true}}, {{sum.src_tag, "SRC"}});
 
   // Memory: each writing thread holds one chunk of output and the source
-  // pages it was copied from, which are released after every chunk.
+  // pages it was copied from (plus up to a large folio mapped past each end
+  // of what it read), all released after every chunk.
   const uint64_t base = CurrentRss();
-  const uint64_t min_chunk = 256 << 10, per_thread = 2;
+  const uint64_t min_chunk = 256 << 10, slack = 4 << 20, min_thread = 2 * min_chunk + slack;
   const uint64_t usable = a.memory_budget > base ? a.memory_budget - base : 0;
-  if (usable < uint64_t(a.threads) * per_thread * min_chunk)
+  if (usable < uint64_t(a.threads) * min_thread)
     throw Error("--memory_budget " + ckpt::HumanBytes(a.memory_budget) + " is smaller than one slice: the process already holds " +
                 ckpt::HumanBytes(base) + " (the source's index) and each of " + std::to_string(a.threads) + " writing thread(s) needs " +
-                ckpt::HumanBytes(per_thread * min_chunk) + " at least; give at least " +
-                ckpt::HumanBytes(base + uint64_t(a.threads) * per_thread * min_chunk));
-  sum.stream_chunk = std::clamp<uint64_t>(usable / (uint64_t(a.threads) * per_thread) / 4096 * 4096, min_chunk, uint64_t{64} << 20);
+                ckpt::HumanBytes(min_thread) + " at least; give at least " + ckpt::HumanBytes(base + uint64_t(a.threads) * min_thread));
+  sum.stream_chunk = std::clamp<uint64_t>((usable / a.threads - slack) / 2 / 4096 * 4096, min_chunk, uint64_t{64} << 20);
 
   Planner planner(*src, to, sum.to_bounds, sum.stream_chunk);
   std::vector<PlannedFile> plan = planner.Plan();
@@ -329,15 +333,7 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
 
   const ckpt::StagedTag staged = ckpt::StageFor(sum.dst_tag, "reshard");
   if (a.rank == 0) ckpt::PrepareTarget(env, staged, a.overwrite, log);
-  std::string save_id = a.job_id;
-  if (save_id.empty()) {
-    if (a.world_size > 1) throw Error("running as " + std::to_string(a.world_size) + " ranks but no job id to share a save");
-    std::random_device rd;
-    save_id = "reshard-" + std::to_string(::getpid()) + "-" + std::to_string(rd());
-  }
-  env->CreateDirs(std::filesystem::path(staged.staging).parent_path().string());
-  if (a.rank == 0) ckpt::BeginTag(env, staged.staging, save_id);
-  else ckpt::WaitForBegin(env, staged.staging, save_id, std::chrono::minutes(10));
+  const std::string save_id = ckpt::BeginStaged(env, staged, a.rank, a.world_size, a.job_id, "reshard");
 
   std::vector<ckpt::FileToWrite> mine;
   std::vector<uint64_t> mine_bytes;

@@ -306,7 +306,7 @@ def read_full(tag, c):
             for gi, g in enumerate(pg):
                 assert g["params"] == [i for i, (_, x) in enumerate(order) if x == gi], (tag, t, p, gi)
             for sh in shards[1:]:
-                assert sh["param_groups"] == pg
+                assert sh["param_groups"] == pg, (tag, t, p, "param_groups differ between dp ranks")
             for i, (n, _) in enumerate(order):
                 if zero1:
                     shape = shards[0]["shape_info"][i]
@@ -314,7 +314,7 @@ def read_full(tag, c):
                     st = {}
                     keys = ["exp_avg", "exp_avg_sq"]
                     masters = ["sharded_master_weights" in sh for sh in shards]
-                    assert len(set(masters)) == 1
+                    assert len(set(masters)) == 1, (tag, t, p, "sharded_master_weights in some dp ranks only")
                     for k in keys:
                         whole = torch.cat([sh["base_state"][i][k] for sh in shards])
                         assert not whole[shape[0]:].any(), (n, k, "ZeRO-1 padding is not zero")
@@ -328,7 +328,7 @@ def read_full(tag, c):
                         has_master.add(False)
                     for sh in shards:
                         steps.add(float(sh["base_state"][i]["step"]))
-                        assert sh["base_state"][i]["step"].shape == ()
+                        assert sh["base_state"][i]["step"].shape == (), (n, "step is not 0-d")
                 else:
                     st = dict(shards[0]["state"][i])
                     steps.add(float(st.pop("step")))
@@ -340,7 +340,7 @@ def read_full(tag, c):
                     for k, x in st.items():
                         parts[n][k].append(x)
         first_layers.append(min(layers) if layers else None)
-    assert len(has_master) == 1, has_master
+    assert len(has_master) == 1, (tag, "master weights on some ranks only")
     out = {"params": collections.OrderedDict(), "master": collections.OrderedDict() if True in has_master else None,
            "exp_avg": {}, "exp_avg_sq": {}, "steps": steps, "groups": groups, "grid": (tp, pp, dp, zero1)}
     for n, kinds in parts.items():

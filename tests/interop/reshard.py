@@ -17,6 +17,7 @@ import collections
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -57,6 +58,28 @@ def format_args(c):
 
 def reshard(*args, timeout=120):
     return subprocess.run([RESHARD, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+# Runs a command in a fork of a small Python and prints its own peak RSS: a
+# process started straight from this one (fork or vfork, then exec) inherits
+# this process's resident size as its ru_maxrss, torch and tensors included.
+_MEASURE = """import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+sys.stderr.write("\\npeak-rss-kib %d\\n" % usage.ru_maxrss)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_measured(*args):
+    """subprocess.run with .peak: the command's peak resident memory in bytes."""
+    p = subprocess.run(["/usr/bin/python3", "-S", "-c", _MEASURE, *map(str, args)], capture_output=True, text=True)
+    m = re.search(r"\npeak-rss-kib (\d+)\n$", p.stderr)
+    p.peak = int(m.group(1)) * 1024
+    p.stderr = p.stderr[:m.start()]
+    return p
 
 
 def files(root, bookkeeping=True):
@@ -401,7 +424,7 @@ class Reshard(TempDirTest):
             left = os.listdir(parent)
             done = os.path.exists(os.path.join(dst, "done"))
             if running and left and not done:
-                landed.append(delay)
+                landed.append((delay, parent))
             if done:  # it finished: the tag must be complete
                 v = subprocess.run([VERIFY, dst], capture_output=True, text=True)
                 self.assertEqual(v.returncode, 0, f"delay {delay}: a tag with done fails verification: {v.stdout}{v.stderr}")
@@ -412,11 +435,37 @@ class Reshard(TempDirTest):
             if landed and i >= 3:
                 break
         self.assertTrue(landed, f"no kill landed mid-write (a run takes {took:.2f} s)")
-        # The run again over what the killed one left.
-        dst = os.path.join(self.dir, f"kill{i}", "dst")
-        r = reshard(src, dst, *args, "--overwrite")
+        # The run again where a killed one left its partial output: it completes, and only the tag is left.
+        parent = landed[-1][1]
+        dst = os.path.join(parent, "dst")
+        r = reshard(src, dst, *args, *(["--overwrite"] if os.path.exists(dst) else []))
         self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(os.listdir(parent), ["dst"])
         self.assert_same_tag(dst, L(4, 1, 2, True).write(os.path.join(self.dir, "want"), full, tag="dst"))
+
+    def test_memory_budget_is_kept_and_changes_no_byte(self):
+        """The smallest budget the tool accepts (what its refusal of 1K says to
+        give, plus 4 MiB) bounds its peak resident memory, and the output is
+        the same bytes as with the default budget and thread count."""
+        _, src = self.source(BIG, L(1, 1, 2, True))
+        args = [*L(4, 1, 2, True).args(), *format_args(BIG)]
+        r = reshard(src, os.path.join(self.out, "default"), *args)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = reshard(src, os.path.join(self.out, "tiny"), *args, "--memory_budget", "1K", "--threads", 1)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        m = re.search(r"give at least ([\d.]+) (KiB|MiB|GiB)", r.stderr)
+        self.assertTrue(m, r.stderr)
+        budget = int(float(m.group(1)) * {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[m.group(2)]) + (4 << 20)
+        dst = os.path.join(self.out, "budget")
+        p = run_measured(RESHARD, src, dst, *args, "--memory_budget", f"{budget >> 10}K", "--threads", 1)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        tool_says = next((l for l in p.stderr.splitlines() if "peak memory" in l), "")
+        self.assertLessEqual(p.peak, budget, f"peak RSS {p.peak / (1 << 20):.1f} MiB over a budget of "
+                             f"{budget / (1 << 20):.1f} MiB; the tool says: {tool_says}")
+        a, b = files(os.path.join(self.out, "default"), bookkeeping=False), files(dst, bookkeeping=False)
+        self.assertEqual(sorted(a), sorted(b))
+        for rel in a:
+            self.assertEqual(a[rel], b[rel], rel)
 
     # 5. --dry_run and --json.
 
