@@ -40,8 +40,9 @@ class MappedFile {
   virtual const std::string& path() const = 0;
   std::span<const uint8_t> bytes() const { return {data(), static_cast<size_t>(size())}; }
   // Hints that [p, p+n) will not be read again soon: a real mapping releases
-  // the whole pages inside it from this process (they are re-read from the
-  // file if touched again), bounding the memory of a pass over a large file.
+  // it from this process, with the pages the kernel mapped around it (they
+  // are re-read from the page cache if touched again), bounding the memory of
+  // a pass over a large file.
   virtual void DropPages(const uint8_t* /*p*/, size_t /*n*/) const {}
   // Hints that [p, p+n) will be read soon: a real mapping starts reading it
   // into the page cache in the background.

@@ -158,10 +158,15 @@ class PosixMappedFile final : public MappedFile {
   uint64_t size() const override { return size_; }
   const std::string& path() const override { return path_; }
   void DropPages(const uint8_t* p, size_t n) const override {
-    constexpr uintptr_t kPage = 4096;
-    const uintptr_t lo = (reinterpret_cast<uintptr_t>(std::max(p, data_)) + kPage - 1) / kPage * kPage;
-    const uintptr_t hi = reinterpret_cast<uintptr_t>(std::min(p + n, data_ + size_)) / kPage * kPage;
-    if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);  // a hint: failure is harmless
+    // A fault maps more than the page it needs: the cached pages around it
+    // (fault-around, 64 KiB) or its whole large folio (up to 2 MiB on ext4
+    // since Linux 6.16), aligned in the file. So the 2 MiB file windows
+    // around [p, p+n) are released; a neighbour still in use re-maps from the page cache.
+    constexpr uint64_t kWindow = 2 << 20;
+    if (n == 0 || p + n <= data_ || p >= data_ + size_) return;
+    const uint64_t lo = static_cast<uint64_t>(std::max(p, data_) - data_) / kWindow * kWindow;
+    const uint64_t hi = std::min<uint64_t>((static_cast<uint64_t>(std::min(p + n, data_ + size_) - data_) + kWindow - 1) / kWindow * kWindow, size_);
+    if (hi > lo) ::madvise(const_cast<uint8_t*>(data_ + lo), (hi - lo + 4095) / 4096 * 4096, MADV_DONTNEED);  // a hint: failure is harmless
   }
   void Prefetch(const uint8_t* p, size_t n) const override {
     constexpr uintptr_t kPage = 4096;

@@ -36,6 +36,32 @@ Value OptimizerFile::ToValue() const {
   return out;
 }
 
+const Value* EntryById(const Dict& by_id, size_t id) {
+  for (const auto& [k, v] : by_id.items)
+    if (k.is_int() && k.as_int() == static_cast<int64_t>(id)) return &v;
+  return nullptr;
+}
+
+std::vector<size_t> ParamGroupSizes(const Value& groups, const std::string& where) {
+  if (!groups.is_seq() || groups.as_seq().items.empty())
+    throw Error(where + " must list the optimizer's parameter groups, found " +
+                (groups.is_seq() ? "an empty list" : "a " + groups.kind_name()));
+  std::vector<size_t> sizes;
+  int64_t next = 0;
+  for (size_t g = 0; g < groups.as_seq().items.size(); ++g) {
+    const std::string at = where + "[" + std::to_string(g) + "]";
+    const Value& group = groups.as_seq().items[g];
+    if (!group.is_dict()) throw Error(at + " is a " + group.kind_name() + ", not a dict");
+    const Value& ids = group.as_dict().At("params");
+    if (!ids.is_seq()) throw Error(at + ".params is a " + ids.kind_name() + ", not a list of ids");
+    for (const Value& id : ids.as_seq().items)
+      if (AsInteger(id, at + ".params item") != next++)
+        throw Error(at + ".params is not numbered in order (torch numbers group 0's ids from 0, then group 1's)");
+    sizes.push_back(ids.as_seq().items.size());
+  }
+  return sizes;
+}
+
 Value ParamGroupsFor(const Value& source, const Grouping& to) {
   if (!source.is_seq() || source.as_seq().items.empty()) throw Error("param_groups must be a non-empty list");
   const auto& src = source.as_seq().items;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "ckpt/optimizer_groups.h"
@@ -26,6 +27,15 @@ struct OptimizerFile {
   std::vector<ParamState> params;   // by optimizer id
   Value ToValue() const;
 };
+
+// The entry for optimizer id `id` in a {id: value} dict (state, base_state,
+// shape_info, sharded_master_weights); nullptr when absent.
+const Value* EntryById(const Dict& by_id, size_t id);
+
+// The sizes of the groups a `param_groups` list holds, after checking that
+// their ids run 0, 1, ... across the groups in order, as torch numbers them.
+// Throws ckpt::Error naming `where`.
+std::vector<size_t> ParamGroupSizes(const Value& param_groups, const std::string& where);
 
 // `param_groups` for the grouping `to`, hyperparameters from `source` (a
 // param_groups list whose non-empty groups are listed in order): group g takes

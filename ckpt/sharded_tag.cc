@@ -8,6 +8,7 @@
 #include "ckpt/error.h"
 #include "ckpt/manifest.h"
 #include "ckpt/optimizer_groups.h"
+#include "ckpt/optimizer_state.h"
 #include "ckpt/output_guard.h"
 #include "ckpt/pt_file.h"
 
@@ -33,16 +34,7 @@ void Touched::Add(const MappedFile* f, const uint8_t* p, size_t n) {
 }
 
 void Touched::Release() {
-  // A fault maps more than the page it needs: the cached pages around it
-  // (fault-around, 64 KiB) or its whole large folio (up to 2 MiB on ext4
-  // since Linux 6.16). So the aligned 2 MiB windows around what was read are
-  // released; the next copy re-maps a shared edge from the page cache.
-  constexpr uintptr_t kWindow = 2 << 20;
-  for (const Span& s : spans_) {
-    const auto lo = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(s.lo) / kWindow * kWindow);
-    const auto hi = reinterpret_cast<const uint8_t*>((reinterpret_cast<uintptr_t>(s.hi) + kWindow - 1) / kWindow * kWindow);
-    s.file->DropPages(lo, static_cast<size_t>(hi - lo));
-  }
+  for (const Span& s : spans_) s.file->DropPages(s.lo, static_cast<size_t>(s.hi - s.lo));
   spans_.clear();
 }
 
@@ -60,12 +52,6 @@ const Tensor& AsTensor(const Value& v, const std::string& where) {
 }
 
 std::string ShapeOf(const Tensor& t) { return ShapeString(t.shape()); }
-
-int64_t Numel(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
 
 std::vector<size_t> NonEmpty(std::vector<size_t> sizes) {
   sizes.erase(std::remove(sizes.begin(), sizes.end(), size_t{0}), sizes.end());
@@ -97,9 +83,9 @@ class ShardedTagBuilder {
                                        std::to_string(at) + ".." + std::to_string(e.begin) + " of it");
         at = e.end;
       }
-      if (at != static_cast<uint64_t>(Numel(Rule(key.name).shape)))
+      if (at != static_cast<uint64_t>(ShapeNumel(Rule(key.name).shape)))
         throw Error(t_->dir_ + ": " + key.name + " (" + FieldName(key.field) + "): the rank files hold " + std::to_string(at) + " of its " +
-                    std::to_string(Numel(Rule(key.name).shape)) + " elements");
+                    std::to_string(ShapeNumel(Rule(key.name).shape)) + " elements");
     }
     return std::move(t_);
   }
@@ -338,7 +324,7 @@ class ShardedTagBuilder {
     row_hi = std::min(row_hi, rows);
     if (row_hi <= row_lo) return;
     const auto local = LocalShape(rule, L.format, L.grid.tp, t);
-    const int64_t inner = Numel(local) / local[0];
+    const int64_t inner = ShapeNumel(local) / local[0];
     const size_t es = ElementSize(dtype);
     for (const Run& run : LocalRuns(rule, L.format, L.grid.tp, t)) {
       // Replicas (norms on every tp rank, KV groups NxD repeats) are read from their first holder only.
@@ -395,7 +381,7 @@ class ShardedTagBuilder {
             const std::string& name = order.order[id].name;
             const ParamRule& rule = *stage[std::find(names.begin(), names.end(), name) - names.begin()].rule;
             const std::string at = where + ": parameter id " + std::to_string(id) + " (" + name + ")";
-            const Value* e = ById(state, id);
+            const Value* e = EntryById(state, id);
             if (!e) throw Error(at + " has no state");
             const Dict& entry = AsDict(*e, at);
             for (const auto& [k, _] : entry.items)
@@ -407,7 +393,7 @@ class ShardedTagBuilder {
             const int64_t shard = zero1 ? Zero1ShardRows(rows, L.grid.dp) : rows;
             want[0] = shard;
             if (zero1) {
-              const Value* s = ById(*shapes, id);
+              const Value* s = EntryById(*shapes, id);
               std::vector<int64_t> dims;
               if (s && s->is_seq())
                 for (const auto& x : s->as_seq().items) dims.push_back(AsInteger(x, at + " shape_info"));
@@ -417,7 +403,7 @@ class ShardedTagBuilder {
             if (!t_->steps_.count(rule.name)) t_->steps_[rule.name] = entry.At("step");
             const std::pair<StateField, const Value*> fields[] = {{StateField::kExpAvg, &entry.At("exp_avg")},
                                                                    {StateField::kExpAvgSq, &entry.At("exp_avg_sq")},
-                                                                   {StateField::kMaster, masters ? ById(*masters, id) : nullptr}};
+                                                                   {StateField::kMaster, masters ? EntryById(*masters, id) : nullptr}};
             for (const auto& [field, val] : fields) {
               if (field == StateField::kMaster && !masters) continue;
               const std::string fat = at + " " + FieldName(field);
@@ -432,28 +418,11 @@ class ShardedTagBuilder {
     }
   }
 
-  static const Value* ById(const Dict& d, size_t id) {
-    for (const auto& [k, v] : d.items)
-      if (k.is_int() && k.as_int() == static_cast<int64_t>(id)) return &v;
-    return nullptr;
-  }
-
   // Ties the file's ids to parameters: NxDT's grouping whose group sizes the
   // file's param_groups list (ids numbered 0, 1, ... across groups, as torch does).
   Grouping Ids(const Value& groups, const std::vector<std::string>& names, const std::string& where, bool first) {
-    if (!groups.is_seq()) throw Error(where + ": 'param_groups' is a " + groups.kind_name() + ", not a list");
-    std::vector<size_t> sizes;
-    int64_t next = 0;
-    for (const auto& g : groups.as_seq().items) {
-      const Value& ids = AsDict(g, where + ": a param group").At("params");
-      if (!ids.is_seq()) throw Error(where + ": a param group's 'params' is not a list");
-      for (const auto& id : ids.as_seq().items)
-        if (AsInteger(id, where + ": param id") != next++) throw Error(where + ": 'param_groups' ids are not numbered 0, 1, ... in order");
-      sizes.push_back(ids.as_seq().items.size());
-    }
-    std::vector<std::string> params;
-    for (const auto& n : names) params.push_back(n);
-    const Grouping split = NxdtGrouping(params, false), one = NxdtGrouping(params, true);
+    const std::vector<size_t> sizes = ParamGroupSizes(groups, where + ": param_groups");
+    const Grouping split = NxdtGrouping(names, false), one = NxdtGrouping(names, true);
     const bool fits_split = NonEmpty(split.GroupSizes()) == sizes, fits_one = NonEmpty(one.GroupSizes()) == sizes;
     if (!fits_split && !fits_one)
       throw Error(where + ": its param_groups hold groups of sizes that fit neither NxDT grouping of the stage's " +

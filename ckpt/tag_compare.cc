@@ -46,8 +46,7 @@ CompareReport CompareTags(const ShardedTag& a, const ShardedTag& b, size_t chunk
     // Rows past the real vocabulary are padding, which layouts pad differently.
     std::vector<int64_t> shape = p.shape;
     if (p.vocab) shape[0] = fa.vocab_size;
-    uint64_t numel = 1;
-    for (int64_t d : shape) numel *= static_cast<uint64_t>(d);
+    const uint64_t numel = static_cast<uint64_t>(ShapeNumel(shape));
     for (StateField f : fields) {
       if (!a.Has(p.name, f) || !b.Has(p.name, f)) continue;
       const DType da = a.dtype(p.name, f), db = b.dtype(p.name, f);

@@ -5,12 +5,14 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <set>
 #include <thread>
 
 #include "ckpt/error.h"
+#include "ckpt/progress.h"
 
 namespace ckpt {
 namespace {
@@ -199,6 +201,32 @@ std::string BeginStaged(Env* env, const StagedTag& t, int rank, int world_size, 
   if (rank == 0) BeginTag(env, t.staging, save_id);
   else WaitForBegin(env, t.staging, save_id, std::chrono::minutes(10));
   return save_id;
+}
+
+bool WritesUnit(int unit, int rank, int world_size) { return unit < 0 ? rank == 0 : unit % world_size == rank; }
+
+uint64_t WriteRankFilesReporting(Env* env, const std::string& tag_dir, int rank, const std::string& save_id,
+                                 const std::vector<FileToWrite>& files, const std::vector<uint64_t>& weights, bool progress_bar,
+                                 const std::function<void(const std::string&)>& log, std::chrono::steady_clock::time_point start) {
+  uint64_t total = 0;
+  for (uint64_t w : weights) total += w;
+  std::mutex mu;
+  uint64_t done_bytes = 0, done_weight = 0;
+  int done_files = 0;
+  WriteRankOptions wo;
+  wo.parallel = true;
+  wo.on_file_written = [&](const FileToWrite& f, const FileDigest& d) {
+    std::lock_guard<std::mutex> lock(mu);
+    done_bytes += d.size, done_weight += weights[&f - files.data()], ++done_files;
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    char line[256];
+    std::snprintf(line, sizeof line, "%d/%zu files, %s, %.1f s", done_files, files.size(), HumanBytes(done_bytes).c_str(), secs);
+    if (progress_bar) std::fprintf(stderr, "\r%s %s", ProgressBar(done_weight, total).c_str(), line), std::fflush(stderr);
+    else log("wrote " + f.relpath + " (" + HumanBytes(d.size) + ") [" + line + "]");
+  };
+  WriteRankFiles(env, tag_dir, rank, save_id, files, wo);
+  if (progress_bar) std::fprintf(stderr, "\n");
+  return done_bytes;
 }
 
 void PublishStaged(Env* env, const StagedTag& t) {

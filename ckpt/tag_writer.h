@@ -110,6 +110,19 @@ void PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::func
 // staging folder. `job_id` is the save id all ranks share (required with
 // more than one); empty makes one from `tool`. Returns the save id.
 std::string BeginStaged(Env* env, const StagedTag& t, int rank, int world_size, const std::string& job_id, const std::string& tool);
+// Whether this process writes unit `unit` of a tool's output: rank files
+// (unit >= 0) are dealt round-robin over the processes; the tag's own files
+// (unit < 0: scheduler, user content) come from rank 0.
+bool WritesUnit(int unit, int rank, int world_size);
+
+// WriteRankFiles (in parallel) that reports as it goes: a progress bar over
+// `weights` (what each file counts toward it, e.g. its tensor bytes) when
+// `progress_bar`, else one log line per file written; times are from `start`.
+// Returns the bytes written.
+uint64_t WriteRankFilesReporting(Env* env, const std::string& tag_dir, int rank, const std::string& save_id,
+                                 const std::vector<FileToWrite>& files, const std::vector<uint64_t>& weights, bool progress_bar,
+                                 const std::function<void(const std::string&)>& log, std::chrono::steady_clock::time_point start);
+
 // Rank 0, after CommitTag on the staging folder: the complete tag takes the
 // target's name; a replaced target is deleted last (`done` first).
 void PublishStaged(Env* env, const StagedTag& t);

@@ -70,5 +70,7 @@ class Tensor {
 
 // "[2, 3]": a shape (or strides) for messages and listings.
 std::string ShapeString(const std::vector<int64_t>& shape);
+// Elements of a tensor of this shape (1 for a 0-d shape).
+int64_t ShapeNumel(const std::vector<int64_t>& shape);
 
 }  // namespace ckpt

@@ -112,35 +112,15 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
 
   const std::string save_id = ckpt::BeginStaged(env, staged, a.rank, a.world_size, a.job_id, "nnm2nxdt");
 
-  std::vector<ckpt::FileToWrite> mine;
   std::vector<const PlannedFile*> planned;
   for (const auto& f : plan.files)
-    if ((f.unit < 0 && a.rank == 0) || (f.unit >= 0 && f.unit % a.world_size == a.rank)) planned.push_back(&f);
+    if (ckpt::WritesUnit(f.unit, a.rank, a.world_size)) planned.push_back(&f);
   std::stable_sort(planned.begin(), planned.end(), [](auto* x, auto* y) { return x->bytes > y->bytes; });  // big first: balance
-  uint64_t total = 0;  // tensor bytes, what the progress bar counts
-  for (auto* f : planned) mine.push_back(f->file), total += f->bytes, sum.tensors += f->tensors;
+  std::vector<ckpt::FileToWrite> mine;
+  std::vector<uint64_t> tensor_bytes;  // what the progress bar counts
+  for (auto* f : planned) mine.push_back(f->file), tensor_bytes.push_back(f->bytes), sum.tensors += f->tensors;
   sum.files = static_cast<int>(mine.size());
-
-  std::mutex mu;
-  uint64_t done_bytes = 0, done_tensor_bytes = 0;
-  int done_files = 0;
-  ckpt::WriteRankOptions wo;
-  wo.parallel = true;
-  wo.on_file_written = [&](const ckpt::FileToWrite& f, const ckpt::FileDigest& d) {
-    std::lock_guard<std::mutex> lock(mu);
-    done_bytes += d.size;
-    done_tensor_bytes += planned[&f - mine.data()]->bytes;
-    ++done_files;
-    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    char line[512];
-    std::snprintf(line, sizeof line, "%d/%zu files, %s, %.1f s", done_files, mine.size(),
-                  ckpt::HumanBytes(done_bytes).c_str(), secs);
-    if (a.progress_bar) std::fprintf(stderr, "\r%s %s", ckpt::ProgressBar(done_tensor_bytes, total).c_str(), line), std::fflush(stderr);
-    else log("wrote " + f.relpath + " (" + ckpt::HumanBytes(d.size) + ") [" + line + "]");
-  };
-  ckpt::WriteRankFiles(env, staged.staging, a.rank, save_id, mine, wo);
-  if (a.progress_bar) std::fprintf(stderr, "\n");
-  sum.bytes = done_bytes;
+  sum.bytes = ckpt::WriteRankFilesReporting(env, staged.staging, a.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0);
   if (a.rank != 0) {
     sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     return sum;

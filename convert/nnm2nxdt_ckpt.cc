@@ -33,11 +33,6 @@ std::optional<bool> ParseBool(std::string s) {
   return std::nullopt;
 }
 
-const char* Env(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : nullptr;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -82,12 +77,8 @@ int main(int argc, char** argv) {
   tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(workers));
 
   // mpirun (Open MPI / PMIx) tells each process its rank and the job.
-  if (const char* size = Env("OMPI_COMM_WORLD_SIZE")) {
-    a.world_size = std::atoi(size);
-    a.rank = std::atoi(Env("OMPI_COMM_WORLD_RANK") ? Env("OMPI_COMM_WORLD_RANK") : "0");
-    const char* job = Env("OMPI_MCA_ess_base_jobid") ? Env("OMPI_MCA_ess_base_jobid") : Env("PMIX_NAMESPACE");
-    if (a.world_size > 1 && job) a.job_id = std::string("mpirun-") + job;
-  }
+  const ckpt::MpiLaunch mpi = ckpt::ReadMpiLaunch();
+  a.rank = mpi.rank, a.world_size = mpi.world_size, a.job_id = mpi.job_id;
   a.progress_bar = ::isatty(2) && a.rank == 0;
   try {
     const auto s = convert::RunConversion(a, ckpt::Env::Default(), log);

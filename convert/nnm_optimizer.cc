@@ -25,26 +25,8 @@ const ckpt::Dict& DictAt(const Value& v, const std::string& where) {
   return v.as_dict();
 }
 
-// The group sizes `param_groups` lists, after checking that the ids run
-// 0, 1, ... across the groups in order, as torch numbers them.
 std::vector<size_t> FileGroupSizes(const SourceOptimizer& so) {
-  const std::string where = so.where + ": param_groups";
-  const Value& groups = DictAt(so.state_dict, so.where).At("param_groups");
-  if (!groups.is_seq() || groups.as_seq().items.empty())
-    throw Error(where + " must list the optimizer's parameter groups, found " +
-                (groups.is_seq() ? "an empty list" : "a " + groups.kind_name()));
-  std::vector<size_t> sizes;
-  int64_t next = 0;
-  for (size_t g = 0; g < groups.as_seq().items.size(); ++g) {
-    const std::string at = where + "[" + std::to_string(g) + "]";
-    const Value& ids = DictAt(groups.as_seq().items[g], at).At("params");
-    if (!ids.is_seq()) throw Error(at + ".params is a " + ids.kind_name() + ", not a list of ids");
-    for (const Value& id : ids.as_seq().items)
-      if (ckpt::AsInteger(id, at + ".params item") != next++)
-        throw Error(at + ".params is not numbered in order (torch numbers group 0's ids from 0, then group 1's)");
-    sizes.push_back(ids.as_seq().items.size());
-  }
-  return sizes;
+  return ckpt::ParamGroupSizes(DictAt(so.state_dict, so.where).At("param_groups"), so.where + ": param_groups");
 }
 
 // The shape a moment of a parameter of `shape` has in this file: itself, or

@@ -10,6 +10,7 @@
 #include "ckpt/dtype_cast.h"
 #include "ckpt/error.h"
 #include "ckpt/optimizer_groups.h"
+#include "ckpt/optimizer_state.h"
 
 namespace train {
 
@@ -61,22 +62,17 @@ void AdamW::Step(Model& m, double lr) {
 }
 
 ckpt::Value AdamW::StateDict(double lr) const {
-  ckpt::Value state = ckpt::Value::NewDict(), shape_info = ckpt::Value::NewDict(), master = ckpt::Value::NewDict();
+  // ZeRO-1 with one data-parallel rank: each shard is the whole parameter.
+  ckpt::OptimizerFile f;
+  f.zero1 = c_.zero1;
   for (size_t i = 0; i < order_.size(); ++i) {
-    const ckpt::Value id(static_cast<int64_t>(i));
-    ckpt::Value s = ckpt::Value::NewDict();
     ckpt::Tensor step = ckpt::Tensor::Zeros(ckpt::DType::kFloat32, {});
     reinterpret_cast<float*>(step.mutable_data())[0] = static_cast<float>(step_);
-    s.as_dict().Set("step", ckpt::Value(step));
-    s.as_dict().Set("exp_avg", ckpt::Value(m_[i]));
-    s.as_dict().Set("exp_avg_sq", ckpt::Value(v_[i]));
-    state.as_dict().items.emplace_back(id, s);
-    std::vector<ckpt::Value> dims;
-    for (int64_t d : m_[i].shape()) dims.emplace_back(d);
-    shape_info.as_dict().items.emplace_back(id, ckpt::Value::NewSeq(ckpt::SeqKind::kTorchSize, dims));
-    if (!master_.empty()) master.as_dict().items.emplace_back(id, ckpt::Value(master_[i]));
+    ckpt::ParamState ps{ckpt::Value(step), ckpt::Value(m_[i]), ckpt::Value(v_[i]), std::nullopt, m_[i].shape()};
+    if (c_.zero1 && c_.master_weights_in_ckpt && !master_.empty()) ps.master = ckpt::Value(master_[i]);
+    f.params.push_back(std::move(ps));
   }
-  ckpt::Value groups = ckpt::Value::List();
+  f.param_groups = ckpt::Value::List();
   for (int g = 0; g < 2; ++g) {
     ckpt::Value ids = ckpt::Value::List();
     for (size_t i = 0; i < order_.size(); ++i)
@@ -93,32 +89,10 @@ ckpt::Value AdamW::StateDict(double lr) const {
     d.Set("foreach", ckpt::Value());
     d.Set("capturable", ckpt::Value(false));
     d.Set("params", ids);
-    groups.as_seq().items.push_back(pg);
+    f.param_groups.as_seq().items.push_back(pg);
   }
-  ckpt::Value out = ckpt::Value::NewDict();
-  auto& d = out.as_dict();
-  if (!c_.zero1) {
-    d.Set("state", state);
-    d.Set("param_groups", groups);
-    return out;
-  }
-  // ZeRO-1 with one data-parallel rank: each shard is the whole parameter.
-  d.Set("state", ckpt::Value::NewDict());
-  d.Set("param_groups", groups);
-  d.Set("base_state", state);
-  d.Set("shape_info", shape_info);
-  if (c_.master_weights_in_ckpt && !master_.empty()) d.Set("sharded_master_weights", master);
-  return out;
+  return f.ToValue();
 }
-
-namespace {
-// The entry for optimizer id `id` in a {id: value} dict; nullptr when absent.
-const ckpt::Value* ById(const ckpt::Dict& d, size_t id) {
-  for (const auto& [k, v] : d.items)
-    if (k.is_int() && k.as_int() == static_cast<int64_t>(id)) return &v;
-  return nullptr;
-}
-}  // namespace
 
 void AdamW::CheckGroups(const ckpt::Value& groups) const {
   // The ids each non-empty group must list, as StateDict writes them.
@@ -166,7 +140,7 @@ bool AdamW::LoadStateDict(const ckpt::Value& sd) {
   CheckGroups(top.At("param_groups"));
   int64_t step = -1;
   for (size_t i = 0; i < order_.size(); ++i) {
-    const ckpt::Value* s = ById(state, i);
+    const ckpt::Value* s = ckpt::EntryById(state, i);
     if (!s) throw ckpt::Error("optimizer state has no entry for " + what(i));
     copy(s->as_dict().At("exp_avg"), m_[i], "exp_avg", i);
     copy(s->as_dict().At("exp_avg_sq"), v_[i], "exp_avg_sq", i);
@@ -178,7 +152,7 @@ bool AdamW::LoadStateDict(const ckpt::Value& sd) {
   const ckpt::Value* master = top.Find("sharded_master_weights");
   if (!master || master_.empty()) return false;
   for (size_t i = 0; i < order_.size(); ++i) {
-    const ckpt::Value* w = ById(master->as_dict(), i);
+    const ckpt::Value* w = ckpt::EntryById(master->as_dict(), i);
     if (!w) throw ckpt::Error("sharded_master_weights has no entry for " + what(i));
     copy(*w, master_[i], "master weight", i);
   }

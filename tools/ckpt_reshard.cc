@@ -19,11 +19,6 @@
 
 namespace {
 
-const char* EnvVar(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : nullptr;
-}
-
 // "512M", "2G", "300000000": bytes.
 uint64_t ParseSize(const std::string& s) {
   size_t used = 0;
@@ -88,12 +83,8 @@ int main(int argc, char** argv) {
   if (vocab) a.hints.vocab_size = vocab;
   if (divisible) a.hints.make_vocab_size_divisible_by = divisible;
   a.verify_source = !no_verify;
-  if (const char* size = EnvVar("OMPI_COMM_WORLD_SIZE")) {  // under mpirun the ranks split the files
-    a.world_size = std::atoi(size);
-    a.rank = std::atoi(EnvVar("OMPI_COMM_WORLD_RANK") ? EnvVar("OMPI_COMM_WORLD_RANK") : "0");
-    const char* job = EnvVar("OMPI_MCA_ess_base_jobid") ? EnvVar("OMPI_MCA_ess_base_jobid") : EnvVar("PMIX_NAMESPACE");
-    if (a.world_size > 1 && job) a.job_id = std::string("mpirun-") + job;
-  }
+  const ckpt::MpiLaunch mpi = ckpt::ReadMpiLaunch();  // under mpirun the ranks split the files
+  a.rank = mpi.rank, a.world_size = mpi.world_size, a.job_id = mpi.job_id;
   a.progress_bar = ::isatty(2) && a.rank == 0 && !json;
   auto log = [](const std::string& s) { std::cerr << s << std::endl; };
   try {

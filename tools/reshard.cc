@@ -33,12 +33,6 @@ using ckpt::StateField;
 using ckpt::Value;
 using Clock = std::chrono::steady_clock;
 
-int64_t Numel(const std::vector<int64_t>& s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
-
 uint64_t CurrentRss() {
   std::ifstream f("/proc/self/statm");
   uint64_t size = 0, resident = 0;
@@ -61,7 +55,7 @@ struct TargetSlice {
 
   // Bytes [offset, offset + out.size()) of the slice, row-major.
   void Produce(uint64_t offset, std::span<uint8_t> out) const {
-    const int64_t inner = local.empty() ? 1 : Numel(local) / local[0];
+    const int64_t inner = local.empty() ? 1 : ckpt::ShapeNumel(local) / local[0];
     uint64_t e = offset / es, n = out.size() / es;
     uint8_t* o = out.data();
     ckpt::Touched touched;
@@ -93,7 +87,7 @@ Value SliceTensor(std::shared_ptr<TargetSlice> s, ckpt::DType dtype) {
   shape[0] = s->rows;
   std::vector<int64_t> strides(shape.size(), 1);
   for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
-  const uint64_t bytes = static_cast<uint64_t>(Numel(shape)) * s->es;
+  const uint64_t bytes = static_cast<uint64_t>(ckpt::ShapeNumel(shape)) * s->es;
   auto storage = ckpt::Storage::Generated(bytes, [s](uint64_t off, std::span<uint8_t> out) { s->Produce(off, out); });
   return Value(ckpt::Tensor(dtype, shape, strides, 0, storage));
 }
@@ -146,25 +140,24 @@ class Planner {
     PlannedFile pf;
     Value model = Value::NewDict(src_.model_dict_ordered());
     auto& d = model.as_dict();
-    auto add_buffers_after = [&](const std::string& key) { add_buffers_after_name(key, d, p); };
-    add_buffers_after("");
+    AddBuffersAfter("", d, p);
     for (const auto& sp : stage) {
       auto s = Slice(sp, StateField::kParam, t, 0, -1);
-      pf.bytes += static_cast<uint64_t>(Numel(s->local)) * s->es;
+      pf.bytes += static_cast<uint64_t>(ckpt::ShapeNumel(s->local)) * s->es;
       d.Set(sp.name, SliceTensor(s, src_.dtype(sp.rule->name, StateField::kParam)));
-      add_buffers_after(sp.name);
+      AddBuffersAfter(sp.name, d, p);
     }
     pf.file = {"model/" + ckpt::RankFileName({0, t, p}), model, {.weights_only = true, .stream_chunk = chunk_}};
     pf.unit = unit;
     return pf;
   }
 
-  // Buffers that followed another buffer in the source.
-  void add_buffers_after_name(const std::string& name, ckpt::Dict& d, int p) {
+  // Stage p's buffers that followed `key` in the source (and those that followed them), in place.
+  void AddBuffersAfter(const std::string& key, ckpt::Dict& d, int p) const {
     for (const auto& b : src_.buffers())
-      if (b.after == name && b.layer >= bounds_[p] && b.layer < bounds_[p + 1]) {
+      if (b.after == key && b.layer >= bounds_[p] && b.layer < bounds_[p + 1]) {
         d.Set(b.name, b.value);
-        add_buffers_after_name(b.name, d, p);
+        AddBuffersAfter(b.name, d, p);
       }
   }
 
@@ -185,7 +178,7 @@ class Planner {
       ps.shape = local;
       auto tensor = [&](StateField f) {
         auto s = Slice(sp, f, t, d * shard, shard);
-        pf.bytes += static_cast<uint64_t>(shard * (Numel(local) / local[0])) * s->es;
+        pf.bytes += static_cast<uint64_t>(shard * (ckpt::ShapeNumel(local) / local[0])) * s->es;
         return SliceTensor(s, src_.dtype(sp.rule->name, f));
       };
       ps.exp_avg = tensor(StateField::kExpAvg);
@@ -336,30 +329,12 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
   const std::string save_id = ckpt::BeginStaged(env, staged, a.rank, a.world_size, a.job_id, "reshard");
 
   std::vector<ckpt::FileToWrite> mine;
-  std::vector<uint64_t> mine_bytes;
+  std::vector<uint64_t> tensor_bytes;  // what the progress bar counts
   std::stable_sort(plan.begin(), plan.end(), [](const auto& x, const auto& y) { return x.bytes > y.bytes; });  // big first: balance
-  uint64_t total = 0;
   for (auto& f : plan)
-    if ((f.unit < 0 && a.rank == 0) || (f.unit >= 0 && f.unit % a.world_size == a.rank))
-      mine.push_back(f.file), mine_bytes.push_back(f.bytes), total += f.bytes;
-  std::mutex mu;
-  uint64_t done_bytes = 0, done_tensor = 0;
-  int done_files = 0;
-  ckpt::WriteRankOptions wo;
-  wo.parallel = true;
-  wo.on_file_written = [&](const ckpt::FileToWrite& f, const ckpt::FileDigest& dg) {
-    std::lock_guard<std::mutex> lock(mu);
-    done_bytes += dg.size, done_tensor += mine_bytes[&f - mine.data()], ++done_files;
-    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    char line[256];
-    std::snprintf(line, sizeof line, "%d/%zu files, %s, %.1f s", done_files, mine.size(), ckpt::HumanBytes(done_bytes).c_str(), secs);
-    if (a.progress_bar) std::fprintf(stderr, "\r%s %s", ckpt::ProgressBar(done_tensor, total).c_str(), line), std::fflush(stderr);
-    else log("wrote " + f.relpath + " (" + ckpt::HumanBytes(dg.size) + ") [" + line + "]");
-  };
-  ckpt::WriteRankFiles(env, staged.staging, a.rank, save_id, mine, wo);
-  if (a.progress_bar) std::fprintf(stderr, "\n");
+    if (ckpt::WritesUnit(f.unit, a.rank, a.world_size)) mine.push_back(f.file), tensor_bytes.push_back(f.bytes);
   sum.files = static_cast<int>(mine.size());
-  sum.bytes_written = done_bytes;
+  sum.bytes_written = ckpt::WriteRankFilesReporting(env, staged.staging, a.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0);
   if (a.rank == 0) {
     ckpt::CommitInfo ci;
     ci.save_id = save_id;
