@@ -19,9 +19,15 @@
 //   - per-head [q_h; k_h; v_h] and per-group [k_g; v_g] rows are whole heads
 //     (groups) in the logical tensor, so a rank's rows are one contiguous run;
 //   - SwiGLU's [gate; up] logically: rank r holds [gate_r; up_r], two runs;
-//   - with fewer KV groups than tp ranks, NxD replicates each group over
-//     tp / kv_heads consecutive ranks (kv_size_multiplier): rank r holds
-//     group r / (tp / kv_heads), so the ranks sharing a group hold copies.
+//   - with fewer KV groups than tp ranks, each group is replicated over
+//     tp / kv_heads consecutive ranks: rank r holds group r / (tp / kv_heads),
+//     the group of its own query heads, so every layout computes the same
+//     model. This is shardkit's rule for Megatron's fused `key_value`, which
+//     neither NNM (Megatron requires kv_heads % tp == 0) nor NxD writes. NxD's
+//     own replication (GQAQKVColumnParallelLinear, modules/qkv_linear.py,
+//     _initialize_affine_weight: master_weight.repeat(kv_size_multiplier, 1))
+//     tiles the heads instead, so its rank r holds group r % kv_heads, on its
+//     separate weight_q/k/v; tags in that form are not read here yet.
 #pragma once
 
 #include <cstdint>

@@ -12,9 +12,15 @@ What a layout writes (sources are NxD's, aws-neuron/neuronx-distributed):
     scheduler.pt and user_content.pt from rank 0, `done` ("1") last. File
     names dp_rank_DD_tp_rank_TT_pp_rank_PP.pt. No manifest: that is shardkit's.
   - Tensor parallelism: Megatron's partition (megatron_partition.py). With
-    fewer KV heads than tp ranks, NxD's GQAQKVColumnParallelLinear replicates
-    each KV group over kv_size_multiplier = tp / kv_heads consecutive ranks
-    (modules/qkv_linear.py): rank r holds group r // m.
+    fewer KV heads than tp ranks, the fused `key_value` is replicated by
+    shardkit's rule (ckpt/partition.h): each group over m = tp / kv_heads
+    consecutive ranks, rank r holding group r // m (its query heads' group).
+    This is NOT NxD's layout: NxD's GQAQKVColumnParallelLinear
+    (modules/qkv_linear.py, _initialize_affine_weight) tiles the heads with
+    master_weight.repeat(kv_size_multiplier, 1), so its rank r holds group
+    r % kv_heads, on separate weight_q/weight_k/weight_v parameters, and
+    neither NNM nor NxD writes `key_value` with kv_heads < tp. These cases
+    test shardkit's own rule, not interoperability.
   - Vocabulary: Megatron's _vocab_size_with_padding, rows padded to a multiple
     of make_vocab_size_divisible_by * tp. Writing a full model at a tp whose
     padded size differs drops the rows past it or appends zero rows (weights,
