@@ -129,7 +129,7 @@ void CheckpointStore::Persist(const Snapshot& snap) {
   else WaitForBegin(env, tag_dir, save_id, opts_.rank_timeout);
   WriteRankFiles(env, tag_dir, opts_.rank, save_id, snap.files);
   if (opts_.rank != 0) return;
-  CommitTag(env, tag_dir, {save_id, snap.tag.step, snap.tag.consumed_samples, snap.grid, opts_.world_size, opts_.rank_timeout, opts_.model});
+  CommitTag(env, tag_dir, {save_id, snap.tag.step, snap.tag.consumed_samples, snap.grid, opts_.world_size, opts_.rank_timeout, opts_.model, {}});
   {
     std::lock_guard<std::mutex> l(mu_);
     committed_.push_back(tag_dir);

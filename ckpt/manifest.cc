@@ -43,6 +43,14 @@ nlohmann::ordered_json Manifest::ToJson() const {
                               {"world_size", world_size}};
   if (model) j["model"] = model->ToJson();
   j["files"] = files_json;
+  if (tensors) j["tensors"] = FingerprintsToJson(*tensors);
+  return j;
+}
+
+nlohmann::ordered_json FingerprintsToJson(const TensorFingerprints& t) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const auto& [name, fields] : t)
+    for (const auto& [field, f] : fields) j[name][field] = {{"dtype", f.dtype}, {"numel", f.numel}, {"crc32", CrcHex(f.crc32)}};
   return j;
 }
 
@@ -59,6 +67,23 @@ int64_t BoundedInt(const nlohmann::json& j, const char* key, int64_t lo, int64_t
 }
 
 }  // namespace
+
+TensorFingerprints FingerprintsFromJson(const nlohmann::json& j, const std::string& where) try {
+  if (!j.is_object()) throw Error(where + ": malformed manifest: 'tensors' is not an object");
+  TensorFingerprints out;
+  for (const auto& [name, fields] : j.items()) {
+    if (!fields.is_object() || fields.empty()) throw Error(where + ": malformed manifest: tensor '" + name + "' has no fields");
+    for (const auto& [field, f] : fields.items()) {
+      const std::string at = where + ": tensor '" + name + "' " + field;
+      const FileDigest d = DigestFromJson({{"size", f.at("numel")}, {"crc32", f.at("crc32")}}, at);
+      if (!f.at("dtype").is_string()) throw Error(at + ": malformed dtype " + f.at("dtype").dump());
+      out[name][field] = {f.at("dtype").get<std::string>(), d.size, d.crc32};
+    }
+  }
+  return out;
+} catch (const nlohmann::json::exception& e) {
+  throw Error(where + ": malformed manifest 'tensors': " + e.what());
+}
 
 FileDigest DigestFromJson(const nlohmann::json& d, const std::string& where) try {
   if (!d.is_object()) throw Error(where + ": is " + d.dump() + ", not {\"size\", \"crc32\"}");
@@ -92,6 +117,7 @@ Manifest Manifest::FromJson(const nlohmann::json& j, const std::string& source) 
                   " dp=" + std::to_string(m.grid.dp) + " has more than " + std::to_string(kMaxRanks) + " ranks");
     m.world_size = static_cast<int>(BoundedInt(j, "world_size", 1, kMaxRanks, source));
     if (j.contains("model")) m.model = ModelFormat::FromJson(j.at("model"), source);
+    if (j.contains("tensors")) m.tensors = FingerprintsFromJson(j.at("tensors"), source);
     if (!j.at("files").is_object()) throw Error(source + ": malformed manifest: 'files' is not an object");
     for (const auto& [p, d] : j.at("files").items()) m.files[p] = DigestFromJson(d, source + ": file '" + p + "'");
     // The files a complete tag of this grid holds must be among those listed.

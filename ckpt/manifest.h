@@ -26,6 +26,23 @@ struct FileDigest {
   bool operator==(const FileDigest&) const = default;
 };
 
+// One logical tensor's fingerprint: its element type, element count and the
+// CRC-32 of its bytes in row-major order. "Logical" is the unsharded tensor
+// with vocab rows up to the real vocabulary and no ZeRO-1 padding, so the
+// fingerprint is the same in every layout (ckpt/fingerprint.h computes it).
+struct TensorFingerprint {
+  std::string dtype;  // DTypeName
+  uint64_t numel = 0;
+  uint32_t crc32 = 0;
+  bool operator==(const TensorFingerprint&) const = default;
+};
+// By logical parameter name, then field ("param", "exp_avg", "exp_avg_sq", "master").
+using TensorFingerprints = std::map<std::string, std::map<std::string, TensorFingerprint>>;
+
+nlohmann::ordered_json FingerprintsToJson(const TensorFingerprints& t);
+// Throws ckpt::Error naming `where`, the tensor and the field when malformed.
+TensorFingerprints FingerprintsFromJson(const nlohmann::json& j, const std::string& where);
+
 struct Manifest {
   int64_t step = 0;
   double consumed_samples = 0;
@@ -35,6 +52,9 @@ struct Manifest {
   // reshard do): lets ckpt-reshard work without the training config.
   std::optional<ModelFormat> model;
   std::map<std::string, FileDigest> files;
+  // Every logical tensor's fingerprint, when the writer computed them as it
+  // wrote (ckpt-reshard does): ckpt-verify --against compares them.
+  std::optional<TensorFingerprints> tensors;
 
   nlohmann::ordered_json ToJson() const;
   // Throws ckpt::Error naming `source` and the bad field.

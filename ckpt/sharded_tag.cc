@@ -19,7 +19,7 @@ const char* FieldName(StateField f) {
     case StateField::kParam: return "param";
     case StateField::kExpAvg: return "exp_avg";
     case StateField::kExpAvgSq: return "exp_avg_sq";
-    case StateField::kMaster: return "master weight";
+    case StateField::kMaster: return "master";
   }
   return "?";
 }
@@ -437,6 +437,7 @@ class ShardedTagBuilder {
   void LearnStep() {
     if (manifest_) {
       t_->step_ = manifest_->step, t_->consumed_ = manifest_->consumed_samples;
+      t_->recorded_ = manifest_->tensors;
       return;
     }
     const std::string name = std::filesystem::path(t_->dir_).filename().string();

@@ -29,13 +29,14 @@
 #include "ckpt/dtype.h"
 #include "ckpt/env.h"
 #include "ckpt/layout.h"
+#include "ckpt/manifest.h"
 #include "ckpt/partition.h"
 #include "ckpt/value.h"
 
 namespace ckpt {
 
 enum class StateField { kParam, kExpAvg, kExpAvgSq, kMaster };
-const char* FieldName(StateField f);  // "exp_avg", ...; "param" for the weights
+const char* FieldName(StateField f);  // "param", "exp_avg", "exp_avg_sq", "master" (as manifests key fingerprints)
 
 struct FormatHints {
   std::optional<int64_t> heads, kv_heads, vocab_size, make_vocab_size_divisible_by;
@@ -98,6 +99,8 @@ class ShardedTag {
   // Bytes of every rank file.
   uint64_t bytes() const { return bytes_; }
   int64_t step() const { return step_; }
+  // The fingerprints the manifest records (ckpt/fingerprint.h), if any.
+  const std::optional<TensorFingerprints>& recorded_fingerprints() const { return recorded_; }
   double consumed_samples() const { return consumed_; }
 
  private:
@@ -129,6 +132,7 @@ class ShardedTag {
   uint64_t bytes_ = 0;
   int64_t step_ = 0;
   double consumed_ = 0;
+  std::optional<TensorFingerprints> recorded_;
 
   friend class ShardedTagBuilder;
 };

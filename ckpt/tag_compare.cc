@@ -1,7 +1,11 @@
 #include "ckpt/tag_compare.h"
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <vector>
+
+#include "ckpt/fingerprint.h"
 
 namespace ckpt {
 
@@ -16,13 +20,9 @@ CompareReport CompareTags(const ShardedTag& a, const ShardedTag& b, size_t chunk
   }
   if (a.layout().has_optimizer != b.layout().has_optimizer)
     rep.differences.push_back({"", std::string("only ") + (a.layout().has_optimizer ? a.path() : b.path()) + " holds optimizer state"});
-  std::vector<StateField> fields{StateField::kParam};
   if (a.layout().has_optimizer && b.layout().has_optimizer) {
-    fields.insert(fields.end(), {StateField::kExpAvg, StateField::kExpAvgSq});
     if (a.layout().master_weights != b.layout().master_weights)
       rep.differences.push_back({"", "only one tag holds fp32 master weights"});
-    else if (a.layout().master_weights)
-      fields.push_back(StateField::kMaster);
     if (a.layout().one_group != b.layout().one_group)
       rep.differences.push_back({"", "the optimizer groups differ (one group vs norms and biases apart)"});
     // Hyperparameters: every group's entries but its ids.
@@ -41,41 +41,67 @@ CompareReport CompareTags(const ShardedTag& a, const ShardedTag& b, size_t chunk
     for (size_t i = 0; same && i < ha.size(); ++i) same = DeepEqual(ha[i], hb[i]);
     if (!same) rep.differences.push_back({"", "the optimizer's param_groups hyperparameters differ"});
   }
+  rep.recorded_a = a.recorded_fingerprints().has_value();
+  rep.recorded_b = b.recorded_fingerprints().has_value();
+  const TensorFingerprints fpa = rep.recorded_a ? *a.recorded_fingerprints() : ComputeFingerprints(a, chunk);
+  const TensorFingerprints fpb = rep.recorded_b ? *b.recorded_fingerprints() : ComputeFingerprints(b, chunk);
   std::vector<uint8_t> ba(chunk), bb(chunk);
-  for (const ParamRule& p : a.params()) {
-    // Rows past the real vocabulary are padding, which layouts pad differently.
-    std::vector<int64_t> shape = p.shape;
-    if (p.vocab) shape[0] = fa.vocab_size;
-    const uint64_t numel = static_cast<uint64_t>(ShapeNumel(shape));
-    for (StateField f : fields) {
-      if (!a.Has(p.name, f) || !b.Has(p.name, f)) continue;
-      const DType da = a.dtype(p.name, f), db = b.dtype(p.name, f);
-      if (da != db) {
-        rep.differences.push_back({p.name, std::string(FieldName(f)) + " is " + std::string(DTypeName(da)) + " in one tag, " +
-                                               std::string(DTypeName(db)) + " in the other"});
-        continue;
+  // The first element at which the two tags' `t` differ, streamed; nullopt when none does.
+  auto first_difference = [&](const LogicalTensor& t) -> std::optional<uint64_t> {
+    const size_t es = ElementSize(t.dtype), per = chunk / es;
+    for (uint64_t at = 0; at < t.numel;) {
+      const uint64_t n = std::min<uint64_t>(per, t.numel - at);
+      Touched ta, tb;
+      a.Read(t.name, t.field, at, {ba.data(), n * es}, &ta);
+      b.Read(t.name, t.field, at, {bb.data(), n * es}, &tb);
+      if (std::memcmp(ba.data(), bb.data(), n * es) != 0) {
+        uint64_t i = 0;
+        while (std::memcmp(ba.data() + i * es, bb.data() + i * es, es) == 0) ++i;
+        return at + i;
       }
-      const size_t es = ElementSize(da), per = chunk / es;
-      ++rep.tensors;
-      for (uint64_t at = 0; at < numel;) {
-        const uint64_t n = std::min<uint64_t>(per, numel - at);
-        Touched ta, tb;
-        a.Read(p.name, f, at, {ba.data(), n * es}, &ta);
-        b.Read(p.name, f, at, {bb.data(), n * es}, &tb);
-        rep.bytes += n * es;
-        if (std::memcmp(ba.data(), bb.data(), n * es) != 0) {
-          uint64_t i = 0;
-          while (std::memcmp(ba.data() + i * es, bb.data() + i * es, es) == 0) ++i;
-          rep.differences.push_back({p.name, std::string(FieldName(f)) + " differs first at element " + std::to_string(at + i) + " of " +
-                                                 std::to_string(numel)});
-          break;
-        }
-        at += n;
-      }
+      at += n;
     }
+    return std::nullopt;
+  };
+  auto find = [](const TensorFingerprints& fp, const LogicalTensor& t) -> const TensorFingerprint* {
+    const auto n = fp.find(t.name);
+    if (n == fp.end()) return nullptr;
+    const auto f = n->second.find(FieldName(t.field));
+    return f == n->second.end() ? nullptr : &f->second;
+  };
+  std::vector<StateField> fields{StateField::kParam};
+  if (a.layout().has_optimizer && b.layout().has_optimizer) {
+    fields.insert(fields.end(), {StateField::kExpAvg, StateField::kExpAvgSq});
+    if (a.layout().master_weights && b.layout().master_weights) fields.push_back(StateField::kMaster);
+  }
+  for (const LogicalTensor& t : LogicalTensors(a)) {
+    if (std::find(fields.begin(), fields.end(), t.field) == fields.end() || !b.Has(t.name, t.field)) continue;
+    const std::string field = FieldName(t.field);
+    const TensorFingerprint *x = find(fpa, t), *y = find(fpb, t);
+    if (!x || !y) {
+      rep.differences.push_back({t.name, field + ": the manifest of " + (x ? b.path() : a.path()) + " records no fingerprint of it"});
+      continue;
+    }
+    if (x->dtype != y->dtype) {
+      rep.differences.push_back({t.name, field + " is " + x->dtype + " in one tag, " + y->dtype + " in the other"});
+      continue;
+    }
+    if (x->numel != t.numel || y->numel != t.numel) {
+      rep.differences.push_back({t.name, field + ": a fingerprint counts " + std::to_string(x->numel == t.numel ? y->numel : x->numel) +
+                                             " elements, the tensor has " + std::to_string(t.numel)});
+      continue;
+    }
+    ++rep.tensors;
+    rep.bytes += t.numel * ElementSize(t.dtype);
+    if (x->crc32 == y->crc32) continue;
+    if (const auto at = first_difference(t))
+      rep.differences.push_back({t.name, field + " differs first at element " + std::to_string(*at) + " of " + std::to_string(t.numel)});
+    else
+      rep.differences.push_back({t.name, field + ": the data are the same but the fingerprints differ, so a manifest records a wrong one"});
+  }
+  for (const ParamRule& p : a.params())
     if (a.layout().has_optimizer && b.layout().has_optimizer && !DeepEqual(a.Step(p.name), b.Step(p.name)))
       rep.differences.push_back({p.name, "optimizer step differs"});
-  }
   return rep;
 }
 

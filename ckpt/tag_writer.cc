@@ -143,6 +143,7 @@ std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& ta
 
   nlohmann::ordered_json rec = {{"rank", rank}, {"save_id", save_id}, {"files", nlohmann::ordered_json::object()}};
   for (const auto& [p, d] : digests) rec["files"][p] = {{"size", d.size}, {"crc32", CrcHex(d.crc32)}};
+  if (opts.record_extra) rec["extra"] = opts.record_extra();
   const std::string text = rec.dump() + "\n";
   const std::string rec_path = RankRecordPath(tag_dir, rank);
   env->CreateDirs(Parent(rec_path));
@@ -161,6 +162,7 @@ RankRecord ParseRankRecord(const std::string& text, const std::string& where) {
   RankRecord rec;
   rec.save_id = j["save_id"].get<std::string>();
   for (const auto& [p, d] : j["files"].items()) rec.files[p] = DigestFromJson(d, where + ": file '" + p + "'");
+  if (j.contains("extra")) rec.extra = j["extra"];
   return rec;
 }
 
@@ -207,7 +209,8 @@ bool WritesUnit(int unit, int rank, int world_size) { return unit < 0 ? rank == 
 
 uint64_t WriteRankFilesReporting(Env* env, const std::string& tag_dir, int rank, const std::string& save_id,
                                  const std::vector<FileToWrite>& files, const std::vector<uint64_t>& weights, bool progress_bar,
-                                 const std::function<void(const std::string&)>& log, std::chrono::steady_clock::time_point start) {
+                                 const std::function<void(const std::string&)>& log, std::chrono::steady_clock::time_point start,
+                                 std::function<nlohmann::json()> record_extra) {
   uint64_t total = 0;
   for (uint64_t w : weights) total += w;
   std::mutex mu;
@@ -215,6 +218,7 @@ uint64_t WriteRankFilesReporting(Env* env, const std::string& tag_dir, int rank,
   int done_files = 0;
   WriteRankOptions wo;
   wo.parallel = true;
+  wo.record_extra = std::move(record_extra);
   wo.on_file_written = [&](const FileToWrite& f, const FileDigest& d) {
     std::lock_guard<std::mutex> lock(mu);
     done_bytes += d.size, done_weight += weights[&f - files.data()], ++done_files;
@@ -255,6 +259,7 @@ void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
     return rec;
   };
   const auto deadline = std::chrono::steady_clock::now() + info.rank_timeout;
+  std::vector<RankRecord> records;
   for (int r = 0; r < info.world_size; ++r) {
     std::optional<RankRecord> rec;
     const bool ok = WaitFor([&] { return (rec = record(r)).has_value(); },
@@ -270,7 +275,9 @@ void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
       if (m.files.count(p)) throw Error(RankRecordPath(tag_dir, r) + ": file '" + p + "' was also written by another rank");
       m.files[p] = d;
     }
+    records.push_back(std::move(*rec));
   }
+  if (info.complete_manifest) info.complete_manifest(records, m);
   m.Save(env, tag_dir + "/" + kManifestFile);
   WriteMarker(env, tag_dir + "/" + kDoneMarker);
 }

@@ -50,12 +50,25 @@ struct WriteRankOptions {
   bool parallel = false;
   // Called after each file is durable (from the writing thread).
   std::function<void(const FileToWrite&, const FileDigest&)> on_file_written;
+  // Called once every file is durable: what the writer adds to this rank's
+  // record for the commit to merge (ckpt-reshard's fingerprint pieces).
+  std::function<nlohmann::json()> record_extra;
 };
 
 // Writes the files and this rank's completion record. Returns the digests.
 std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& tag_dir, int rank,
                                                  const std::string& save_id, const std::vector<FileToWrite>& files,
                                                  const WriteRankOptions& opts = {});
+
+// A rank's completion record (.shardkit/rank_NNNNN.json): the save it belongs
+// to and the size and CRC-32 of every file it wrote. Throws ckpt::Error
+// naming `where` when malformed.
+struct RankRecord {
+  std::string save_id;
+  std::map<std::string, FileDigest> files;
+  nlohmann::json extra;  // WriteRankOptions::record_extra's, or null
+};
+RankRecord ParseRankRecord(const std::string& text, const std::string& where);
 
 struct CommitInfo {
   std::string save_id;
@@ -65,16 +78,10 @@ struct CommitInfo {
   int world_size = 1;
   std::chrono::milliseconds rank_timeout{30 * 60 * 1000};
   std::optional<ModelFormat> model;  // recorded in the manifest when known
+  // Called with every rank's record before the manifest is written, to add
+  // what the records' `extra` carries; throwing leaves the tag without `done`.
+  std::function<void(const std::vector<RankRecord>&, Manifest&)> complete_manifest;
 };
-
-// A rank's completion record (.shardkit/rank_NNNNN.json): the save it belongs
-// to and the size and CRC-32 of every file it wrote. Throws ckpt::Error
-// naming `where` when malformed.
-struct RankRecord {
-  std::string save_id;
-  std::map<std::string, FileDigest> files;
-};
-RankRecord ParseRankRecord(const std::string& text, const std::string& where);
 
 // Rank 0: waits for every rank's record, writes manifest.json, then `done`.
 // Throws ckpt::Error naming the missing ranks on timeout (no `done` written).
@@ -121,7 +128,8 @@ bool WritesUnit(int unit, int rank, int world_size);
 // Returns the bytes written.
 uint64_t WriteRankFilesReporting(Env* env, const std::string& tag_dir, int rank, const std::string& save_id,
                                  const std::vector<FileToWrite>& files, const std::vector<uint64_t>& weights, bool progress_bar,
-                                 const std::function<void(const std::string&)>& log, std::chrono::steady_clock::time_point start);
+                                 const std::function<void(const std::string&)>& log, std::chrono::steady_clock::time_point start,
+                                 std::function<nlohmann::json()> record_extra = {});
 
 // Rank 0, after CommitTag on the staging folder: the complete tag takes the
 // target's name; a replaced target is deleted last (`done` first).

@@ -1,8 +1,12 @@
-// ckpt-verify PATH [--json] [--no-checksums] [--gc [--dry-run]]
+// ckpt-verify PATH [--json] [--no-checksums] [--fingerprints] [--gc [--dry-run]]
+// ckpt-verify TAG --against OTHER [--no-checksums] [--json]
 // PATH is a checkpoint tag or a checkpoint directory (every tag in it).
 // Checks markers, every file against manifest.json (size and CRC-32, in
 // parallel), missing and extra files, leftover temporaries and rank-grid
 // completeness. Exits 1 with the list of problems, 0 when all is well.
+// --fingerprints also recomputes every logical tensor's fingerprint from the
+// data and checks the manifest's (ckpt/fingerprint.h). --against compares
+// two tags of any layouts by their fingerprints (ckpt/tag_compare.h).
 // --gc removes incomplete tags (no `done`) and leftover temporaries from a
 // checkpoint directory, refusing while a running job holds its lock.
 #include <CLI/CLI.hpp>
@@ -13,6 +17,7 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/cli.h"
 #include "ckpt/error.h"
+#include "ckpt/fingerprint.h"
 #include "ckpt/progress.h"
 #include "ckpt/sharded_tag.h"
 #include "ckpt/tag_compare.h"
@@ -66,24 +71,62 @@ int Gc(ckpt::Env* env, const std::string& dir, bool dry_run, bool json) {
 }
 
 // ckpt-verify TAG --against OTHER: 0 when both hold the same state, 1 naming
-// every tensor that differs, 2 when either is not a readable tag.
-int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ckpt::FormatHints& h, bool json) {
-  const auto ta = ckpt::ShardedTag::Open(env, a, h), tb = ckpt::ShardedTag::Open(env, b, h);
-  const ckpt::CompareReport r = ckpt::CompareTags(*ta, *tb);
+// every tensor that differs, 2 when either is not a readable tag. A tag's
+// recorded fingerprints are used once its files match its manifest's
+// checksums (skipped with --no-checksums: then only the manifests speak).
+int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ckpt::FormatHints& h, bool checksums, bool json) {
+  std::vector<ckpt::TagDifference> failed;
+  for (const std::string& t : {a, b})
+    if (checksums && env->Exists(t + "/" + ckpt::kManifestFile))
+      for (const auto& p : ckpt::VerifyTag(env, t, {.checksums = true}).problems)
+        failed.push_back({"", t + (p.file.empty() ? "" : "/" + p.file) + ": " + p.what});
+  ckpt::CompareReport r;
+  if (failed.empty()) {
+    const auto ta = ckpt::ShardedTag::Open(env, a, h), tb = ckpt::ShardedTag::Open(env, b, h);
+    r = ckpt::CompareTags(*ta, *tb);
+  } else {
+    r.differences = failed;  // a tag that fails verification proves nothing
+  }
   const bool same = r.differences.empty();
+  auto source = [](bool recorded) { return recorded ? "recorded in the manifest" : "computed from the data"; };
   if (json) {
     nlohmann::ordered_json d = nlohmann::ordered_json::array();
     for (const auto& x : r.differences) d.push_back({{"tensor", x.name}, {"difference", x.what}});
     std::cout << nlohmann::ordered_json{{"tag", a}, {"against", b}, {"same", same}, {"tensors_compared", r.tensors},
-                                        {"bytes_compared", r.bytes}, {"differences", d}}
+                                        {"bytes_compared", r.bytes}, {"fingerprints", {{a, source(r.recorded_a)}, {b, source(r.recorded_b)}}},
+                                        {"differences", d}}
                      .dump(2, ' ', false, nlohmann::json::error_handler_t::replace)
               << "\n";
   } else {
     for (const auto& x : r.differences) std::cout << "DIFFERS  " << (x.name.empty() ? "(tag)" : x.name) << ": " << x.what << "\n";
     std::cout << (same ? "same     " : "FAILED   ") << a << " and " << b << ": " << r.tensors << " logical tensors, "
-              << ckpt::HumanBytes(r.bytes) << " compared" << (same ? "" : ", " + std::to_string(r.differences.size()) + " differ") << "\n";
+              << ckpt::HumanBytes(r.bytes) << " compared by fingerprint (" << source(r.recorded_a) << ", " << source(r.recorded_b) << ")"
+              << (same ? "" : ", " + std::to_string(r.differences.size()) + " differ") << "\n";
   }
   return same ? 0 : 1;
+}
+
+// Problems of a tag's recorded fingerprints against the data they describe.
+std::vector<ckpt::TagProblem> CheckFingerprints(ckpt::Env* env, const std::string& tag) {
+  const auto t = ckpt::ShardedTag::Open(env, tag);
+  if (!t->recorded_fingerprints()) return {};
+  std::vector<ckpt::TagProblem> out;
+  const ckpt::TensorFingerprints have = ckpt::ComputeFingerprints(*t), &want = *t->recorded_fingerprints();
+  for (const auto& [name, fields] : have)
+    for (const auto& [field, f] : fields) {
+      const auto n = want.find(name);
+      const auto w = n == want.end() ? nullptr : (n->second.count(field) ? &n->second.at(field) : nullptr);
+      if (!w) out.push_back({ckpt::kManifestFile, "records no fingerprint of " + name + " " + field});
+      else if (!(*w == f))
+        out.push_back({ckpt::kManifestFile, "the fingerprint of " + name + " " + field + " is " + ckpt::CrcHex(w->crc32) + " (" +
+                                                std::to_string(w->numel) + " " + w->dtype + "), the data's is " + ckpt::CrcHex(f.crc32) + " (" +
+                                                std::to_string(f.numel) + " " + f.dtype + ")"});
+    }
+  for (const auto& [name, fields] : want)
+    for (const auto& [field, f] : fields)
+      if (!have.count(name) || !have.at(name).count(field))
+        out.push_back({ckpt::kManifestFile, "records a fingerprint of " + name + " " + field + ", which the tag does not hold"});
+  return out;
 }
 
 }  // namespace
@@ -99,6 +142,8 @@ int main(int argc, char** argv) {
   app.add_flag("--dry-run", dry_run, "with --gc: list what would be removed");
   std::string against;
   int64_t heads = 0, kv_heads = 0, vocab = 0, divisible = 0;
+  bool fingerprints = false;
+  app.add_flag("--fingerprints", fingerprints, "also recompute each logical tensor's fingerprint and check it against the manifest's");
   app.add_option("--against", against, "another tag, in any layout: do both hold the same model and optimizer state?");
   app.add_option("--heads", heads, "with --against, for a tag without a manifest: num_attention_heads");
   app.add_option("--kv_heads", kv_heads, "with --against: num_kv_heads, when shapes cannot tell");
@@ -113,7 +158,7 @@ int main(int argc, char** argv) {
       if (kv_heads) h.kv_heads = kv_heads;
       if (vocab) h.vocab_size = vocab;
       if (divisible) h.make_vocab_size_divisible_by = divisible;
-      return Against(env, path, against, h, json);
+      return Against(env, path, against, h, !no_checksums, json);
     }
     if (!env->IsDirectory(path)) throw ckpt::Error(path + ": not a directory");
     if (gc) {
@@ -128,7 +173,9 @@ int main(int argc, char** argv) {
     bool all_ok = true;
     nlohmann::ordered_json out = {{"tags", nlohmann::ordered_json::array()}};
     for (const auto& t : tags) {
-      const auto r = ckpt::VerifyTag(env, t, {.checksums = !no_checksums});
+      auto r = ckpt::VerifyTag(env, t, {.checksums = !no_checksums});
+      if (fingerprints && r.ok() && r.has_manifest)
+        for (auto& p : CheckFingerprints(env, t)) r.problems.push_back(std::move(p));
       all_ok &= r.ok();
       nlohmann::ordered_json problems = nlohmann::ordered_json::array();
       for (const auto& p : r.problems) problems.push_back({{"file", p.file}, {"problem", p.what}});

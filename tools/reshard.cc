@@ -10,9 +10,12 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <map>
 #include <random>
+#include <tuple>
 
 #include "ckpt/error.h"
+#include "ckpt/fingerprint.h"
 #include "ckpt/layout.h"
 #include "ckpt/optimizer_state.h"
 #include "ckpt/output_guard.h"
@@ -52,6 +55,12 @@ struct TargetSlice {
   int64_t row_lo, rows;        // rows of `local` this slice holds; past local[0] they are ZeRO-1 padding (zeros)
   int64_t logical_width;       // dim 1 of the logical tensor (column splits)
   size_t es;
+  // Fingerprints: runs[i] is summed into `fp` when primary[i] (its first
+  // holder in the target: replicas are summed once), up to logical_numel
+  // (vocab padding rows are not part of the logical tensor).
+  ckpt::FingerprintCollector* fp;
+  std::vector<char> primary;
+  uint64_t logical_numel;
 
   // Bytes [offset, offset + out.size()) of the slice, row-major.
   void Produce(uint64_t offset, std::span<uint8_t> out) const {
@@ -62,6 +71,7 @@ struct TargetSlice {
     while (n > 0) {
       const int64_t r = row_lo + static_cast<int64_t>(e / inner), c = static_cast<int64_t>(e % inner);
       uint64_t take, flat;
+      size_t run_index = 0;
       if (r >= local[0]) {  // ZeRO-1 padding
         std::memset(o, 0, n * es);
         break;
@@ -70,13 +80,15 @@ struct TargetSlice {
         take = std::min<uint64_t>(n, inner - c);
         flat = static_cast<uint64_t>(r * logical_width + runs[0].logical + c);
       } else {
-        const Run* run = &runs[0];
-        for (const Run& x : runs)
-          if (r >= x.local && r < x.local + x.count) run = &x;
+        for (size_t i = 0; i < runs.size(); ++i)
+          if (r >= runs[i].local && r < runs[i].local + runs[i].count) run_index = i;
+        const Run* run = &runs[run_index];
         take = std::min<uint64_t>(n, static_cast<uint64_t>((run->local + run->count - r) * inner - c));
         flat = static_cast<uint64_t>((run->logical + r - run->local) * inner + c);
       }
       src->Read(name, field, flat, {o, take * es}, &touched);
+      if (primary[run_index] && flat < logical_numel)
+        fp->Add(name, field, flat * es, {o, std::min<uint64_t>(take, logical_numel - flat) * es});
       o += take * es, e += take, n -= take;
     }
   }
@@ -100,9 +112,10 @@ struct PlannedFile {
 
 class Planner {
  public:
-  Planner(const ckpt::ShardedTag& src, ckpt::RankGrid to, std::vector<int64_t> bounds, size_t chunk)
-      : src_(src), to_(to), bounds_(std::move(bounds)), chunk_(chunk) {
+  Planner(const ckpt::ShardedTag& src, ckpt::RankGrid to, std::vector<int64_t> bounds, size_t chunk, ckpt::FingerprintCollector* fp)
+      : src_(src), to_(to), bounds_(std::move(bounds)), chunk_(chunk), fp_(fp) {
     rules_ = ckpt::LogicalParameters(src.layout().format, to.tp);
+    for (const auto& t : ckpt::LogicalTensors(src)) logical_numel_[t.name] = t.numel;
   }
 
   std::vector<PlannedFile> Plan() {
@@ -120,7 +133,7 @@ class Planner {
   }
 
  private:
-  std::shared_ptr<TargetSlice> Slice(const ckpt::StageParam& sp, StateField f, int t, int64_t row_lo, int64_t rows) const {
+  std::shared_ptr<TargetSlice> Slice(const ckpt::StageParam& sp, StateField f, int t, int p, int64_t row_lo, int64_t rows) {
     const ParamRule& rule = *sp.rule;
     auto s = std::make_shared<TargetSlice>();
     s->src = &src_;
@@ -133,6 +146,14 @@ class Planner {
     s->rows = rows < 0 ? s->local[0] : rows;
     s->logical_width = rule.shape.size() > 1 ? rule.shape[1] : 1;
     s->es = ckpt::ElementSize(src_.dtype(rule.name, f));
+    s->fp = fp_;
+    s->logical_numel = logical_numel_.at(rule.name);
+    // A run's first holder (stage, tp rank) sums it; every ZeRO-1 shard of
+    // that holder sums its part.
+    for (const Run& run : s->runs) {
+      const auto holder = first_holder_.try_emplace({rule.name, f, run.logical}, p, t).first->second;
+      s->primary.push_back(holder == std::make_pair(p, t));
+    }
     return s;
   }
 
@@ -142,7 +163,7 @@ class Planner {
     auto& d = model.as_dict();
     AddBuffersAfter("", d, p);
     for (const auto& sp : stage) {
-      auto s = Slice(sp, StateField::kParam, t, 0, -1);
+      auto s = Slice(sp, StateField::kParam, t, p, 0, -1);
       pf.bytes += static_cast<uint64_t>(ckpt::ShapeNumel(s->local)) * s->es;
       d.Set(sp.name, SliceTensor(s, src_.dtype(sp.rule->name, StateField::kParam)));
       AddBuffersAfter(sp.name, d, p);
@@ -177,7 +198,7 @@ class Planner {
       ps.step = src_.Step(sp.rule->name);
       ps.shape = local;
       auto tensor = [&](StateField f) {
-        auto s = Slice(sp, f, t, d * shard, shard);
+        auto s = Slice(sp, f, t, p, d * shard, shard);
         pf.bytes += static_cast<uint64_t>(shard * (ckpt::ShapeNumel(local) / local[0])) * s->es;
         return SliceTensor(s, src_.dtype(sp.rule->name, f));
       };
@@ -195,7 +216,10 @@ class Planner {
   ckpt::RankGrid to_;
   std::vector<int64_t> bounds_;
   size_t chunk_;
+  ckpt::FingerprintCollector* fp_;
   std::vector<ParamRule> rules_;
+  std::map<std::string, uint64_t> logical_numel_;
+  std::map<std::tuple<std::string, StateField, int64_t>, std::pair<int, int>> first_holder_;
 };
 
 std::string GridString(const ckpt::RankGrid& g) {
@@ -302,7 +326,8 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
                 ckpt::HumanBytes(min_thread) + " at least; give at least " + ckpt::HumanBytes(base + uint64_t(a.threads) * min_thread));
   sum.stream_chunk = std::clamp<uint64_t>((usable / a.threads - slack) / 2 / 4096 * 4096, min_chunk, uint64_t{64} << 20);
 
-  Planner planner(*src, to, sum.to_bounds, sum.stream_chunk);
+  ckpt::FingerprintCollector fingerprints;
+  Planner planner(*src, to, sum.to_bounds, sum.stream_chunk, &fingerprints);
   std::vector<PlannedFile> plan = planner.Plan();
   for (const char* f : {ckpt::kSchedulerFile, ckpt::kUserContentFile})
     if (env->Exists(sum.src_tag + "/" + f)) plan.push_back({{f, ckpt::LoadPt(sum.src_tag + "/" + f, {}, env), {}}, 0, -1});
@@ -334,7 +359,8 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
   for (auto& f : plan)
     if (ckpt::WritesUnit(f.unit, a.rank, a.world_size)) mine.push_back(f.file), tensor_bytes.push_back(f.bytes);
   sum.files = static_cast<int>(mine.size());
-  sum.bytes_written = ckpt::WriteRankFilesReporting(env, staged.staging, a.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0);
+  sum.bytes_written = ckpt::WriteRankFilesReporting(env, staged.staging, a.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0,
+                                                    [&] { return fingerprints.ToJson(); });
   if (a.rank == 0) {
     ckpt::CommitInfo ci;
     ci.save_id = save_id;
@@ -343,6 +369,12 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
     ci.grid = to;
     ci.world_size = a.world_size;
     ci.model = L.format;
+    ci.complete_manifest = [&](const std::vector<ckpt::RankRecord>& records, ckpt::Manifest& m) {
+      ckpt::FingerprintCollector all;
+      for (size_t r = 0; r < records.size(); ++r)
+        all.MergeJson(records[r].extra, ckpt::RankRecordPath(staged.staging, static_cast<int>(r)));
+      m.tensors = all.Finish(ckpt::LogicalTensors(*src));
+    };
     ckpt::CommitTag(env, staged.staging, ci);
     ckpt::PublishStaged(env, staged);
   }

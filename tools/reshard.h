@@ -8,8 +8,10 @@
 // logical elements, which are copied from the source's mapped pages, and
 // those pages are then released. So memory holds a few chunks per writing
 // thread, never a tensor or a file, and each byte is read once and written
-// once. The tag is written in a staging folder, committed (manifest with the
-// target degrees and model format, then `done`) and only then published
+// once; every piece copied is also summed into the logical tensors'
+// fingerprints (ckpt/fingerprint.h), by the first target rank holding it. The
+// tag is written in a staging folder, committed (manifest with the target
+// degrees, model format and fingerprints, then `done`) and only then published
 // under its name (ckpt/tag_writer.h), so no interruption leaves a target
 // that looks complete and the source is only ever read.
 #pragma once

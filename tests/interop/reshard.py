@@ -22,12 +22,13 @@ import signal
 import subprocess
 import time
 import unittest
+import zlib
 
 import torch
 
 from canon import BIN, VERIFY, TempDirTest
 from megatron_partition import rank_file
-from nxd_fixture import at_vocab, make_full, read_full, stage_bounds, write_tag
+from nxd_fixture import at_vocab, is_vocab, make_full, read_full, stage_bounds, write_tag
 
 RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
 
@@ -97,6 +98,11 @@ def files(root, bookkeeping=True):
             with open(p, "rb") as fh:
                 out[os.path.relpath(p, root)] = fh.read()
     return out
+
+
+def manifest_tensors(tag):
+    with open(os.path.join(tag, "manifest.json")) as f:
+        return json.load(f)["tensors"]
 
 
 def tree_hash(root):
@@ -175,6 +181,26 @@ class Reshard(TempDirTest):
         if not master:
             self.assertIsNone(back["master"])
 
+    def assert_fingerprints(self, tag, full, c, master):
+        """The manifest's layout-free fingerprints are zlib's CRC-32 of each full
+        tensor's bytes (vocab rows up to the real vocabulary), computed here
+        from the model, and ckpt-verify --fingerprints finds them true."""
+        got, want = manifest_tensors(tag), {}
+        for k, field in (("params", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"), ("master", "master")):
+            if full[k] is None or (k == "master" and not master):
+                continue
+            for n, x in full[k].items():
+                if is_vocab(n):
+                    x = x[:c["vocab"]]
+                data = x.contiguous().view(torch.uint8).numpy().tobytes()
+                want.setdefault(n, {})[field] = {"dtype": str(x.dtype).removeprefix("torch."), "numel": x.numel(),
+                                                 "crc32": f"{zlib.crc32(data):08x}"}
+        self.assertEqual(sorted(got), sorted(want))
+        for n in want:
+            self.assertEqual(got[n], want[n], n)
+        v = subprocess.run([VERIFY, tag, "--fingerprints"], capture_output=True, text=True)
+        self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
+
     # Running.
 
     def source(self, c, layout, full=None, name="src", style="nxdt", **kw):
@@ -197,6 +223,7 @@ class Reshard(TempDirTest):
         self.assert_same_tag(dst, want)
         self.assert_manifest(dst, b)
         self.assert_holds(dst, full, c, b, master)
+        self.assert_fingerprints(dst, full, c, master)
         return full, dst
 
     # 1. Against torch.
@@ -311,6 +338,10 @@ class Reshard(TempDirTest):
             tags.append(dst)
         master = a.zero1 and b.zero1 and full["master"] is not None
         self.assert_same_tag(tags[1], b.write(os.path.join(self.dir, "want"), full, master=master, tag="hop0"))
+        # The fingerprints are layout-free: every hop records the same ones.
+        prints = [manifest_tensors(t) for t in tags[1:]]
+        for i, p in enumerate(prints[1:], 1):
+            self.assertEqual(p, prints[0], f"hop {i}")
         for x, y in ((tags[1], tags[3]), (tags[2], tags[4])):
             fx, fy = files(x, bookkeeping=False), files(y, bookkeeping=False)
             self.assertEqual(sorted(fx), sorted(fy))
@@ -323,6 +354,29 @@ class Reshard(TempDirTest):
 
     def test_round_trip_gqa_plain_to_zero1(self):
         self.round_trip(GQA, L(1, 1, 1, False), L(4, 2, 2, True))
+
+    def test_a_wrong_recorded_fingerprint_is_named(self):
+        """ckpt-verify --fingerprints recomputes them from the data; --against
+        trusts them, finds the data equal, and says a manifest is wrong."""
+        _, a = self.check(GQA, L(1, 1), L(2, 1))
+        b = os.path.join(self.out, "b")
+        self.assertEqual(reshard(a, b, "--tp", 4, "--pp", 2).returncode, 0)
+        with open(os.path.join(b, "manifest.json")) as f:
+            m = json.load(f)
+        name = "language_model.encoder.layers.1.self_attention.key_value.weight"
+        crc = m["tensors"][name]["exp_avg"]["crc32"]
+        m["tensors"][name]["exp_avg"]["crc32"] = f"{int(crc, 16) ^ 1:08x}"
+        with open(os.path.join(b, "manifest.json"), "w") as f:
+            json.dump(m, f)
+        v = subprocess.run([VERIFY, b, "--fingerprints"], capture_output=True, text=True)
+        self.assertEqual(v.returncode, 1, v.stdout + v.stderr)
+        self.assertIn(f"the fingerprint of {name} exp_avg is {int(crc, 16) ^ 1:08x}", v.stdout)
+        self.assertEqual(v.stdout.count("fingerprint of"), 1, v.stdout)
+        v = subprocess.run([VERIFY, a, "--against", b, "--json"], capture_output=True, text=True)
+        self.assertEqual(v.returncode, 1, v.stdout + v.stderr)
+        d = json.loads(v.stdout)["differences"]
+        self.assertEqual(d, [{"tensor": name, "difference": "exp_avg: the data are the same but the fingerprints differ, "
+                                                              "so a manifest records a wrong one"}])
 
     # 3. Refused input: exit 2, the problem named, no `done`, the source untouched.
 
