@@ -100,9 +100,13 @@ def files(root, bookkeeping=True):
     return out
 
 
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 def manifest_tensors(tag):
-    with open(os.path.join(tag, "manifest.json")) as f:
-        return json.load(f)["tensors"]
+    return read_json(os.path.join(tag, "manifest.json"))["tensors"]
 
 
 def tree_hash(root):
@@ -377,6 +381,34 @@ class Reshard(TempDirTest):
         d = json.loads(v.stdout)["differences"]
         self.assertEqual(d, [{"tensor": name, "difference": "exp_avg: the data are the same but the fingerprints differ, "
                                                               "so a manifest records a wrong one"}])
+
+    def test_mpirun_ranks_split_the_files_and_write_what_one_process_writes(self):
+        """Under mpirun -np 3 the ranks write their share of the files and rank 0
+        commits: the same bytes and fingerprints as one process, the world size recorded."""
+        full, src = self.source(GPT, L(2, 2, 2, True))
+        one = os.path.join(self.out, "one")
+        self.assertEqual(reshard(src, one, "--tp", 4, "--pp", 3, *format_args(GPT)).returncode, 0)
+        three = os.path.join(self.out, "three")
+        p = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "3", RESHARD, src, three,
+                            "--tp", "4", "--pp", "3", *map(str, format_args(GPT))],
+                           capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        fo, ft = files(one, bookkeeping=False), files(three, bookkeeping=False)
+        self.assertEqual(sorted(fo), sorted(ft))
+        for rel in fo:
+            if rel != "manifest.json" and fo[rel] is not None:
+                self.assertEqual(fo[rel], ft[rel], rel)
+        m1, m3 = (read_json(os.path.join(d, "manifest.json")) for d in (one, three))
+        self.assertEqual(m1["files"], m3["files"])
+        self.assertEqual(m1["tensors"], m3["tensors"])
+        self.assertEqual((m1["world_size"], m3["world_size"]), (1, 3))
+        ranks = sorted(os.listdir(os.path.join(three, ".shardkit")))
+        self.assertEqual([r for r in ranks if r.startswith("rank_")], [f"rank_{i:05d}.json" for i in range(3)])
+        for r in range(3):  # every rank wrote files and the pieces of the fingerprints they hold
+            rec = read_json(os.path.join(three, ".shardkit", f"rank_{r:05d}.json"))
+            self.assertTrue(rec["files"], r)
+            self.assertTrue(rec["extra"], r)
+        self.assert_fingerprints(three, full, GPT, True)
 
     # 3. Refused input: exit 2, the problem named, no `done`, the source untouched.
 
