@@ -11,6 +11,7 @@
 #include "ckpt/optimizer_state.h"
 #include "ckpt/output_guard.h"
 #include "ckpt/pt_file.h"
+#include "ckpt/training_state.h"
 
 namespace ckpt {
 
@@ -446,11 +447,13 @@ class ShardedTagBuilder {
       return;
     }
     if (env_->Exists(Path(kUserContentFile))) {
-      const Value uc = LoadPt(Path(kUserContentFile), {}, env_);
-      if (uc.is_dict()) {
-        if (const Value* s = uc.as_dict().Find("global_step"); s && s->is_int()) t_->step_ = s->as_int();
-        if (const Value* c = uc.as_dict().Find("consumed_samples"); c && (c->is_float() || c->is_int()))
-          t_->consumed_ = c->is_float() ? c->as_float() : static_cast<double>(c->as_int());
+      // NxD saves whatever user content its caller passes: a dict without
+      // NxDT's step entries only leaves the step unknown (0).
+      const Value v = LoadPt(Path(kUserContentFile), {}, env_);
+      try {
+        const UserContent uc = UserContent::FromValue(v, Path(kUserContentFile));
+        t_->step_ = uc.global_step, t_->consumed_ = uc.consumed_samples;
+      } catch (const Error&) {
       }
     }
   }

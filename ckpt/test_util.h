@@ -12,6 +12,7 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/error.h"
 #include "ckpt/tensor.h"
+#include "ckpt/training_state.h"
 
 namespace ckpt::testing {
 
@@ -94,13 +95,11 @@ inline Snapshot MakeSnapshot(const std::string& name, int64_t step, const RankGr
     o.as_dict().Set("param_groups", Value::List({Value::NewDict()}));
     s.files.push_back({f, o, {}});
   }
-  Value sched = Value::NewDict();
-  sched.as_dict().Set("last_epoch", Value(step));
-  s.files.push_back({kSchedulerFile, sched, {}});
-  Value uc = Value::NewDict();
-  uc.as_dict().Set("global_step", Value(step));
-  uc.as_dict().Set("consumed_samples", Value(static_cast<double>(step * 8)));
-  s.files.push_back({kUserContentFile, uc, {}});
+  SchedulerState sched;
+  sched.last_epoch = step;
+  s.files.push_back({kSchedulerFile, sched.ToValue(), {}});
+  const UserContent uc{.global_step = step, .consumed_samples = static_cast<double>(step * 8), .carried = {}};
+  s.files.push_back({kUserContentFile, uc.ToValue(), {}});
   return s;
 }
 

@@ -8,6 +8,7 @@
 
 #include "ckpt/error.h"
 #include "ckpt/optimizer_groups.h"
+#include "ckpt/training_state.h"
 #include "ckpt/xser.h"
 #include "convert/nnm_optimizer.h"
 
@@ -390,22 +391,18 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
 
   if (!opts.weights_only) {  // step and schedule, also for an input without optimizer state
     const Dict& top = inputs[0].checkpoint.as_dict();
-    Value user = Value::NewDict();
-    user.as_dict().Set("epoch", Value(plan.epoch));
-    user.as_dict().Set("global_step", Value(plan.global_step));
-    user.as_dict().Set("consumed_samples", Value(plan.consumed_samples));
+    ckpt::UserContent user{.epoch = plan.epoch, .global_step = plan.global_step, .consumed_samples = plan.consumed_samples, .carried = {}};
     for (const char* key : {"loops", "lr_schedulers", "pytorch-lightning_version"})
-      if (const Value* v = top.Find(key)) user.as_dict().Set(key, *v);
-    Value sched;
+      if (const Value* v = top.Find(key)) user.carried.emplace_back(key, *v);
+    ckpt::SchedulerState sched;
     if (const Value* ls = top.Find("lr_schedulers"); ls && ls->is_seq() && !ls->as_seq().items.empty() && ls->as_seq().items[0].is_dict()) {
-      sched = ls->as_seq().items[0];
+      sched = ckpt::SchedulerState::FromValue(ls->as_seq().items[0], inputs[0].path + ": lr_schedulers[0]");
     } else {
-      sched = Value::NewDict();
-      sched.as_dict().Set("last_epoch", Value(plan.global_step));
+      sched.last_epoch = plan.global_step;
       plan.notes.push_back("no lr_schedulers state in " + inputs[0].path + "; scheduler.pt records the step only");
     }
-    AddFile(plan, ckpt::kSchedulerFile, sched, false, false, inputs[0].path, -1);
-    AddFile(plan, ckpt::kUserContentFile, user, false, false, inputs[0].path, -1);
+    AddFile(plan, ckpt::kSchedulerFile, sched.ToValue(), false, false, inputs[0].path, -1);
+    AddFile(plan, ckpt::kUserContentFile, user.ToValue(), false, false, inputs[0].path, -1);
   }
   return plan;
 }

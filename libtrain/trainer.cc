@@ -13,6 +13,7 @@
 #include "ckpt/error.h"
 #include "ckpt/progress.h"
 #include "ckpt/pt_file.h"
+#include "ckpt/training_state.h"
 #include "libtrain/hdf5_dataset.h"
 #include "libtrain/indexed_dataset.h"
 #include "libtrain/layers.h"
@@ -76,9 +77,10 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
         log("info: the checkpoint holds no master weights (use_master_weights_in_ckpt was off); they restart from its "
             "bfloat16 parameters, as in NxDT");
       if (env->Exists(*tag + "/" + ckpt::kUserContentFile)) {
-        const ckpt::Value uc = ckpt::LoadPt(*tag + "/" + ckpt::kUserContentFile);
-        step = ckpt::AsInteger(uc.as_dict().At("global_step"), std::string(ckpt::kUserContentFile) + ": global_step");
-        consumed = static_cast<int64_t>(ckpt::AsScalar(uc.as_dict().At("consumed_samples")));
+        const std::string path = *tag + "/" + ckpt::kUserContentFile;
+        const ckpt::UserContent uc = ckpt::UserContent::FromValue(ckpt::LoadPt(path), path);
+        step = uc.global_step;
+        consumed = static_cast<int64_t>(uc.consumed_samples);
       } else {
         log("info: " + *tag + " holds no " + ckpt::kUserContentFile + " (weights only); training starts at step 0");
       }
@@ -101,21 +103,19 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   }
   auto save = [&](int64_t global_step, double lr) {
     if (!store) return;
-    ckpt::Value sched = ckpt::Value::NewDict(), user = ckpt::Value::NewDict();
-    sched.as_dict().Set("last_epoch", ckpt::Value(global_step));
-    sched.as_dict().Set("base_lrs", ckpt::Value::List({ckpt::Value(c.optim.lr)}));
-    sched.as_dict().Set("_last_lr", ckpt::Value::List({ckpt::Value(lr)}));
-    sched.as_dict().Set("name", ckpt::Value(c.sched.name));
-    user.as_dict().Set("epoch", ckpt::Value(0));
-    user.as_dict().Set("global_step", ckpt::Value(global_step));
-    user.as_dict().Set("consumed_samples", ckpt::Value(static_cast<double>(consumed)));
+    ckpt::SchedulerState sched;
+    sched.last_epoch = global_step;
+    sched.carried = {{"base_lrs", ckpt::Value::List({ckpt::Value(c.optim.lr)})},
+                     {"_last_lr", ckpt::Value::List({ckpt::Value(lr)})},
+                     {"name", ckpt::Value(c.sched.name)}};
+    const ckpt::UserContent user{.epoch = 0, .global_step = global_step, .consumed_samples = static_cast<double>(consumed), .carried = {}};
     ckpt::Snapshot snap;
     snap.tag = {c.name, global_step, static_cast<double>(consumed), false};
     snap.grid.zero1 = c.optim.zero1;  // the optimizer file is ZeRO-1's (one dp rank)
     snap.files = {{"model/" + kRankFile, ckpt::CopyForSnapshot(model.StateDict(), pool.get(), model.checkpoint_dtype()), {.weights_only = true}},
                   {"optim/" + kRankFile, ckpt::CopyForSnapshot(adamw.StateDict(lr), pool.get()), {}},
-                  {ckpt::kSchedulerFile, sched, {}},
-                  {ckpt::kUserContentFile, user, {}}};
+                  {ckpt::kSchedulerFile, sched.ToValue(), {}},
+                  {ckpt::kUserContentFile, user.ToValue(), {}}};
     store->Save(std::move(snap));
   };
 

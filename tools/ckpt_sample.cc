@@ -13,7 +13,9 @@
 #include "ckpt/cli.h"
 #include "ckpt/env.h"
 #include "ckpt/error.h"
+#include "ckpt/optimizer_state.h"
 #include "ckpt/pt_file.h"
+#include "ckpt/training_state.h"
 
 using ckpt::DType;
 using ckpt::Tensor;
@@ -75,17 +77,19 @@ int main(int argc, char** argv) {
     add("language_model.encoder.final_layernorm.weight", Random(rng, DType::kBFloat16, {H}, 0.f));
     add("language_model.output_layer.weight", Random(rng, DType::kBFloat16, {V, H}, 0.02f));
 
-    // A torch.optim AdamW state dict: moments in fp32, positional parameter ids.
-    Value state = Value::NewDict(), ids = Value::List();
+    // A torch.optim AdamW state dict: moments in fp32, positional parameter ids, one group.
+    ckpt::OptimizerFile of;
+    Value ids = Value::List();
     for (size_t i = 0; i < names.size(); ++i) {
       const auto& shape = m.At(names[i]).as_tensor().shape();
-      Value s = Value::NewDict();
+      ckpt::ParamState ps;
       Tensor step = Tensor::Zeros(DType::kFloat32, {});
       reinterpret_cast<float*>(step.mutable_data())[0] = 1.f;
-      s.as_dict().Set("step", Value(step));
-      s.as_dict().Set("exp_avg", Value(Random(rng, DType::kFloat32, shape, 1e-3f)));
-      s.as_dict().Set("exp_avg_sq", Value(Random(rng, DType::kFloat32, shape, 1e-6f)));
-      state.as_dict().items.emplace_back(Value(static_cast<int64_t>(i)), s);
+      ps.step = Value(step);
+      ps.exp_avg = Value(Random(rng, DType::kFloat32, shape, 1e-3f));
+      ps.exp_avg_sq = Value(Random(rng, DType::kFloat32, shape, 1e-6f));
+      ps.shape = shape;
+      of.params.push_back(std::move(ps));
       ids.as_seq().items.push_back(Value(static_cast<int64_t>(i)));
     }
     Value group = Value::NewDict();
@@ -94,25 +98,22 @@ int main(int argc, char** argv) {
              {"weight_decay", Value(0.1)}, {"amsgrad", Value(false)}, {"maximize", Value(false)}})
       group.as_dict().Set(k, v);
     group.as_dict().Set("params", ids);
-    Value optim = Value::NewDict();
-    optim.as_dict().Set("state", state);
-    optim.as_dict().Set("param_groups", Value::List({group}));
+    of.param_groups = Value::List({group});
+    const Value optim = of.ToValue();
 
     ckpt::CheckpointStore store({.dir = dir, .save_top_k = top_k, .log = [](const std::string& l) { std::cout << l << "\n"; }});
     for (int step = 1; step <= steps; ++step) {
       ckpt::Snapshot snap;
       snap.tag = {"sample", step, static_cast<double>(step * 8), false};
       const std::string shard = ckpt::RankFileName({0, 0, 0});
-      Value sched = Value::NewDict(), user = Value::NewDict();
-      sched.as_dict().Set("last_epoch", Value(step));
-      sched.as_dict().Set("_step_count", Value(step + 1));
-      user.as_dict().Set("epoch", Value(0));
-      user.as_dict().Set("global_step", Value(step));
-      user.as_dict().Set("consumed_samples", Value(static_cast<double>(step * 8)));
+      ckpt::SchedulerState sched;
+      sched.last_epoch = step;
+      sched.carried = {{"_step_count", Value(static_cast<int64_t>(step + 1))}};
+      const ckpt::UserContent user{.epoch = 0, .global_step = step, .consumed_samples = static_cast<double>(step * 8), .carried = {}};
       snap.files = {{"model/" + shard, model, {.weights_only = true}},
                     {"optim/" + shard, optim, {}},
-                    {ckpt::kSchedulerFile, sched, {}},
-                    {ckpt::kUserContentFile, user, {}}};
+                    {ckpt::kSchedulerFile, sched.ToValue(), {}},
+                    {ckpt::kUserContentFile, user.ToValue(), {}}};
       store.Save(std::move(snap));
     }
     store.Finalize();

@@ -55,7 +55,7 @@ class StoreInterop(TempDirTest):
         self.assertEqual((w.dtype, tuple(w.shape)), (torch.float32, (64 * 1024,)))
         self.assertTrue(torch.all(w.abs() <= 1.0))
         self.assertEqual(loaded["optim"][(1, 0, 1)]["state"][0]["step"], 4)
-        self.assertEqual(loaded["user_content"], {"global_step": 4, "consumed_samples": 32.0})
+        self.assertEqual(loaded["user_content"], {"epoch": 0, "global_step": 4, "consumed_samples": 32.0})
         self.assertEqual(loaded["scheduler"], {"last_epoch": 4})
         # The model files are weights-only loadable (torch 1.13's restricted unpickler).
         torch.load(os.path.join(tag, "model", "dp_rank_00_tp_rank_01_pp_rank_01.pt"), weights_only=True)
