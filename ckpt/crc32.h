@@ -1,6 +1,6 @@
 // CRC-32 (the zip polynomial) via libdeflate's hardware-accelerated routine,
-// split across TBB workers for large buffers and merged with the standard
-// CRC combination.
+// split across TBB workers for large buffers and merged with zlib's CRC
+// combination.
 #pragma once
 
 #include <cstdint>

@@ -6,7 +6,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake g++ clang libclang-rt-14-dev pkg-config
   libhdf5-dev libzip-dev nlohmann-json3-dev libyaml-cpp-dev libtbb-dev
-  libeigen3-dev libopenmpi-dev openmpi-bin libcli11-dev libxxhash-dev libdeflate-dev
+  libeigen3-dev libopenmpi-dev openmpi-bin libcli11-dev libxxhash-dev libdeflate-dev zlib1g-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-torch python3-numpy python3-omegaconf
   libopenblas0-pthread  # the BLAS torch uses in benchmarks (Debian otherwise gives it reference BLAS)
