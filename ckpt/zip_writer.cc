@@ -1,6 +1,7 @@
 #include "ckpt/zip_writer.h"
 
 #include <algorithm>
+#include <future>
 
 #include "ckpt/crc32.h"
 #include "ckpt/error.h"
@@ -98,13 +99,19 @@ void ZipWriter::AddStreamedRecord(const std::string& name, uint64_t size,
   std::vector<uint8_t> header = LocalHeader(full, offset, size, 0);
   out_.Append(header);
   uint32_t crc = 0;
-  for (uint64_t done = 0; done < size;) {
-    const auto chunk = buffer.first(static_cast<size_t>(std::min<uint64_t>(buffer.size(), size - done)));
+  const size_t half = buffer.size() / 2 / kPageAlignment * kPageAlignment;
+  const std::span<uint8_t> halves[2] = {half ? buffer.first(half) : buffer, half ? buffer.subspan(half, half) : buffer};
+  std::future<void> writing;  // the append of the other half; its destructor waits, also when produce throws
+  for (uint64_t done = 0, k = 0; done < size; k ^= 1) {
+    const auto chunk = halves[k].first(static_cast<size_t>(std::min<uint64_t>(halves[k].size(), size - done)));
     produce(done, chunk);
     crc = Crc32Combine(crc, Crc32(chunk), chunk.size());
-    out_.Append(chunk);
+    if (writing.valid()) writing.get();  // rethrows its failure
+    if (half) writing = std::async(std::launch::async, [this, chunk] { out_.Append(chunk); });
+    else out_.Append(chunk);
     done += chunk.size();
   }
+  if (writing.valid()) writing.get();
   for (int i = 0; i < 4; ++i) header[kCrcField + i] = static_cast<uint8_t>(crc >> (8 * i));
   out_.WriteAt(offset, std::span<const uint8_t>(header).first(kCrcField + 4));
   file_crc_ = Crc32Combine(Crc32Combine(file_crc_, Crc32(header), header.size()), crc, size);

@@ -36,7 +36,11 @@ class ZipWriter {
   // Appends `prefix/name` of `size` bytes that `produce` fills in order, one
   // `buffer` at a time, computing the CRC-32 as they pass; the header's CRC
   // is then patched in place (WritableFile::WriteAt). The bytes on disk are
-  // exactly what AddRecord of the whole data would write.
+  // exactly what AddRecord of the whole data would write. The buffer is used
+  // in two page-aligned halves: while one half is appended (from a second
+  // thread: an O_DIRECT write waits for the device), `produce` fills the
+  // other, so producing and writing overlap. One append is in flight at a
+  // time, in order.
   void AddStreamedRecord(const std::string& name, uint64_t size,
                          const std::function<void(uint64_t offset, std::span<uint8_t> out)>& produce, std::span<uint8_t> buffer);
   // Writes the central directory and end records. No records may follow.
