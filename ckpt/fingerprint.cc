@@ -19,7 +19,7 @@ std::string Describe(const std::string& key) {
 
 }  // namespace
 
-std::vector<LogicalTensor> LogicalTensors(const ShardedTag& tag) {
+std::vector<LogicalTensor> LogicalTensors(const LogicalState& tag) {
   std::vector<LogicalTensor> out;
   for (const ParamRule& p : tag.params()) {
     std::vector<int64_t> shape = p.shape;
@@ -130,7 +130,7 @@ TensorFingerprints FingerprintCollector::Finish(const std::vector<LogicalTensor>
   return out;
 }
 
-TensorFingerprints ComputeFingerprints(const ShardedTag& tag, size_t chunk) {
+TensorFingerprints ComputeFingerprints(const LogicalState& tag, size_t chunk) {
   TensorFingerprints out;
   std::vector<uint8_t> buf(chunk);
   for (const LogicalTensor& t : LogicalTensors(tag)) {

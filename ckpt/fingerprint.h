@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "ckpt/manifest.h"
-#include "ckpt/sharded_tag.h"
+#include "ckpt/logical_state.h"
 
 namespace ckpt {
 
@@ -34,7 +34,7 @@ struct LogicalTensor {
   uint64_t numel;  // vocab rows up to the real vocabulary
 };
 // Every logical tensor `tag` holds, in parameter order, fields in StateField order.
-std::vector<LogicalTensor> LogicalTensors(const ShardedTag& tag);
+std::vector<LogicalTensor> LogicalTensors(const LogicalState& tag);
 
 class FingerprintCollector {
  public:
@@ -67,6 +67,6 @@ class FingerprintCollector {
 
 // Reads every logical tensor of `tag` (chunk by chunk, pages released) and
 // returns its fingerprints.
-TensorFingerprints ComputeFingerprints(const ShardedTag& tag, size_t chunk = 4 << 20);
+TensorFingerprints ComputeFingerprints(const LogicalState& tag, size_t chunk = 4 << 20);
 
 }  // namespace ckpt

@@ -65,6 +65,7 @@ class ShardedTagBuilder {
  public:
   ShardedTagBuilder(Env* env, const std::string& dir, const FormatHints& hints) : env_(env), hints_(hints) {
     t_ = std::unique_ptr<ShardedTag>(new ShardedTag());
+    t_->env_ = env_;
     t_->dir_ = dir;
   }
 
@@ -468,6 +469,12 @@ class ShardedTagBuilder {
 
 std::unique_ptr<ShardedTag> ShardedTag::Open(Env* env, const std::string& tag_dir, const FormatHints& hints) {
   return ShardedTagBuilder(env, WithoutTrailingSeparators(tag_dir), hints).Build();
+}
+
+std::optional<Value> ShardedTag::TagFile(const std::string& name) const {
+  const std::string path = dir_ + "/" + name;
+  if (!env_->Exists(path)) return std::nullopt;
+  return LoadPt(path, {}, env_);
 }
 
 DType ShardedTag::dtype(const std::string& name, StateField f) const {

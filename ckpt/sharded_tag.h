@@ -26,82 +26,40 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/dtype.h"
-#include "ckpt/env.h"
-#include "ckpt/layout.h"
-#include "ckpt/manifest.h"
-#include "ckpt/partition.h"
-#include "ckpt/value.h"
+#include "ckpt/logical_state.h"
 
 namespace ckpt {
 
-enum class StateField { kParam, kExpAvg, kExpAvgSq, kMaster };
-const char* FieldName(StateField f);  // "param", "exp_avg", "exp_avg_sq", "master" (as manifests key fingerprints)
-
-struct FormatHints {
-  std::optional<int64_t> heads, kv_heads, vocab_size, make_vocab_size_divisible_by;
-};
-
-struct TagLayout {
-  RankGrid grid;
-  std::vector<int64_t> stage_bounds;  // StageBounds of the tag's stage split
-  ModelFormat format;
-  bool format_from_manifest = false;
-  bool has_optimizer = false;
-  bool one_group = false;       // one optimizer group (do_layer_norm_weight_decay)
-  bool master_weights = false;  // ZeRO-1 sharded_master_weights
-};
-
-// Pages of mapped files a copy touched, released once the copy is done.
-class Touched {
- public:
-  void Add(const MappedFile* f, const uint8_t* p, size_t n);
-  void Release();  // MappedFile::DropPages of every span touched
-  ~Touched() { Release(); }
-
- private:
-  struct Span {
-    const MappedFile* file;
-    const uint8_t *lo, *hi;
-  };
-  std::vector<Span> spans_;
-};
-
-class ShardedTag {
+class ShardedTag final : public LogicalState {
  public:
   // Throws ckpt::Error naming the file, key and problem for anything that is
   // not a complete, consistent tag.
   static std::unique_ptr<ShardedTag> Open(Env* env, const std::string& tag_dir, const FormatHints& hints = {});
 
-  const std::string& path() const { return dir_; }
-  const TagLayout& layout() const { return layout_; }
+  const std::string& path() const override { return dir_; }
+  const TagLayout& layout() const override { return layout_; }
   // The logical parameters, vocab padded as this tag pads it.
-  const std::vector<ParamRule>& params() const { return params_; }
-  bool Has(const std::string& name, StateField f) const { return index_.count({name, f}) > 0; }
-  DType dtype(const std::string& name, StateField f) const;
+  const std::vector<ParamRule>& params() const override { return params_; }
+  bool Has(const std::string& name, StateField f) const override { return index_.count({name, f}) > 0; }
+  DType dtype(const std::string& name, StateField f) const override;
   // Copies logical (row-major) elements [begin, begin + out.size() / element
   // size) of `name`'s `f` into `out`. Elements past what the tag holds (vocab
   // rows beyond its padding) read as zero. Thread-safe.
-  void Read(const std::string& name, StateField f, uint64_t begin, std::span<uint8_t> out, Touched* touched) const;
+  void Read(const std::string& name, StateField f, uint64_t begin, std::span<uint8_t> out, Touched* touched) const override;
   // The optimizer `step` entry of a logical parameter (as its first holder wrote it).
-  const Value& Step(const std::string& name) const;
+  const Value& Step(const std::string& name) const override;
   // `param_groups` of the first optimizer file: the hyperparameters.
-  const Value& ParamGroups() const { return param_groups_; }
-  // Model-file entries that are not parameters (rotary inv_freq buffers):
-  // whole on every rank, carried with their layer.
-  struct Buffer {
-    std::string name, after;  // `after`: the key it followed ("" at the front)
-    int layer;
-    Value value;
-  };
-  const std::vector<Buffer>& buffers() const { return buffers_; }
-  bool model_dict_ordered() const { return ordered_; }
+  const Value& ParamGroups() const override { return param_groups_; }
+  using Buffer = StateBuffer;
+  const std::vector<Buffer>& buffers() const override { return buffers_; }
+  bool model_dict_ordered() const override { return ordered_; }
   // Bytes of every rank file.
   uint64_t bytes() const { return bytes_; }
-  int64_t step() const { return step_; }
+  int64_t step() const override { return step_; }
   // The fingerprints the manifest records (ckpt/fingerprint.h), if any.
-  const std::optional<TensorFingerprints>& recorded_fingerprints() const { return recorded_; }
-  double consumed_samples() const { return consumed_; }
+  const std::optional<TensorFingerprints>& recorded_fingerprints() const override { return recorded_; }
+  double consumed_samples() const override { return consumed_; }
+  std::optional<Value> TagFile(const std::string& name) const override;
 
  private:
   struct Extent {
@@ -120,6 +78,7 @@ class ShardedTag {
     bool operator<(const Key& o) const { return name != o.name ? name < o.name : field < o.field; }
   };
 
+  Env* env_ = nullptr;
   std::string dir_;
   TagLayout layout_;
   std::vector<ParamRule> params_;

@@ -9,7 +9,7 @@
 
 namespace ckpt {
 
-CompareReport CompareTags(const ShardedTag& a, const ShardedTag& b, size_t chunk) {
+CompareReport CompareTags(const LogicalState& a, const LogicalState& b, size_t chunk) {
   CompareReport rep;
   const ModelFormat &fa = a.layout().format, &fb = b.layout().format;
   ModelFormat ua = fa, ub = fb;  // the padding rule is layout, not model

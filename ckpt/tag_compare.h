@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/sharded_tag.h"
+#include "ckpt/logical_state.h"
 
 namespace ckpt {
 
@@ -29,6 +29,6 @@ struct CompareReport {
   std::vector<TagDifference> differences;
 };
 
-CompareReport CompareTags(const ShardedTag& a, const ShardedTag& b, size_t chunk = 4 << 20);
+CompareReport CompareTags(const LogicalState& a, const LogicalState& b, size_t chunk = 4 << 20);
 
 }  // namespace ckpt

@@ -8,15 +8,10 @@
 
 #include "ckpt/env.h"
 #include "ckpt/error.h"
+#include "ckpt/hdf5_lock.h"
 
 namespace train {
 namespace {
-
-// The HDF5 library is not built thread-safe here: one lock for every call.
-std::mutex& H5Lock() {
-  static std::mutex mu;
-  return mu;
-}
 
 // Names of the datasets directly under the root group.
 herr_t CollectDatasets(hid_t group, const char* name, const H5L_info_t*, void* out) {
@@ -29,7 +24,7 @@ herr_t CollectDatasets(hid_t group, const char* name, const H5L_info_t*, void* o
 }  // namespace
 
 Hdf5Dataset::Hdf5Dataset(const std::string& path) : path_(path) {
-  std::lock_guard<std::mutex> l(H5Lock());
+  std::lock_guard<std::mutex> l(ckpt::Hdf5Lock());
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // errors come back as codes, reported by us
   if (::access(path.c_str(), R_OK) != 0) throw ckpt::Error(path + ": missing (data_prefix names an HDF5 file)");
   const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
@@ -60,14 +55,14 @@ Hdf5Dataset::Hdf5Dataset(const std::string& path) : path_(path) {
 }
 
 Hdf5Dataset::~Hdf5Dataset() {
-  std::lock_guard<std::mutex> l(H5Lock());
+  std::lock_guard<std::mutex> l(ckpt::Hdf5Lock());
   if (dataset_ >= 0) H5Dclose(dataset_);
   if (file_ >= 0) H5Fclose(file_);
 }
 
 void Hdf5Dataset::ReadTokens(int64_t pos, int64_t count, int32_t* out) const {
   if (pos < 0 || count < 0 || pos + count > total_) throw ckpt::Error(path_ + ": token range out of bounds");
-  std::lock_guard<std::mutex> l(H5Lock());
+  std::lock_guard<std::mutex> l(ckpt::Hdf5Lock());
   const hid_t file_space = H5Dget_space(dataset_);
   const hsize_t start[1] = {static_cast<hsize_t>(pos)}, n[1] = {static_cast<hsize_t>(count)};
   H5Sselect_hyperslab(file_space, H5S_SELECT_SET, start, nullptr, n, nullptr);
@@ -81,7 +76,7 @@ void Hdf5Dataset::ReadTokens(int64_t pos, int64_t count, int32_t* out) const {
 void Hdf5Dataset::Write(const std::string& path, const std::vector<int32_t>& tokens) {
   const std::string tmp = ckpt::TempPathFor(path);
   {
-    std::lock_guard<std::mutex> l(H5Lock());
+    std::lock_guard<std::mutex> l(ckpt::Hdf5Lock());
     const hid_t f = H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
     if (f < 0) throw ckpt::Error(path + ": cannot create HDF5 file");
     const hsize_t dims[1] = {tokens.size()};

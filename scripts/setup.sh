@@ -8,7 +8,7 @@ PACKAGES=(
   libhdf5-dev libzip-dev nlohmann-json3-dev libyaml-cpp-dev libtbb-dev
   libeigen3-dev libopenmpi-dev openmpi-bin libcli11-dev libxxhash-dev libdeflate-dev zlib1g-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-torch python3-numpy python3-omegaconf
+  python3 python3-torch python3-numpy python3-omegaconf python3-h5py
   libopenblas0-pthread  # the BLAS torch uses in benchmarks (Debian otherwise gives it reference BLAS)
 )
 

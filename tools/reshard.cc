@@ -46,7 +46,7 @@ uint64_t CurrentRss() {
 // One target tensor (or ZeRO-1 shard of one): the rows [row_lo, row_lo +
 // rows) of tp rank `runs`' local tensor of `rule`, copied from the source.
 struct TargetSlice {
-  const ckpt::ShardedTag* src;
+  const ckpt::LogicalState* src;
   std::string name;  // the logical parameter read
   StateField field;
   ckpt::SplitDim split;
@@ -112,7 +112,7 @@ struct PlannedFile {
 
 class Planner {
  public:
-  Planner(const ckpt::ShardedTag& src, ckpt::RankGrid to, std::vector<int64_t> bounds, size_t chunk, ckpt::FingerprintCollector* fp)
+  Planner(const ckpt::LogicalState& src, ckpt::RankGrid to, std::vector<int64_t> bounds, size_t chunk, ckpt::FingerprintCollector* fp)
       : src_(src), to_(to), bounds_(std::move(bounds)), chunk_(chunk), fp_(fp) {
     rules_ = ckpt::LogicalParameters(src.layout().format, to.tp);
     for (const auto& t : ckpt::LogicalTensors(src)) logical_numel_[t.name] = t.numel;
@@ -212,7 +212,7 @@ class Planner {
     return pf;
   }
 
-  const ckpt::ShardedTag& src_;
+  const ckpt::LogicalState& src_;
   ckpt::RankGrid to_;
   std::vector<int64_t> bounds_;
   size_t chunk_;
@@ -232,22 +232,31 @@ std::string StagesString(const std::vector<int64_t>& b) {
   return s;
 }
 
-// The tag SRC names: itself, or a checkpoint folder's newest complete tag.
-std::string SourceTag(const ReshardArgs& a, ckpt::Env* env, const LogFn& log) {
-  const std::string src = ckpt::WithoutTrailingSeparators(a.src);
+}  // namespace
+
+std::string ResolveSourceTag(const std::string& src_arg, bool verify, ckpt::Env* env, const LogFn& log, int rank) {
+  const std::string src = ckpt::WithoutTrailingSeparators(src_arg);
   if (!env->IsDirectory(src)) throw Error(src + ": no such folder");
+  std::string tag = src;
   if (env->IsDirectory(src + "/model")) {
     if (!env->Exists(src + "/" + ckpt::kDoneMarker))
-      throw Error(src + ": has no `done` marker, so its save never finished; refusing to reshard an incomplete tag");
-    return src;
+      throw Error(src + ": has no `done` marker, so its save never finished; refusing to read an incomplete tag");
+  } else {
+    const auto newest = ckpt::FindLatestCheckpoint(env, src, verify, log);
+    if (!newest) throw Error(src + ": is neither a checkpoint tag (no model/ folder) nor a folder holding a complete tag");
+    log("source: " + *newest + " (the newest complete tag in " + src + ")");
+    tag = *newest;
   }
-  const auto newest = ckpt::FindLatestCheckpoint(env, src, a.verify_source, log);
-  if (!newest) throw Error(src + ": is neither a checkpoint tag (no model/ folder) nor a folder holding a complete tag");
-  log("source: " + *newest + " (the newest complete tag in " + src + ")");
-  return *newest;
+  if (verify && rank == 0) {
+    const ckpt::TagReport rep = ckpt::VerifyTag(env, tag, {.checksums = true});
+    if (!rep.ok()) {
+      std::string what;
+      for (const auto& p : rep.problems) what += "\n  " + (p.file.empty() ? "" : p.file + ": ") + p.what;
+      throw Error(tag + ": fails verification, so it is not read (--no_verify skips this):" + what);
+    }
+  }
+  return tag;
 }
-
-}  // namespace
 
 uint64_t PeakRss() {
   // VmHWM, not getrusage's ru_maxrss: Linux carries the latter over from the
@@ -262,21 +271,19 @@ uint64_t PeakRss() {
 ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log) {
   const auto t0 = Clock::now();
   ReshardSummary sum;
-  sum.src_tag = SourceTag(a, env, log);
-  if (a.verify_source && a.rank == 0) {
-    const ckpt::TagReport rep = ckpt::VerifyTag(env, sum.src_tag, {.checksums = true});
-    if (!rep.ok()) {
-      std::string what;
-      for (const auto& p : rep.problems) what += "\n  " + (p.file.empty() ? "" : p.file + ": ") + p.what;
-      throw Error(sum.src_tag + ": fails verification, so it is not resharded (--no_verify skips this):" + what);
-    }
-  }
+  sum.src_tag = ResolveSourceTag(a.src, a.verify_source, env, log, a.rank);
   const auto src = ckpt::ShardedTag::Open(env, sum.src_tag, a.hints);
+  sum.bytes_read = src->bytes();
+  return WriteInLayout(*src, std::filesystem::path(sum.src_tag).filename().string(), a, env, log, t0, std::move(sum));
+}
+
+ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string& source_tag_name, const ReshardArgs& a, ckpt::Env* env,
+                             const LogFn& log, std::chrono::steady_clock::time_point t0, ReshardSummary sum) {
+  const ckpt::LogicalState* src = &source;
   const ckpt::TagLayout& L = src->layout();
   sum.format = L.format;
   sum.from = L.grid;
   sum.from_bounds = L.stage_bounds;
-  sum.bytes_read = src->bytes();
 
   ckpt::RankGrid to;
   to.tp = a.tp, to.pp = a.pp;
@@ -307,7 +314,7 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
     sum.dst_tag = ckpt::WithoutTrailingSeparators(a.dst);
   } else {
     ckpt::TagName tn;
-    const auto src_name = ckpt::ParseTagName(std::filesystem::path(sum.src_tag).filename().string());
+    const auto src_name = ckpt::ParseTagName(source_tag_name);
     tn.name = src_name ? src_name->name : "megatron";
     tn.step = src->step(), tn.consumed_samples = src->consumed_samples();
     sum.dst_tag = a.checkpoint_dir + "/" + ckpt::FormatTagName(tn);
@@ -330,7 +337,7 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
   Planner planner(*src, to, sum.to_bounds, sum.stream_chunk, &fingerprints);
   std::vector<PlannedFile> plan = planner.Plan();
   for (const char* f : {ckpt::kSchedulerFile, ckpt::kUserContentFile})
-    if (env->Exists(sum.src_tag + "/" + f)) plan.push_back({{f, ckpt::LoadPt(sum.src_tag + "/" + f, {}, env), {}}, 0, -1});
+    if (auto v = src->TagFile(f)) plan.push_back({{f, std::move(*v), {}}, 0, -1});
 
   if (a.rank == 0) {
     log("resharding " + sum.src_tag + ": " + GridString(L.grid) + ", stages " + StagesString(L.stage_bounds) + " -> " + GridString(to) +
@@ -349,34 +356,56 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
     return sum;
   }
 
-  const ckpt::StagedTag staged = ckpt::StageFor(sum.dst_tag, "reshard");
+  const ckpt::StagedTag staged = ckpt::StageFor(sum.dst_tag, a.tool);
   if (a.rank == 0) ckpt::PrepareTarget(env, staged, a.overwrite, log);
-  const std::string save_id = ckpt::BeginStaged(env, staged, a.rank, a.world_size, a.job_id, "reshard");
+  const std::string save_id = ckpt::BeginStaged(env, staged, a.rank, a.world_size, a.job_id, a.tool);
 
-  std::vector<ckpt::FileToWrite> mine;
-  std::vector<uint64_t> tensor_bytes;  // what the progress bar counts
-  std::stable_sort(plan.begin(), plan.end(), [](const auto& x, const auto& y) { return x.bytes > y.bytes; });  // big first: balance
-  for (auto& f : plan)
-    if (ckpt::WritesUnit(f.unit, a.rank, a.world_size)) mine.push_back(f.file), tensor_bytes.push_back(f.bytes);
-  sum.files = static_cast<int>(mine.size());
-  sum.bytes_written = ckpt::WriteRankFilesReporting(env, staged.staging, a.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0,
-                                                    [&] { return fingerprints.ToJson(); });
-  if (a.rank == 0) {
-    ckpt::CommitInfo ci;
-    ci.save_id = save_id;
-    ci.step = src->step();
-    ci.consumed_samples = src->consumed_samples();
-    ci.grid = to;
-    ci.world_size = a.world_size;
-    ci.model = L.format;
-    ci.complete_manifest = [&](const std::vector<ckpt::RankRecord>& records, ckpt::Manifest& m) {
-      ckpt::FingerprintCollector all;
-      for (size_t r = 0; r < records.size(); ++r)
-        all.MergeJson(records[r].extra, ckpt::RankRecordPath(staged.staging, static_cast<int>(r)));
-      m.tensors = all.Finish(ckpt::LogicalTensors(*src));
-    };
-    ckpt::CommitTag(env, staged.staging, ci);
-    ckpt::PublishStaged(env, staged);
+  auto write_and_commit = [&] {
+    std::vector<ckpt::FileToWrite> mine;
+    std::vector<uint64_t> tensor_bytes;  // what the progress bar counts
+    std::stable_sort(plan.begin(), plan.end(), [](const auto& x, const auto& y) { return x.bytes > y.bytes; });  // big first: balance
+    for (auto& f : plan)
+      if (ckpt::WritesUnit(f.unit, a.rank, a.world_size)) mine.push_back(f.file), tensor_bytes.push_back(f.bytes);
+    sum.files = static_cast<int>(mine.size());
+    sum.bytes_written = ckpt::WriteRankFilesReporting(env, staged.staging, a.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0,
+                                                      [&] { return fingerprints.ToJson(); });
+    if (a.rank == 0) {
+      ckpt::CommitInfo ci;
+      ci.save_id = save_id;
+      ci.step = src->step();
+      ci.consumed_samples = src->consumed_samples();
+      ci.grid = to;
+      ci.world_size = a.world_size;
+      ci.model = L.format;
+      ci.complete_manifest = [&](const std::vector<ckpt::RankRecord>& records, ckpt::Manifest& m) {
+        ckpt::FingerprintCollector all;
+        for (size_t r = 0; r < records.size(); ++r)
+          all.MergeJson(records[r].extra, ckpt::RankRecordPath(staged.staging, static_cast<int>(r)));
+        m.tensors = all.Finish(ckpt::LogicalTensors(*src));
+        // What the source says it holds is what was written: a source whose
+        // data no longer match its recorded fingerprints leaves no `done`.
+        if (const auto& want = src->recorded_fingerprints())
+          for (const auto& [name, fields] : *m.tensors)
+            for (const auto& [field, f] : fields) {
+              const auto n = want->find(name);
+              if (n == want->end() || !n->second.count(field)) continue;
+              if (!(n->second.at(field) == f))
+                throw Error(src->path() + ": " + name + " " + field + " reads with fingerprint " + ckpt::CrcHex(f.crc32) +
+                            ", but the source records " + ckpt::CrcHex(n->second.at(field).crc32) + ": its data changed since it was written");
+            }
+      };
+      ckpt::CommitTag(env, staged.staging, ci);
+      ckpt::PublishStaged(env, staged);
+    }
+  };
+  try {
+    write_and_commit();
+  } catch (const Error&) {
+    // A check that failed (a source that no longer matches its fingerprints,
+    // a full disk) leaves nothing behind; under mpirun other ranks may still
+    // be writing, and `done` is missing either way.
+    if (a.world_size == 1 && env->Exists(staged.staging)) ckpt::DeleteTag(env, staged.staging);
+    throw;
   }
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   sum.peak_rss = PeakRss();

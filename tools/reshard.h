@@ -16,6 +16,7 @@
 // that looks complete and the source is only ever read.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -42,6 +43,7 @@ struct ReshardArgs {
   int rank = 0, world_size = 1;
   std::string job_id;
   bool progress_bar = false;
+  std::string tool = "reshard";  // names the staging folder (.<dst>.<tool>-partial)
 };
 
 struct ReshardSummary {
@@ -62,6 +64,18 @@ using LogFn = std::function<void(const std::string&)>;
 
 // Throws ckpt::Error naming the file, key or degree for bad input.
 ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log);
+
+// What RunReshard does once its source is open, for any source (ckpt-import's
+// HDF5 state too): writes `src` as the tag a.dst (or in a.checkpoint_dir,
+// named after `source_tag_name`'s step) at a's degrees. `sum` arrives with
+// src_tag and bytes_read set. The output is checked against sum.src_tag.
+ReshardSummary WriteInLayout(const ckpt::LogicalState& src, const std::string& source_tag_name, const ReshardArgs& a, ckpt::Env* env,
+                             const LogFn& log, std::chrono::steady_clock::time_point t0, ReshardSummary sum);
+
+// The tag SRC names: itself (it must have `done`), or a checkpoint folder's
+// newest complete tag (announced through `log`). With `verify`, rank 0 checks
+// its files against its manifest first. Throws ckpt::Error naming the problem.
+std::string ResolveSourceTag(const std::string& src, bool verify, ckpt::Env* env, const LogFn& log, int rank = 0);
 
 // Peak resident memory of this process so far, in bytes.
 uint64_t PeakRss();

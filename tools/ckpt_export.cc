@@ -1,0 +1,124 @@
+// ckpt-export SRC OUT.h5 [--weights_only] [--dtype keep|float32]
+//             [--compression none|gzip] [--overwrite] [--no_verify] [--json]
+// writes a checkpoint tag (or a folder's newest complete tag) as one
+// layout-free HDF5 file (tools/h5_state.h), streaming: memory holds one
+// block. The file is written beside OUT under a temporary name, made durable
+// and only then renamed to OUT, so OUT is never a partial file; an existing
+// OUT is replaced only with --overwrite and only when it is an export.
+// Exit 0 on success, 2 for bad input, 1 for anything unexpected.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <filesystem>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/cli.h"
+#include "ckpt/error.h"
+#include "ckpt/output_guard.h"
+#include "ckpt/progress.h"
+#include "ckpt/sharded_tag.h"
+#include "tools/h5_state.h"
+#include "tools/reshard.h"
+
+namespace {
+
+void FsyncPath(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0 || ::fsync(fd) != 0) {
+    if (fd >= 0) ::close(fd);
+    throw ckpt::Error(path + ": fsync failed");
+  }
+  ::close(fd);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Write a checkpoint's whole state, layout-free, to one HDF5 file"};
+  std::string src, out, dtype = "keep", compression = "none";
+  bool weights_only = false, overwrite = false, no_verify = false, json = false;
+  int64_t heads = 0, kv_heads = 0, vocab = 0, divisible = 0;
+  app.add_option("src", src, "a checkpoint tag, or a checkpoint folder (its newest complete tag is taken)")->required();
+  app.add_option("out", out, "the .h5 file to write")->required();
+  app.add_flag("--weights_only", weights_only, "leave out the optimizer state, scheduler and user content");
+  app.add_option("--dtype", dtype, "keep: bfloat16 as uint16 bit patterns (dtype attribute); float32: widen 16-bit floats")
+      ->check(CLI::IsMember({"keep", "float32"}));
+  app.add_option("--compression", compression, "none, or gzip (with shuffle)")->check(CLI::IsMember({"none", "gzip"}));
+  app.add_flag("--overwrite", overwrite, "replace an existing export");
+  app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
+  app.add_flag("--json", json, "print the summary as JSON on stdout");
+  app.add_option("--heads", heads, "num_attention_heads, for a tag without a manifest (NxD's)")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--kv_heads", kv_heads, "num_kv_heads, when shapes cannot tell")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--vocab_size", vocab, "the unpadded vocabulary, for a tag without a manifest")->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  app.add_option("--make_vocab_size_divisible_by", divisible, "the vocabulary padding rule")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  SHARDKIT_PARSE(app, argc, argv);
+  auto log = [](const std::string& s) { std::cerr << s << std::endl; };
+  ckpt::Env* env = ckpt::Env::Default();
+  std::string partial;
+  try {
+    const auto t0 = std::chrono::steady_clock::now();
+    out = ckpt::WithoutTrailingSeparators(out);
+    const std::string tag = tools::ResolveSourceTag(src, !no_verify, env, log);
+    ckpt::CheckOutputs({{out, "OUT", false}}, {{tag, "SRC"}});
+    if (env->Exists(out)) {
+      if (!overwrite) throw ckpt::Error(out + ": exists; pass --overwrite to replace it (it is kept until the new file is complete)");
+      if (!tools::IsH5State(out)) throw ckpt::Error(out + ": --overwrite replaces only a ckpt-export file, and this is not one");
+    }
+    ckpt::FormatHints h;
+    if (heads) h.heads = heads;
+    if (kv_heads) h.kv_heads = kv_heads;
+    if (vocab) h.vocab_size = vocab;
+    if (divisible) h.make_vocab_size_divisible_by = divisible;
+    const auto state = ckpt::ShardedTag::Open(env, tag, h);
+
+    const std::filesystem::path p(out);
+    const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
+    partial = dir + "/." + p.filename().string() + ".ckpt-export-partial";
+    if (env->Exists(partial)) env->RemoveFile(partial);  // an interrupted earlier export's
+    tools::ExportOptions o;
+    o.weights_only = weights_only;
+    o.float32 = dtype == "float32";
+    o.gzip = compression == "gzip";
+    const bool bar = ::isatty(2) && !json;
+    int64_t last_logged = -1;
+    std::string last_tensor;
+    o.progress = [&](uint64_t done, uint64_t total, const std::string& tensor) {
+      if (bar) {
+        std::fprintf(stderr, "\r%s %s of %s", ckpt::ProgressBar(done, total).c_str(), ckpt::HumanBytes(done).c_str(), ckpt::HumanBytes(total).c_str());
+      } else if (tensor != last_tensor || done == total) {  // a line per tensor
+        const int64_t pct = total ? static_cast<int64_t>(100 * done / total) : 100;
+        if (!last_tensor.empty() && pct != last_logged) log("exported " + last_tensor + " [" + std::to_string(pct) + "%]");
+        last_logged = pct;
+      }
+      last_tensor = tensor;
+    };
+    const tools::ExportSummary s = tools::WriteH5State(*state, std::filesystem::path(tag).filename().string(), partial, o);
+    if (bar) std::fprintf(stderr, "\n");
+    FsyncPath(partial);
+    env->RenameFile(partial, out);
+    partial.clear();
+    env->SyncDir(dir);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const uint64_t size = env->FileSize(out);
+    if (json)
+      std::cout << nlohmann::ordered_json{{"source", tag},       {"output", out},  {"tensors", s.tensors}, {"tensor_bytes", s.bytes},
+                                          {"file_bytes", size},  {"seconds", secs}, {"peak_rss", tools::PeakRss()}}
+                       .dump(1)
+                << std::endl;
+    log("exported " + std::to_string(s.tensors) + " logical tensors (" + ckpt::HumanBytes(s.bytes) + ") of " + tag + " to " + out + " (" +
+        ckpt::HumanBytes(size) + ") in " + std::to_string(secs).substr(0, std::to_string(secs).find('.') + 3) + " s; peak memory " +
+        ckpt::HumanBytes(tools::PeakRss()));
+    return 0;
+  } catch (const ckpt::Error& e) {
+    if (!partial.empty() && env->Exists(partial)) env->RemoveFile(partial);
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    if (!partial.empty() && env->Exists(partial)) env->RemoveFile(partial);
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+}

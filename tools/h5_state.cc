@@ -1,0 +1,569 @@
+#include "tools/h5_state.h"
+
+#include <hdf5.h>
+
+#include <algorithm>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/crc32.h"
+#include "ckpt/dtype_cast.h"
+#include "ckpt/error.h"
+#include "ckpt/fingerprint.h"
+#include "ckpt/hdf5_lock.h"
+#include "ckpt/optimizer_groups.h"
+#include "ckpt/pickle_reader.h"
+#include "ckpt/pickle_writer.h"
+#include "ckpt/value_json.h"
+
+namespace tools {
+namespace {
+
+using ckpt::DType;
+using ckpt::Error;
+using ckpt::StateField;
+
+// An HDF5 handle closed when it goes out of scope.
+class Hid {
+ public:
+  Hid(hid_t id, herr_t (*close)(hid_t)) : id_(id), close_(close) {}
+  Hid(Hid&& o) noexcept : id_(o.id_), close_(o.close_) { o.id_ = -1; }
+  Hid(const Hid&) = delete;
+  Hid& operator=(const Hid&) = delete;
+  ~Hid() {
+    if (id_ >= 0) close_(id_);
+  }
+  operator hid_t() const { return id_; }
+  bool ok() const { return id_ >= 0; }
+
+ private:
+  hid_t id_;
+  herr_t (*close_)(hid_t);
+};
+
+void Check(herr_t status, const std::string& what) {
+  if (status < 0) throw Error(what);
+}
+
+Hid StringType() {
+  Hid t(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_size(t, H5T_VARIABLE);
+  H5Tset_cset(t, H5T_CSET_UTF8);
+  return t;
+}
+
+void SetString(hid_t obj, const char* name, const std::string& value, const std::string& where) {
+  const Hid type = StringType();
+  const Hid space(H5Screate(H5S_SCALAR), H5Sclose);
+  const Hid attr(H5Acreate2(obj, name, type, space, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  const char* p = value.c_str();
+  Check(attr.ok() ? H5Awrite(attr, type, &p) : -1, where + ": cannot write attribute " + name);
+}
+
+template <typename T>
+void SetNumber(hid_t obj, const char* name, T value, hid_t file_type, hid_t mem_type, const std::string& where) {
+  const Hid space(H5Screate(H5S_SCALAR), H5Sclose);
+  const Hid attr(H5Acreate2(obj, name, file_type, space, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  Check(attr.ok() ? H5Awrite(attr, mem_type, &value) : -1, where + ": cannot write attribute " + name);
+}
+void SetInt(hid_t obj, const char* name, int64_t v, const std::string& where) {
+  SetNumber(obj, name, v, H5T_STD_I64LE, H5T_NATIVE_INT64, where);
+}
+void SetDouble(hid_t obj, const char* name, double v, const std::string& where) {
+  SetNumber(obj, name, v, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, where);
+}
+
+std::string GetString(hid_t obj, const char* name, const std::string& where) {
+  if (H5Aexists(obj, name) <= 0) throw Error(where + ": has no attribute '" + name + "'");
+  const Hid attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  const Hid ftype(H5Aget_type(attr), H5Tclose);
+  if (H5Tget_class(ftype) != H5T_STRING || H5Tis_variable_str(ftype) <= 0)
+    throw Error(where + ": attribute '" + name + "' is not a string");
+  const Hid type = StringType();
+  char* p = nullptr;
+  Check(H5Aread(attr, type, &p), where + ": cannot read attribute '" + name + "'");
+  std::string out = p ? p : "";
+  H5free_memory(p);
+  return out;
+}
+
+template <typename T>
+T GetNumber(hid_t obj, const char* name, hid_t mem_type, const std::string& where) {
+  if (H5Aexists(obj, name) <= 0) throw Error(where + ": has no attribute '" + name + "'");
+  const Hid attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  const Hid space(H5Aget_space(attr), H5Sclose);
+  const Hid ftype(H5Aget_type(attr), H5Tclose);
+  const H5T_class_t cls = H5Tget_class(ftype);
+  if (H5Sget_simple_extent_npoints(space) != 1 || (cls != H5T_INTEGER && cls != H5T_FLOAT))
+    throw Error(where + ": attribute '" + name + "' is not a number");
+  T v{};
+  Check(H5Aread(attr, mem_type, &v), where + ": cannot read attribute '" + name + "'");
+  return v;
+}
+int64_t GetInt(hid_t obj, const char* name, const std::string& where) { return GetNumber<int64_t>(obj, name, H5T_NATIVE_INT64, where); }
+double GetDouble(hid_t obj, const char* name, const std::string& where) { return GetNumber<double>(obj, name, H5T_NATIVE_DOUBLE, where); }
+
+// An opaque byte string (a pickle) as a 1-D uint8 attribute.
+void SetBytes(hid_t obj, const char* name, const std::string& bytes, const std::string& where) {
+  const hsize_t n[1] = {std::max<hsize_t>(bytes.size(), 1)};
+  const Hid space(H5Screate_simple(1, n, nullptr), H5Sclose);
+  const Hid attr(H5Acreate2(obj, name, H5T_STD_U8LE, space, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  std::string data = bytes.empty() ? std::string(1, '\0') : bytes;
+  Check(attr.ok() ? H5Awrite(attr, H5T_NATIVE_UINT8, data.data()) : -1, where + ": cannot write attribute " + name);
+}
+
+std::string GetBytes(hid_t obj, const char* name, const std::string& where) {
+  if (H5Aexists(obj, name) <= 0) throw Error(where + ": has no attribute '" + name + "'");
+  const Hid attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  const Hid space(H5Aget_space(attr), H5Sclose);
+  const Hid ftype(H5Aget_type(attr), H5Tclose);
+  if (H5Tget_class(ftype) != H5T_INTEGER || H5Tget_size(ftype) != 1 || H5Sget_simple_extent_ndims(space) != 1)
+    throw Error(where + ": attribute '" + name + "' is not a byte string");
+  std::string out(static_cast<size_t>(H5Sget_simple_extent_npoints(space)), '\0');
+  Check(H5Aread(attr, H5T_NATIVE_UINT8, out.data()), where + ": cannot read attribute '" + name + "'");
+  return out;
+}
+
+nlohmann::json ParseJson(const std::string& text, const std::string& where) {
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded()) throw Error(where + ": is not valid JSON");
+  return j;
+}
+
+// The HDF5 type a tensor of `d` is stored as (16-bit floats as their bits).
+hid_t FileType(DType d, const std::string& where) {
+  switch (d) {
+    case DType::kFloat32: return H5T_IEEE_F32LE;
+    case DType::kFloat64: return H5T_IEEE_F64LE;
+    case DType::kBFloat16:
+    case DType::kFloat16: return H5T_STD_U16LE;
+    default: throw Error(where + ": a " + std::string(ckpt::DTypeName(d)) + " tensor, which the HDF5 export does not hold");
+  }
+}
+hid_t MemType(DType d) {
+  switch (d) {
+    case DType::kFloat32: return H5T_NATIVE_FLOAT;
+    case DType::kFloat64: return H5T_NATIVE_DOUBLE;
+    default: return H5T_NATIVE_UINT16;
+  }
+}
+
+// 16-bit floats as float32 (exact), and back (exact for values that came from them).
+void Widen(DType from, const uint8_t* in, size_t n, float* out) {
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(in);
+  if (from == DType::kBFloat16) {
+    for (size_t i = 0; i < n; ++i) out[i] = ckpt::BFloat16ToFloat(p[i]);
+  } else {
+    ckpt::Tensor src = ckpt::Tensor::Zeros(DType::kFloat16, {static_cast<int64_t>(n)});
+    std::memcpy(src.mutable_data(), in, n * 2);
+    const ckpt::Tensor f = ckpt::CastTensor(src, DType::kFloat32);
+    std::memcpy(out, f.data(), n * 4);
+  }
+}
+void Narrow(DType to, const float* in, size_t n, uint8_t* out) {
+  uint16_t* p = reinterpret_cast<uint16_t*>(out);
+  if (to == DType::kBFloat16) {
+    for (size_t i = 0; i < n; ++i) p[i] = ckpt::FloatToBFloat16(in[i]);
+  } else {
+    ckpt::Tensor src = ckpt::Tensor::Zeros(DType::kFloat32, {static_cast<int64_t>(n)});
+    std::memcpy(src.mutable_data(), in, n * 4);
+    const ckpt::Tensor h = ckpt::CastTensor(src, DType::kFloat16);
+    std::memcpy(out, h.data(), n * 2);
+  }
+}
+
+std::string DatasetPath(const std::string& name, StateField f) {
+  return f == StateField::kParam ? "/model/" + name : "/optim/" + name + "/" + ckpt::FieldName(f);
+}
+
+// Selects logical elements [begin, begin + n) of a [rows, width] dataset
+// (rank 1 when width is 1 and the dataset is 1-D) in row-major order.
+void SelectFlat(hid_t space, int rank, int64_t width, uint64_t begin, uint64_t n) {
+  if (rank == 1) {
+    const hsize_t start[1] = {begin}, count[1] = {n};
+    H5Sselect_hyperslab(space, H5S_SELECT_SET, start, nullptr, count, nullptr);
+    return;
+  }
+  const uint64_t w = static_cast<uint64_t>(width), end = begin + n;
+  bool first = true;
+  auto add = [&](uint64_t row, uint64_t col, uint64_t rows, uint64_t cols) {
+    if (!rows || !cols) return;
+    const hsize_t start[2] = {row, col}, count[2] = {rows, cols};
+    H5Sselect_hyperslab(space, first ? H5S_SELECT_SET : H5S_SELECT_OR, start, nullptr, count, nullptr);
+    first = false;
+  };
+  const uint64_t r0 = begin / w, c0 = begin % w, r1 = end / w, c1 = end % w;
+  if (r0 == r1) return add(r0, c0, 1, c1 - c0);
+  uint64_t full_from = r0;
+  if (c0) add(r0, c0, 1, w - c0), full_from = r0 + 1;
+  add(full_from, 0, r1 - full_from, w);
+  add(r1, 0, 1, c1);
+}
+
+}  // namespace
+
+ExportSummary WriteH5State(const ckpt::LogicalState& src, const std::string& tag_name, const std::string& path,
+                           const ExportOptions& o) {
+  std::lock_guard<std::mutex> lock(ckpt::Hdf5Lock());
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  const ckpt::TagLayout& L = src.layout();
+  const ckpt::ModelFormat& format = L.format;
+  const bool optimizer = L.has_optimizer && !o.weights_only;
+
+  const Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  H5Pset_libver_bounds(fapl, H5F_LIBVER_V18, H5F_LIBVER_LATEST);  // attributes past 64 KiB (dense storage)
+  const Hid file(H5Fcreate(path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl), H5Fclose);
+  if (!file.ok()) throw Error(path + ": cannot create the HDF5 file");
+  const Hid lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
+  H5Pset_create_intermediate_group(lcpl, 1);
+
+  // Root attributes.
+  SetString(file, "format", kH5Format, path);
+  SetInt(file, "version", kH5Version, path);
+  SetString(file, "model", format.ToJson().dump(), path);
+  nlohmann::ordered_json sl = {{"tp", L.grid.tp},           {"pp", L.grid.pp},
+                               {"dp", L.grid.dp},           {"zero1", L.grid.zero1},
+                               {"stage_bounds", L.stage_bounds}, {"has_optimizer", optimizer},
+                               {"one_group", L.one_group},  {"master_weights", optimizer && L.master_weights}};
+  SetString(file, "source_layout", sl.dump(), path);
+  SetString(file, "source", src.path(), path);
+  SetString(file, "tag_name", tag_name, path);
+  SetInt(file, "step", src.step(), path);
+  SetDouble(file, "consumed_samples", src.consumed_samples(), path);
+  SetInt(file, "model_dict_ordered", src.model_dict_ordered(), path);
+  const ckpt::JsonOptions exact{.tensor_bytes = true};
+  nlohmann::ordered_json buffers = nlohmann::ordered_json::array();
+  for (const auto& b : src.buffers())
+    buffers.push_back({{"name", b.name}, {"after", b.after}, {"layer", b.layer}, {"value", ckpt::ValueToJson(b.value, exact)}});
+  SetString(file, "buffers", buffers.dump(), path);
+  for (const char* f : {ckpt::kSchedulerFile, ckpt::kUserContentFile})
+    if (auto v = src.TagFile(f); v && !o.weights_only) SetString(file, f, ckpt::ValueToJson(*v, exact).dump(), path);
+  std::vector<std::string> names;
+  for (const auto& p : src.params()) names.push_back(p.name);
+  const ckpt::Grouping grouping = ckpt::NxdtGrouping(names, L.one_group);
+  if (optimizer) {
+    // As a pickle, which keeps what the groups share (torch's groups share
+    // their defaults' objects, and the file shows it): an import writes it
+    // back byte for byte.
+    std::vector<ckpt::PickledStorage> storages;
+    const std::string groups_pickle = ckpt::Pickle(src.ParamGroups(), {}, &storages);
+    if (!storages.empty()) throw Error(src.path() + ": param_groups hold tensors, which the export does not carry");
+    SetBytes(file, "param_groups", groups_pickle, path);
+    // For readers: each group's hyperparameters (the first optimizer file's)
+    // and its members by name.
+    nlohmann::ordered_json readable = nlohmann::ordered_json::array();
+    const auto& groups = src.ParamGroups().as_seq().items;
+    for (int g = 0; g < grouping.groups; ++g) {
+      nlohmann::ordered_json entry = nlohmann::ordered_json::object();
+      if (static_cast<size_t>(g) < groups.size() && groups[g].is_dict())
+        for (const auto& [k, v] : groups[g].as_dict().items)
+          if (k.is_str() && k.as_str() != "params") {
+            if (v.is_float()) entry[k.as_str()] = v.as_float();
+            else if (v.is_int()) entry[k.as_str()] = v.as_int();
+            else if (v.is_bool()) entry[k.as_str()] = v.as_bool();
+            else if (v.is_seq()) {
+              nlohmann::ordered_json a = nlohmann::ordered_json::array();
+              for (const auto& x : v.as_seq().items) a.push_back(x.is_float() ? nlohmann::ordered_json(x.as_float()) : nlohmann::ordered_json(x.is_int() ? x.as_int() : 0));
+              entry[k.as_str()] = a;
+            }
+          }
+      entry["params"] = nlohmann::ordered_json::array();
+      for (const auto& slot : grouping.order)
+        if (slot.group == g) entry["params"].push_back(slot.name);
+      readable.push_back(entry);
+    }
+    SetString(file, "param_groups_readable", readable.dump(), path);
+  }
+
+  // Tensors, a block at a time.
+  std::vector<ckpt::LogicalTensor> tensors;
+  for (const auto& t : ckpt::LogicalTensors(src))
+    if (t.field == StateField::kParam || optimizer) tensors.push_back(t);
+  uint64_t total = 0, done = 0;
+  for (const auto& t : tensors) total += t.numel * ckpt::ElementSize(t.dtype);
+  std::map<std::string, const ckpt::ParamRule*> rule_of;
+  for (const auto& p : src.params()) rule_of[p.name] = &p;
+  const int64_t padded_rows = format.PaddedVocab(L.grid.tp);
+  std::vector<uint8_t> block(o.block);
+  std::vector<float> wide;
+  ExportSummary sum;
+  for (const auto& t : tensors) {
+    const ckpt::ParamRule& rule = *rule_of.at(t.name);
+    const std::string where = path + ": " + DatasetPath(t.name, t.field);
+    const size_t es = ckpt::ElementSize(t.dtype);
+    const bool widen = o.float32 && (t.dtype == DType::kBFloat16 || t.dtype == DType::kFloat16);
+    const DType stored = widen ? DType::kFloat32 : t.dtype;
+    const size_t ses = ckpt::ElementSize(stored);
+    const int rank = static_cast<int>(rule.shape.size());
+    if (rank < 1 || rank > 2) throw Error(where + ": a " + std::to_string(rank) + "-dimensional parameter, which the export does not hold");
+    const int64_t width = rank == 2 ? rule.shape[1] : 1;
+    // Writes logical rows [row_lo, row_hi) (of `rule`'s padded shape) to dataset `dpath`.
+    auto write_rows = [&](const std::string& dpath, int64_t row_lo, int64_t row_hi, uint32_t* crc) -> void {
+      const int64_t rows = row_hi - row_lo;
+      const hsize_t dims[2] = {static_cast<hsize_t>(rows), static_cast<hsize_t>(width)};
+      const Hid space(H5Screate_simple(rank, dims, nullptr), H5Sclose);
+      const Hid dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+      const int64_t row_bytes = width * static_cast<int64_t>(ses);
+      const hsize_t chunk[2] = {static_cast<hsize_t>(std::clamp<int64_t>((int64_t{1} << 20) / row_bytes, 1, rows)),
+                                static_cast<hsize_t>(width)};
+      if (rank == 1) {
+        const hsize_t c1[1] = {static_cast<hsize_t>(std::clamp<int64_t>((int64_t{1} << 20) / static_cast<int64_t>(ses), 1, rows))};
+        H5Pset_chunk(dcpl, 1, c1);
+      } else {
+        H5Pset_chunk(dcpl, 2, chunk);
+      }
+      if (o.gzip) H5Pset_shuffle(dcpl), H5Pset_deflate(dcpl, 4);
+      const Hid ds(H5Dcreate2(file, dpath.c_str(), FileType(stored, where), space, lcpl, dcpl, H5P_DEFAULT), H5Dclose);
+      if (!ds.ok()) throw Error(path + ": cannot create dataset " + dpath);
+      SetString(ds, "dtype", std::string(ckpt::DTypeName(stored)), where);
+      if (widen) SetString(ds, "source_dtype", std::string(ckpt::DTypeName(t.dtype)), where);
+      const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(o.block / (width * std::max(es, ses))));
+      if (widen) wide.resize(static_cast<size_t>(per * width));
+      if (block.size() < static_cast<size_t>(per * width) * es) block.resize(static_cast<size_t>(per * width) * es);  // one row past the block
+      for (int64_t r = 0; r < rows; r += per) {
+        const int64_t nr = std::min(per, rows - r);
+        const uint64_t n = static_cast<uint64_t>(nr * width);
+        ckpt::Touched touched;
+        src.Read(t.name, t.field, static_cast<uint64_t>((row_lo + r) * width), {block.data(), n * es}, &touched);
+        if (crc) *crc = ckpt::Crc32Combine(*crc, ckpt::Crc32({block.data(), n * es}), n * es);
+        const void* data = block.data();
+        if (widen) {
+          Widen(t.dtype, block.data(), n, wide.data());
+          data = wide.data();
+        }
+        const Hid fspace(H5Dget_space(ds), H5Sclose);
+        SelectFlat(fspace, rank, width, static_cast<uint64_t>(r * width), n);
+        const hsize_t mdims[1] = {n};
+        const Hid mspace(H5Screate_simple(1, mdims, nullptr), H5Sclose);
+        Check(H5Dwrite(ds, MemType(stored), mspace, fspace, H5P_DEFAULT, data), where + ": write failed");
+        done += n * es;
+        if (o.progress) o.progress(done, total, t.name);
+      }
+    };
+    uint32_t crc = 0;
+    const int64_t logical_rows = static_cast<int64_t>(t.numel / static_cast<uint64_t>(width));
+    write_rows(DatasetPath(t.name, t.field), 0, logical_rows, &crc);
+    {
+      const Hid ds(H5Dopen2(file, DatasetPath(t.name, t.field).c_str(), H5P_DEFAULT), H5Dclose);
+      SetString(ds, "crc32", ckpt::CrcHex(crc), where);
+      SetInt(ds, "numel", static_cast<int64_t>(t.numel), where);
+    }
+    if (rule.vocab && padded_rows > logical_rows) {
+      total += static_cast<uint64_t>((padded_rows - logical_rows) * width) * es;
+      write_rows("/vocab_padding" + DatasetPath(t.name, t.field), logical_rows, padded_rows, nullptr);
+    }
+    // A source that records fingerprints must still hold what it recorded.
+    if (const auto& rec = src.recorded_fingerprints())
+      if (const auto n = rec->find(t.name); n != rec->end())
+        if (const auto f = n->second.find(ckpt::FieldName(t.field)); f != n->second.end() && f->second.crc32 != crc)
+          throw Error(src.path() + ": " + t.name + " " + ckpt::FieldName(t.field) + " reads with fingerprint " + ckpt::CrcHex(crc) +
+                      ", but its manifest records " + ckpt::CrcHex(f->second.crc32) + ": its data changed since it was written");
+    ++sum.tensors;
+    sum.bytes += t.numel * es;
+  }
+  if (optimizer)
+    for (const auto& slot : grouping.order) {
+      const Hid g(H5Gopen2(file, ("/optim/" + slot.name).c_str(), H5P_DEFAULT), H5Gclose);
+      if (!g.ok()) continue;
+      SetString(g, "step", ckpt::ValueToJson(src.Step(slot.name), exact).dump(), path);
+      SetInt(g, "group", slot.group, path);
+    }
+  Check(H5Fflush(file, H5F_SCOPE_GLOBAL), path + ": flush failed");
+  return sum;
+}
+
+bool IsH5State(const std::string& path) {
+  std::lock_guard<std::mutex> lock(ckpt::Hdf5Lock());
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  if (H5Fis_hdf5(path.c_str()) <= 0) return false;
+  const Hid file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  if (!file.ok()) return false;
+  try {
+    return GetString(file, "format", path) == kH5Format;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+std::unique_ptr<H5State> H5State::Open(const std::string& path) {
+  std::unique_ptr<H5State> s(new H5State());  // before the lock: on a throw its destructor takes it
+  std::lock_guard<std::mutex> lock(ckpt::Hdf5Lock());
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  s->path_ = path;
+  if (H5Fis_hdf5(path.c_str()) <= 0) throw Error(path + ": is not an HDF5 file (or cannot be read)");
+  s->file_ = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  if (s->file_ < 0) throw Error(path + ": cannot open the HDF5 file");
+  const hid_t file = s->file_;
+  if (H5Aexists(file, "format") <= 0 || GetString(file, "format", path) != kH5Format)
+    throw Error(path + ": is not a shardkit full-state export (no format attribute '" + kH5Format + "')");
+  if (const int64_t v = GetInt(file, "version", path); v != kH5Version)
+    throw Error(path + ": format version " + std::to_string(v) + ", this build reads " + std::to_string(kH5Version));
+  ckpt::TagLayout& L = s->layout_;
+  L.format = ckpt::ModelFormat::FromJson(ParseJson(GetString(file, "model", path), path + ": attribute 'model'"), path + ": attribute 'model'");
+  L.format_from_manifest = true;
+  try {
+    const nlohmann::json sl = ParseJson(GetString(file, "source_layout", path), path + ": attribute 'source_layout'");
+    L.grid = {sl.at("tp").get<int>(), sl.at("pp").get<int>(), sl.at("dp").get<int>(), sl.at("zero1").get<bool>()};
+    L.stage_bounds = sl.at("stage_bounds").get<std::vector<int64_t>>();
+    L.has_optimizer = sl.at("has_optimizer").get<bool>();
+    L.one_group = sl.at("one_group").get<bool>();
+    L.master_weights = sl.at("master_weights").get<bool>();
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(path + ": attribute 'source_layout' is malformed: " + e.what());
+  }
+  if (L.grid.tp < 1 || L.grid.pp < 1 || L.grid.dp < 1 || L.grid.tp > ckpt::kMaxRanks)
+    throw Error(path + ": attribute 'source_layout' holds degrees below 1 or too large");
+  if (const std::string why = L.format.CheckTensorParallel(L.grid.tp); !why.empty())
+    throw Error(path + ": attribute 'source_layout': tp " + std::to_string(L.grid.tp) + ": " + why);
+  s->tag_name_ = GetString(file, "tag_name", path);
+  s->step_ = GetInt(file, "step", path);
+  s->consumed_ = GetDouble(file, "consumed_samples", path);
+  s->ordered_ = GetInt(file, "model_dict_ordered", path) != 0;
+  auto exact = [&](const std::string& text, const std::string& where) {
+    try {
+      return ckpt::ValueFromJson(ParseJson(text, where));
+    } catch (const Error& e) {
+      throw Error(where + ": " + e.what());
+    }
+  };
+  try {
+    for (const auto& b : ParseJson(GetString(file, "buffers", path), path + ": attribute 'buffers'"))
+      s->buffers_.push_back({b.at("name").get<std::string>(), b.at("after").get<std::string>(), b.at("layer").get<int>(),
+                             exact(b.at("value").dump(), path + ": attribute 'buffers'")});
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(path + ": attribute 'buffers' is malformed: " + e.what());
+  }
+  for (const char* f : {ckpt::kSchedulerFile, ckpt::kUserContentFile})
+    if (H5Aexists(file, f) > 0) s->tag_files_[f] = exact(GetString(file, f, path), path + ": attribute '" + f + "'");
+  if (L.has_optimizer) {
+    const std::string bytes = GetBytes(file, "param_groups", path);
+    s->param_groups_ = ckpt::Unpickle({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()},
+                                      {path, "attribute 'param_groups'", [&](const ckpt::Value&) -> ckpt::Value {
+                                         throw Error(path + ": attribute 'param_groups' refers to a tensor");
+                                       }});
+  }
+  if (L.has_optimizer && !s->param_groups_.is_seq()) throw Error(path + ": attribute 'param_groups' is not a list");
+
+  // Every tensor the model format has, each of the shape the rules give it.
+  s->params_ = ckpt::LogicalParameters(L.format, L.grid.tp);
+  const int64_t padded = L.format.PaddedVocab(L.grid.tp);
+  std::vector<StateField> fields{StateField::kParam};
+  if (L.has_optimizer) fields.insert(fields.end(), {StateField::kExpAvg, StateField::kExpAvgSq});
+  if (L.has_optimizer && L.master_weights) fields.push_back(StateField::kMaster);
+  s->fingerprints_.emplace();
+  for (const auto& p : s->params_) {
+    for (StateField f : fields) {
+      const std::string dpath = DatasetPath(p.name, f), where = path + ": " + dpath;
+      if (H5Oexists_by_name(file, dpath.c_str(), H5P_DEFAULT) <= 0)  // negative when a group on the way is missing
+        throw Error(where + ": missing (the model format " + L.format.Describe() + " has this tensor)");
+      Tensor t;
+      t.dataset = H5Dopen2(file, dpath.c_str(), H5P_DEFAULT);
+      if (t.dataset < 0) throw Error(where + ": is not a dataset");
+      const std::string stored = GetString(t.dataset, "dtype", where);
+      const auto sd = ckpt::DTypeFromName(stored);
+      if (!sd) throw Error(where + ": unknown dtype '" + stored + "'");
+      t.stored = *sd;
+      t.dtype = H5Aexists(t.dataset, "source_dtype") > 0 ? ckpt::DTypeFromName(GetString(t.dataset, "source_dtype", where)).value_or(DType::kBool)
+                                                          : t.stored;
+      if (t.dtype == DType::kBool || (t.dtype != t.stored && t.stored != DType::kFloat32)) throw Error(where + ": unknown source_dtype");
+      const Hid ftype(H5Dget_type(t.dataset), H5Tclose);
+      if (H5Tequal(ftype, FileType(t.stored, where)) <= 0)
+        throw Error(where + ": its HDF5 type does not hold " + stored + " (dtype attribute and data disagree)");
+      t.width = p.shape.size() > 1 ? p.shape[1] : 1;
+      t.rows = p.vocab ? L.format.vocab_size : p.shape[0];
+      const Hid space(H5Dget_space(t.dataset), H5Sclose);
+      const int rank = H5Sget_simple_extent_ndims(space);
+      hsize_t dims[2] = {0, 0};
+      if (rank == static_cast<int>(p.shape.size())) H5Sget_simple_extent_dims(space, dims, nullptr);
+      if (rank != static_cast<int>(p.shape.size()) || static_cast<int64_t>(dims[0]) != t.rows ||
+          (rank == 2 && static_cast<int64_t>(dims[1]) != t.width))
+        throw Error(where + ": its shape does not fit the model format (" + std::to_string(t.rows) +
+                    (rank == 2 ? " x " + std::to_string(t.width) : std::string()) + " expected)");
+      const uint64_t numel = static_cast<uint64_t>(t.rows * t.width);
+      if (GetInt(t.dataset, "numel", where) != static_cast<int64_t>(numel)) throw Error(where + ": attribute 'numel' disagrees with its shape");
+      const std::string crc = GetString(t.dataset, "crc32", where);
+      const ckpt::FileDigest d = ckpt::DigestFromJson({{"size", 0}, {"crc32", crc}}, where);
+      (*s->fingerprints_)[p.name][ckpt::FieldName(f)] = {std::string(ckpt::DTypeName(t.dtype)), numel, d.crc32};
+      const std::string ppath = "/vocab_padding" + dpath;
+      if (p.vocab && padded > t.rows && H5Lexists(file, "/vocab_padding", H5P_DEFAULT) > 0 &&
+          H5Oexists_by_name(file, ppath.c_str(), H5P_DEFAULT) > 0) {
+        t.padding = H5Dopen2(file, ppath.c_str(), H5P_DEFAULT);
+        const Hid ps(H5Dget_space(t.padding), H5Sclose);
+        hsize_t pd[2] = {0, 0};
+        if (H5Sget_simple_extent_ndims(ps) != rank) throw Error(path + ": " + ppath + ": its shape does not fit " + dpath);
+        H5Sget_simple_extent_dims(ps, pd, nullptr);
+        t.padding_rows = static_cast<int64_t>(pd[0]);
+        if (t.rows + t.padding_rows != padded || (rank == 2 && static_cast<int64_t>(pd[1]) != t.width))
+          throw Error(path + ": " + ppath + ": holds " + std::to_string(t.padding_rows) + " rows, the source padded to " + std::to_string(padded));
+      }
+      s->tensors_[{p.name, f}] = t;
+    }
+    if (L.has_optimizer) {
+      const std::string g = "/optim/" + p.name;
+      const Hid grp(H5Gopen2(file, g.c_str(), H5P_DEFAULT), H5Gclose);
+      if (!grp.ok()) throw Error(path + ": " + g + ": missing");
+      s->steps_[p.name] = exact(GetString(grp, "step", path + ": " + g), path + ": " + g + " attribute 'step'");
+    }
+  }
+  return s;
+}
+
+H5State::~H5State() {
+  std::lock_guard<std::mutex> lock(ckpt::Hdf5Lock());
+  for (auto& [k, t] : tensors_) {
+    if (t.dataset >= 0) H5Dclose(t.dataset);
+    if (t.padding >= 0) H5Dclose(t.padding);
+  }
+  if (file_ >= 0) H5Fclose(file_);
+}
+
+ckpt::DType H5State::dtype(const std::string& name, StateField f) const { return tensors_.at({name, f}).dtype; }
+
+const ckpt::Value& H5State::Step(const std::string& name) const {
+  const auto it = steps_.find(name);
+  if (it == steps_.end()) throw Error(path_ + ": holds no optimizer step of " + name);
+  return it->second;
+}
+
+std::optional<ckpt::Value> H5State::TagFile(const std::string& name) const {
+  const auto it = tag_files_.find(name);
+  if (it == tag_files_.end()) return std::nullopt;
+  return it->second;
+}
+
+void H5State::ReadRows(const Tensor& t, int64_t dataset, uint64_t begin, uint64_t n, uint8_t* out) const {
+  const Hid fspace(H5Dget_space(dataset), H5Sclose);
+  const int rank = H5Sget_simple_extent_ndims(fspace);
+  SelectFlat(fspace, rank, t.width, begin, n);
+  const hsize_t mdims[1] = {n};
+  const Hid mspace(H5Screate_simple(1, mdims, nullptr), H5Sclose);
+  if (t.stored == t.dtype) {
+    Check(H5Dread(dataset, MemType(t.stored), mspace, fspace, H5P_DEFAULT, out), path_ + ": reading failed");
+    return;
+  }
+  std::vector<float> wide(n);
+  Check(H5Dread(dataset, H5T_NATIVE_FLOAT, mspace, fspace, H5P_DEFAULT, wide.data()), path_ + ": reading failed");
+  Narrow(t.dtype, wide.data(), n, out);
+}
+
+void H5State::Read(const std::string& name, StateField f, uint64_t begin, std::span<uint8_t> out, ckpt::Touched*) const {
+  const Tensor& t = tensors_.at({name, f});
+  const size_t es = ckpt::ElementSize(t.dtype);
+  const uint64_t n = out.size() / es, main = static_cast<uint64_t>(t.rows * t.width),
+                 pad = static_cast<uint64_t>(t.padding_rows * t.width);
+  std::lock_guard<std::mutex> lock(ckpt::Hdf5Lock());
+  uint64_t at = begin, o = 0;
+  if (at < main) {
+    const uint64_t k = std::min(n, main - at);
+    ReadRows(t, t.dataset, at, k, out.data());
+    at += k, o += k;
+  }
+  if (o < n && at < main + pad) {
+    const uint64_t k = std::min(n - o, main + pad - at);
+    ReadRows(t, t.padding, at - main, k, out.data() + o * es);
+    at += k, o += k;
+  }
+  if (o < n) std::memset(out.data() + o * es, 0, (n - o) * es);
+}
+
+}  // namespace tools

@@ -1,0 +1,161 @@
+// The command line of the tools that write a checkpoint in a chosen layout:
+//   ckpt-reshard SRC DST --tp N --pp M [--dp K] [--zero1|--no-zero1] ...:
+//     re-lays a checkpoint tag for other parallel degrees, optimizer state
+//     included, streaming in bounded memory (tools/reshard.h);
+//   ckpt-import IN.h5 DST --tp N --pp M ...: the same from a ckpt-export
+//     file (tools/h5_state.h); its output equals ckpt-reshard's.
+// Exit 0 on success, 2 for bad input or a failed check (the message names
+// the file, key or degree), 1 for anything unexpected.
+#include <tbb/global_control.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdlib>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "ckpt/cli.h"
+#include "ckpt/error.h"
+#include "ckpt/progress.h"
+#include "tools/h5_state.h"
+#include "tools/layout_cli.h"
+#include "tools/reshard.h"
+
+namespace {
+
+// "512M", "2G", "300000000": bytes.
+uint64_t ParseSize(const std::string& s) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (const std::exception&) {
+    throw ckpt::Error("--memory_budget '" + s + "' is not a size (e.g. 512M, 2G)");
+  }
+  std::string unit = s.substr(used);
+  double mult = 1;
+  if (unit == "K" || unit == "KiB" || unit == "k") mult = 1024.0;
+  else if (unit == "M" || unit == "MiB") mult = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GiB") mult = 1024.0 * 1024 * 1024;
+  else if (!unit.empty()) throw ckpt::Error("--memory_budget '" + s + "': unknown unit '" + unit + "' (K, M, G)");
+  if (!(v > 0) || v * mult > 1e18) throw ckpt::Error("--memory_budget '" + s + "' is not a positive size");
+  return static_cast<uint64_t>(v * mult);
+}
+
+nlohmann::ordered_json GridJson(const ckpt::RankGrid& g, const std::vector<int64_t>& bounds) {
+  return {{"tp", g.tp}, {"pp", g.pp}, {"dp", g.dp}, {"zero1", g.zero1}, {"pipeline_cuts", ckpt::CutsOf(bounds)}};
+}
+
+}  // namespace
+
+namespace tools {
+
+ReshardSummary RunImport(const ReshardArgs& args, ckpt::Env* env, const LogFn& log) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ReshardArgs a = args;
+  a.tool = "import";
+  ReshardSummary sum;
+  sum.src_tag = a.src;
+  if (!env->Exists(a.src) || env->IsDirectory(a.src)) throw ckpt::Error(a.src + ": no such file (IN is a ckpt-export .h5 file)");
+  const auto src = H5State::Open(a.src);
+  sum.bytes_read = env->FileSize(a.src);
+  return WriteInLayout(*src, src->tag_name(), a, env, log, t0, std::move(sum));
+}
+
+int LayoutMain(int argc, char** argv, LayoutSource source) {
+  const bool h5 = source == LayoutSource::kExport;
+  CLI::App app{h5 ? "Write a ckpt-export HDF5 file as a checkpoint tag in any tensor, pipeline and data parallel layout"
+                  : "Re-lay a checkpoint for other tensor, pipeline and data parallel degrees, optimizer state included"};
+  tools::ReshardArgs a;
+  int dp = 0;
+  bool zero1 = false, no_zero1 = false, json = false, no_verify = false;
+  std::string budget = "512M", cuts;
+  int64_t heads = 0, kv_heads = 0, vocab = 0, divisible = 0;
+  a.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  app.add_option("src", a.src, h5 ? "a file ckpt-export wrote" : "a checkpoint tag, or a checkpoint folder (its newest complete tag is taken)")->required();
+  app.add_option("dst", a.dst, "the new tag folder");
+  app.add_option("--checkpoint_dir", a.checkpoint_dir, "instead of DST: create the tag here, named as the trainer names it, for auto-resume");
+  app.add_option("--tp", a.tp, "target tensor-parallel degree")->required()->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
+  app.add_option("--pp", a.pp, "target pipeline-parallel degree")->required()->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
+  app.add_option("--dp", dp, "target data-parallel degree (default: the source's)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
+  app.add_flag("--zero1", zero1, "write ZeRO-1 optimizer files, one per dp rank");
+  app.add_flag("--no-zero1", no_zero1, "write one plain optimizer file per stage");
+  app.add_option("--pipeline_cuts", cuts, "first layer of stages 1..pp-1 (default: NxD's even split, remainder last)");
+  app.add_option("--memory_budget", budget, "peak memory to stay within (default 512M)");
+  app.add_option("--threads", a.threads, "files written at once (default: every core)")->check(CLI::Range(1, 1024));
+  app.add_flag("--dry_run", a.dry_run, "print the plan and write nothing");
+  app.add_flag("--overwrite", a.overwrite, "replace an existing target tag (kept until the new one is complete)");
+  app.add_flag("--json", json, "print the summary as JSON on stdout");
+  if (!h5) {  // an export records its model format and fingerprints
+    app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
+    app.add_option("--heads", heads, "num_attention_heads, for a tag without a manifest (NxD's)")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+    app.add_option("--kv_heads", kv_heads, "num_kv_heads, when shapes cannot tell")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+    app.add_option("--vocab_size", vocab, "the unpadded vocabulary, for a tag without a manifest")->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+    app.add_option("--make_vocab_size_divisible_by", divisible, "the vocabulary padding rule")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  }
+  SHARDKIT_PARSE(app, argc, argv);
+  if (zero1 && no_zero1) {
+    std::cerr << "error: --zero1 and --no-zero1 exclude each other\n";
+    return 2;
+  }
+  if (zero1 || no_zero1) a.zero1 = zero1;
+  if (dp) a.dp = dp;
+  if (heads) a.hints.heads = heads;
+  if (kv_heads) a.hints.kv_heads = kv_heads;
+  if (vocab) a.hints.vocab_size = vocab;
+  if (divisible) a.hints.make_vocab_size_divisible_by = divisible;
+  a.verify_source = !no_verify;
+  const ckpt::MpiLaunch mpi = ckpt::ReadMpiLaunch();  // under mpirun the ranks split the files
+  a.rank = mpi.rank, a.world_size = mpi.world_size, a.job_id = mpi.job_id;
+  a.progress_bar = ::isatty(2) && a.rank == 0 && !json;
+  auto log = [](const std::string& s) { std::cerr << s << std::endl; };
+  try {
+    a.memory_budget = ParseSize(budget);
+    for (size_t at = 0; !cuts.empty() && at <= cuts.size();) {
+      const size_t comma = std::min(cuts.find(',', at), cuts.size());
+      const std::string item = cuts.substr(at, comma - at);
+      if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos || item.size() > 9)
+        throw ckpt::Error("--pipeline_cuts '" + cuts + "': '" + item + "' is not a layer number");
+      a.pipeline_cuts.push_back(std::stoll(item));
+      at = comma + 1;
+    }
+    tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(a.threads));
+    const tools::ReshardSummary s = h5 ? RunImport(a, ckpt::Env::Default(), log) : tools::RunReshard(a, ckpt::Env::Default(), log);
+    const double rate = static_cast<double>(s.bytes_written) / std::max(s.seconds, 1e-9);
+    if (json && a.rank == 0) {
+      nlohmann::ordered_json j = {{"source", s.src_tag},
+                                  {"target", s.dst_tag},
+                                  {"dry_run", a.dry_run},
+                                  {"from", GridJson(s.from, s.from_bounds)},
+                                  {"to", GridJson(s.to, s.to_bounds)},
+                                  {"model", s.format.ToJson()},
+                                  {"files", s.files},
+                                  {"bytes_read", s.bytes_read},
+                                  {"bytes_written", s.bytes_written},
+                                  {"seconds", s.seconds},
+                                  {"peak_rss", s.peak_rss},
+                                  {"memory_budget", a.memory_budget},
+                                  {"stream_chunk", s.stream_chunk},
+                                  {"notes", s.notes}};
+      std::cout << j.dump(1) << std::endl;
+    }
+    if (!a.dry_run) {
+      char line[512];
+      std::snprintf(line, sizeof line, "wrote %d files, %s in %.2f s (%s/s); peak memory %s of the %s budget (streamed in %s chunks: no tensor is held whole)",
+                    s.files, ckpt::HumanBytes(s.bytes_written).c_str(), s.seconds, ckpt::HumanBytes(static_cast<uint64_t>(rate)).c_str(),
+                    ckpt::HumanBytes(s.peak_rss).c_str(), ckpt::HumanBytes(a.memory_budget).c_str(), ckpt::HumanBytes(s.stream_chunk).c_str());
+      log(a.world_size > 1 ? "rank " + std::to_string(a.rank) + ": " + line : std::string(line));
+      if (a.rank == 0) log((h5 ? "imported checkpoint: " : "resharded checkpoint: ") + s.dst_tag);
+    }
+    return 0;
+  } catch (const ckpt::Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace tools

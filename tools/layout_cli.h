@@ -1,0 +1,15 @@
+// The shared command line of ckpt-reshard and ckpt-import (tools/layout_cli.cc).
+#pragma once
+
+#include "ckpt/env.h"
+#include "tools/reshard.h"
+
+namespace tools {
+
+enum class LayoutSource { kTag, kExport };
+int LayoutMain(int argc, char** argv, LayoutSource source);
+
+// ckpt-import: opens a ckpt-export file and writes it as WriteInLayout does.
+ReshardSummary RunImport(const ReshardArgs& a, ckpt::Env* env, const LogFn& log);
+
+}  // namespace tools
