@@ -2,9 +2,12 @@
 //             [--compression none|gzip] [--overwrite] [--no_verify] [--json]
 // writes a checkpoint tag (or a folder's newest complete tag) as one
 // layout-free HDF5 file (tools/h5_state.h), streaming: memory holds one
-// block. The file is written beside OUT under a temporary name, made durable
-// and only then renamed to OUT, so OUT is never a partial file; an existing
-// OUT is replaced only with --overwrite and only when it is an export.
+// block.
+// ckpt-export SRC OUT_DIR --format hf [--max_shard_size 10G] writes its
+// weights as a Hugging Face model folder (tools/hf_export.h).
+// The output is written beside OUT under a temporary name, made durable and
+// only then renamed to OUT, so OUT is never partial; an existing OUT is
+// replaced only with --overwrite and only when it is such an export.
 // Exit 0 on success, 2 for bad input, 1 for anything unexpected.
 #include <fcntl.h>
 #include <unistd.h>
@@ -21,6 +24,7 @@
 #include "ckpt/progress.h"
 #include "ckpt/sharded_tag.h"
 #include "tools/h5_state.h"
+#include "tools/hf_export.h"
 #include "tools/reshard.h"
 
 namespace {
@@ -34,11 +38,20 @@ void FsyncPath(const std::string& path) {
   ::close(fd);
 }
 
+// A folder ckpt-export --format hf wrote: config.json says so.
+bool IsHfExport(ckpt::Env* env, const std::string& dir) {
+  const std::string config = dir + "/config.json";
+  if (!env->IsDirectory(dir) || !env->Exists(config)) return false;
+  const auto m = env->MapFile(config);
+  const auto j = nlohmann::json::parse(m->data(), m->data() + m->size(), nullptr, false);
+  return j.is_object() && j.contains("shardkit_export");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Write a checkpoint's whole state, layout-free, to one HDF5 file"};
-  std::string src, out, dtype = "keep", compression = "none";
+  std::string src, out, dtype = "keep", compression = "none", format = "h5", max_shard = "10G";
   bool weights_only = false, overwrite = false, no_verify = false, json = false;
   int64_t heads = 0, kv_heads = 0, vocab = 0, divisible = 0;
   app.add_option("src", src, "a checkpoint tag, or a checkpoint folder (its newest complete tag is taken)")->required();
@@ -47,6 +60,9 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "keep: bfloat16 as uint16 bit patterns (dtype attribute); float32: widen 16-bit floats")
       ->check(CLI::IsMember({"keep", "float32"}));
   app.add_option("--compression", compression, "none, or gzip (with shuffle)")->check(CLI::IsMember({"none", "gzip"}));
+  app.add_option("--format", format, "h5: the whole state in one HDF5 file; hf: the weights as a Hugging Face model folder")
+      ->check(CLI::IsMember({"h5", "hf"}));
+  app.add_option("--max_shard_size", max_shard, "with --format hf: bytes per weights file (default 10G)");
   app.add_flag("--overwrite", overwrite, "replace an existing export");
   app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
   app.add_flag("--json", json, "print the summary as JSON on stdout");
@@ -62,10 +78,13 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     out = ckpt::WithoutTrailingSeparators(out);
     const std::string tag = tools::ResolveSourceTag(src, !no_verify, env, log);
-    ckpt::CheckOutputs({{out, "OUT", false}}, {{tag, "SRC"}});
-    if (env->Exists(out)) {
-      if (!overwrite) throw ckpt::Error(out + ": exists; pass --overwrite to replace it (it is kept until the new file is complete)");
-      if (!tools::IsH5State(out)) throw ckpt::Error(out + ": --overwrite replaces only a ckpt-export file, and this is not one");
+    const bool hf = format == "hf";
+    const uint64_t shard_size = ckpt::ParseSize(max_shard, "--max_shard_size");
+    ckpt::CheckOutputs({{out, hf ? "OUT_DIR" : "OUT", hf}}, {{tag, "SRC"}});
+    if (env->Exists(out) && !(hf && env->IsDirectory(out) && env->ListDir(out).empty())) {
+      if (!overwrite) throw ckpt::Error(out + ": exists; pass --overwrite to replace it (it is kept until the new one is complete)");
+      if (hf ? !IsHfExport(env, out) : !tools::IsH5State(out))
+        throw ckpt::Error(out + ": --overwrite replaces only what ckpt-export --format " + format + " wrote, and this is not that");
     }
     ckpt::FormatHints h;
     if (heads) h.heads = heads;
@@ -77,7 +96,28 @@ int main(int argc, char** argv) {
     const std::filesystem::path p(out);
     const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
     partial = dir + "/." + p.filename().string() + ".ckpt-export-partial";
-    if (env->Exists(partial)) env->RemoveFile(partial);  // an interrupted earlier export's
+    if (env->Exists(partial)) env->RemoveAll(partial);  // an interrupted earlier export's
+    if (hf) {
+      if (const std::string why = tools::HfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
+      env->CreateDirs(partial);
+      const tools::HfExportSummary s = tools::WriteHfFolder(*state, partial, {.max_shard_size = shard_size}, env);
+      env->SyncDir(partial);
+      const std::string old = dir + "/." + p.filename().string() + ".ckpt-export-old";
+      if (env->Exists(out)) env->RenameFile(out, old);
+      env->RenameFile(partial, out);
+      partial.clear();
+      env->SyncDir(dir);
+      if (env->Exists(old)) env->RemoveAll(old);
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (json)
+        std::cout << nlohmann::ordered_json{{"source", tag}, {"output", out}, {"architecture", s.architecture}, {"tensors", s.tensors},
+                                            {"tensor_bytes", s.bytes}, {"shards", s.shards}, {"seconds", secs}, {"peak_rss", tools::PeakRss()}}
+                         .dump(1)
+                  << std::endl;
+      log("exported " + std::to_string(s.tensors) + " tensors (" + ckpt::HumanBytes(s.bytes) + ") of " + tag + " as " + s.architecture + " to " +
+          out + " (" + std::to_string(s.shards) + " shard(s), .bin and .safetensors); peak memory " + ckpt::HumanBytes(tools::PeakRss()));
+      return 0;
+    }
     tools::ExportOptions o;
     o.weights_only = weights_only;
     o.float32 = dtype == "float32";
@@ -113,11 +153,11 @@ int main(int argc, char** argv) {
         ckpt::HumanBytes(tools::PeakRss()));
     return 0;
   } catch (const ckpt::Error& e) {
-    if (!partial.empty() && env->Exists(partial)) env->RemoveFile(partial);
+    if (!partial.empty() && env->Exists(partial)) env->RemoveAll(partial);
     std::cerr << "error: " << e.what() << "\n";
     return 2;
   } catch (const std::exception& e) {
-    if (!partial.empty() && env->Exists(partial)) env->RemoveFile(partial);
+    if (!partial.empty() && env->Exists(partial)) env->RemoveAll(partial);
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   }

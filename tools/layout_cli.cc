@@ -24,24 +24,6 @@
 
 namespace {
 
-// "512M", "2G", "300000000": bytes.
-uint64_t ParseSize(const std::string& s) {
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(s, &used);
-  } catch (const std::exception&) {
-    throw ckpt::Error("--memory_budget '" + s + "' is not a size (e.g. 512M, 2G)");
-  }
-  std::string unit = s.substr(used);
-  double mult = 1;
-  if (unit == "K" || unit == "KiB" || unit == "k") mult = 1024.0;
-  else if (unit == "M" || unit == "MiB") mult = 1024.0 * 1024;
-  else if (unit == "G" || unit == "GiB") mult = 1024.0 * 1024 * 1024;
-  else if (!unit.empty()) throw ckpt::Error("--memory_budget '" + s + "': unknown unit '" + unit + "' (K, M, G)");
-  if (!(v > 0) || v * mult > 1e18) throw ckpt::Error("--memory_budget '" + s + "' is not a positive size");
-  return static_cast<uint64_t>(v * mult);
-}
 
 nlohmann::ordered_json GridJson(const ckpt::RankGrid& g, const std::vector<int64_t>& bounds) {
   return {{"tp", g.tp}, {"pp", g.pp}, {"dp", g.dp}, {"zero1", g.zero1}, {"pipeline_cuts", ckpt::CutsOf(bounds)}};
@@ -111,7 +93,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   a.progress_bar = ::isatty(2) && a.rank == 0 && !json;
   auto log = [](const std::string& s) { std::cerr << s << std::endl; };
   try {
-    a.memory_budget = ParseSize(budget);
+    a.memory_budget = ckpt::ParseSize(budget, "--memory_budget");
     for (size_t at = 0; !cuts.empty() && at <= cuts.size();) {
       const size_t comma = std::min(cuts.find(',', at), cuts.size());
       const std::string item = cuts.substr(at, comma - at);

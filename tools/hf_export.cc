@@ -1,0 +1,297 @@
+#include "tools/hf_export.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/error.h"
+#include "ckpt/pt_file.h"
+#include "ckpt/storage.h"
+#include "ckpt/tensor.h"
+
+namespace tools {
+namespace {
+
+using ckpt::DType;
+using ckpt::Error;
+
+// `rows` rows of a logical tensor, from `row`.
+struct RowBlock {
+  std::string name;
+  int64_t row, rows;
+};
+
+// One Hugging Face tensor: row blocks of logical tensors, concatenated (all
+// of one row width), and for GPT-2's Conv1D transposed.
+struct HfTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  DType dtype = DType::kFloat32;
+  std::vector<RowBlock> blocks;
+  int64_t width = 1;  // elements per logical row
+  bool transpose = false;
+
+  uint64_t numel() const { return static_cast<uint64_t>(ckpt::ShapeNumel(shape)); }
+  uint64_t bytes() const { return numel() * ckpt::ElementSize(dtype); }
+};
+
+// Produces an HfTensor's bytes in order, a chunk at a time. A transposed one
+// reads its whole logical matrix at the first chunk and frees it after the last.
+class Producer {
+ public:
+  Producer(const ckpt::LogicalState& src, HfTensor t) : src_(src), t_(std::move(t)) {}
+
+  void operator()(uint64_t offset, std::span<uint8_t> out) {
+    const size_t es = ckpt::ElementSize(t_.dtype);
+    if (!t_.transpose) {
+      Gather(offset / es, out);
+    } else {
+      std::lock_guard<std::mutex> lock(mu_);
+      const int64_t rows = static_cast<int64_t>(t_.numel()) / t_.width;  // of the concatenated matrix
+      if (whole_.empty()) {
+        whole_.resize(t_.bytes());
+        Gather(0, whole_);
+      }
+      // out element e of the [width, rows] transpose is whole_[(e % rows) * width + e / rows].
+      const uint64_t e0 = offset / es, n = out.size() / es;
+      for (uint64_t i = 0; i < n; ++i) {
+        const uint64_t e = e0 + i, r = e % static_cast<uint64_t>(rows), c = e / static_cast<uint64_t>(rows);
+        std::memcpy(out.data() + i * es, whole_.data() + (r * static_cast<uint64_t>(t_.width) + c) * es, es);
+      }
+      if (offset + out.size() >= t_.bytes()) std::vector<uint8_t>().swap(whole_);
+    }
+  }
+
+ private:
+  // Elements [e, e + out.size()/es) of the concatenated blocks.
+  void Gather(uint64_t e, std::span<uint8_t> out) const {
+    const size_t es = ckpt::ElementSize(t_.dtype);
+    uint64_t n = out.size() / es, o = 0, start = 0;
+    for (const RowBlock& b : t_.blocks) {
+      const uint64_t len = static_cast<uint64_t>(b.rows * t_.width);
+      if (n > 0 && e < start + len) {
+        const uint64_t from = e - start, take = std::min(n, len - from);
+        ckpt::Touched touched;
+        src_.Read(b.name, ckpt::StateField::kParam, static_cast<uint64_t>(b.row * t_.width) + from, {out.data() + o * es, take * es},
+                  &touched);
+        e += take, n -= take, o += take;
+      }
+      start += len;
+    }
+    if (n) throw Error("hf export: " + t_.name + ": elements past its blocks");  // a mapping bug, never input
+  }
+
+  const ckpt::LogicalState& src_;
+  HfTensor t_;
+  std::mutex mu_;
+  std::vector<uint8_t> whole_;
+};
+
+std::string L(int64_t layer, const std::string& rest) { return "language_model.encoder.layers." + std::to_string(layer) + "." + rest; }
+
+std::vector<HfTensor> LlamaTensors(const ckpt::LogicalState& src) {
+  const ckpt::ModelFormat& f = src.layout().format;
+  const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), nh = f.heads, G = f.kv_heads, V = f.vocab_size;
+  const DType dt = src.dtype("language_model.embedding.word_embeddings.weight", ckpt::StateField::kParam);
+  std::vector<HfTensor> out;
+  auto add = [&](std::string name, std::vector<int64_t> shape, std::vector<RowBlock> blocks) {
+    const int64_t width = shape.size() > 1 ? shape[1] : 1;
+    out.push_back({std::move(name), std::move(shape), dt, std::move(blocks), width, false});
+  };
+  add("model.embed_tokens.weight", {V, H}, {{"language_model.embedding.word_embeddings.weight", 0, V}});
+  for (int64_t i = 0; i < f.layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    add(p + "input_layernorm.weight", {H}, {{L(i, "input_layernorm.weight"), 0, H}});
+    std::vector<RowBlock> q, k, v;
+    if (G == nh) {  // per head [q_h; k_h; v_h]
+      const std::string qkv = L(i, "self_attention.query_key_value.weight");
+      for (int64_t h = 0; h < nh; ++h)
+        q.push_back({qkv, h * 3 * hd, hd}), k.push_back({qkv, h * 3 * hd + hd, hd}), v.push_back({qkv, h * 3 * hd + 2 * hd, hd});
+    } else {  // query, and per group [k_g; v_g]
+      q.push_back({L(i, "self_attention.query.weight"), 0, H});
+      const std::string kv = L(i, "self_attention.key_value.weight");
+      for (int64_t g = 0; g < G; ++g) k.push_back({kv, g * 2 * hd, hd}), v.push_back({kv, g * 2 * hd + hd, hd});
+    }
+    add(p + "self_attn.q_proj.weight", {H, H}, q);
+    add(p + "self_attn.k_proj.weight", {G * hd, H}, k);
+    add(p + "self_attn.v_proj.weight", {G * hd, H}, v);
+    add(p + "self_attn.o_proj.weight", {H, H}, {{L(i, "self_attention.dense.weight"), 0, H}});
+    add(p + "post_attention_layernorm.weight", {H}, {{L(i, "post_attention_layernorm.weight"), 0, H}});
+    const std::string fc = L(i, "mlp.dense_h_to_4h.weight");
+    add(p + "mlp.gate_proj.weight", {F, H}, {{fc, 0, F}});
+    add(p + "mlp.up_proj.weight", {F, H}, {{fc, F, F}});
+    add(p + "mlp.down_proj.weight", {H, F}, {{L(i, "mlp.dense_4h_to_h.weight"), 0, H}});
+  }
+  add("model.norm.weight", {H}, {{"language_model.encoder.final_layernorm.weight", 0, H}});
+  if (!f.tied_output) add("lm_head.weight", {V, H}, {{"language_model.output_layer.weight", 0, V}});
+  return out;
+}
+
+std::vector<HfTensor> Gpt2Tensors(const ckpt::LogicalState& src) {
+  const ckpt::ModelFormat& f = src.layout().format;
+  const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), nh = f.heads, V = f.vocab_size;
+  const DType dt = src.dtype("language_model.embedding.word_embeddings.weight", ckpt::StateField::kParam);
+  std::vector<HfTensor> out;
+  // `shape` is HF's; a transposed tensor's blocks have rows of shape[0] elements.
+  auto add = [&](std::string name, std::vector<int64_t> shape, std::vector<RowBlock> blocks, bool transpose = false) {
+    const int64_t width = transpose ? shape[0] : (shape.size() > 1 ? shape[1] : 1);
+    out.push_back({std::move(name), std::move(shape), dt, std::move(blocks), width, transpose});
+  };
+  auto one = [](const std::string& name, int64_t rows) { return std::vector<RowBlock>{{name, 0, rows}}; };
+  add("transformer.wte.weight", {V, H}, one("language_model.embedding.word_embeddings.weight", V));
+  add("transformer.wpe.weight", {f.max_positions, H}, one("language_model.embedding.position_embeddings.weight", f.max_positions));
+  for (int64_t i = 0; i < f.layers; ++i) {
+    const std::string p = "transformer.h." + std::to_string(i) + ".";
+    for (const char* part : {"weight", "bias"}) add(p + "ln_1." + part, {H}, one(L(i, std::string("input_layernorm.") + part), H));
+    // c_attn: [q; k; v] over all heads, from per-head [q_h; k_h; v_h].
+    for (const char* part : {"weight", "bias"}) {
+      const std::string qkv = L(i, std::string("self_attention.query_key_value.") + part);
+      std::vector<RowBlock> b;
+      for (int64_t which = 0; which < 3; ++which)
+        for (int64_t h = 0; h < nh; ++h) b.push_back({qkv, h * 3 * hd + which * hd, hd});
+      if (std::string(part) == "weight") add(p + "attn.c_attn.weight", {H, 3 * H}, b, true);
+      else add(p + "attn.c_attn.bias", {3 * H}, b);
+    }
+    add(p + "attn.c_proj.weight", {H, H}, one(L(i, "self_attention.dense.weight"), H), true);
+    add(p + "attn.c_proj.bias", {H}, one(L(i, "self_attention.dense.bias"), H));
+    for (const char* part : {"weight", "bias"}) add(p + "ln_2." + part, {H}, one(L(i, std::string("post_attention_layernorm.") + part), H));
+    add(p + "mlp.c_fc.weight", {H, F}, one(L(i, "mlp.dense_h_to_4h.weight"), F), true);
+    add(p + "mlp.c_fc.bias", {F}, one(L(i, "mlp.dense_h_to_4h.bias"), F));
+    add(p + "mlp.c_proj.weight", {F, H}, one(L(i, "mlp.dense_4h_to_h.weight"), H), true);
+    add(p + "mlp.c_proj.bias", {H}, one(L(i, "mlp.dense_4h_to_h.bias"), H));
+  }
+  for (const char* part : {"weight", "bias"}) add(std::string("transformer.ln_f.") + part, {H}, one(std::string("language_model.encoder.final_layernorm.") + part, H));
+  if (!f.tied_output) add("lm_head.weight", {V, H}, one("language_model.output_layer.weight", V));
+  return out;
+}
+
+const char* SafetensorsDtype(DType d) {
+  switch (d) {
+    case DType::kFloat32: return "F32";
+    case DType::kFloat64: return "F64";
+    case DType::kBFloat16: return "BF16";
+    case DType::kFloat16: return "F16";
+    default: throw Error(std::string("hf export: no safetensors dtype for ") + std::string(ckpt::DTypeName(d)));
+  }
+}
+
+std::string ShardName(const std::string& stem, const std::string& ext, int k, int n) {
+  if (n == 1) return stem + "." + ext;
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "-%05d-of-%05d.", k + 1, n);
+  return stem + buf + ext;
+}
+
+void WriteText(ckpt::Env* env, const std::string& path, const std::string& text) {
+  ckpt::WriteFileAtomically(env, path, [&](ckpt::WritableFile& f) {
+    f.Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
+  });
+}
+
+}  // namespace
+
+std::string HfUnsupported(const ckpt::ModelFormat& f) {
+  const bool llama = !f.layernorm && !f.gelu && !f.bias && !f.learned_positions;
+  const bool gpt2 = f.layernorm && f.gelu && f.bias && f.learned_positions && f.kv_heads == f.heads;
+  if (llama || gpt2) return "";
+  return "the model format (" + f.Describe() +
+         ") is neither llama-style (RMSNorm, SwiGLU, RoPE, no biases: LlamaForCausalLM) nor GPT-2-style (LayerNorm, GeLU, biases, "
+         "learned positions, no GQA: GPT2LMHeadModel), so no Hugging Face architecture takes its weights";
+}
+
+HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env) {
+  const ckpt::ModelFormat& f = src.layout().format;
+  if (const std::string why = HfUnsupported(f); !why.empty()) throw Error(src.path() + ": " + why);
+  const bool gpt2 = f.gelu;
+  std::vector<HfTensor> tensors = gpt2 ? Gpt2Tensors(src) : LlamaTensors(src);
+  HfExportSummary sum;
+  sum.architecture = gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
+
+  // Shards: tensors in order, a new file when the next would pass the limit.
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t in_shard = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (in_shard > 0 && in_shard + tensors[i].bytes() > o.max_shard_size) shards.emplace_back(), in_shard = 0;
+    shards.back().push_back(i);
+    in_shard += tensors[i].bytes();
+    sum.bytes += tensors[i].bytes();
+  }
+  const int n = static_cast<int>(shards.size());
+  sum.shards = n, sum.tensors = tensors.size();
+  nlohmann::ordered_json bin_map = nlohmann::ordered_json::object(), st_map = nlohmann::ordered_json::object();
+  for (int k = 0; k < n; ++k) {
+    const std::string bin = ShardName("pytorch_model", "bin", k, n), st = ShardName("model", "safetensors", k, n);
+    // torch's zip format, tensors produced as they are written.
+    ckpt::Value sd = ckpt::Value::NewDict(/*ordered=*/true);
+    for (size_t i : shards[k]) {
+      const HfTensor& t = tensors[i];
+      auto producer = std::make_shared<Producer>(src, t);
+      auto storage = ckpt::Storage::Generated(t.bytes(), [producer](uint64_t off, std::span<uint8_t> out) { (*producer)(off, out); });
+      std::vector<int64_t> strides(t.shape.size(), 1);
+      for (int d = static_cast<int>(t.shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * t.shape[d + 1];
+      sd.as_dict().Set(t.name, ckpt::Value(ckpt::Tensor(t.dtype, t.shape, strides, 0, storage)));
+      bin_map[t.name] = bin, st_map[t.name] = st;
+    }
+    ckpt::SavePt(dir + "/" + bin, sd, {.weights_only = true, .stream_chunk = o.chunk}, env);
+    // safetensors: u64 header length, the JSON header (8-byte aligned), the data.
+    nlohmann::ordered_json header = nlohmann::ordered_json::object();
+    uint64_t at = 0;
+    for (size_t i : shards[k]) {
+      const HfTensor& t = tensors[i];
+      header[t.name] = {{"dtype", SafetensorsDtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + t.bytes()}}};
+      at += t.bytes();
+    }
+    header["__metadata__"] = {{"format", "pt"}};
+    std::string text = header.dump();
+    text.append((8 - text.size() % 8) % 8, ' ');
+    ckpt::WriteFileAtomically(env, dir + "/" + st, [&](ckpt::WritableFile& file) {
+      uint8_t len[8];
+      for (int b = 0; b < 8; ++b) len[b] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * b));
+      file.Append({len, 8});
+      file.Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
+      std::vector<uint8_t> buf(std::min<uint64_t>(o.chunk, std::max<uint64_t>(at, 1)));
+      for (size_t i : shards[k]) {
+        Producer produce(src, tensors[i]);
+        const uint64_t bytes = tensors[i].bytes();
+        for (uint64_t off = 0; off < bytes;) {
+          const size_t m = static_cast<size_t>(std::min<uint64_t>(buf.size(), bytes - off));
+          produce(off, {buf.data(), m});
+          file.Append({buf.data(), m});
+          off += m;
+        }
+      }
+    });
+  }
+  if (n > 1) {
+    WriteText(env, dir + "/pytorch_model.bin.index.json",
+              nlohmann::ordered_json{{"metadata", {{"total_size", sum.bytes}}}, {"weight_map", bin_map}}.dump(2) + "\n");
+    WriteText(env, dir + "/model.safetensors.index.json",
+              nlohmann::ordered_json{{"metadata", {{"total_size", sum.bytes}}}, {"weight_map", st_map}}.dump(2) + "\n");
+  }
+
+  const std::string torch_dtype(ckpt::DTypeName(tensors.front().dtype));
+  nlohmann::ordered_json config;
+  if (gpt2) {
+    config = {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"}, {"vocab_size", f.vocab_size},
+              {"n_positions", f.max_positions}, {"n_ctx", f.max_positions}, {"n_embd", f.hidden}, {"n_layer", f.layers},
+              {"n_head", f.heads}, {"n_inner", f.ffn}, {"activation_function", "gelu"},  // the training core's GeLU is erf's
+              {"layer_norm_epsilon", 1e-5}, {"scale_attn_weights", true}, {"tie_word_embeddings", f.tied_output},
+              {"torch_dtype", torch_dtype}};
+  } else {
+    config = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"vocab_size", f.vocab_size},
+              {"hidden_size", f.hidden}, {"intermediate_size", f.ffn}, {"num_hidden_layers", f.layers},
+              {"num_attention_heads", f.heads}, {"num_key_value_heads", f.kv_heads}, {"hidden_act", "silu"},
+              {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0}, {"attention_bias", false},
+              {"tie_word_embeddings", f.tied_output}, {"torch_dtype", torch_dtype}};
+  }
+  // Where it came from; also how --overwrite knows the folder is an export.
+  config["shardkit_export"] = {{"source", src.path()}, {"step", src.step()}, {"model", f.ToJson()}};
+  WriteText(env, dir + "/config.json", config.dump(2) + "\n");
+  return sum;
+}
+
+}  // namespace tools

@@ -1,0 +1,54 @@
+// A checkpoint's weights as a Hugging Face model folder (ckpt-export
+// --format hf), streamed from any LogicalState:
+//   config.json           LlamaForCausalLM (the llama-style format: RMSNorm,
+//                         SwiGLU, RoPE) or GPT2LMHeadModel (the GPT format:
+//                         LayerNorm, GeLU, biases, learned positions)
+//   pytorch_model.bin     torch's zip format, or pytorch_model-0000k-of-0000n.bin
+//                         with pytorch_model.bin.index.json past --max_shard_size
+//   model.safetensors     the same tensors (model-0000k-of-0000n.safetensors
+//                         with model.safetensors.index.json past the size)
+//
+// HF's names and layouts, from NxDT's logical tensors (ckpt/partition.h):
+//   - Llama: query_key_value is per head [q_h; k_h; v_h] (NNM's HF converter,
+//     convert_hf_checkpoint_to_nemo_llama.py, builds it so from q/k/v):
+//     its rows are gathered back into q_proj, k_proj, v_proj. With GQA,
+//     `query` is q_proj and key_value, per group [k_g; v_g], gives k_proj
+//     and v_proj. dense_h_to_4h is [gate; up]: gate_proj and up_proj. No row
+//     permutation for RoPE: the training core rotates halves
+//     (rotate_half), as HF's Llama does, and NeMo's converter copies q/k as
+//     they are.
+//   - GPT-2: Conv1D weights are [in, out], so every linear weight is
+//     transposed; c_attn is [q; k; v] over all heads (de-interleaved).
+//   - Vocab padding rows are dropped; a tied output layer is HF's tie
+//     (tie_word_embeddings, no lm_head tensor).
+// Memory: Llama tensors stream a chunk at a time; GPT-2's transposed ones
+// hold one logical tensor.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "ckpt/env.h"
+#include "ckpt/logical_state.h"
+
+namespace tools {
+
+struct HfExportOptions {
+  uint64_t max_shard_size = uint64_t{10} << 30;  // bytes per weights file
+  size_t chunk = size_t{16} << 20;               // streaming granularity
+};
+
+struct HfExportSummary {
+  std::string architecture;
+  int shards = 0;
+  uint64_t tensors = 0, bytes = 0;
+};
+
+// Why the format has no Hugging Face architecture here ("" when it has one).
+std::string HfUnsupported(const ckpt::ModelFormat& f);
+
+// Writes the folder's files into `dir` (an existing, empty folder the caller
+// publishes). Throws ckpt::Error.
+HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env);
+
+}  // namespace tools
