@@ -228,7 +228,7 @@ class ExportImport(TempDirTest):
         with open(out, "wb") as f:
             f.write(b"the user's file")
         self.refused(EXPORT, [tag, out], r"x\.h5: exists; pass --overwrite", out)
-        self.refused(EXPORT, [tag, out, "--overwrite"], r"replaces only a ckpt-export file", out)
+        self.refused(EXPORT, [tag, out, "--overwrite"], r"--overwrite replaces only what ckpt-export --format h5 wrote", out)
         with open(out, "rb") as f:
             self.assertEqual(f.read(), b"the user's file")
         self.refused(EXPORT, [tag, os.path.join(tag, "inside.h5")], r"(?i)inside|input", os.path.join(tag, "inside.h5"))
