@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <iostream>
@@ -51,7 +52,7 @@ bool IsHfExport(ckpt::Env* env, const std::string& dir) {
 
 int main(int argc, char** argv) {
   CLI::App app{"Write a checkpoint's whole state, layout-free, to one HDF5 file"};
-  std::string src, out, dtype = "keep", compression = "none", format = "h5", max_shard = "10G";
+  std::string src, out, dtype = "keep", compression = "none", format = "h5", max_shard = "10G", budget = "256M";
   bool weights_only = false, overwrite = false, no_verify = false, json = false;
   int64_t heads = 0, kv_heads = 0, vocab = 0, divisible = 0;
   app.add_option("src", src, "a checkpoint tag, or a checkpoint folder (its newest complete tag is taken)")->required();
@@ -63,6 +64,7 @@ int main(int argc, char** argv) {
   app.add_option("--format", format, "h5: the whole state in one HDF5 file; hf: the weights as a Hugging Face model folder")
       ->check(CLI::IsMember({"h5", "hf"}));
   app.add_option("--max_shard_size", max_shard, "with --format hf: bytes per weights file (default 10G)");
+  app.add_option("--memory_budget", budget, "peak memory to stay within (default 256M; one logical tensor more for GPT-2's transposes)");
   app.add_flag("--overwrite", overwrite, "replace an existing export");
   app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
   app.add_flag("--json", json, "print the summary as JSON on stdout");
@@ -79,6 +81,7 @@ int main(int argc, char** argv) {
     out = ckpt::WithoutTrailingSeparators(out);
     const std::string tag = tools::ResolveSourceTag(src, !no_verify, env, log);
     const bool hf = format == "hf";
+    const uint64_t memory_budget = ckpt::ParseSize(budget, "--memory_budget");
     const uint64_t shard_size = ckpt::ParseSize(max_shard, "--max_shard_size");
     ckpt::CheckOutputs({{out, hf ? "OUT_DIR" : "OUT", hf}}, {{tag, "SRC"}});
     if (env->Exists(out) && !(hf && env->IsDirectory(out) && env->ListDir(out).empty())) {
@@ -92,6 +95,13 @@ int main(int argc, char** argv) {
     if (vocab) h.vocab_size = vocab;
     if (divisible) h.make_vocab_size_divisible_by = divisible;
     const auto state = ckpt::ShardedTag::Open(env, tag, h);
+    // Memory: what is resident now (the source's index), then blocks: one
+    // read, one widened (float32), and what HDF5 and the writer buffer.
+    const uint64_t base = tools::CurrentRss(), min_block = 1 << 20;
+    if (memory_budget < base + 4 * min_block)
+      throw ckpt::Error("--memory_budget " + ckpt::HumanBytes(memory_budget) + " is too small: the process already holds " +
+                        ckpt::HumanBytes(base) + "; give at least " + ckpt::HumanBytes(base + 4 * min_block));
+    const size_t block = static_cast<size_t>(std::clamp<uint64_t>((memory_budget - base) / 4 / 4096 * 4096, min_block, uint64_t{64} << 20));
 
     const std::filesystem::path p(out);
     const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
@@ -100,7 +110,7 @@ int main(int argc, char** argv) {
     if (hf) {
       if (const std::string why = tools::HfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
       env->CreateDirs(partial);
-      const tools::HfExportSummary s = tools::WriteHfFolder(*state, partial, {.max_shard_size = shard_size}, env);
+      const tools::HfExportSummary s = tools::WriteHfFolder(*state, partial, {.max_shard_size = shard_size, .chunk = block}, env);
       env->SyncDir(partial);
       const std::string old = dir + "/." + p.filename().string() + ".ckpt-export-old";
       if (env->Exists(out)) env->RenameFile(out, old);
@@ -122,6 +132,7 @@ int main(int argc, char** argv) {
     o.weights_only = weights_only;
     o.float32 = dtype == "float32";
     o.gzip = compression == "gzip";
+    o.block = block;
     const bool bar = ::isatty(2) && !json;
     int64_t last_logged = -1;
     std::string last_tensor;

@@ -457,21 +457,22 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
       if (H5Oexists_by_name(file, dpath.c_str(), H5P_DEFAULT) <= 0)  // negative when a group on the way is missing
         throw Error(where + ": missing (the model format " + L.format.Describe() + " has this tensor)");
       Tensor t;
-      t.dataset = H5Dopen2(file, dpath.c_str(), H5P_DEFAULT);
-      if (t.dataset < 0) throw Error(where + ": is not a dataset");
-      const std::string stored = GetString(t.dataset, "dtype", where);
+      const Hid ds(H5Dopen2(file, dpath.c_str(), H5P_DEFAULT), H5Dclose);
+      if (!ds.ok()) throw Error(where + ": is not a dataset");
+      t.dataset = dpath;
+      const std::string stored = GetString(ds, "dtype", where);
       const auto sd = ckpt::DTypeFromName(stored);
       if (!sd) throw Error(where + ": unknown dtype '" + stored + "'");
       t.stored = *sd;
-      t.dtype = H5Aexists(t.dataset, "source_dtype") > 0 ? ckpt::DTypeFromName(GetString(t.dataset, "source_dtype", where)).value_or(DType::kBool)
+      t.dtype = H5Aexists(ds, "source_dtype") > 0 ? ckpt::DTypeFromName(GetString(ds, "source_dtype", where)).value_or(DType::kBool)
                                                           : t.stored;
       if (t.dtype == DType::kBool || (t.dtype != t.stored && t.stored != DType::kFloat32)) throw Error(where + ": unknown source_dtype");
-      const Hid ftype(H5Dget_type(t.dataset), H5Tclose);
+      const Hid ftype(H5Dget_type(ds), H5Tclose);
       if (H5Tequal(ftype, FileType(t.stored, where)) <= 0)
         throw Error(where + ": its HDF5 type does not hold " + stored + " (dtype attribute and data disagree)");
       t.width = p.shape.size() > 1 ? p.shape[1] : 1;
       t.rows = p.vocab ? L.format.vocab_size : p.shape[0];
-      const Hid space(H5Dget_space(t.dataset), H5Sclose);
+      const Hid space(H5Dget_space(ds), H5Sclose);
       const int rank = H5Sget_simple_extent_ndims(space);
       hsize_t dims[2] = {0, 0};
       if (rank == static_cast<int>(p.shape.size())) H5Sget_simple_extent_dims(space, dims, nullptr);
@@ -480,15 +481,19 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
         throw Error(where + ": its shape does not fit the model format (" + std::to_string(t.rows) +
                     (rank == 2 ? " x " + std::to_string(t.width) : std::string()) + " expected)");
       const uint64_t numel = static_cast<uint64_t>(t.rows * t.width);
-      if (GetInt(t.dataset, "numel", where) != static_cast<int64_t>(numel)) throw Error(where + ": attribute 'numel' disagrees with its shape");
-      const std::string crc = GetString(t.dataset, "crc32", where);
+      if (GetInt(ds, "numel", where) != static_cast<int64_t>(numel)) throw Error(where + ": attribute 'numel' disagrees with its shape");
+      const std::string crc = GetString(ds, "crc32", where);
       const ckpt::FileDigest d = ckpt::DigestFromJson({{"size", 0}, {"crc32", crc}}, where);
       (*s->fingerprints_)[p.name][ckpt::FieldName(f)] = {std::string(ckpt::DTypeName(t.dtype)), numel, d.crc32};
       const std::string ppath = "/vocab_padding" + dpath;
       if (p.vocab && padded > t.rows && H5Lexists(file, "/vocab_padding", H5P_DEFAULT) > 0 &&
           H5Oexists_by_name(file, ppath.c_str(), H5P_DEFAULT) > 0) {
-        t.padding = H5Dopen2(file, ppath.c_str(), H5P_DEFAULT);
-        const Hid ps(H5Dget_space(t.padding), H5Sclose);
+        const Hid pds(H5Dopen2(file, ppath.c_str(), H5P_DEFAULT), H5Dclose);
+        if (!pds.ok()) throw Error(path + ": " + ppath + ": is not a dataset");
+        const Hid pt(H5Dget_type(pds), H5Tclose);
+        if (H5Tequal(pt, ftype) <= 0) throw Error(path + ": " + ppath + ": its HDF5 type differs from " + dpath + "'s");
+        t.padding = ppath;
+        const Hid ps(H5Dget_space(pds), H5Sclose);
         hsize_t pd[2] = {0, 0};
         if (H5Sget_simple_extent_ndims(ps) != rank) throw Error(path + ": " + ppath + ": its shape does not fit " + dpath);
         H5Sget_simple_extent_dims(ps, pd, nullptr);
@@ -510,10 +515,7 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
 
 H5State::~H5State() {
   std::lock_guard<std::mutex> lock(ckpt::Hdf5Lock());
-  for (auto& [k, t] : tensors_) {
-    if (t.dataset >= 0) H5Dclose(t.dataset);
-    if (t.padding >= 0) H5Dclose(t.padding);
-  }
+  for (auto& [p, id] : open_) H5Dclose(id);
   if (file_ >= 0) H5Fclose(file_);
 }
 
@@ -531,7 +533,26 @@ std::optional<ckpt::Value> H5State::TagFile(const std::string& name) const {
   return it->second;
 }
 
-void H5State::ReadRows(const Tensor& t, int64_t dataset, uint64_t begin, uint64_t n, uint8_t* out) const {
+int64_t H5State::Dataset(const std::string& dpath) const {
+  for (size_t i = 0; i < open_.size(); ++i)
+    if (open_[i].first == dpath) {
+      std::rotate(open_.begin() + static_cast<std::ptrdiff_t>(i), open_.begin() + static_cast<std::ptrdiff_t>(i) + 1, open_.end());
+      return open_.back().second;
+    }
+  if (open_.size() == kOpenDatasets) {
+    H5Dclose(open_.front().second);
+    open_.erase(open_.begin());
+  }
+  const Hid dapl(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose);
+  H5Pset_chunk_cache(dapl, 521, kChunkCache, 1.0);
+  const hid_t id = H5Dopen2(file_, dpath.c_str(), dapl);
+  if (id < 0) throw Error(path_ + ": " + dpath + ": cannot open");
+  open_.emplace_back(dpath, id);
+  return id;
+}
+
+void H5State::ReadRows(const Tensor& t, const std::string& dpath, uint64_t begin, uint64_t n, uint8_t* out) const {
+  const hid_t dataset = Dataset(dpath);
   const Hid fspace(H5Dget_space(dataset), H5Sclose);
   const int rank = H5Sget_simple_extent_ndims(fspace);
   SelectFlat(fspace, rank, t.width, begin, n);

@@ -89,11 +89,13 @@ class H5State final : public ckpt::LogicalState {
   double consumed_samples() const override { return consumed_; }
   const std::optional<ckpt::TensorFingerprints>& recorded_fingerprints() const override { return fingerprints_; }
   std::optional<ckpt::Value> TagFile(const std::string& name) const override;
+  // The chunk caches, and what HDF5 allocates besides them (free lists, type conversion).
+  uint64_t ReadMemory() const override { return kOpenDatasets * kChunkCache + (uint64_t{8} << 20); }
   const std::string& tag_name() const { return tag_name_; }
 
  private:
   struct Tensor {
-    int64_t dataset = -1, padding = -1;  // hid_t; padding: the source's vocab padding rows, or -1
+    std::string dataset, padding;        // paths; padding: the source's vocab padding rows, or ""
     ckpt::DType dtype, stored;           // the source's, and the dataset's
     int64_t rows = 0, width = 1;         // of the logical tensor (vocab rows up to the real vocabulary)
     int64_t padding_rows = 0;
@@ -104,7 +106,13 @@ class H5State final : public ckpt::LogicalState {
     bool operator<(const Key& o) const { return name != o.name ? name < o.name : field < o.field; }
   };
   H5State() = default;
-  void ReadRows(const Tensor& t, int64_t dataset, uint64_t begin, uint64_t n, uint8_t* out) const;
+  void ReadRows(const Tensor& t, const std::string& dataset, uint64_t begin, uint64_t n, uint8_t* out) const;
+  // An open dataset. A few stay open, each with a small chunk cache (rows
+  // are read a piece at a time, so a chunk is read once, not per piece);
+  // the least recently used is closed, so memory does not grow with the
+  // model. Called under the HDF5 lock.
+  int64_t Dataset(const std::string& path) const;
+  static constexpr size_t kOpenDatasets = 8, kChunkCache = size_t{4} << 20;
 
   std::string path_, tag_name_;
   int64_t file_ = -1;
@@ -117,6 +125,7 @@ class H5State final : public ckpt::LogicalState {
   std::map<std::string, ckpt::Value> tag_files_;
   std::optional<ckpt::TensorFingerprints> fingerprints_;
   bool ordered_ = true;
+  mutable std::vector<std::pair<std::string, int64_t>> open_;  // most recent last
   int64_t step_ = 0;
   double consumed_ = 0;
 };

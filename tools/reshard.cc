@@ -36,12 +36,6 @@ using ckpt::StateField;
 using ckpt::Value;
 using Clock = std::chrono::steady_clock;
 
-uint64_t CurrentRss() {
-  std::ifstream f("/proc/self/statm");
-  uint64_t size = 0, resident = 0;
-  f >> size >> resident;
-  return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-}
 
 // One target tensor (or ZeRO-1 shard of one): the rows [row_lo, row_lo +
 // rows) of tp rank `runs`' local tensor of `rule`, copied from the source.
@@ -258,6 +252,13 @@ std::string ResolveSourceTag(const std::string& src_arg, bool verify, ckpt::Env*
   return tag;
 }
 
+uint64_t CurrentRss() {
+  std::ifstream f("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  f >> size >> resident;
+  return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
 uint64_t PeakRss() {
   // VmHWM, not getrusage's ru_maxrss: Linux carries the latter over from the
   // process that forked us, so a tool started by a large parent would report its size.
@@ -324,12 +325,12 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   // Memory: each writing thread holds one chunk of output and the source
   // pages it was copied from (plus up to a large folio mapped past each end
   // of what it read), all released after every chunk.
-  const uint64_t base = CurrentRss();
+  const uint64_t base = CurrentRss() + src->ReadMemory();
   const uint64_t min_chunk = 256 << 10, slack = 4 << 20, min_thread = 2 * min_chunk + slack;
   const uint64_t usable = a.memory_budget > base ? a.memory_budget - base : 0;
   if (usable < uint64_t(a.threads) * min_thread)
     throw Error("--memory_budget " + ckpt::HumanBytes(a.memory_budget) + " is smaller than one slice: the process already holds " +
-                ckpt::HumanBytes(base) + " (the source's index) and each of " + std::to_string(a.threads) + " writing thread(s) needs " +
+                ckpt::HumanBytes(base) + " (the source's index and read caches) and each of " + std::to_string(a.threads) + " writing thread(s) needs " +
                 ckpt::HumanBytes(min_thread) + " at least; give at least " + ckpt::HumanBytes(base + uint64_t(a.threads) * min_thread));
   sum.stream_chunk = std::clamp<uint64_t>((usable / a.threads - slack) / 2 / 4096 * 4096, min_chunk, uint64_t{64} << 20);
 

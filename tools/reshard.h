@@ -79,5 +79,7 @@ std::string ResolveSourceTag(const std::string& src, bool verify, ckpt::Env* env
 
 // Peak resident memory of this process so far, in bytes.
 uint64_t PeakRss();
+// Resident memory of this process now, in bytes.
+uint64_t CurrentRss();
 
 }  // namespace tools
