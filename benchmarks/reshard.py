@@ -208,6 +208,14 @@ def fsync(path):
 
 def baseline(src, dst, tp, pp, dp):
     """NxD's converter's way: everything loaded and merged, then split and saved."""
+    full, layers, step = merge_source(src)
+    save_layout(full, layers, step, src, dst, tp, pp, dp)
+
+
+def merge_source(src):
+    """Every rank file of an NxD tag loaded and merged: ({name: {"param",
+    "master", "exp_avg", "exp_avg_sq"}: full tensors at the source's vocab
+    padding}, layer count, the optimizer step)."""
     import torch
     grid = [f[:-3].split("_") for f in os.listdir(os.path.join(src, "optim"))]
     stp, spp, sdp = (1 + max(int(g[i]) for g in grid) for i in (5, 8, 2))
@@ -243,6 +251,13 @@ def baseline(src, dst, tp, pp, dp):
             if ".layers." in n:
                 layers = max(layers, int(n.split(".layers.")[1].split(".")[0]) + 1)
         del parts
+    return full, layers, step
+
+
+def save_layout(full, layers, step, src, dst, tp, pp, dp):
+    """Merged tensors split and saved as an NxD tag at (tp, pp, dp, ZeRO-1);
+    scheduler and user content copied from `src`."""
+    import torch
     rows = padded_vocab(tp)
     for n, x in full.items():  # the target's vocab padding: rows cut or zero rows added
         if kind(n) == "rows" and module(n) in ("word_embeddings", "output_layer"):

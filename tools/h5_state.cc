@@ -176,28 +176,38 @@ std::string DatasetPath(const std::string& name, StateField f) {
   return f == StateField::kParam ? "/model/" + name : "/optim/" + name + "/" + ckpt::FieldName(f);
 }
 
-// Selects logical elements [begin, begin + n) of a [rows, width] dataset
-// (rank 1 when width is 1 and the dataset is 1-D) in row-major order.
-void SelectFlat(hid_t space, int rank, int64_t width, uint64_t begin, uint64_t n) {
-  if (rank == 1) {
-    const hsize_t start[1] = {begin}, count[1] = {n};
-    H5Sselect_hyperslab(space, H5S_SELECT_SET, start, nullptr, count, nullptr);
-    return;
-  }
+// Logical elements [begin, begin + n) of a [rows, width] dataset as at most
+// three rectangles (a partial first row, whole rows, a partial last row):
+// fn(row, col, rows, cols, elements before it). Each is read or written with
+// a memory space of its own shape, which HDF5 copies chunk by chunk; a 1-D
+// memory space against a 2-D selection makes it map element by element.
+template <typename F>
+void ForEachRect(int64_t width, uint64_t begin, uint64_t n, const F& fn) {
   const uint64_t w = static_cast<uint64_t>(width), end = begin + n;
-  bool first = true;
-  auto add = [&](uint64_t row, uint64_t col, uint64_t rows, uint64_t cols) {
+  uint64_t done = 0;
+  auto rect = [&](uint64_t row, uint64_t col, uint64_t rows, uint64_t cols) {
     if (!rows || !cols) return;
-    const hsize_t start[2] = {row, col}, count[2] = {rows, cols};
-    H5Sselect_hyperslab(space, first ? H5S_SELECT_SET : H5S_SELECT_OR, start, nullptr, count, nullptr);
-    first = false;
+    fn(row, col, rows, cols, done);
+    done += rows * cols;
   };
   const uint64_t r0 = begin / w, c0 = begin % w, r1 = end / w, c1 = end % w;
-  if (r0 == r1) return add(r0, c0, 1, c1 - c0);
+  if (r0 == r1) return rect(r0, c0, 1, c1 - c0);
   uint64_t full_from = r0;
-  if (c0) add(r0, c0, 1, w - c0), full_from = r0 + 1;
-  add(full_from, 0, r1 - full_from, w);
-  add(r1, 0, 1, c1);
+  if (c0) rect(r0, c0, 1, w - c0), full_from = r0 + 1;
+  rect(full_from, 0, r1 - full_from, w);
+  rect(r1, 0, 1, c1);
+}
+
+// One rectangle of a dataset (rank 1: `cols` is 1 and rows are elements)
+// with its matching memory space.
+struct Rect {
+  Hid file, mem;
+};
+Rect Select(hid_t dataset, int rank, uint64_t row, uint64_t col, uint64_t rows, uint64_t cols) {
+  const hsize_t start[2] = {row, col}, count[2] = {rows, cols};
+  Hid file(H5Dget_space(dataset), H5Sclose);
+  H5Sselect_hyperslab(file, H5S_SELECT_SET, start, nullptr, count, nullptr);
+  return Rect{std::move(file), Hid(H5Screate_simple(rank, count, nullptr), H5Sclose)};
 }
 
 }  // namespace
@@ -331,11 +341,8 @@ ExportSummary WriteH5State(const ckpt::LogicalState& src, const std::string& tag
           Widen(t.dtype, block.data(), n, wide.data());
           data = wide.data();
         }
-        const Hid fspace(H5Dget_space(ds), H5Sclose);
-        SelectFlat(fspace, rank, width, static_cast<uint64_t>(r * width), n);
-        const hsize_t mdims[1] = {n};
-        const Hid mspace(H5Screate_simple(1, mdims, nullptr), H5Sclose);
-        Check(H5Dwrite(ds, MemType(stored), mspace, fspace, H5P_DEFAULT, data), where + ": write failed");
+        const Rect rect = Select(ds, rank, static_cast<uint64_t>(r), 0, static_cast<uint64_t>(nr), rank == 2 ? static_cast<uint64_t>(width) : 1);
+        Check(H5Dwrite(ds, MemType(stored), rect.mem, rect.file, H5P_DEFAULT, data), where + ": write failed");
         done += n * es;
         if (o.progress) o.progress(done, total, t.name);
       }
@@ -553,18 +560,17 @@ int64_t H5State::Dataset(const std::string& dpath) const {
 
 void H5State::ReadRows(const Tensor& t, const std::string& dpath, uint64_t begin, uint64_t n, uint8_t* out) const {
   const hid_t dataset = Dataset(dpath);
-  const Hid fspace(H5Dget_space(dataset), H5Sclose);
-  const int rank = H5Sget_simple_extent_ndims(fspace);
-  SelectFlat(fspace, rank, t.width, begin, n);
-  const hsize_t mdims[1] = {n};
-  const Hid mspace(H5Screate_simple(1, mdims, nullptr), H5Sclose);
-  if (t.stored == t.dtype) {
-    Check(H5Dread(dataset, MemType(t.stored), mspace, fspace, H5P_DEFAULT, out), path_ + ": reading failed");
-    return;
-  }
-  std::vector<float> wide(n);
-  Check(H5Dread(dataset, H5T_NATIVE_FLOAT, mspace, fspace, H5P_DEFAULT, wide.data()), path_ + ": reading failed");
-  Narrow(t.dtype, wide.data(), n, out);
+  const Hid space(H5Dget_space(dataset), H5Sclose);
+  const int rank = H5Sget_simple_extent_ndims(space);
+  const bool narrow = t.stored != t.dtype;
+  std::vector<float> wide(narrow ? n : 0);
+  const size_t ses = ckpt::ElementSize(t.stored);
+  uint8_t* dst = narrow ? reinterpret_cast<uint8_t*>(wide.data()) : out;
+  ForEachRect(rank == 2 ? t.width : 1, begin, n, [&](uint64_t row, uint64_t col, uint64_t rows, uint64_t cols, uint64_t before) {
+    const Rect r = Select(dataset, rank, row, col, rows, cols);
+    Check(H5Dread(dataset, MemType(t.stored), r.mem, r.file, H5P_DEFAULT, dst + before * ses), path_ + ": " + dpath + ": reading failed");
+  });
+  if (narrow) Narrow(t.dtype, wide.data(), n, out);
 }
 
 void H5State::Read(const std::string& name, StateField f, uint64_t begin, std::span<uint8_t> out, ckpt::Touched*) const {
