@@ -24,6 +24,7 @@
 #include "ckpt/output_guard.h"
 #include "ckpt/progress.h"
 #include "ckpt/sharded_tag.h"
+#include "tools/format_hints_cli.h"
 #include "tools/h5_state.h"
 #include "tools/hf_export.h"
 #include "tools/reshard.h"
@@ -54,7 +55,6 @@ int main(int argc, char** argv) {
   CLI::App app{"Write a checkpoint's whole state, layout-free, to one HDF5 file"};
   std::string src, out, dtype = "keep", compression = "none", format = "h5", max_shard = "10G", budget = "256M";
   bool weights_only = false, overwrite = false, no_verify = false, json = false;
-  int64_t heads = 0, kv_heads = 0, vocab = 0, divisible = 0;
   app.add_option("src", src, "a checkpoint tag, or a checkpoint folder (its newest complete tag is taken)")->required();
   app.add_option("out", out, "the .h5 file to write")->required();
   app.add_flag("--weights_only", weights_only, "leave out the optimizer state, scheduler and user content");
@@ -68,10 +68,8 @@ int main(int argc, char** argv) {
   app.add_flag("--overwrite", overwrite, "replace an existing export");
   app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
   app.add_flag("--json", json, "print the summary as JSON on stdout");
-  app.add_option("--heads", heads, "num_attention_heads, for a tag without a manifest (NxD's)")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  app.add_option("--kv_heads", kv_heads, "num_kv_heads, when shapes cannot tell")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  app.add_option("--vocab_size", vocab, "the unpadded vocabulary, for a tag without a manifest")->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
-  app.add_option("--make_vocab_size_divisible_by", divisible, "the vocabulary padding rule")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  tools::FormatHintOptions hints;
+  hints.AddTo(app);
   SHARDKIT_PARSE(app, argc, argv);
   auto log = [](const std::string& s) { std::cerr << s << std::endl; };
   ckpt::Env* env = ckpt::Env::Default();
@@ -89,12 +87,7 @@ int main(int argc, char** argv) {
       if (hf ? !IsHfExport(env, out) : !tools::IsH5State(out))
         throw ckpt::Error(out + ": --overwrite replaces only what ckpt-export --format " + format + " wrote, and this is not that");
     }
-    ckpt::FormatHints h;
-    if (heads) h.heads = heads;
-    if (kv_heads) h.kv_heads = kv_heads;
-    if (vocab) h.vocab_size = vocab;
-    if (divisible) h.make_vocab_size_divisible_by = divisible;
-    const auto state = ckpt::ShardedTag::Open(env, tag, h);
+    const auto state = ckpt::ShardedTag::Open(env, tag, hints.Hints());
     // Memory: what is resident now (the source's index), then blocks: one
     // read, one widened (float32), and what HDF5 and the writer buffer.
     const uint64_t base = tools::CurrentRss(), min_block = 1 << 20;

@@ -23,6 +23,7 @@
 #include "ckpt/tag_compare.h"
 #include "ckpt/tag_verify.h"
 #include "ckpt/tag_writer.h"
+#include "tools/format_hints_cli.h"
 
 namespace {
 
@@ -141,24 +142,16 @@ int main(int argc, char** argv) {
   app.add_flag("--gc", gc, "remove incomplete tags and leftover temporaries");
   app.add_flag("--dry-run", dry_run, "with --gc: list what would be removed");
   std::string against;
-  int64_t heads = 0, kv_heads = 0, vocab = 0, divisible = 0;
+  tools::FormatHintOptions hints;
   bool fingerprints = false;
   app.add_flag("--fingerprints", fingerprints, "also recompute each logical tensor's fingerprint and check it against the manifest's");
   app.add_option("--against", against, "another tag, in any layout: do both hold the same model and optimizer state?");
-  app.add_option("--heads", heads, "with --against, for a tag without a manifest: num_attention_heads");
-  app.add_option("--kv_heads", kv_heads, "with --against: num_kv_heads, when shapes cannot tell");
-  app.add_option("--vocab_size", vocab, "with --against: the unpadded vocabulary");
-  app.add_option("--make_vocab_size_divisible_by", divisible, "with --against: the vocabulary padding rule");
+  hints.AddTo(app);  // with --against, for a tag without a manifest
   SHARDKIT_PARSE(app, argc, argv);
   auto* env = ckpt::Env::Default();
   try {
     if (!against.empty()) {
-      ckpt::FormatHints h;
-      if (heads) h.heads = heads;
-      if (kv_heads) h.kv_heads = kv_heads;
-      if (vocab) h.vocab_size = vocab;
-      if (divisible) h.make_vocab_size_divisible_by = divisible;
-      return Against(env, path, against, h, !no_checksums, json);
+      return Against(env, path, against, hints.Hints(), !no_checksums, json);
     }
     if (!env->IsDirectory(path)) throw ckpt::Error(path + ": not a directory");
     if (gc) {

@@ -18,6 +18,7 @@
 #include "ckpt/cli.h"
 #include "ckpt/error.h"
 #include "ckpt/progress.h"
+#include "tools/format_hints_cli.h"
 #include "tools/h5_state.h"
 #include "tools/layout_cli.h"
 #include "tools/reshard.h"
@@ -53,7 +54,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   int dp = 0;
   bool zero1 = false, no_zero1 = false, json = false, no_verify = false;
   std::string budget = "512M", cuts;
-  int64_t heads = 0, kv_heads = 0, vocab = 0, divisible = 0;
+  FormatHintOptions hints;
   a.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   app.add_option("src", a.src, h5 ? "a file ckpt-export wrote" : "a checkpoint tag, or a checkpoint folder (its newest complete tag is taken)")->required();
   app.add_option("dst", a.dst, "the new tag folder");
@@ -71,10 +72,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   app.add_flag("--json", json, "print the summary as JSON on stdout");
   if (!h5) {  // an export records its model format and fingerprints
     app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
-    app.add_option("--heads", heads, "num_attention_heads, for a tag without a manifest (NxD's)")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-    app.add_option("--kv_heads", kv_heads, "num_kv_heads, when shapes cannot tell")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-    app.add_option("--vocab_size", vocab, "the unpadded vocabulary, for a tag without a manifest")->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
-    app.add_option("--make_vocab_size_divisible_by", divisible, "the vocabulary padding rule")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+    hints.AddTo(app);
   }
   SHARDKIT_PARSE(app, argc, argv);
   if (zero1 && no_zero1) {
@@ -83,10 +81,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   }
   if (zero1 || no_zero1) a.zero1 = zero1;
   if (dp) a.dp = dp;
-  if (heads) a.hints.heads = heads;
-  if (kv_heads) a.hints.kv_heads = kv_heads;
-  if (vocab) a.hints.vocab_size = vocab;
-  if (divisible) a.hints.make_vocab_size_divisible_by = divisible;
+  a.hints = hints.Hints();
   a.verify_source = !no_verify;
   const ckpt::MpiLaunch mpi = ckpt::ReadMpiLaunch();  // under mpirun the ranks split the files
   a.rank = mpi.rank, a.world_size = mpi.world_size, a.job_id = mpi.job_id;
