@@ -19,25 +19,8 @@ namespace {
 using ckpt::DType;
 using ckpt::Error;
 
-// `rows` rows of a logical tensor, from `row`.
-struct RowBlock {
-  std::string name;
-  int64_t row, rows;
-};
-
-// One Hugging Face tensor: row blocks of logical tensors, concatenated (all
-// of one row width), and for GPT-2's Conv1D transposed.
-struct HfTensor {
-  std::string name;
-  std::vector<int64_t> shape;
-  DType dtype = DType::kFloat32;
-  std::vector<RowBlock> blocks;
-  int64_t width = 1;  // elements per logical row
-  bool transpose = false;
-
-  uint64_t numel() const { return static_cast<uint64_t>(ckpt::ShapeNumel(shape)); }
-  uint64_t bytes() const { return numel() * ckpt::ElementSize(dtype); }
-};
+using HfTensor = HfTensorSpec;
+using RowBlock = HfRowBlock;
 
 // Produces an HfTensor's bytes in order, a chunk at a time. A transposed one
 // reads its whole logical matrix at the first chunk and frees it after the last.
@@ -93,10 +76,8 @@ class Producer {
 
 std::string L(int64_t layer, const std::string& rest) { return "language_model.encoder.layers." + std::to_string(layer) + "." + rest; }
 
-std::vector<HfTensor> LlamaTensors(const ckpt::LogicalState& src) {
-  const ckpt::ModelFormat& f = src.layout().format;
+std::vector<HfTensor> LlamaTensors(const ckpt::ModelFormat& f, DType dt) {
   const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), nh = f.heads, G = f.kv_heads, V = f.vocab_size;
-  const DType dt = src.dtype("language_model.embedding.word_embeddings.weight", ckpt::StateField::kParam);
   std::vector<HfTensor> out;
   auto add = [&](std::string name, std::vector<int64_t> shape, std::vector<RowBlock> blocks) {
     const int64_t width = shape.size() > 1 ? shape[1] : 1;
@@ -131,10 +112,8 @@ std::vector<HfTensor> LlamaTensors(const ckpt::LogicalState& src) {
   return out;
 }
 
-std::vector<HfTensor> Gpt2Tensors(const ckpt::LogicalState& src) {
-  const ckpt::ModelFormat& f = src.layout().format;
+std::vector<HfTensor> Gpt2Tensors(const ckpt::ModelFormat& f, DType dt) {
   const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), nh = f.heads, V = f.vocab_size;
-  const DType dt = src.dtype("language_model.embedding.word_embeddings.weight", ckpt::StateField::kParam);
   std::vector<HfTensor> out;
   // `shape` is HF's; a transposed tensor's blocks have rows of shape[0] elements.
   auto add = [&](std::string name, std::vector<int64_t> shape, std::vector<RowBlock> blocks, bool transpose = false) {
@@ -194,6 +173,10 @@ void WriteText(ckpt::Env* env, const std::string& path, const std::string& text)
 
 }  // namespace
 
+std::vector<HfTensorSpec> HfTensorsFor(const ckpt::ModelFormat& f, DType dtype) {
+  return f.gelu ? Gpt2Tensors(f, dtype) : LlamaTensors(f, dtype);
+}
+
 std::string HfUnsupported(const ckpt::ModelFormat& f) {
   const bool llama = !f.layernorm && !f.gelu && !f.bias && !f.learned_positions;
   const bool gpt2 = f.layernorm && f.gelu && f.bias && f.learned_positions && f.kv_heads == f.heads;
@@ -207,7 +190,8 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
   const ckpt::ModelFormat& f = src.layout().format;
   if (const std::string why = HfUnsupported(f); !why.empty()) throw Error(src.path() + ": " + why);
   const bool gpt2 = f.gelu;
-  std::vector<HfTensor> tensors = gpt2 ? Gpt2Tensors(src) : LlamaTensors(src);
+  std::vector<HfTensor> tensors =
+      HfTensorsFor(f, src.dtype("language_model.embedding.word_embeddings.weight", ckpt::StateField::kParam));
   HfExportSummary sum;
   sum.architecture = gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
 

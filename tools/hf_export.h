@@ -9,14 +9,18 @@
 //                         with model.safetensors.index.json past the size)
 //
 // HF's names and layouts, from NxDT's logical tensors (ckpt/partition.h):
-//   - Llama: query_key_value is per head [q_h; k_h; v_h] (NNM's HF converter,
-//     convert_hf_checkpoint_to_nemo_llama.py, builds it so from q/k/v):
-//     its rows are gathered back into q_proj, k_proj, v_proj. With GQA,
-//     `query` is q_proj and key_value, per group [k_g; v_g], gives k_proj
-//     and v_proj. dense_h_to_4h is [gate; up]: gate_proj and up_proj. No row
-//     permutation for RoPE: the training core rotates halves
-//     (rotate_half), as HF's Llama does, and NeMo's converter copies q/k as
-//     they are.
+//   - Llama: query_key_value is per head [q_h; k_h; v_h]: NNM's HF converter
+//     (neuronx-nemo-megatron, convert_hf_checkpoint_to_nemo_llama.py,
+//     convert_state_dict_for_pp_rank) concatenates q, k, v and reorders them
+//     with fix_query_key_value_ordering(..., 2.0, 3, heads, head_dim), i.e.
+//     (3, heads, hd) -> (heads, 3, hd); its rows are gathered back into
+//     q_proj, k_proj, v_proj. With GQA, `query` is q_proj and key_value, per
+//     group [k_g; v_g], gives k_proj and v_proj. dense_h_to_4h is [gate; up]
+//     (the same converter concatenates gate_proj and up_proj per tp rank).
+//     No row permutation for RoPE: that converter copies q and k rows as
+//     they are, and the training core rotates halves (rotate_half) as HF's
+//     Llama does. config.json's rms_norm_eps (1e-5) and rope_theta (10000)
+//     are the training core's; a checkpoint does not record them.
 //   - GPT-2: Conv1D weights are [in, out], so every linear weight is
 //     transposed; c_attn is [q; k; v] over all heads (de-interleaved).
 //   - Vocab padding rows are dropped; a tied output layer is HF's tie
@@ -27,11 +31,34 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "ckpt/env.h"
 #include "ckpt/logical_state.h"
 
 namespace tools {
+
+// Where an HF tensor's rows come from: `rows` rows of logical tensor `name`
+// from `row`, concatenated in order; `transpose`: the concatenation is
+// transposed (GPT-2's Conv1D stores [in, out]). The one mapping both
+// directions use (export here, import in tools/hf_state.h).
+struct HfRowBlock {
+  std::string name;
+  int64_t row, rows;
+};
+struct HfTensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;  // HF's
+  ckpt::DType dtype = ckpt::DType::kFloat32;
+  std::vector<HfRowBlock> blocks;
+  int64_t width = 1;  // elements per logical row
+  bool transpose = false;
+
+  uint64_t numel() const { return static_cast<uint64_t>(ckpt::ShapeNumel(shape)); }
+  uint64_t bytes() const { return numel() * ckpt::ElementSize(dtype); }
+};
+// The HF tensors of a supported format (HfUnsupported empty), in HF's order.
+std::vector<HfTensorSpec> HfTensorsFor(const ckpt::ModelFormat& f, ckpt::DType dtype);
 
 struct HfExportOptions {
   uint64_t max_shard_size = uint64_t{10} << 30;  // bytes per weights file

@@ -3,7 +3,9 @@
 //     re-lays a checkpoint tag for other parallel degrees, optimizer state
 //     included, streaming in bounded memory (tools/reshard.h);
 //   ckpt-import IN.h5 DST --tp N --pp M ...: the same from a ckpt-export
-//     file (tools/h5_state.h); its output equals ckpt-reshard's.
+//     file (tools/h5_state.h); its output equals ckpt-reshard's;
+//   ckpt-import --format hf DIR DST --tp N --pp M ...: from a Hugging Face
+//     model folder (tools/hf_state.h), weights only.
 // Exit 0 on success, 2 for bad input or a failed check (the message names
 // the file, key or degree), 1 for anything unexpected.
 #include <tbb/global_control.h>
@@ -17,9 +19,11 @@
 
 #include "ckpt/cli.h"
 #include "ckpt/error.h"
+#include "ckpt/output_guard.h"
 #include "ckpt/progress.h"
 #include "tools/format_hints_cli.h"
 #include "tools/h5_state.h"
+#include "tools/hf_state.h"
 #include "tools/layout_cli.h"
 #include "tools/reshard.h"
 
@@ -34,12 +38,18 @@ nlohmann::ordered_json GridJson(const ckpt::RankGrid& g, const std::vector<int64
 
 namespace tools {
 
-ReshardSummary RunImport(const ReshardArgs& args, ckpt::Env* env, const LogFn& log) {
+ReshardSummary RunImport(const ReshardArgs& args, bool hf, int64_t divisible, ckpt::Env* env, const LogFn& log) {
   const auto t0 = std::chrono::steady_clock::now();
   ReshardArgs a = args;
   a.tool = "import";
   ReshardSummary sum;
-  sum.src_tag = a.src;
+  sum.src_tag = ckpt::WithoutTrailingSeparators(a.src);
+  if (hf) {
+    const auto src = HfState::Open(env, sum.src_tag, divisible);
+    for (const auto& name : env->ListDir(sum.src_tag))
+      if (!env->IsDirectory(sum.src_tag + "/" + name)) sum.bytes_read += env->FileSize(sum.src_tag + "/" + name);
+    return WriteInLayout(*src, "", a, env, log, t0, std::move(sum));
+  }
   if (!env->Exists(a.src) || env->IsDirectory(a.src)) throw ckpt::Error(a.src + ": no such file (IN is a ckpt-export .h5 file)");
   const auto src = H5State::Open(a.src);
   sum.bytes_read = env->FileSize(a.src);
@@ -70,9 +80,16 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   app.add_flag("--dry_run", a.dry_run, "print the plan and write nothing");
   app.add_flag("--overwrite", a.overwrite, "replace an existing target tag (kept until the new one is complete)");
   app.add_flag("--json", json, "print the summary as JSON on stdout");
+  std::string format = "h5";
+  int64_t divisible = 128;
   if (!h5) {  // an export records its model format and fingerprints
     app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
     hints.AddTo(app);
+  } else {
+    app.add_option("--format", format, "h5: a ckpt-export file; hf: a Hugging Face model folder (weights only)")
+        ->check(CLI::IsMember({"h5", "hf"}));
+    app.add_option("--make_vocab_size_divisible_by", divisible, "with --format hf: the vocabulary padding rule (NxDT's default 128)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   }
   SHARDKIT_PARSE(app, argc, argv);
   if (zero1 && no_zero1) {
@@ -98,7 +115,8 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
       at = comma + 1;
     }
     tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(a.threads));
-    const tools::ReshardSummary s = h5 ? RunImport(a, ckpt::Env::Default(), log) : tools::RunReshard(a, ckpt::Env::Default(), log);
+    const tools::ReshardSummary s =
+        h5 ? RunImport(a, format == "hf", divisible, ckpt::Env::Default(), log) : tools::RunReshard(a, ckpt::Env::Default(), log);
     const double rate = static_cast<double>(s.bytes_written) / std::max(s.seconds, 1e-9);
     if (json && a.rank == 0) {
       nlohmann::ordered_json j = {{"source", s.src_tag},

@@ -9,7 +9,9 @@ namespace tools {
 enum class LayoutSource { kTag, kExport };
 int LayoutMain(int argc, char** argv, LayoutSource source);
 
-// ckpt-import: opens a ckpt-export file and writes it as WriteInLayout does.
-ReshardSummary RunImport(const ReshardArgs& a, ckpt::Env* env, const LogFn& log);
+// ckpt-import: opens a ckpt-export file (or with `hf` a Hugging Face folder,
+// its vocab padded to a multiple of `divisible` times tp) and writes it as
+// WriteInLayout does.
+ReshardSummary RunImport(const ReshardArgs& a, bool hf, int64_t divisible, ckpt::Env* env, const LogFn& log);
 
 }  // namespace tools

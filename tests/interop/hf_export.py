@@ -30,6 +30,8 @@ import torch
 from canon import BIN, TRAIN_DUMP, TempDirTest
 
 EXPORT = os.path.join(BIN, "tools", "ckpt-export")
+IMPORT = os.path.join(BIN, "tools", "ckpt-import")
+VERIFY = os.path.join(BIN, "tools", "ckpt-verify")
 RANK_FILE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"
 
 
@@ -204,6 +206,48 @@ class HfExport(TempDirTest):
             self.assertEqual(idx["metadata"]["total_size"], sum(t.numel() * t.element_size() for t in one.values()))
             for k in one:
                 self.assertTrue(torch.equal(merged[k], one[k]), k)
+
+    def import_back(self, flags, layout, drop):
+        """Export to HF, drop one weights format, import at `layout`: the same logical weights."""
+        tag, _, fmt = self.dump_tag(*flags)
+        out, _ = self.export(tag, fmt)
+        for name in os.listdir(out):
+            if name.startswith(drop):
+                os.remove(os.path.join(out, name))
+        dst = os.path.join(self.dir, "imported.ckpt")
+        r = subprocess.run([IMPORT, "--format", "hf", out, dst, *layout, "--make_vocab_size_divisible_by", "8"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(dst, "optim")))
+        with open(os.path.join(dst, "manifest.json")) as f:
+            m = json.load(f)
+        self.assertEqual((m["grid"]["tp"], m["grid"]["pp"]), (int(layout[1]), int(layout[3])))
+        v = subprocess.run([VERIFY, dst, "--against", tag, *fmt], capture_output=True, text=True)
+        self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
+        return dst
+
+    def test_hf_import_llama_gqa_from_safetensors_at_tp2_pp2(self):
+        self.import_back(["--kv-heads", "2"], ["--tp", "2", "--pp", "2"], "pytorch_model")
+
+    def test_hf_import_gpt2_from_bin_at_tp2(self):
+        self.import_back(["--gpt"], ["--tp", "2", "--pp", "1"], "model.safetensors")
+
+    def test_hf_import_refuses_what_it_cannot_hold(self):
+        tag, _, fmt = self.dump_tag()
+        out, cfg = self.export(tag, fmt)
+        dst = os.path.join(self.dir, "x.ckpt")
+        for what, edit, pattern in (
+                ("arch", lambda c: c.update(architectures=["MistralForCausalLM"]), r"architecture 'MistralForCausalLM'"),
+                ("shape", lambda c: c.update(intermediate_size=c["intermediate_size"] * 2), r"tensor 'model.layers.0.mlp.gate_proj.weight' is"),
+                ("bias", lambda c: c.update(attention_bias=True), r"a Llama with biases")):
+            bad = dict(cfg)
+            edit(bad)
+            with open(os.path.join(out, "config.json"), "w") as f:
+                json.dump(bad, f)
+            r = subprocess.run([IMPORT, "--format", "hf", out, dst, "--tp", "1", "--pp", "1"], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 2, what + ": " + r.stderr)
+            self.assertRegex(r.stderr, pattern)
+            self.assertFalse(os.path.exists(dst), what)
 
     def test_unsupported_architecture_is_refused(self):
         tag, _, fmt = self.dump_tag("--bias")  # llama-style with biases: no HF class holds it as is

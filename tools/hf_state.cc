@@ -1,0 +1,220 @@
+#include "tools/hf_state.h"
+
+#include <algorithm>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/error.h"
+#include "ckpt/pt_file.h"
+
+namespace tools {
+namespace {
+
+using ckpt::DType;
+using ckpt::Error;
+
+nlohmann::json ReadJson(ckpt::Env* env, const std::string& path) {
+  const auto m = env->MapFile(path);
+  nlohmann::json j = nlohmann::json::parse(m->data(), m->data() + m->size(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) throw Error(path + ": is not a JSON object");
+  return j;
+}
+
+int64_t Int(const nlohmann::json& j, const char* key, const std::string& where, std::optional<int64_t> fallback = std::nullopt) {
+  if (!j.contains(key) || j[key].is_null()) {
+    if (fallback) return *fallback;
+    throw Error(where + ": has no '" + key + "'");
+  }
+  if (!j[key].is_number_integer() || j[key].get<int64_t>() < 1 || j[key].get<int64_t>() > (int64_t{1} << 40))
+    throw Error(where + ": '" + key + "' is " + j[key].dump() + ", not a positive whole number");
+  return j[key].get<int64_t>();
+}
+
+std::optional<DType> SafetensorsType(const std::string& s) {
+  if (s == "F32") return DType::kFloat32;
+  if (s == "BF16") return DType::kBFloat16;
+  if (s == "F16") return DType::kFloat16;
+  if (s == "F64") return DType::kFloat64;
+  return std::nullopt;
+}
+
+// The weights files a folder's index (or the single file) names.
+std::vector<std::string> WeightFiles(ckpt::Env* env, const std::string& dir, const std::string& single, const std::string& index) {
+  if (env->Exists(dir + "/" + single)) return {single};
+  if (!env->Exists(dir + "/" + index)) return {};
+  const nlohmann::json j = ReadJson(env, dir + "/" + index);
+  if (!j.contains("weight_map") || !j["weight_map"].is_object()) throw Error(dir + "/" + index + ": has no 'weight_map' object");
+  std::vector<std::string> files;
+  for (const auto& [k, v] : j["weight_map"].items()) {
+    if (!v.is_string() || v.get<std::string>().find('/') != std::string::npos)
+      throw Error(dir + "/" + index + ": weight_map['" + k + "'] is not a file name in the folder");
+    if (std::find(files.begin(), files.end(), v.get<std::string>()) == files.end()) files.push_back(v.get<std::string>());
+  }
+  return files;
+}
+
+}  // namespace
+
+std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, int64_t divisible) {
+  std::unique_ptr<HfState> s(new HfState());
+  s->dir_ = dir;
+  const std::string cpath = dir + "/config.json";
+  if (!env->IsDirectory(dir) || !env->Exists(cpath)) throw Error(dir + ": is not a Hugging Face model folder (no config.json)");
+  const nlohmann::json c = ReadJson(env, cpath);
+  const std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty() &&
+                                   c["architectures"][0].is_string()
+                               ? c["architectures"][0].get<std::string>()
+                               : "";
+  ckpt::ModelFormat& f = s->layout_.format;
+  auto flag = [&](const char* key, bool fallback) {
+    if (!c.contains(key)) return fallback;
+    if (!c[key].is_boolean()) throw Error(cpath + ": '" + key + "' is not true or false");
+    return c[key].get<bool>();
+  };
+  if (arch == "LlamaForCausalLM") {
+    f.hidden = Int(c, "hidden_size", cpath), f.ffn = Int(c, "intermediate_size", cpath);
+    f.heads = Int(c, "num_attention_heads", cpath), f.kv_heads = Int(c, "num_key_value_heads", cpath, f.heads);
+    f.layers = Int(c, "num_hidden_layers", cpath), f.vocab_size = Int(c, "vocab_size", cpath);
+    f.tied_output = flag("tie_word_embeddings", false);
+    if (flag("attention_bias", false) || flag("mlp_bias", false)) throw Error(cpath + ": a Llama with biases, which NxDT's Llama has not");
+  } else if (arch == "GPT2LMHeadModel") {
+    f.hidden = Int(c, "n_embd", cpath), f.heads = Int(c, "n_head", cpath), f.kv_heads = f.heads;
+    f.ffn = Int(c, "n_inner", cpath, 4 * f.hidden), f.layers = Int(c, "n_layer", cpath);
+    f.vocab_size = Int(c, "vocab_size", cpath), f.max_positions = Int(c, "n_positions", cpath);
+    f.tied_output = flag("tie_word_embeddings", true);
+    f.layernorm = f.gelu = f.bias = f.learned_positions = true;
+    const std::string act = c.value("activation_function", std::string("gelu_new"));
+    if (act != "gelu")
+      throw Error(cpath + ": activation_function '" + act + "': the training core's GeLU is erf's ('gelu'), so this model would compute otherwise");
+  } else {
+    throw Error(cpath + ": architecture '" + arch + "' is not one this import knows (LlamaForCausalLM, GPT2LMHeadModel)");
+  }
+  if (f.hidden % f.heads || f.heads % f.kv_heads) throw Error(cpath + ": the head counts do not divide the hidden size");
+  f.make_vocab_size_divisible_by = divisible;
+
+  // The weights: safetensors when present, else torch's .bin.
+  std::vector<std::string> files = WeightFiles(env, dir, "model.safetensors", "model.safetensors.index.json");
+  const bool safetensors = !files.empty();
+  if (!safetensors) files = WeightFiles(env, dir, "pytorch_model.bin", "pytorch_model.bin.index.json");
+  if (files.empty()) throw Error(dir + ": holds no model.safetensors, pytorch_model.bin or their index");
+  for (const std::string& name : files) {
+    const std::string path = dir + "/" + name;
+    if (!env->Exists(path)) throw Error(path + ": missing (named by the folder's index)");
+    if (safetensors) {
+      auto m = env->MapFile(path);
+      const uint8_t* p = m->data();
+      if (m->size() < 8) throw Error(path + ": too short for a safetensors header");
+      uint64_t n = 0;
+      for (int b = 0; b < 8; ++b) n |= static_cast<uint64_t>(p[b]) << (8 * b);
+      if (n > m->size() - 8) throw Error(path + ": header length " + std::to_string(n) + " runs past the file");
+      const nlohmann::json h = nlohmann::json::parse(p + 8, p + 8 + n, nullptr, false);
+      if (h.is_discarded() || !h.is_object()) throw Error(path + ": the header is not a JSON object");
+      const uint64_t body = 8 + n, avail = m->size() - body;
+      for (const auto& [k, e] : h.items()) {
+        if (k == "__metadata__") continue;
+        const std::string at = path + ": tensor '" + k + "'";
+        if (!e.is_object() || !e.contains("dtype") || !e["dtype"].is_string() || !e.contains("shape") || !e["shape"].is_array() ||
+            !e.contains("data_offsets") || !e["data_offsets"].is_array() || e["data_offsets"].size() != 2 ||
+            !e["data_offsets"][0].is_number_unsigned() || !e["data_offsets"][1].is_number_unsigned())
+          throw Error(at + ": malformed header entry");
+        const auto dt = SafetensorsType(e["dtype"].get<std::string>());
+        if (!dt) throw Error(at + ": dtype " + e["dtype"].get<std::string>() + " is not a float type this import takes");
+        Source src;
+        src.dtype = *dt, src.file = m.get();
+        for (const auto& d : e["shape"]) {
+          if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 40)) throw Error(at + ": malformed shape");
+          src.shape.push_back(d.get<int64_t>());
+        }
+        const uint64_t b = e["data_offsets"][0].get<uint64_t>(), t = e["data_offsets"][1].get<uint64_t>();
+        if (b > t || t > avail || t - b != static_cast<uint64_t>(ckpt::ShapeNumel(src.shape)) * ckpt::ElementSize(src.dtype))
+          throw Error(at + ": data_offsets do not fit its shape and dtype or the file");
+        src.data = p + body + b;
+        s->sources_[k] = src;
+      }
+      s->files_.push_back(std::move(m));
+    } else {
+      ckpt::Value sd = ckpt::LoadPt(path, {}, env);
+      if (!sd.is_dict()) throw Error(path + ": is not a state dict");
+      for (const auto& [k, v] : sd.as_dict().items) {
+        if (!k.is_str() || !v.is_tensor()) continue;
+        const ckpt::Tensor& t = v.as_tensor();
+        if (!t.is_contiguous()) throw Error(path + ": tensor '" + k.as_str() + "' is not contiguous");
+        s->sources_[k.as_str()] = Source{t.data(), nullptr, t.shape(), t.dtype()};
+      }
+      s->loaded_.push_back(std::move(sd));
+    }
+  }
+
+  // Every tensor the mapping names, of its shape and one float type.
+  const auto emb = s->sources_.find(f.gelu ? "transformer.wte.weight" : "model.embed_tokens.weight");
+  if (emb == s->sources_.end()) throw Error(dir + ": has no embedding tensor");
+  s->dtype_ = emb->second.dtype;
+  if (s->dtype_ != DType::kFloat32 && s->dtype_ != DType::kBFloat16 && s->dtype_ != DType::kFloat16 && s->dtype_ != DType::kFloat64)
+    throw Error(dir + ": the embedding is " + std::string(ckpt::DTypeName(s->dtype_)) + ", not a float type");
+  s->specs_ = HfTensorsFor(f, s->dtype_);
+  for (const HfTensorSpec& spec : s->specs_) {
+    const auto it = s->sources_.find(spec.name);
+    if (it == s->sources_.end()) throw Error(dir + ": tensor '" + spec.name + "' missing (" + arch + " with this config has it)");
+    if (it->second.shape != spec.shape || it->second.dtype != s->dtype_)
+      throw Error(dir + ": tensor '" + spec.name + "' is " + std::string(ckpt::DTypeName(it->second.dtype)) + " " +
+                  ckpt::ShapeString(it->second.shape) + ", expected " + std::string(ckpt::DTypeName(s->dtype_)) + " " +
+                  ckpt::ShapeString(spec.shape));
+    int64_t from = 0;
+    for (const HfRowBlock& b : spec.blocks) {
+      s->pieces_[b.name].push_back({b.row, b.rows, from, &spec});
+      from += b.rows;
+    }
+  }
+  for (auto& [name, ps] : s->pieces_) std::sort(ps.begin(), ps.end(), [](const Piece& a, const Piece& b) { return a.row < b.row; });
+
+  ckpt::TagLayout& L = s->layout_;
+  L.grid = {1, 1, 1, false};
+  L.stage_bounds = ckpt::StageBounds(f.layers, 1, {});
+  L.format_from_manifest = true;
+  s->params_ = ckpt::LogicalParameters(f, 1);
+  for (const auto& p : s->params_)
+    if (!s->pieces_.count(p.name)) throw Error(dir + ": nothing maps to " + p.name);  // a mapping bug, never input
+  return s;
+}
+
+bool HfState::Has(const std::string& name, ckpt::StateField f) const {
+  return f == ckpt::StateField::kParam && pieces_.count(name) > 0;
+}
+
+const ckpt::Value& HfState::Step(const std::string& name) const {
+  throw Error(dir_ + ": a Hugging Face folder holds no optimizer state (asked for " + name + "'s step)");
+}
+
+const uint8_t* HfState::Matrix(const HfTensorSpec& spec) const {
+  const Source& src = sources_.at(spec.name);
+  if (!spec.transpose) return src.data;
+  // GPT-2's Conv1D [in, out] is the transpose of the concatenated [rows, width].
+  if (transposed_name_ != spec.name) {
+    const size_t es = ckpt::ElementSize(dtype_);
+    const uint64_t width = static_cast<uint64_t>(spec.width), rows = spec.numel() / width;
+    transposed_.resize(spec.bytes());
+    for (uint64_t r = 0; r < rows; ++r)
+      for (uint64_t c = 0; c < width; ++c) std::memcpy(transposed_.data() + (r * width + c) * es, src.data + (c * rows + r) * es, es);
+    transposed_name_ = spec.name;
+  }
+  return transposed_.data();
+}
+
+void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, std::span<uint8_t> out, ckpt::Touched*) const {
+  if (f != ckpt::StateField::kParam) throw Error(dir_ + ": a Hugging Face folder holds no optimizer state");
+  const size_t es = ckpt::ElementSize(dtype_);
+  const auto& ps = pieces_.at(name);
+  const uint64_t width = static_cast<uint64_t>(ps.front().spec->width), end = begin + out.size() / es;
+  std::memset(out.data(), 0, out.size());  // rows no piece holds: vocab padding
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Piece& p : ps) {
+    const uint64_t lo = std::max(begin, static_cast<uint64_t>(p.row) * width),
+                   hi = std::min(end, static_cast<uint64_t>(p.row + p.rows) * width);
+    if (lo >= hi) continue;
+    const uint8_t* m = Matrix(*p.spec);
+    std::memcpy(out.data() + (lo - begin) * es, m + (static_cast<uint64_t>(p.from) * width + (lo - static_cast<uint64_t>(p.row) * width)) * es,
+                (hi - lo) * es);
+  }
+}
+
+}  // namespace tools

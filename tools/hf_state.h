@@ -1,0 +1,82 @@
+// A Hugging Face model folder read as a LogicalState (ckpt-import --format
+// hf), so teams that start from an HF model get an NxDT tag in any layout.
+//
+// config.json names the architecture: LlamaForCausalLM (hidden_size,
+// intermediate_size, num_attention_heads, num_key_value_heads,
+// num_hidden_layers, vocab_size, tie_word_embeddings) or GPT2LMHeadModel
+// (n_embd, n_inner, n_head, n_layer, n_positions, vocab_size,
+// activation_function "gelu", the training core's). Weights come from
+// model.safetensors (or its sharded index) when present, else from
+// pytorch_model.bin (or its index); both are mapped, not read whole.
+// Logical tensors are rebuilt by inverting ckpt-export's mapping
+// (HfTensorsFor in tools/hf_export.h): q/k/v back into per-head [q;k;v]
+// (or query and per-group [k;v]), gate/up into [gate; up], GPT-2's Conv1D
+// transposed back (one tensor held at a time). Vocab rows past vocab_size
+// read as zero padding. No optimizer state: the tag is weights only.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ckpt/env.h"
+#include "ckpt/logical_state.h"
+#include "ckpt/value.h"
+#include "tools/hf_export.h"
+
+namespace tools {
+
+class HfState final : public ckpt::LogicalState {
+ public:
+  // Throws ckpt::Error naming the file, the key or tensor and what is wrong.
+  static std::unique_ptr<HfState> Open(ckpt::Env* env, const std::string& dir, int64_t make_vocab_size_divisible_by);
+
+  const std::string& path() const override { return dir_; }
+  const ckpt::TagLayout& layout() const override { return layout_; }
+  const std::vector<ckpt::ParamRule>& params() const override { return params_; }
+  bool Has(const std::string& name, ckpt::StateField f) const override;
+  ckpt::DType dtype(const std::string&, ckpt::StateField) const override { return dtype_; }
+  void Read(const std::string& name, ckpt::StateField f, uint64_t begin, std::span<uint8_t> out, ckpt::Touched* touched) const override;
+  const ckpt::Value& Step(const std::string& name) const override;
+  const ckpt::Value& ParamGroups() const override { return none_; }
+  const std::vector<ckpt::StateBuffer>& buffers() const override { return buffers_; }
+  bool model_dict_ordered() const override { return true; }
+  int64_t step() const override { return 0; }
+  double consumed_samples() const override { return 0; }
+  const std::optional<ckpt::TensorFingerprints>& recorded_fingerprints() const override { return fingerprints_; }
+  std::optional<ckpt::Value> TagFile(const std::string&) const override { return std::nullopt; }
+
+ private:
+  struct Source {  // an HF tensor's bytes, as the folder holds them
+    const uint8_t* data = nullptr;
+    const ckpt::MappedFile* file = nullptr;
+    std::vector<int64_t> shape;
+    ckpt::DType dtype = ckpt::DType::kFloat32;
+  };
+  struct Piece {  // logical rows [row, row + rows) are rows [from, ...) of `spec`'s concatenated matrix
+    int64_t row, rows, from;
+    const HfTensorSpec* spec;
+  };
+  HfState() = default;
+  const uint8_t* Matrix(const HfTensorSpec& spec) const;  // the concatenated matrix of a spec, row-major
+
+  std::string dir_;
+  ckpt::TagLayout layout_;
+  std::vector<ckpt::ParamRule> params_;
+  ckpt::DType dtype_ = ckpt::DType::kFloat32;
+  std::vector<HfTensorSpec> specs_;
+  std::map<std::string, Source> sources_;
+  std::map<std::string, std::vector<Piece>> pieces_;
+  std::vector<std::shared_ptr<const ckpt::MappedFile>> files_;
+  std::vector<ckpt::Value> loaded_;  // .bin state dicts whose mapped storages sources_ point into
+  ckpt::Value none_;
+  std::vector<ckpt::StateBuffer> buffers_;
+  std::optional<ckpt::TensorFingerprints> fingerprints_;
+  mutable std::mutex mu_;
+  mutable std::string transposed_name_;  // the one transposed matrix held
+  mutable std::vector<uint8_t> transposed_;
+};
+
+}  // namespace tools
