@@ -55,6 +55,42 @@ std::vector<std::string> WeightFiles(ckpt::Env* env, const std::string& dir, con
 
 }  // namespace
 
+std::map<std::string, SafetensorsEntry> ParseSafetensors(std::span<const uint8_t> file, const std::string& path) {
+  const uint8_t* p = file.data();
+  if (file.size() < 8) throw Error(path + ": too short for a safetensors header");
+  uint64_t n = 0;
+  for (int b = 0; b < 8; ++b) n |= static_cast<uint64_t>(p[b]) << (8 * b);
+  if (n > file.size() - 8) throw Error(path + ": header length " + std::to_string(n) + " runs past the file");
+  const nlohmann::json h = nlohmann::json::parse(p + 8, p + 8 + n, nullptr, false);
+  if (h.is_discarded() || !h.is_object()) throw Error(path + ": the header is not a JSON object");
+  const uint64_t body = 8 + n, avail = file.size() - body;
+  std::map<std::string, SafetensorsEntry> out;
+  for (const auto& [k, e] : h.items()) {
+    if (k == "__metadata__") continue;
+    const std::string at = path + ": tensor '" + k + "'";
+    if (!e.is_object() || !e.contains("dtype") || !e["dtype"].is_string() || !e.contains("shape") || !e["shape"].is_array() ||
+        e["shape"].size() > 8 || !e.contains("data_offsets") || !e["data_offsets"].is_array() || e["data_offsets"].size() != 2 ||
+        !e["data_offsets"][0].is_number_unsigned() || !e["data_offsets"][1].is_number_unsigned())
+      throw Error(at + ": malformed header entry");
+    const auto dt = SafetensorsType(e["dtype"].get<std::string>());
+    if (!dt) throw Error(at + ": dtype " + e["dtype"].get<std::string>() + " is not a float type this import takes");
+    SafetensorsEntry entry{*dt, {}, 0, 0};
+    uint64_t numel = 1;
+    for (const auto& d : e["shape"]) {
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 40)) throw Error(at + ": malformed shape");
+      entry.shape.push_back(d.get<int64_t>());
+      const uint64_t dim = d.get<uint64_t>();  // a product past the file is too big, however big: no overflow
+      numel = dim == 0 ? 0 : (numel > (avail + 1) / dim ? avail + 1 : numel * dim);
+    }
+    const uint64_t b = e["data_offsets"][0].get<uint64_t>(), t = e["data_offsets"][1].get<uint64_t>();
+    if (b > t || t > avail || numel > avail || t - b != numel * ckpt::ElementSize(entry.dtype))
+      throw Error(at + ": data_offsets do not fit its shape and dtype or the file");
+    entry.begin = body + b, entry.end = body + t;
+    out.emplace(k, std::move(entry));
+  }
+  return out;
+}
+
 std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, int64_t divisible) {
   std::unique_ptr<HfState> s(new HfState());
   s->dir_ = dir;
@@ -102,35 +138,8 @@ std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, i
     if (!env->Exists(path)) throw Error(path + ": missing (named by the folder's index)");
     if (safetensors) {
       auto m = env->MapFile(path);
-      const uint8_t* p = m->data();
-      if (m->size() < 8) throw Error(path + ": too short for a safetensors header");
-      uint64_t n = 0;
-      for (int b = 0; b < 8; ++b) n |= static_cast<uint64_t>(p[b]) << (8 * b);
-      if (n > m->size() - 8) throw Error(path + ": header length " + std::to_string(n) + " runs past the file");
-      const nlohmann::json h = nlohmann::json::parse(p + 8, p + 8 + n, nullptr, false);
-      if (h.is_discarded() || !h.is_object()) throw Error(path + ": the header is not a JSON object");
-      const uint64_t body = 8 + n, avail = m->size() - body;
-      for (const auto& [k, e] : h.items()) {
-        if (k == "__metadata__") continue;
-        const std::string at = path + ": tensor '" + k + "'";
-        if (!e.is_object() || !e.contains("dtype") || !e["dtype"].is_string() || !e.contains("shape") || !e["shape"].is_array() ||
-            !e.contains("data_offsets") || !e["data_offsets"].is_array() || e["data_offsets"].size() != 2 ||
-            !e["data_offsets"][0].is_number_unsigned() || !e["data_offsets"][1].is_number_unsigned())
-          throw Error(at + ": malformed header entry");
-        const auto dt = SafetensorsType(e["dtype"].get<std::string>());
-        if (!dt) throw Error(at + ": dtype " + e["dtype"].get<std::string>() + " is not a float type this import takes");
-        Source src;
-        src.dtype = *dt, src.file = m.get();
-        for (const auto& d : e["shape"]) {
-          if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 40)) throw Error(at + ": malformed shape");
-          src.shape.push_back(d.get<int64_t>());
-        }
-        const uint64_t b = e["data_offsets"][0].get<uint64_t>(), t = e["data_offsets"][1].get<uint64_t>();
-        if (b > t || t > avail || t - b != static_cast<uint64_t>(ckpt::ShapeNumel(src.shape)) * ckpt::ElementSize(src.dtype))
-          throw Error(at + ": data_offsets do not fit its shape and dtype or the file");
-        src.data = p + body + b;
-        s->sources_[k] = src;
-      }
+      for (auto& [k, e] : ParseSafetensors({m->data(), m->size()}, path))
+        s->sources_[k] = Source{m->data() + e.begin, m.get(), std::move(e.shape), e.dtype};
       s->files_.push_back(std::move(m));
     } else {
       ckpt::Value sd = ckpt::LoadPt(path, {}, env);

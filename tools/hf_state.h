@@ -28,6 +28,18 @@
 
 namespace tools {
 
+// One tensor of a safetensors file: its dtype, shape and byte range in the
+// file (past the header).
+struct SafetensorsEntry {
+  ckpt::DType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin, end;  // absolute offsets in the file
+};
+// Parses a safetensors file's header (8-byte little-endian length, JSON) and
+// checks every entry against the file's size. Throws ckpt::Error naming
+// `where` and the tensor.
+std::map<std::string, SafetensorsEntry> ParseSafetensors(std::span<const uint8_t> file, const std::string& where);
+
 class HfState final : public ckpt::LogicalState {
  public:
   // Throws ckpt::Error naming the file, the key or tensor and what is wrong.

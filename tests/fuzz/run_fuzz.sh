@@ -3,6 +3,7 @@
 #   pt_fuzz        the .pt readers (zip, legacy, pickle), SECONDS
 #   yaml_fuzz      YAML configs: migration, --check, training config, SECONDS
 #   manifest_fuzz  manifest.json and rank completion records, SECONDS / 2
+#   hf_fuzz        safetensors headers and fingerprint pieces, SECONDS / 2
 # Usage: run_fuzz.sh BUILD_DIR SECONDS. Fails on any crash, leak, UB or timeout.
 # -entropic=0: entropic scheduling spends ~90% of the time in its own
 # bookkeeping on pt_fuzz's ~80k features (measured: 21 vs 765 exec/s).
@@ -13,7 +14,7 @@ root=$(cd "$here/../.." && pwd)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-mkdir -p "$tmp/seeds/pt" "$tmp/seeds/yaml" "$tmp/seeds/manifest"
+mkdir -p "$tmp/seeds/pt" "$tmp/seeds/yaml" "$tmp/seeds/manifest" "$tmp/seeds/hf"
 /usr/bin/python3 "$here/make_seeds.py" "$tmp/seeds/pt"
 cp "$root"/conf/*.yaml "$root"/tests/data/configs/*.yaml "$tmp/seeds/yaml/"
 printf 'model: &a {x: 1, y: [*a]}\n' >"$tmp/seeds/yaml/alias.yaml"
@@ -26,6 +27,23 @@ cat >"$tmp/seeds/manifest/manifest.json" <<'JSON'
 JSON
 printf '{"rank": 1, "save_id": "run/step=3", "files": {"optim/x.pt": {"size": 7, "crc32": "deadbeef"}}}\n' \
   >"$tmp/seeds/manifest/rank_00001.json"
+
+# A safetensors file of two tensors, and a rank record's fingerprint pieces.
+/usr/bin/python3 - "$tmp/seeds/hf" <<'PY'
+import json, struct, sys
+h = {"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+     "b": {"dtype": "BF16", "shape": [3], "data_offsets": [16, 22]}, "__metadata__": {"format": "pt"}}
+t = json.dumps(h).encode()
+t += b" " * (-len(t) % 8)
+open(sys.argv[1] + "/model.safetensors", "wb").write(struct.pack("<Q", len(t)) + t + bytes(22))
+open(sys.argv[1] + "/pieces.json", "w").write(json.dumps({"w": {"param": [[0, 32, "0a1b2c3d"], [32, 64, "00000000"]]}}))
+PY
+cat >"$tmp/seeds/manifest/tensors.json" <<'JSON'
+{"format": "shardkit-checkpoint-manifest", "version": 1, "step": 3, "consumed_samples": 24.0,
+ "grid": {"tp": 1, "pp": 1, "dp": 1, "zero1": false}, "world_size": 1,
+ "files": {"model/dp_rank_00_tp_rank_00_pp_rank_00.pt": {"size": 1024, "crc32": "0a1b2c3d"}},
+ "tensors": {"w": {"param": {"dtype": "bfloat16", "numel": 16, "crc32": "0a1b2c3d"}}}}
+JSON
 
 passed=0 failed=0
 fuzz() {  # NAME SECONDS MAX_LEN
@@ -52,5 +70,6 @@ fuzz() {  # NAME SECONDS MAX_LEN
 fuzz pt_fuzz "$seconds" 65536
 fuzz yaml_fuzz "$seconds" 8192
 fuzz manifest_fuzz $((seconds / 2)) 8192
+fuzz hf_fuzz $((seconds / 2)) 8192
 echo "fuzz: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
