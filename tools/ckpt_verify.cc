@@ -109,8 +109,10 @@ int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ck
 
 // Problems of a tag's recorded fingerprints against the data they describe.
 std::vector<ckpt::TagProblem> CheckFingerprints(ckpt::Env* env, const std::string& tag) {
+  // Only a manifest that records fingerprints has any to check (and records
+  // the model format that opening the tag needs).
+  if (!ckpt::Manifest::Load(env, tag + "/" + ckpt::kManifestFile).tensors) return {};
   const auto t = ckpt::ShardedTag::Open(env, tag);
-  if (!t->recorded_fingerprints()) return {};
   std::vector<ckpt::TagProblem> out;
   const ckpt::TensorFingerprints have = ckpt::ComputeFingerprints(*t), &want = *t->recorded_fingerprints();
   for (const auto& [name, fields] : have)
