@@ -17,13 +17,13 @@ namespace {
 constexpr int kWriterNice = 10;
 }  // namespace
 
-CheckpointStore::CheckpointStore(StoreOptions opts) : opts_(std::move(opts)) {
+CheckpointStore::CheckpointStore(StoreOptions opts, MpiLaunch launch) : opts_(std::move(opts)), launch_(std::move(launch)) {
   if (opts_.dir.empty()) throw Error("checkpoint store: no checkpoint directory given");
   if (opts_.max_in_flight < 1) throw Error("checkpoint store: max_in_flight must be at least 1");
-  if (opts_.run_id.empty()) {
-    if (opts_.world_size > 1) throw Error("checkpoint store: a multi-rank store needs a run_id shared by all ranks");
+  if (launch_.job_id.empty()) {
+    if (launch_.world_size > 1) throw Error("checkpoint store: a multi-rank store needs a job id shared by all ranks");
     std::random_device rd;
-    opts_.run_id = CrcHex(rd()) + CrcHex(rd());
+    launch_.job_id = CrcHex(rd()) + CrcHex(rd());
   }
   opts_.env->CreateDirs(opts_.dir);
   lock_ = opts_.env->LockFile(opts_.dir + "/" + kStoreLockFile, /*exclusive=*/false, /*wait=*/true);
@@ -112,11 +112,11 @@ void CheckpointStore::WriterLoop() {
 void CheckpointStore::Persist(const Snapshot& snap) {
   Env* env = opts_.env;
   const std::string name = FormatTagName(snap.tag), tag_dir = opts_.dir + "/" + name;
-  const std::string save_id = opts_.run_id + "/step=" + std::to_string(snap.tag.step);
+  const std::string save_id = launch_.job_id + "/step=" + std::to_string(snap.tag.step);
   // A complete tag under this name is another save's (a damaged one resume
   // skipped, or a later step of a run resumed from an earlier tag): set it
   // aside, never delete it. An incomplete one is an interrupted save of ours.
-  if (opts_.rank == 0 && env->Exists(tag_dir) && (env->Exists(tag_dir + "/" + kDoneMarker) || IsDamaged(name))) {
+  if (launch_.rank == 0 && env->Exists(tag_dir) && (env->Exists(tag_dir + "/" + kDoneMarker) || IsDamaged(name))) {
     const std::string suffix = IsDamaged(name) ? kDamagedSuffix : kSupersededSuffix;
     std::string aside = tag_dir + suffix;
     for (int n = 1; env->Exists(aside); ++n) aside = tag_dir + suffix + "-" + std::to_string(n);
@@ -125,11 +125,11 @@ void CheckpointStore::Persist(const Snapshot& snap) {
     std::erase(opts_.damaged, name);  // the name now holds this save
     if (opts_.log) opts_.log("checkpoint: set the " + suffix.substr(1) + " " + tag_dir + " aside as " + aside + " (kept)");
   }
-  if (opts_.rank == 0) BeginTag(env, tag_dir, save_id);
+  if (launch_.rank == 0) BeginTag(env, tag_dir, save_id);
   else WaitForBegin(env, tag_dir, save_id, opts_.rank_timeout);
-  WriteRankFiles(env, tag_dir, opts_.rank, save_id, snap.files);
-  if (opts_.rank != 0) return;
-  CommitTag(env, tag_dir, {save_id, snap.tag.step, snap.tag.consumed_samples, snap.grid, opts_.world_size, opts_.rank_timeout, opts_.model, {}});
+  WriteRankFiles(env, tag_dir, launch_.rank, save_id, snap.files);
+  if (launch_.rank != 0) return;
+  CommitTag(env, tag_dir, {save_id, snap.tag.step, snap.tag.consumed_samples, snap.grid, launch_.world_size, opts_.rank_timeout, opts_.model, {}});
   {
     std::lock_guard<std::mutex> l(mu_);
     committed_.push_back(tag_dir);

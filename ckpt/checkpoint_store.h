@@ -54,10 +54,6 @@ struct StoreOptions {
   int save_top_k = -1;
   bool async = false;
   int max_in_flight = 1;
-  int rank = 0, world_size = 1;
-  // Identifies this job's saves; every rank must pass the same value. With
-  // one rank it may be left empty and a random one is made.
-  std::string run_id = "";
   std::chrono::milliseconds rank_timeout{30 * 60 * 1000};
   Env* env = Env::Default();
   LogFn log = nullptr;
@@ -69,7 +65,10 @@ inline constexpr const char* kStoreLockFile = ".shardkit.lock";
 
 class CheckpointStore {
  public:
-  explicit CheckpointStore(StoreOptions opts);
+  // `launch`: this process's rank and the world size; its job id identifies
+  // this job's saves and every rank must pass the same one. With one rank it
+  // may be empty and a random one is made.
+  explicit CheckpointStore(StoreOptions opts, MpiLaunch launch = {});
   // Finalizes; an unreported failure is logged, not thrown.
   ~CheckpointStore();
   CheckpointStore(const CheckpointStore&) = delete;
@@ -89,6 +88,7 @@ class CheckpointStore {
   void ThrowPendingError();
 
   StoreOptions opts_;
+  MpiLaunch launch_;
   std::unique_ptr<FileLock> lock_;
   mutable std::mutex mu_;
   std::condition_variable cv_;

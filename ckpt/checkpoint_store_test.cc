@@ -403,14 +403,14 @@ TEST(CheckpointStore, StaleRankRecordsOfAnEarlierSaveDoNotCommit) {
   const RankGrid grid{2, 1, 1, false};
   auto [r0, r1] = SplitForTwoRanks(MakeSnapshot("m", 1, grid, 100, 13));
   {  // first job: both ranks complete
-    CheckpointStore s0({.dir = d.path(), .async = true, .world_size = 2, .run_id = "jobA"});
+    CheckpointStore s0({.dir = d.path(), .async = true}, {.world_size = 2, .job_id = "jobA"});
     s0.Save(r0);
-    CheckpointStore s1({.dir = d.path(), .rank = 1, .world_size = 2, .run_id = "jobA"});
+    CheckpointStore s1({.dir = d.path()}, {.rank = 1, .world_size = 2, .job_id = "jobA"});
     s1.Save(r1);
     s0.Finalize();
   }
   // Second job, same tag: rank 1 never shows up, so no done may appear.
-  CheckpointStore s0({.dir = d.path(), .world_size = 2, .run_id = "jobB", .rank_timeout = std::chrono::milliseconds(300)});
+  CheckpointStore s0({.dir = d.path(), .rank_timeout = std::chrono::milliseconds(300)}, {.world_size = 2, .job_id = "jobB"});
   EXPECT_THROW(s0.Save(r0), Error);
   EXPECT_FALSE(Env::Default()->Exists(TagPath(d, 1) + "/done"));
 }
@@ -451,12 +451,12 @@ TEST(CheckpointStore, MultiRankCommitWaitsForEveryRank) {
   const RankGrid grid{2, 1, 1, false};
   Snapshot all = MakeSnapshot("m", 1, grid, 100, 9);
   auto [r0, r1] = SplitForTwoRanks(all);
-  CheckpointStore s0({.dir = d.path(), .async = true, .world_size = 2, .run_id = "job1", .rank_timeout = std::chrono::milliseconds(20000)});
+  CheckpointStore s0({.dir = d.path(), .async = true, .rank_timeout = std::chrono::milliseconds(20000)}, {.world_size = 2, .job_id = "job1"});
   s0.Save(r0);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_FALSE(Env::Default()->Exists(TagPath(d, 1) + "/done"));  // rank 1 has not voted
   {
-    CheckpointStore s1({.dir = d.path(), .rank = 1, .world_size = 2, .run_id = "job1"});
+    CheckpointStore s1({.dir = d.path()}, {.rank = 1, .world_size = 2, .job_id = "job1"});
     s1.Save(r1);
   }
   s0.Finalize();
@@ -466,8 +466,8 @@ TEST(CheckpointStore, MultiRankCommitWaitsForEveryRank) {
 
 TEST(CheckpointStore, MissingRankTimesOutWithoutDone) {
   TempDir d("store");
-  EXPECT_THROW(CheckpointStore({.dir = d.path(), .world_size = 3}), Error);  // no shared run_id
-  CheckpointStore s0({.dir = d.path(), .world_size = 3, .run_id = "job2", .rank_timeout = std::chrono::milliseconds(100)});
+  EXPECT_THROW(CheckpointStore({.dir = d.path()}, {.world_size = 3, .job_id = ""}), Error);  // no shared run_id
+  CheckpointStore s0({.dir = d.path(), .rank_timeout = std::chrono::milliseconds(100)}, {.world_size = 3, .job_id = "job2"});
   try {
     s0.Save(MakeSnapshot("m", 1, {1, 1, 1, false}, 10, 10));
     FAIL();

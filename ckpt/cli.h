@@ -39,26 +39,4 @@ inline uint64_t ParseSize(const std::string& s, const std::string& option) {
 }
 
 
-// How mpirun (Open MPI / PMIx) started this process: its rank, the world
-// size and a job id every rank shares (empty without mpirun or with one rank).
-struct MpiLaunch {
-  int rank = 0, world_size = 1;
-  std::string job_id;
-};
-
-inline MpiLaunch ReadMpiLaunch() {
-  auto var = [](const char* name) -> const char* {
-    const char* v = std::getenv(name);
-    return v && *v ? v : nullptr;
-  };
-  MpiLaunch m;
-  if (const char* size = var("OMPI_COMM_WORLD_SIZE")) {
-    m.world_size = std::atoi(size);
-    m.rank = std::atoi(var("OMPI_COMM_WORLD_RANK") ? var("OMPI_COMM_WORLD_RANK") : "0");
-    const char* job = var("OMPI_MCA_ess_base_jobid") ? var("OMPI_MCA_ess_base_jobid") : var("PMIX_NAMESPACE");
-    if (m.world_size > 1 && job) m.job_id = std::string("mpirun-") + job;
-  }
-  return m;
-}
-
 }  // namespace ckpt

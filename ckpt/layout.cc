@@ -27,21 +27,6 @@ std::optional<RankCoord> ParseRankFileName(const std::string& name) {
   return RankCoord{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3])};
 }
 
-std::vector<std::string> RankGrid::ModelFiles() const {
-  std::vector<std::string> out;
-  for (int p = 0; p < pp; ++p)
-    for (int t = 0; t < tp; ++t) out.push_back("model/" + RankFileName({0, t, p}));
-  return out;
-}
-
-std::vector<std::string> RankGrid::OptimFiles() const {
-  std::vector<std::string> out;
-  for (int d = 0; d < (zero1 ? dp : 1); ++d)
-    for (int p = 0; p < pp; ++p)
-      for (int t = 0; t < tp; ++t) out.push_back("optim/" + RankFileName({d, t, p}));
-  return out;
-}
-
 std::string FormatTagName(const TagName& t) {
   char c[64];
   // Python's float repr for the integral values Lightning stores: "5120.0".

@@ -1,5 +1,5 @@
 // The NxDT checkpoint layout: rank file names, tag names and markers, and the
-// rank grid that says which files a complete tag holds. This is the one place
+// markers (the rank grid, in rank_grid.h, says which files a tag holds). This is the one place
 // that knows these rules; the store, resume, verify and every tool use it.
 //
 //   <checkpoint_dir>/<name>--step=S-consumed_samples=C.ckpt/
@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/rank_grid.h"
+
 namespace ckpt {
 
 inline constexpr const char* kCheckpointMarker = "checkpoint";
@@ -25,39 +27,17 @@ inline constexpr const char* kManifestFile = "manifest.json";
 inline constexpr const char* kSchedulerFile = "scheduler.pt";
 inline constexpr const char* kUserContentFile = "user_content.pt";
 
-struct RankCoord {
-  int dp = 0, tp = 0, pp = 0;
-  bool operator==(const RankCoord&) const = default;
-};
-
 // "dp_rank_00_tp_rank_03_pp_rank_01.pt"; {:02d} is a minimum width.
 std::string RankFileName(const RankCoord& r);
 // Parses a rank file name (an optional _ep_rank_XX is accepted and ignored).
 std::optional<RankCoord> ParseRankFileName(const std::string& name);
 
-// The parallel degrees of a checkpoint and what files they imply.
 // A tag the store set aside rather than delete: <tag>.damaged[-N] (it failed
 // verification) or <tag>.superseded[-N] (a later save took its name). Kept on
 // disk, never a candidate for resume, retention or --gc.
 inline constexpr const char* kDamagedSuffix = ".damaged";
 inline constexpr const char* kSupersededSuffix = ".superseded";
 bool IsSetAsideTagName(const std::string& dir_name);
-
-// The most ranks (and so the largest tensor, pipeline or data-parallel degree)
-// any shardkit input may claim; past it a value is malformed, not large.
-inline constexpr int64_t kMaxRanks = 1 << 20;
-
-struct RankGrid {
-  int tp = 1, pp = 1, dp = 1;
-  // ZeRO-1: one optim file per dp rank; otherwise dp rank 0 only.
-  bool zero1 = false;
-
-  // Relative paths a complete tag holds: model/ files for dp 0, optim/ files
-  // for every dp rank under ZeRO-1 (dp 0 only otherwise).
-  std::vector<std::string> ModelFiles() const;
-  std::vector<std::string> OptimFiles() const;
-  bool operator==(const RankGrid&) const = default;
-};
 
 struct TagName {
   std::string name;         // e.g. "megatron_llama"

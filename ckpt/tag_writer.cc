@@ -192,15 +192,15 @@ void PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::func
     throw Error(t.target + ": --overwrite replaces only a checkpoint tag, and this folder is not a checkpoint tag: " + why);
 }
 
-std::string BeginStaged(Env* env, const StagedTag& t, int rank, int world_size, const std::string& job_id, const std::string& tool) {
-  std::string save_id = job_id;
+std::string BeginStaged(Env* env, const StagedTag& t, const MpiLaunch& launch, const std::string& tool) {
+  std::string save_id = launch.job_id;
   if (save_id.empty()) {
-    if (world_size > 1) throw Error("running as " + std::to_string(world_size) + " ranks but no job id to share a save");
+    if (launch.world_size > 1) throw Error("running as " + std::to_string(launch.world_size) + " ranks but no job id to share a save");
     std::random_device rd;
     save_id = tool + "-" + std::to_string(::getpid()) + "-" + std::to_string(rd());
   }
   env->CreateDirs(std::filesystem::path(t.staging).parent_path().string());
-  if (rank == 0) BeginTag(env, t.staging, save_id);
+  if (launch.rank == 0) BeginTag(env, t.staging, save_id);
   else WaitForBegin(env, t.staging, save_id, std::chrono::minutes(10));
   return save_id;
 }

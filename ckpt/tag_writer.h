@@ -114,9 +114,9 @@ StagedTag StageFor(const std::string& target, const std::string& tool);
 // ckpt::Error naming the folder.
 void PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::function<void(const std::string&)>& log);
 // Every rank, after PrepareTarget: begins (rank 0) or joins the save in the
-// staging folder. `job_id` is the save id all ranks share (required with
-// more than one); empty makes one from `tool`. Returns the save id.
-std::string BeginStaged(Env* env, const StagedTag& t, int rank, int world_size, const std::string& job_id, const std::string& tool);
+// staging folder. The launch's job id is the save id all ranks share
+// (required with more than one rank); empty makes one from `tool`. Returns the save id.
+std::string BeginStaged(Env* env, const StagedTag& t, const MpiLaunch& launch, const std::string& tool);
 // Whether this process writes unit `unit` of a tool's output: rank files
 // (unit >= 0) are dealt round-robin over the processes; the tag's own files
 // (unit < 0: scheduler, user content) come from rank 0.

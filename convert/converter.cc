@@ -46,8 +46,8 @@ std::vector<std::string> OptimizerReport(const ConvertPlan& plan, bool weights_o
 
 void PrintPlan(const NnmSource& src, const ConvertPlan& plan, const std::string& tag_dir, bool weights_only,
                const std::function<void(const std::string&)>& log) {
-  log("dry run: " + src.root + " (" + src.layout + ", tp=" + std::to_string(src.tp) + " pp=" + std::to_string(src.pp) +
-      (src.zero1_dp ? ", ZeRO-1 dp=" + std::to_string(src.zero1_dp) : "") + ", file " + src.file_name + ") -> " + tag_dir);
+  log("dry run: " + src.root + " (" + src.layout + ", tp=" + std::to_string(src.grid.tp) + " pp=" + std::to_string(src.grid.pp) +
+      (src.zero1_dp() ? ", ZeRO-1 dp=" + std::to_string(src.zero1_dp()) : "") + ", file " + src.file_name + ") -> " + tag_dir);
   log("  step " + std::to_string(plan.global_step) + ", epoch " + std::to_string(plan.epoch) + ", consumed samples " +
       std::to_string(static_cast<int64_t>(plan.consumed_samples)) + ", " + std::to_string(plan.total_layers) + " layers");
   for (size_t c = 0; c < plan.layers.size(); ++c)
@@ -74,8 +74,8 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   if (a.nxdt_ckpt_path.empty() == a.checkpoint_dir.empty())
     throw ckpt::Error("give exactly one of --nxdt_ckpt_path (the output tag folder) and --checkpoint_dir (a folder to create the tag in)");
   const NnmSource src = FindNnmCheckpoint(env, a.nnm_ckpt_path, a.checkpoint_name, log);
-  if ((a.tp && a.tp != src.tp) || (a.pp && a.pp != src.pp))
-    throw ckpt::Error(a.nnm_ckpt_path + ": holds a tp=" + std::to_string(src.tp) + " pp=" + std::to_string(src.pp) + " checkpoint (" +
+  if ((a.tp && a.tp != src.grid.tp) || (a.pp && a.pp != src.grid.pp))
+    throw ckpt::Error(a.nnm_ckpt_path + ": holds a tp=" + std::to_string(src.grid.tp) + " pp=" + std::to_string(src.grid.pp) + " checkpoint (" +
                       src.layout + " layout, " + std::to_string(src.files.size()) + " rank files), but --tp " + std::to_string(a.tp) +
                       " --pp " + std::to_string(a.pp) + " was given");
 
@@ -85,8 +85,8 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
     RankInput& in = inputs[i];
     in.path = src.files[i];
     in.checkpoint = ckpt::LoadPtOrXser(in.path, {}, env);
-    for (int d = 0; d < src.zero1_dp; ++d) {
-      in.zero1_paths.push_back(src.zero1_files[i * src.zero1_dp + d]);
+    for (int d = 0; d < src.zero1_dp(); ++d) {
+      in.zero1_paths.push_back(src.zero1_files[i * src.zero1_dp() + d]);
       in.zero1.push_back(ckpt::LoadPtOrXser(in.zero1_paths.back(), {}, env));
     }
   });
@@ -104,24 +104,24 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
     return sum;
   }
   const ckpt::StagedTag staged = ckpt::StageFor(tag_dir, "nnm2nxdt");
-  if (a.rank == 0) {
+  if (a.launch.rank == 0) {
     for (const auto& n : plan.notes) log("note: " + n);
     for (const auto& line : OptimizerReport(plan, a.weights_only)) log(line);
     ckpt::PrepareTarget(env, staged, a.overwrite, log);
   }
 
-  const std::string save_id = ckpt::BeginStaged(env, staged, a.rank, a.world_size, a.job_id, "nnm2nxdt");
+  const std::string save_id = ckpt::BeginStaged(env, staged, a.launch, "nnm2nxdt");
 
   std::vector<const PlannedFile*> planned;
   for (const auto& f : plan.files)
-    if (ckpt::WritesUnit(f.unit, a.rank, a.world_size)) planned.push_back(&f);
+    if (ckpt::WritesUnit(f.unit, a.launch.rank, a.launch.world_size)) planned.push_back(&f);
   std::stable_sort(planned.begin(), planned.end(), [](auto* x, auto* y) { return x->bytes > y->bytes; });  // big first: balance
   std::vector<ckpt::FileToWrite> mine;
   std::vector<uint64_t> tensor_bytes;  // what the progress bar counts
   for (auto* f : planned) mine.push_back(f->file), tensor_bytes.push_back(f->bytes), sum.tensors += f->tensors;
   sum.files = static_cast<int>(mine.size());
-  sum.bytes = ckpt::WriteRankFilesReporting(env, staged.staging, a.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0);
-  if (a.rank != 0) {
+  sum.bytes = ckpt::WriteRankFilesReporting(env, staged.staging, a.launch.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0);
+  if (a.launch.rank != 0) {
     sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     return sum;
   }
@@ -130,7 +130,7 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   ci.step = plan.global_step;
   ci.consumed_samples = plan.consumed_samples;
   ci.grid = plan.grid;
-  ci.world_size = a.world_size;
+  ci.world_size = a.launch.world_size;
   ckpt::CommitTag(env, staged.staging, ci);
   ckpt::PublishStaged(env, staged);
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();

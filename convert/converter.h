@@ -16,6 +16,7 @@
 #include <string>
 
 #include "ckpt/env.h"
+#include "ckpt/rank_grid.h"
 
 namespace convert {
 
@@ -29,8 +30,7 @@ struct ConverterArgs {
   bool require_optimizer = false;   // an input without optimizer state is an error (MissingOptimizerState)
   bool nxdt_optimizer_groups = false;  // regroup into NxDT's split instead of keeping what NNM decayed
   bool progress_bar = false;  // a terminal bar instead of a log line per file
-  int rank = 0, world_size = 1;
-  std::string job_id;  // shared by the ranks of one mpirun
+  ckpt::MpiLaunch launch;  // under mpirun the ranks split the output files
 };
 
 struct ConvertSummary {

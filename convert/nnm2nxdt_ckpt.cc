@@ -77,9 +77,8 @@ int main(int argc, char** argv) {
   tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(workers));
 
   // mpirun (Open MPI / PMIx) tells each process its rank and the job.
-  const ckpt::MpiLaunch mpi = ckpt::ReadMpiLaunch();
-  a.rank = mpi.rank, a.world_size = mpi.world_size, a.job_id = mpi.job_id;
-  a.progress_bar = ::isatty(2) && a.rank == 0;
+  a.launch = ckpt::ReadMpiLaunch();
+  a.progress_bar = ::isatty(2) && a.launch.rank == 0;
   try {
     const auto s = convert::RunConversion(a, ckpt::Env::Default(), log);
     if (a.dry_run) return 0;
@@ -87,9 +86,9 @@ int main(int argc, char** argv) {
     std::snprintf(line, sizeof line, "converted %d input files -> %d files, %lld tensors, %s in %.2f s (%s/s)", s.inputs, s.files,
                   static_cast<long long>(s.tensors), ckpt::HumanBytes(s.bytes).c_str(), s.seconds,
                   ckpt::HumanBytes(static_cast<uint64_t>(static_cast<double>(s.bytes) / std::max(s.seconds, 1e-9))).c_str());
-    if (a.world_size > 1) log("rank " + std::to_string(a.rank) + ": " + line);
+    if (a.launch.world_size > 1) log("rank " + std::to_string(a.launch.rank) + ": " + line);
     else log(line);
-    if (a.rank == 0) log("NxDT checkpoint: " + s.tag_dir);
+    if (a.launch.rank == 0) log("NxDT checkpoint: " + s.tag_dir);
     return 0;
   } catch (const convert::MissingOptimizerState& e) {
     std::cerr << "error: " << e.what() << "\n";

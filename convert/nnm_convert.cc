@@ -194,7 +194,7 @@ void PlanOptimizerFiles(ConvertPlan& plan, const std::vector<RankOptimizer>& ran
                          target.starts[0]);
   for (size_t i = 0; i < ranks.size(); ++i) {
     const RankOptimizer& r = ranks[i];
-    const int t = r.unit % src.tp, p = r.unit / src.tp;
+    const int t = r.unit % src.grid.tp, p = r.unit / src.grid.tp;
     for (size_t d = 0; d < r.sources.size(); ++d)
       AddFile(plan, "optim/" + ckpt::RankFileName({static_cast<int>(d), t, p}),
               RegroupOptimizerState(r.sources[d], r.from, target.by_rank[i]), false, opts.save_xser, r.sources[d].path, r.unit);
@@ -223,8 +223,8 @@ bool ShiftLayerIndex(const std::string& key, int offset, std::string* out, int* 
 
 ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& inputs, const ConvertOptions& opts) {
   ConvertPlan plan;
-  const int tp = src.tp, pp = src.pp;
-  plan.grid = {tp, pp, std::max(1, src.zero1_dp), src.zero1_dp > 0};
+  const int tp = src.grid.tp, pp = src.grid.pp;
+  plan.grid = src.grid;
 
   // Step and epoch agree across ranks.
   auto top_int = [&](const RankInput& in, const char* key) -> int64_t {
@@ -349,9 +349,9 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
       if (opts.weights_only) continue;
 
       RankOptimizer ro{unit, params, {}, {}};
-      if (src.zero1_dp > 0) {
-        for (int d = 0; d < src.zero1_dp; ++d) {
-          ro.sources.push_back(Zero1Optimizer(in.zero1[d], in.zero1_paths[d], src.zero1_dp));
+      if (src.zero1_dp() > 0) {
+        for (int d = 0; d < src.zero1_dp(); ++d) {
+          ro.sources.push_back(Zero1Optimizer(in.zero1[d], in.zero1_paths[d], src.zero1_dp()));
         }
       } else {
         bool found = false;

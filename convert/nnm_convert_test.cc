@@ -88,7 +88,7 @@ RankInput Input(const std::string& path, Value sd, int64_t step = 7) {
 NnmSource TwoStages() {
   NnmSource s;
   s.root = "nnm";
-  s.tp = 1, s.pp = 2;
+  s.grid.tp = 1, s.grid.pp = 2;
   s.file_name = "m--step=7-consumed_samples=56.0.ckpt";
   s.name = ckpt::ParseTagName(s.file_name);
   s.files = {"nnm/tp_rank_00_pp_rank_000/" + s.file_name, "nnm/tp_rank_00_pp_rank_001/" + s.file_name};

@@ -122,7 +122,7 @@ NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::
     dirs = {{0, 0, p.has_parent_path() ? p.parent_path().string() : "."}};
     s.file_name = p.filename().string();
   } else {
-    dirs = RankDirs(env, path, &s.tp, &s.pp, &s.layout);
+    dirs = RankDirs(env, path, &s.grid.tp, &s.grid.pp, &s.layout);
     std::map<std::string, std::vector<std::string>> chosen;  // file -> rank folders
     for (const auto& d : dirs) chosen[ChooseFile(env, d.path, checkpoint_name)].push_back(std::filesystem::path(d.path).filename());
     if (chosen.size() > 1) {
@@ -137,7 +137,7 @@ NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::
   }
   s.name = ckpt::ParseTagName(s.file_name);
   s.files.resize(dirs.size());
-  for (const auto& d : dirs) s.files[d.pp * s.tp + d.tp] = d.path + "/" + s.file_name;
+  for (const auto& d : dirs) s.files[d.pp * s.grid.tp + d.tp] = d.path + "/" + s.file_name;
 
   // ZeRO-1 optimizer files.
   static const std::regex dp_re(R"(dp_rank_(\d{1,6}))");
@@ -157,22 +157,23 @@ NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::
     for (size_t i = 0; i < dirs.size(); ++i) what += "\n  " + dirs[i].path + ": " + std::to_string(dps[i]);
     throw ckpt::Error(path + ": rank folders disagree on their ZeRO-1 optim/dp_rank_XXX folders:" + what);
   }
-  s.zero1_dp = dps[0];
-  if (s.zero1_dp > 0) {
+  s.grid.dp = std::max(1, dps[0]);
+  s.grid.zero1 = dps[0] > 0;
+  if (s.zero1_dp() > 0) {
     const std::string want = Zero1FileName(s.file_name);
-    s.zero1_files.resize(dirs.size() * s.zero1_dp);
+    s.zero1_files.resize(dirs.size() * s.zero1_dp());
     for (const auto& d : dirs)
-      for (int r = 0; r < s.zero1_dp; ++r) {
+      for (int r = 0; r < s.zero1_dp(); ++r) {
         char buf[32];
         std::snprintf(buf, sizeof buf, "dp_rank_%03d", r);
         const std::string dir = d.path + "/optim/" + buf;
-        if (!env->IsDirectory(dir)) throw ckpt::Error(dir + ": missing (ZeRO-1 data-parallel ranks must run 0.." + std::to_string(s.zero1_dp - 1) + ")");
+        if (!env->IsDirectory(dir)) throw ckpt::Error(dir + ": missing (ZeRO-1 data-parallel ranks must run 0.." + std::to_string(s.zero1_dp() - 1) + ")");
         if (!env->Exists(dir + "/" + want)) {
           const auto there = CheckpointFiles(env, dir);
           throw ckpt::Error(dir + ": no ZeRO-1 optimizer file '" + want + "' for " + s.file_name + " (found: " +
                             (there.empty() ? "none" : Join(there)) + ")");
         }
-        s.zero1_files[(d.pp * s.tp + d.tp) * s.zero1_dp + r] = dir + "/" + want;
+        s.zero1_files[(d.pp * s.grid.tp + d.tp) * s.zero1_dp() + r] = dir + "/" + want;
       }
   }
   return s;

@@ -28,18 +28,21 @@ struct NnmSource {
   std::string root;       // as given
   std::string file_name;  // the checkpoint file chosen in every rank folder
   std::string layout;     // "single file", "mp_rank_XX", "tp_rank_XX_pp_rank_XXX"
-  int tp = 1, pp = 1;
+  // tp and pp; under ZeRO-1, dp is the data-parallel degree of the optimizer
+  // files (zero1 set), else 1.
+  ckpt::RankGrid grid;
   // The checkpoint file of (tp rank t, pp rank p) is files[p * tp + t].
   std::vector<std::string> files;
-  // ZeRO-1: the data-parallel degree and the optimizer file of (t, p, d) at
-  // zero1_files[(p * tp + t) * zero1_dp + d]; zero1_dp == 0 without ZeRO-1.
-  int zero1_dp = 0;
+  // ZeRO-1: the optimizer file of (t, p, d) is
+  // zero1_files[(p * tp + t) * zero1_dp() + d].
   std::vector<std::string> zero1_files;
   // Parsed from file_name when it follows the callback template.
   std::optional<ckpt::TagName> name;
 
-  const std::string& File(int t, int p) const { return files[p * tp + t]; }
-  const std::string& Zero1File(int t, int p, int d) const { return zero1_files[(p * tp + t) * zero1_dp + d]; }
+  // The ZeRO-1 data-parallel degree; 0 without ZeRO-1.
+  int zero1_dp() const { return grid.zero1 ? grid.dp : 0; }
+  const std::string& File(int t, int p) const { return files[p * grid.tp + t]; }
+  const std::string& Zero1File(int t, int p, int d) const { return zero1_files[(p * grid.tp + t) * zero1_dp() + d]; }
 };
 
 // `path` is a checkpoint file or a folder as above; `checkpoint_name` picks

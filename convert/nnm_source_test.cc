@@ -24,8 +24,8 @@ TEST(NnmSource, SingleFileAndFolderWithOneFile) {
   TempDir d("nnm_src");
   Touch(d / "model_optim_rng.ckpt");
   NnmSource s = FindNnmCheckpoint(ckpt::Env::Default(), d / "model_optim_rng.ckpt", "", kQuiet);
-  EXPECT_EQ(s.tp, 1);
-  EXPECT_EQ(s.pp, 1);
+  EXPECT_EQ(s.grid.tp, 1);
+  EXPECT_EQ(s.grid.pp, 1);
   EXPECT_EQ(s.files, std::vector<std::string>{d / "model_optim_rng.ckpt"});
   EXPECT_FALSE(s.name.has_value());
   s = FindNnmCheckpoint(ckpt::Env::Default(), d.path(), "", kQuiet);
@@ -45,8 +45,8 @@ TEST(NnmSource, TpPpFoldersPickTheHighestStepAndAnnounceIt) {
     }
   std::vector<std::string> logged;
   NnmSource s = FindNnmCheckpoint(ckpt::Env::Default(), d.path(), "", [&](const std::string& l) { logged.push_back(l); });
-  EXPECT_EQ(s.tp, 3);
-  EXPECT_EQ(s.pp, 2);
+  EXPECT_EQ(s.grid.tp, 3);
+  EXPECT_EQ(s.grid.pp, 2);
   EXPECT_EQ(s.file_name, "megatron_llama--step=20-consumed_samples=160.0-last.ckpt");
   ASSERT_TRUE(s.name.has_value());
   EXPECT_EQ(s.name->step, 20);
@@ -62,8 +62,8 @@ TEST(NnmSource, MpRankFoldersMeanPpOne) {
   TempDir d("nnm_src");
   for (int t = 0; t < 2; ++t) Touch(d / ("mp_rank_0" + std::to_string(t) + "/model_optim_rng.ckpt"));
   NnmSource s = FindNnmCheckpoint(ckpt::Env::Default(), d.path(), "", kQuiet);
-  EXPECT_EQ(s.tp, 2);
-  EXPECT_EQ(s.pp, 1);
+  EXPECT_EQ(s.grid.tp, 2);
+  EXPECT_EQ(s.grid.pp, 1);
   EXPECT_EQ(s.layout, "mp_rank_XX");
 }
 
@@ -99,7 +99,7 @@ TEST(NnmSource, Zero1OptimizerFilesPerDataParallelRank) {
     for (int dp = 0; dp < 2; ++dp) Touch(d / (r + "/optim/dp_rank_00" + std::to_string(dp) + "/" + Zero1FileName(f)));
   }
   NnmSource s = FindNnmCheckpoint(ckpt::Env::Default(), d.path(), "", kQuiet);
-  EXPECT_EQ(s.zero1_dp, 2);
+  EXPECT_EQ(s.zero1_dp(), 2);
   EXPECT_EQ(s.Zero1File(1, 0, 1), d / ("mp_rank_01/optim/dp_rank_001/" + Zero1FileName(f)));
   std::filesystem::remove(d / ("mp_rank_01/optim/dp_rank_001/" + Zero1FileName(f)));
   const std::string e = ErrorOf([&] { FindNnmCheckpoint(ckpt::Env::Default(), d.path(), "", kQuiet); });

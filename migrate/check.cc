@@ -4,6 +4,7 @@
 #include <optional>
 #include <set>
 
+#include "ckpt/error.h"
 #include "ckpt/layout.h"
 #include "migrate/interpolation.h"
 #include "migrate/schema.h"
@@ -133,18 +134,18 @@ std::vector<std::string> CheckNxdt(const YAML::Node& cfg) {
   auto sane = [&](long long v) { return v >= 1 && v <= ckpt::kMaxRanks; };
   if (devices && sane(*devices) && sane(nodes.value_or(1)) && sane(tp) && sane(pp)) {
     const long long world = *devices * nodes.value_or(1);
-    if (world % (tp * pp)) {
-      problems.push_back("distributed_strategy.tensor_model_parallel_size (" + std::to_string(tp) +
-                         ") * pipeline_model_parallel_size (" + std::to_string(pp) + ") = " + std::to_string(tp * pp) +
-                         " does not divide trainer.devices (" + std::to_string(*devices) + ") * trainer.num_nodes (" +
-                         std::to_string(nodes.value_or(1)) + ") = " + std::to_string(world));
-    } else {
-      const long long dp = world / (tp * pp);
+    try {
+      const int dp = ckpt::RankGrid::ForWorld(world, tp, pp, false, "distributed_strategy",
+                                              "trainer.devices (" + std::to_string(*devices) + ") * trainer.num_nodes (" +
+                                                  std::to_string(nodes.value_or(1)) + ") = " + std::to_string(world) + ", the world size")
+                         .dp;
       const auto gbs = IntAt(cfg, "data.global_batch_size"), mbs = IntAt(cfg, "data.micro_batch_size");
-      if (gbs && mbs && dp >= 1 && sane(*mbs) && *gbs % (*mbs * dp))
+      if (gbs && mbs && sane(*mbs) && *gbs % (*mbs * dp))
         problems.push_back("data.global_batch_size (" + std::to_string(*gbs) + ") is not a multiple of data.micro_batch_size (" +
                            std::to_string(*mbs) + ") * data-parallel size (" + std::to_string(dp) + ") = " +
                            std::to_string(*mbs * dp));
+    } catch (const ckpt::Error& e) {
+      problems.push_back(e.what());
     }
   }
   const auto layers = IntAt(cfg, "model.num_layers");

@@ -27,8 +27,8 @@ TEST(Check, EachRuleHasAPreciseMessage) {
   Erase(n, "precision");
   EXPECT_EQ(CheckNxdt(n), std::vector<std::string>{"missing required section 'precision'"});
   EXPECT_EQ(CheckWith("trainer.devices", "12"),
-            std::vector<std::string>{"distributed_strategy.tensor_model_parallel_size (8) * pipeline_model_parallel_size (2) = 16 "
-                                     "does not divide trainer.devices (12) * trainer.num_nodes (2) = 24"});
+            std::vector<std::string>{"distributed_strategy: tensor_model_parallel_size (8) * pipeline_model_parallel_size (2) = 16 "
+                                     "does not divide trainer.devices (12) * trainer.num_nodes (2) = 24, the world size (24)"});
   EXPECT_EQ(CheckWith("data.global_batch_size", "10"),
             std::vector<std::string>{"data.global_batch_size (10) is not a multiple of data.micro_batch_size (1) * data-parallel size (4) = 4"});
   EXPECT_EQ(CheckWith("model.num_layers", "31"),

@@ -19,6 +19,7 @@
 
 #include "ckpt/cli.h"
 #include "ckpt/error.h"
+#include "ckpt/rank_grid.h"
 #include "ckpt/output_guard.h"
 #include "ckpt/progress.h"
 #include "tools/format_hints_cli.h"
@@ -100,9 +101,8 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   if (dp) a.dp = dp;
   a.hints = hints.Hints();
   a.verify_source = !no_verify;
-  const ckpt::MpiLaunch mpi = ckpt::ReadMpiLaunch();  // under mpirun the ranks split the files
-  a.rank = mpi.rank, a.world_size = mpi.world_size, a.job_id = mpi.job_id;
-  a.progress_bar = ::isatty(2) && a.rank == 0 && !json;
+  a.launch = ckpt::ReadMpiLaunch();  // under mpirun the ranks split the files
+  a.progress_bar = ::isatty(2) && a.launch.rank == 0 && !json;
   auto log = [](const std::string& s) { std::cerr << s << std::endl; };
   try {
     a.memory_budget = ckpt::ParseSize(budget, "--memory_budget");
@@ -118,7 +118,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
     const tools::ReshardSummary s =
         h5 ? RunImport(a, format == "hf", divisible, ckpt::Env::Default(), log) : tools::RunReshard(a, ckpt::Env::Default(), log);
     const double rate = static_cast<double>(s.bytes_written) / std::max(s.seconds, 1e-9);
-    if (json && a.rank == 0) {
+    if (json && a.launch.rank == 0) {
       nlohmann::ordered_json j = {{"source", s.src_tag},
                                   {"target", s.dst_tag},
                                   {"dry_run", a.dry_run},
@@ -140,8 +140,8 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
       std::snprintf(line, sizeof line, "wrote %d files, %s in %.2f s (%s/s); peak memory %s of the %s budget (streamed in %s chunks: no tensor is held whole)",
                     s.files, ckpt::HumanBytes(s.bytes_written).c_str(), s.seconds, ckpt::HumanBytes(static_cast<uint64_t>(rate)).c_str(),
                     ckpt::HumanBytes(s.peak_rss).c_str(), ckpt::HumanBytes(a.memory_budget).c_str(), ckpt::HumanBytes(s.stream_chunk).c_str());
-      log(a.world_size > 1 ? "rank " + std::to_string(a.rank) + ": " + line : std::string(line));
-      if (a.rank == 0) log((h5 ? "imported checkpoint: " : "resharded checkpoint: ") + s.dst_tag);
+      log(a.launch.world_size > 1 ? "rank " + std::to_string(a.launch.rank) + ": " + line : std::string(line));
+      if (a.launch.rank == 0) log((h5 ? "imported checkpoint: " : "resharded checkpoint: ") + s.dst_tag);
     }
     return 0;
   } catch (const ckpt::Error& e) {

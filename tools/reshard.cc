@@ -216,10 +216,6 @@ class Planner {
   std::map<std::tuple<std::string, StateField, int64_t>, std::pair<int, int>> first_holder_;
 };
 
-std::string GridString(const ckpt::RankGrid& g) {
-  return "tp " + std::to_string(g.tp) + ", pp " + std::to_string(g.pp) + ", dp " + std::to_string(g.dp) + (g.zero1 ? " (ZeRO-1)" : "");
-}
-
 std::string StagesString(const std::vector<int64_t>& b) {
   std::string s;
   for (size_t i = 0; i + 1 < b.size(); ++i) s += (i ? "/" : "") + std::to_string(b[i + 1] - b[i]);
@@ -272,7 +268,7 @@ uint64_t PeakRss() {
 ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log) {
   const auto t0 = Clock::now();
   ReshardSummary sum;
-  sum.src_tag = ResolveSourceTag(a.src, a.verify_source, env, log, a.rank);
+  sum.src_tag = ResolveSourceTag(a.src, a.verify_source, env, log, a.launch.rank);
   const auto src = ckpt::ShardedTag::Open(env, sum.src_tag, a.hints);
   sum.bytes_read = src->bytes();
   return WriteInLayout(*src, std::filesystem::path(sum.src_tag).filename().string(), a, env, log, t0, std::move(sum));
@@ -340,8 +336,8 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   for (const char* f : {ckpt::kSchedulerFile, ckpt::kUserContentFile})
     if (auto v = src->TagFile(f)) plan.push_back({{f, std::move(*v), {}}, 0, -1});
 
-  if (a.rank == 0) {
-    log("resharding " + sum.src_tag + ": " + GridString(L.grid) + ", stages " + StagesString(L.stage_bounds) + " -> " + GridString(to) +
+  if (a.launch.rank == 0) {
+    log("resharding " + sum.src_tag + ": " + L.grid.ToString() + ", stages " + StagesString(L.stage_bounds) + " -> " + to.ToString() +
         ", stages " + StagesString(sum.to_bounds));
     for (const auto& n : sum.notes) log("note: " + n);
   }
@@ -350,7 +346,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     for (const auto& f : plan) bytes += f.bytes;
     sum.files = static_cast<int>(plan.size());
     sum.bytes_written = bytes;
-    if (a.rank == 0)
+    if (a.launch.rank == 0)
       for (const auto& f : plan) log("would write " + f.file.relpath + " (" + ckpt::HumanBytes(f.bytes) + " of tensors)");
     sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     sum.peak_rss = PeakRss();
@@ -358,25 +354,25 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   }
 
   const ckpt::StagedTag staged = ckpt::StageFor(sum.dst_tag, a.tool);
-  if (a.rank == 0) ckpt::PrepareTarget(env, staged, a.overwrite, log);
-  const std::string save_id = ckpt::BeginStaged(env, staged, a.rank, a.world_size, a.job_id, a.tool);
+  if (a.launch.rank == 0) ckpt::PrepareTarget(env, staged, a.overwrite, log);
+  const std::string save_id = ckpt::BeginStaged(env, staged, a.launch, a.tool);
 
   auto write_and_commit = [&] {
     std::vector<ckpt::FileToWrite> mine;
     std::vector<uint64_t> tensor_bytes;  // what the progress bar counts
     std::stable_sort(plan.begin(), plan.end(), [](const auto& x, const auto& y) { return x.bytes > y.bytes; });  // big first: balance
     for (auto& f : plan)
-      if (ckpt::WritesUnit(f.unit, a.rank, a.world_size)) mine.push_back(f.file), tensor_bytes.push_back(f.bytes);
+      if (ckpt::WritesUnit(f.unit, a.launch.rank, a.launch.world_size)) mine.push_back(f.file), tensor_bytes.push_back(f.bytes);
     sum.files = static_cast<int>(mine.size());
-    sum.bytes_written = ckpt::WriteRankFilesReporting(env, staged.staging, a.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0,
+    sum.bytes_written = ckpt::WriteRankFilesReporting(env, staged.staging, a.launch.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0,
                                                       [&] { return fingerprints.ToJson(); });
-    if (a.rank == 0) {
+    if (a.launch.rank == 0) {
       ckpt::CommitInfo ci;
       ci.save_id = save_id;
       ci.step = src->step();
       ci.consumed_samples = src->consumed_samples();
       ci.grid = to;
-      ci.world_size = a.world_size;
+      ci.world_size = a.launch.world_size;
       ci.model = L.format;
       ci.complete_manifest = [&](const std::vector<ckpt::RankRecord>& records, ckpt::Manifest& m) {
         ckpt::FingerprintCollector all;
@@ -405,7 +401,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     // A check that failed (a source that no longer matches its fingerprints,
     // a full disk) leaves nothing behind; under mpirun other ranks may still
     // be writing, and `done` is missing either way.
-    if (a.world_size == 1 && env->Exists(staged.staging)) ckpt::DeleteTag(env, staged.staging);
+    if (a.launch.world_size == 1 && env->Exists(staged.staging)) ckpt::DeleteTag(env, staged.staging);
     throw;
   }
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -40,8 +40,7 @@ struct ReshardArgs {
   int threads = 1;
   bool dry_run = false, overwrite = false, verify_source = true;
   ckpt::FormatHints hints;
-  int rank = 0, world_size = 1;
-  std::string job_id;
+  ckpt::MpiLaunch launch;       // under mpirun the ranks split the output files
   bool progress_bar = false;
   std::string tool = "reshard";  // names the staging folder (.<dst>.<tool>-partial)
 };
