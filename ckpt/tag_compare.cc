@@ -1,16 +1,19 @@
 #include "ckpt/tag_compare.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <vector>
 
+#include "ckpt/dtype_cast.h"
 #include "ckpt/fingerprint.h"
 
 namespace ckpt {
 
-CompareReport CompareTags(const LogicalState& a, const LogicalState& b, size_t chunk) {
+CompareReport CompareTags(const LogicalState& a, const LogicalState& b, const CompareOptions& opts) {
   CompareReport rep;
+  const size_t chunk = opts.chunk;
   const ModelFormat &fa = a.layout().format, &fb = b.layout().format;
   ModelFormat ua = fa, ub = fb;  // the padding rule is layout, not model
   ub.make_vocab_size_divisible_by = ua.make_vocab_size_divisible_by;
@@ -63,6 +66,32 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b, size_t c
     }
     return std::nullopt;
   };
+  // Element by element as numbers: the first element past the tolerance, nullopt when none is;
+  // the largest differences go into the report.
+  const bool tolerant = opts.rtol > 0 || opts.atol > 0;
+  auto first_beyond_tolerance = [&](const LogicalTensor& t) -> std::optional<uint64_t> {
+    const size_t es = ElementSize(t.dtype), per = chunk / es;
+    std::optional<uint64_t> beyond;
+    for (uint64_t at = 0; at < t.numel;) {
+      const uint64_t n = std::min<uint64_t>(per, t.numel - at);
+      Touched ta, tb;
+      a.Read(t.name, t.field, at, {ba.data(), n * es}, &ta);
+      b.Read(t.name, t.field, at, {bb.data(), n * es}, &tb);
+      const Tensor xa = CastTensor(Tensor::FromBytes(t.dtype, {static_cast<int64_t>(n)}, {ba.data(), n * es}), DType::kFloat64);
+      const Tensor xb = CastTensor(Tensor::FromBytes(t.dtype, {static_cast<int64_t>(n)}, {bb.data(), n * es}), DType::kFloat64);
+      const double* pa = reinterpret_cast<const double*>(xa.data());
+      const double* pb = reinterpret_cast<const double*>(xb.data());
+      for (uint64_t i = 0; i < n; ++i) {
+        const double d = std::fabs(pa[i] - pb[i]);
+        if (!(d <= opts.atol + opts.rtol * std::fabs(pb[i])) && !beyond) beyond = at + i;
+        rep.max_abs_diff = std::max(rep.max_abs_diff, d);
+        if (pb[i] != 0 && d / std::fabs(pb[i]) > rep.max_rel_diff && d > opts.atol)
+          rep.max_rel_diff = d / std::fabs(pb[i]), rep.max_rel_at = t.name + " " + FieldName(t.field);
+      }
+      at += n;
+    }
+    return beyond;
+  };
   auto find = [](const TensorFingerprints& fp, const LogicalTensor& t) -> const TensorFingerprint* {
     const auto n = fp.find(t.name);
     if (n == fp.end()) return nullptr;
@@ -94,6 +123,14 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b, size_t c
     ++rep.tensors;
     rep.bytes += t.numel * ElementSize(t.dtype);
     if (x->crc32 == y->crc32) continue;
+    if (tolerant && CanCast(t.dtype, DType::kFloat64)) {
+      if (const auto at = first_beyond_tolerance(t))
+        rep.differences.push_back({t.name, field + " differs beyond the tolerance first at element " + std::to_string(*at) + " of " +
+                                               std::to_string(t.numel)});
+      else
+        ++rep.inexact;
+      continue;
+    }
     if (const auto at = first_difference(t))
       rep.differences.push_back({t.name, field + " differs first at element " + std::to_string(*at) + " of " + std::to_string(t.numel)});
     else

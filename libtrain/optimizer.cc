@@ -11,18 +11,33 @@
 #include "ckpt/error.h"
 #include "ckpt/optimizer_groups.h"
 #include "ckpt/optimizer_state.h"
+#include "ckpt/partition.h"
+#include "libtrain/comm.h"
 
 namespace train {
 
-AdamW::AdamW(const Model& m, const AdamWConfig& c) : c_(c) {
+AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp) : c_(c), dp_(dp) {
+  if (dp_) dp_size_ = dp_->size(), dp_rank_ = dp_->rank();
+  const int shards = c.zero1 ? dp_size_ : 1;
   std::vector<std::string> names;
   std::map<std::string, const std::vector<int64_t>*> shapes;
   for (const auto& p : m.layout()) names.push_back(p.name), shapes[p.name] = &p.shape;
-  for (const auto& slot : ckpt::OptimizerOrder(names, c.do_layer_norm_weight_decay)) {
-    order_.push_back(slot.name);
-    group_.push_back(slot.group);
-    m_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, *shapes.at(slot.name)));
-    v_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, *shapes.at(slot.name)));
+  for (const auto& entry : ckpt::OptimizerOrder(names, c.do_layer_norm_weight_decay)) {
+    order_.push_back(entry.name);
+    group_.push_back(entry.group);
+    Slot s;
+    s.shape = *shapes.at(entry.name);
+    s.rows = s.shape.empty() ? 1 : s.shape[0];
+    s.row_elems = s.rows ? ckpt::ShapeNumel(s.shape) / s.rows : 0;
+    s.shard_rows = ckpt::Zero1ShardRows(s.rows, shards);
+    s.lo = std::min(s.rows, dp_rank_ * s.shard_rows * (shards > 1));
+    s.real = std::min(s.rows - s.lo, s.shard_rows);
+    std::vector<int64_t> state_shape = s.shape;
+    if (!state_shape.empty()) state_shape[0] = s.shard_rows;
+    m_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, state_shape));
+    v_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, state_shape));
+    if (Sharded()) grad_shard_.emplace_back(static_cast<size_t>(s.shard_rows * s.row_elems));
+    slot_.push_back(std::move(s));
   }
   ResetMasterWeights(m);
 }
@@ -30,7 +45,79 @@ AdamW::AdamW(const Model& m, const AdamWConfig& c) : c_(c) {
 void AdamW::ResetMasterWeights(const Model& m) {
   master_.clear();
   if (!c_.master_weights) return;
-  for (const auto& name : order_) master_.push_back(m.param(name).Clone());
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const Slot& s = slot_[i];
+    ckpt::Tensor w = ckpt::Tensor::Zeros(ckpt::DType::kFloat32, m_[i].shape());
+    const float* p = reinterpret_cast<const float*>(m.param(order_[i]).data()) + s.lo * s.row_elems;
+    std::copy(p, p + s.real * s.row_elems, reinterpret_cast<float*>(w.mutable_data()));
+    master_.push_back(std::move(w));
+  }
+}
+
+namespace {
+// Sum of squares of n floats, in fixed-size chunks summed in sequence so the
+// result does not depend on the threads.
+double SumSquares(const float* x, int64_t n) {
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> part(chunks);
+  tbb::parallel_for(int64_t{0}, chunks, [&](int64_t c) {
+    double s = 0;
+    for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) s += double{x[i]} * x[i];
+    part[c] = s;
+  });
+  double total = 0;
+  for (double s : part) total += s;
+  return total;
+}
+
+void Scale(float* x, int64_t n, double by) {
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16), [&](const tbb::blocked_range<int64_t>& r) {
+    for (int64_t i = r.begin(); i < r.end(); ++i) x[i] = static_cast<float>(x[i] * by);
+  });
+}
+
+double SumSquares(Model& m, bool grads) {
+  double total = 0;
+  for (const auto& p : m.layout()) {
+    const ckpt::Tensor& t = grads ? m.grad(p.name) : m.param(p.name);
+    total += SumSquares(reinterpret_cast<const float*>(t.data()), t.numel());
+  }
+  return total;
+}
+}  // namespace
+
+double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
+  double sum_squares = 0;
+  std::vector<float> padded;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    ckpt::Tensor& gt = m.grad(order_[i]);
+    float* g = reinterpret_cast<float*>(gt.mutable_data());
+    const int64_t n = gt.numel();
+    if (!Sharded()) {
+      if (dp_) dp_->AllReduceSum(g, static_cast<size_t>(n));
+      if (scale != 1.0) Scale(g, n, scale);
+      sum_squares += SumSquares(g, n);
+      continue;
+    }
+    // Padded on dim 0 to dp chunks of shard_rows; rank r receives the sum of chunk r.
+    const Slot& s = slot_[i];
+    const size_t block = static_cast<size_t>(s.shard_rows * s.row_elems);
+    padded.assign(block * dp_size_, 0.0f);
+    std::copy(g, g + n, padded.begin());
+    dp_->ReduceScatterSum(padded.data(), grad_shard_[i].data(), block);
+    if (scale != 1.0) Scale(grad_shard_[i].data(), static_cast<int64_t>(block), scale);
+    sum_squares += SumSquares(grad_shard_[i].data(), static_cast<int64_t>(block));
+  }
+  if (Sharded()) dp_->AllReduceSum(&sum_squares, 1);
+  const double norm = std::sqrt(sum_squares);
+  const double coef = max_norm / (norm + 1e-6);
+  if (max_norm > 0 && coef < 1)
+    for (size_t i = 0; i < order_.size(); ++i) {
+      if (Sharded()) Scale(grad_shard_[i].data(), static_cast<int64_t>(grad_shard_[i].size()), coef);
+      else Scale(reinterpret_cast<float*>(m.grad(order_[i]).mutable_data()), m.grad(order_[i]).numel(), coef);
+    }
+  return norm;
 }
 
 void AdamW::Step(Model& m, double lr) {
@@ -39,16 +126,19 @@ void AdamW::Step(Model& m, double lr) {
   const double bc2 = 1 - std::pow(c_.beta2, static_cast<double>(step_));
   const float step_size = static_cast<float>(lr / bc1), bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   const float b1 = static_cast<float>(c_.beta1), b2 = static_cast<float>(c_.beta2), eps = static_cast<float>(c_.eps);
+  std::vector<float> mine, all;
   for (size_t i = 0; i < order_.size(); ++i) {
-    float* param = reinterpret_cast<float*>(m.param(order_[i]).mutable_data());
+    const Slot& s = slot_[i];
+    // This rank's rows of the parameter (all of them unless sharded).
+    float* param = reinterpret_cast<float*>(m.param(order_[i]).mutable_data()) + s.lo * s.row_elems;
     // With master weights the update runs on the float32 master copy, and
     // the parameter becomes its bfloat16 rounding.
     float* w = master_.empty() ? param : reinterpret_cast<float*>(master_[i].mutable_data());
-    const float* g = reinterpret_cast<const float*>(m.grad(order_[i]).data());
+    const float* g = Sharded() ? grad_shard_[i].data() : reinterpret_cast<const float*>(m.grad(order_[i]).data());
     float* mo = reinterpret_cast<float*>(m_[i].mutable_data());
     float* vo = reinterpret_cast<float*>(v_[i].mutable_data());
     const float decay = group_[i] == 0 ? static_cast<float>(1 - lr * c_.weight_decay) : 1.0f;
-    const int64_t n = m_[i].numel();
+    const int64_t n = s.real * s.row_elems;
     tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16), [&](const tbb::blocked_range<int64_t>& r) {
       for (int64_t j = r.begin(); j < r.end(); ++j) {  // elementwise: the same result on any split
         w[j] *= decay;
@@ -58,17 +148,25 @@ void AdamW::Step(Model& m, double lr) {
         if (w != param) param[j] = ckpt::RoundToBFloat16(w[j]);
       }
     });
+    if (!Sharded()) continue;
+    // Every rank's updated rows back into the whole parameter.
+    const size_t block = static_cast<size_t>(s.shard_rows * s.row_elems);
+    mine.assign(block, 0.0f);
+    std::copy(param, param + n, mine.begin());
+    all.resize(block * dp_size_);
+    dp_->AllGather(mine.data(), all.data(), block);
+    float* whole = reinterpret_cast<float*>(m.param(order_[i]).mutable_data());
+    std::copy(all.begin(), all.begin() + s.rows * s.row_elems, whole);
   }
 }
 
 ckpt::Value AdamW::StateDict(double lr) const {
-  // ZeRO-1 with one data-parallel rank: each shard is the whole parameter.
   ckpt::OptimizerFile f;
   f.zero1 = c_.zero1;
   for (size_t i = 0; i < order_.size(); ++i) {
     ckpt::Tensor step = ckpt::Tensor::Zeros(ckpt::DType::kFloat32, {});
     reinterpret_cast<float*>(step.mutable_data())[0] = static_cast<float>(step_);
-    ckpt::ParamState ps{ckpt::Value(step), ckpt::Value(m_[i]), ckpt::Value(v_[i]), std::nullopt, m_[i].shape()};
+    ckpt::ParamState ps{ckpt::Value(step), ckpt::Value(m_[i]), ckpt::Value(v_[i]), std::nullopt, slot_[i].shape};
     if (c_.zero1 && c_.master_weights_in_ckpt && !master_.empty()) ps.master = ckpt::Value(master_[i]);
     f.params.push_back(std::move(ps));
   }
@@ -131,7 +229,7 @@ bool AdamW::LoadStateDict(const ckpt::Value& sd) {
     if (t.shape() != dst.shape()) {
       throw ckpt::Error("optimizer " + key + " of " + what(i) + " is " + ckpt::ShapeString(t.shape()) + ", not " +
                         ckpt::ShapeString(dst.shape()) +
-                        (zero1 ? " (a ZeRO-1 shard of a run with more data-parallel ranks? this trainer runs one)" : ""));
+                        (zero1 ? " (a ZeRO-1 shard of a run with another data-parallel size? this run has " + std::to_string(dp_size_) + ")" : ""));
     }
     if (!ckpt::CanCast(t.dtype(), ckpt::DType::kFloat32))
       throw ckpt::Error("optimizer " + key + " of " + what(i) + " is " + std::string(ckpt::DTypeName(t.dtype())));
@@ -159,39 +257,12 @@ bool AdamW::LoadStateDict(const ckpt::Value& sd) {
   return true;
 }
 
-namespace {
-// Sum of squares over every tensor, reduced in a fixed order (fixed-size
-// chunks summed in sequence) so the result does not depend on the threads.
-double SumSquares(Model& m, bool grads) {
-  constexpr int64_t kChunk = 1 << 16;
-  double total = 0;
-  for (const auto& p : m.layout()) {
-    const ckpt::Tensor& t = grads ? m.grad(p.name) : m.param(p.name);
-    const float* x = reinterpret_cast<const float*>(t.data());
-    const int64_t n = t.numel(), chunks = (n + kChunk - 1) / kChunk;
-    std::vector<double> part(chunks);
-    tbb::parallel_for(int64_t{0}, chunks, [&](int64_t c) {
-      double s = 0;
-      for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) s += double{x[i]} * x[i];
-      part[c] = s;
-    });
-    for (double s : part) total += s;
-  }
-  return total;
-}
-}  // namespace
-
 double ClipGradNorm(Model& m, double max_norm) {
   const double norm = std::sqrt(SumSquares(m, true));
   if (max_norm > 0) {
     const double coef = max_norm / (norm + 1e-6);
     if (coef < 1)
-      for (const auto& p : m.layout()) {
-        float* g = reinterpret_cast<float*>(m.grad(p.name).mutable_data());
-        tbb::parallel_for(tbb::blocked_range<int64_t>(0, m.grad(p.name).numel(), 1 << 16), [&](const tbb::blocked_range<int64_t>& r) {
-          for (int64_t i = r.begin(); i < r.end(); ++i) g[i] = static_cast<float>(g[i] * coef);
-        });
-      }
+      for (const auto& p : m.layout()) Scale(reinterpret_cast<float*>(m.grad(p.name).mutable_data()), m.grad(p.name).numel(), coef);
   }
   return norm;
 }

@@ -8,6 +8,14 @@
 // parameters become their bfloat16 rounding. Gradient clipping by global norm as
 // torch.nn.utils.clip_grad_norm_. Learning-rate schedules as NeMo's
 // CosineAnnealing and NxDT's LinearAnnealingWithWarmUp compute them.
+//
+// Data parallelism: given the data-parallel group, ReduceAndClip sums the
+// ranks' gradients before clipping by the global norm. Without zero1 every
+// rank then holds the whole reduced gradient and takes the same step. With
+// zero1 each parameter is padded on dim 0 to a multiple of dp and cut in dp
+// chunks (ckpt::Zero1ShardRows); gradients are reduce-scattered, each rank
+// keeps moments and master weights for its chunk only and updates those rows,
+// and the parameters are all-gathered after the step, as NxD's ZeRO-1 does.
 #pragma once
 
 #include <cstdint>
@@ -31,11 +39,20 @@ struct AdamWConfig {
   bool master_weights_in_ckpt = false;
 };
 
+class Comm;
+
 class AdamW {
  public:
   // Master weights, if any, start as copies of the model's parameters.
-  AdamW(const Model& m, const AdamWConfig& c);
-  // One update of every parameter from its gradient at learning rate `lr`.
+  // `dp`: the data-parallel group (nullptr: one rank).
+  AdamW(const Model& m, const AdamWConfig& c, Comm* dp = nullptr);
+  // Sums the gradients over the data-parallel group (all-reduce, or
+  // reduce-scatter into this rank's chunks with zero1), multiplies them by
+  // `scale`, and clips them to the global L2 norm `max_norm` (no clipping when
+  // max_norm <= 0). Returns the global norm before clipping. Call before Step.
+  double ReduceAndClip(Model& m, double scale, double max_norm);
+  // One update of every parameter from its gradient at learning rate `lr`
+  // (with zero1 over several ranks: of this rank's rows, then all-gathered).
   void Step(Model& m, double lr);
   int64_t steps() const { return step_; }
 
@@ -58,12 +75,24 @@ class AdamW {
   const std::vector<std::string>& order() const { return order_; }
 
  private:
+  // Where optimizer id i's state lies in its parameter: dim-0 rows
+  // [lo, lo + real) of `rows`, each of row_elems values; the state tensors hold
+  // shard_rows rows (the padding rows stay zero).
+  struct Slot {
+    std::vector<int64_t> shape;  // the parameter's
+    int64_t rows = 1, row_elems = 1, shard_rows = 1, lo = 0, real = 1;
+  };
+  bool Sharded() const { return c_.zero1 && dp_size_ > 1; }
   void CheckGroups(const ckpt::Value& param_groups) const;
 
   AdamWConfig c_;
+  Comm* dp_ = nullptr;
+  int dp_size_ = 1, dp_rank_ = 0;
   std::vector<std::string> order_;  // id -> name
   std::vector<int> group_;          // id -> group index
+  std::vector<Slot> slot_;          // id -> where its state lies
   std::vector<ckpt::Tensor> m_, v_, master_;  // master_ empty without master_weights
+  std::vector<std::vector<float>> grad_shard_;  // with Sharded(): this rank's reduced gradient rows
   int64_t step_ = 0;
 };
 

@@ -140,17 +140,19 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
 
   const int64_t tp = r.Int("distributed_strategy.tensor_model_parallel_size", 1, 1, ckpt::kMaxRanks);
   const int64_t pp = r.Int("distributed_strategy.pipeline_model_parallel_size", 1, 1, ckpt::kMaxRanks);
-  if (tp != 1 || pp != 1 || world != 1)
-    r.Fail("distributed_strategy", "tp=" + std::to_string(tp) + " pp=" + std::to_string(pp) + " on " + std::to_string(world) +
-                                       " devices: this trainer runs one process (TP=PP=DP=1); distributed training is not built yet");
-  // NxDT's default; with one data-parallel rank it decides the optimizer file's layout.
+  // NxDT's default; it decides the optimizer files' layout even with one data-parallel rank.
   c.optim.zero1 = r.Bool("distributed_strategy.zero1", true);
-
+  c.grid = ckpt::RankGrid::ForWorld(world, tp, pp, c.optim.zero1, path + ": distributed_strategy", "trainer.devices * trainer.num_nodes");
+  if (tp != 1 || pp != 1)
+    r.Fail("distributed_strategy", "tensor_model_parallel_size " + std::to_string(tp) + ", pipeline_model_parallel_size " +
+                                       std::to_string(pp) + ": this trainer runs data parallelism only (tp = pp = 1) so far");
+  if (r.Has("model.virtual_pipeline_model_parallel_size") && r.Int("model.virtual_pipeline_model_parallel_size", 1, 1) != 1)
+    r.Fail("model.virtual_pipeline_model_parallel_size", "interleaved (virtual) pipeline stages are not supported; remove it or set 1");
   c.micro_batch_size = r.Int("data.micro_batch_size", 1, 1, 1 << 24);
   c.global_batch_size = r.Int("data.global_batch_size", 1, 1, 1 << 30);
-  if (c.global_batch_size % c.micro_batch_size)
+  if (c.global_batch_size % (c.micro_batch_size * c.grid.dp))
     r.Fail("data.global_batch_size", std::to_string(c.global_batch_size) + " is not a multiple of data.micro_batch_size (" +
-                                         std::to_string(c.micro_batch_size) + ")");
+                                         std::to_string(c.micro_batch_size) + ") * data-parallel size (" + std::to_string(c.grid.dp) + ")");
   c.seq_length = r.Int("data.seq_length", r.Int("model.encoder_seq_length", 128, 1, 1 << 24), 1, 1 << 24);
   c.data_impl = r.Str("data.data_impl", "mmap");
   if (c.data_impl != "mmap" && c.data_impl != "hdf5")
@@ -285,9 +287,11 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
 
   for (const char* k : {"compiler_flags", "compiler_cache_url", "aync_exec_max_inflight_requests", "bucket_size_collectives",
                         "neuron_rt_exec_timeout", "neuron_experimental_compress_rg", "model.fusions", "model.use_cpu_initialization",
-                        "distributed_strategy.sequence_parallel", "exp_manager.save_xser", "exp_manager.load_xser",
+                        "exp_manager.save_xser", "exp_manager.load_xser",
                         "model.activations_checkpoint_recompute"})
     if (r.Has(k)) c.ignored.push_back(std::string(k) + " (a Neuron setting)");
+  if (r.Bool("distributed_strategy.sequence_parallel", false))  // splits along the sequence what tensor parallelism replicates
+    c.ignored.push_back("distributed_strategy.sequence_parallel (no effect with tensor_model_parallel_size 1)");
   // Megatron scales Q.K^T by 1/layer and the softmax input back up: a guard for fp16 softmax.
   if (r.Bool("model.apply_query_key_layer_scaling", false))
     c.ignored.push_back("model.apply_query_key_layer_scaling (no effect: softmax runs in float32 here)");

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "ckpt/rank_grid.h"
 #include "libtrain/model.h"
 #include "libtrain/optimizer.h"
 
@@ -30,6 +31,8 @@ struct TrainConfig {
   bool log_parameter_norm = true, log_gradient_norm = true;
   // data
   int64_t micro_batch_size = 1, global_batch_size = 1, seq_length = 128;
+  // distributed_strategy over trainer.devices * trainer.num_nodes ranks.
+  ckpt::RankGrid grid;
   std::vector<std::pair<double, std::string>> data_prefix;  // (weight, prefix or .h5 file)
   std::string data_impl = "mmap";                           // mmap (Megatron .bin/.idx) or hdf5
   // model and optimisation

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <nlohmann/json.hpp>
 
 #include "ckpt/checkpoint_store.h"
@@ -14,6 +15,8 @@
 #include "ckpt/progress.h"
 #include "ckpt/pt_file.h"
 #include "ckpt/training_state.h"
+#include "ckpt/tag_verify.h"
+#include "libtrain/comm.h"
 #include "libtrain/hdf5_dataset.h"
 #include "libtrain/indexed_dataset.h"
 #include "libtrain/layers.h"
@@ -25,8 +28,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-const std::string kRankFile = "dp_rank_00_tp_rank_00_pp_rank_00.pt";
-
 // The folder names of the tags resume found damaged, as the store keys them.
 std::vector<std::string> DamagedNames(const std::vector<ckpt::DamagedTag>& damaged) {
   std::vector<std::string> names;
@@ -34,10 +35,44 @@ std::vector<std::string> DamagedNames(const std::vector<ckpt::DamagedTag>& damag
   return names;
 }
 
+// The optimizer file this rank reads and writes: its own dp rank's under
+// ZeRO-1, else dp rank 0's (which holds the whole state).
+std::string OptimFile(const ckpt::RankGrid& grid, ckpt::RankCoord at) {
+  if (!grid.zero1) at.dp = 0;
+  return "optim/" + ckpt::RankFileName(at);
+}
+
+// Refuses a tag written at other degrees than this run's, naming both and the
+// ckpt-reshard command that makes one this run can resume from. A tag without
+// optimizer files (weights only) needs only tp and pp to match.
+void CheckResumeGrid(const std::string& tag, const ckpt::RankGrid& run, const std::string& checkpoint_dir) {
+  const ckpt::TagReport report = ckpt::VerifyTag(ckpt::Env::Default(), tag, {.checksums = false});
+  if (!report.grid) throw ckpt::Error(tag + ": cannot tell its parallel layout (no manifest and no rank files)");
+  const ckpt::RankGrid& was = *report.grid;
+  const bool has_optim = ckpt::Env::Default()->IsDirectory(tag + "/optim");
+  // Optimizer files must be cut as this run cuts them: in dp ZeRO-1 shards, or whole (plain, or
+  // ZeRO-1 over one rank, whose one shard is the whole state).
+  auto shards = [](const ckpt::RankGrid& g) { return g.zero1 ? g.dp : 1; };
+  const bool fits = was.tp == run.tp && was.pp == run.pp && (!has_optim || shards(was) == shards(run));
+  if (fits) return;
+  const std::string name = std::filesystem::path(tag).filename().string();
+  const std::string dst = checkpoint_dir + "-tp" + std::to_string(run.tp) + "pp" + std::to_string(run.pp) + "dp" + std::to_string(run.dp) + "/" + name;
+  throw ckpt::Error(tag + ": written at " + was.ToString() + ", but this run is " + run.ToString() +
+                    ". Reshard it with: ckpt-reshard " + tag + " " + dst + " --tp " + std::to_string(run.tp) + " --pp " +
+                    std::to_string(run.pp) + " --dp " + std::to_string(run.dp) + (run.zero1 ? " --zero1" : " --no-zero1") +
+                    " and resume from it with exp_manager.resume_from_checkpoint=" + dst);
+}
+
 }  // namespace
 
-TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& log) {
+TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& say) {
   TrainResult result;
+  const ParallelComms pc = MakeParallelComms(c.grid, c.source);
+  const bool rank0 = pc.world->rank() == 0;
+  // One voice: rank 0 logs for the job (every rank computes the same metrics).
+  const std::function<void(const std::string&)> log = [&](const std::string& l) {
+    if (rank0) say(l);
+  };
   for (const auto& k : c.ignored) log("info: " + k + " is accepted and ignored");
   // Data.
   std::vector<std::shared_ptr<TokenSource>> datasets;
@@ -50,30 +85,42 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   SampleSource data(datasets, weights, c.seq_length, c.seed);
   Model model(c.model);
   model.InitWeights();
-  AdamW adamw(model, c.optim);
+  AdamW adamw(model, c.optim, pc.dp.get());
 
   // Resume.
   const std::string run_dir = c.RunDir(), ckpt_dir = c.CheckpointDir();
-  ckpt::Env::Default()->CreateDirs(run_dir);
+  if (rank0) ckpt::Env::Default()->CreateDirs(run_dir);
   int64_t step = 0, consumed = 0;
-  // Every byte of the tag is checked against its manifest before it is loaded; a damaged tag is
-  // skipped for the next one that verifies, and kept (retention neither counts nor deletes it).
+  // Rank 0 chooses the tag and every rank takes its choice. Every byte of the tag is checked
+  // against its manifest before it is loaded; a damaged tag is skipped for the next one that
+  // verifies, and kept (retention neither counts nor deletes it).
   std::vector<ckpt::DamagedTag> damaged;
-  const auto tag = ckpt::ResolveResume(ckpt::Env::Default(), ckpt_dir,
+  std::string chosen;
+  if (rank0) {
+    const auto t = ckpt::ResolveResume(ckpt::Env::Default(), ckpt_dir,
                                        {.resume_if_exists = c.resume_if_exists,
                                         .resume_ignore_no_checkpoint = c.resume_ignore_no_checkpoint,
                                         .resume_from_checkpoint = c.resume_from_checkpoint,
                                         .verify_checksums = true,
                                         .start_over_damaged = c.resume_past_damaged_checkpoints},
                                        log, &damaged);
+    chosen = t.value_or("");
+  }
+  pc.world->Broadcast(&chosen, 0);
+  const std::optional<std::string> tag = chosen.empty() ? std::nullopt : std::optional(chosen);
   if (tag) {
     try {
-      model.LoadStateDict(ckpt::LoadPt(*tag + "/model/" + kRankFile));
+      CheckResumeGrid(*tag, c.grid, ckpt_dir);
+      const std::string model_file = "model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp});
+      const std::string optim_file = OptimFile(c.grid, pc.coord);
+      model.LoadStateDict(ckpt::LoadPt(*tag + "/" + model_file));
       adamw.ResetMasterWeights(model);
       ckpt::Env* env = ckpt::Env::Default();
-      if (!env->Exists(*tag + "/optim/" + kRankFile))  // weights only, e.g. converted from NNM's HF import
+      if (!env->IsDirectory(*tag + "/optim"))  // weights only, e.g. converted from NNM's HF import
         log("info: " + *tag + " holds no optimizer state; the optimizer starts fresh");
-      else if (!adamw.LoadStateDict(ckpt::LoadPt(*tag + "/optim/" + kRankFile)) && c.optim.master_weights)
+      else if (!env->Exists(*tag + "/" + optim_file))
+        throw ckpt::Error(optim_file + " is missing (this rank's optimizer state)");
+      else if (!adamw.LoadStateDict(ckpt::LoadPt(*tag + "/" + optim_file)) && c.optim.master_weights)
         log("info: the checkpoint holds no master weights (use_master_weights_in_ckpt was off); they restart from its "
             "bfloat16 parameters, as in NxDT");
       if (env->Exists(*tag + "/" + ckpt::kUserContentFile)) {
@@ -95,11 +142,16 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   std::unique_ptr<ckpt::CheckpointStore> store;
   auto pool = ckpt::SnapshotPool::Create();
   if (c.create_checkpoint_callback) {
-    store = std::make_unique<ckpt::CheckpointStore>(ckpt::StoreOptions{
-        .dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .log = log,
-        .damaged = DamagedNames(damaged), .model = model.config().format()});
-    pool->Reserve(model.StateDict(), model.checkpoint_dtype());  // snapshot buffers, faulted in before the first step
-    pool->Reserve(adamw.StateDict(0));
+    // One save id for the job's saves, shared by every rank (rank 0's).
+    std::string job_id = rank0 ? "train-" + std::to_string(::getpid()) + "-" + std::to_string(std::random_device()()) : "";
+    pc.world->Broadcast(&job_id, 0);
+    store = std::make_unique<ckpt::CheckpointStore>(
+        ckpt::StoreOptions{.dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .log = log,
+                           .damaged = DamagedNames(damaged), .model = model.config().format()},
+        ckpt::MpiLaunch{.rank = pc.world->rank(), .world_size = pc.world->size(), .job_id = job_id});
+    // Snapshot buffers, faulted in before the first step.
+    if (pc.coord.dp == 0) pool->Reserve(model.StateDict(), model.checkpoint_dtype());
+    if (pc.coord.dp == 0 || c.grid.zero1) pool->Reserve(adamw.StateDict(0));
   }
   auto save = [&](int64_t global_step, double lr) {
     if (!store) return;
@@ -111,17 +163,28 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     const ckpt::UserContent user{.epoch = 0, .global_step = global_step, .consumed_samples = static_cast<double>(consumed), .carried = {}};
     ckpt::Snapshot snap;
     snap.tag = {c.name, global_step, static_cast<double>(consumed), false};
-    snap.grid.zero1 = c.optim.zero1;  // the optimizer file is ZeRO-1's (one dp rank)
-    snap.files = {{"model/" + kRankFile, ckpt::CopyForSnapshot(model.StateDict(), pool.get(), model.checkpoint_dtype()), {.weights_only = true}},
-                  {"optim/" + kRankFile, ckpt::CopyForSnapshot(adamw.StateDict(lr), pool.get()), {}},
-                  {ckpt::kSchedulerFile, sched.ToValue(), {}},
-                  {ckpt::kUserContentFile, user.ToValue(), {}}};
+    snap.grid = c.grid;
+    // Model files from dp rank 0 of each (tp, pp); optimizer files from every dp rank under
+    // ZeRO-1, else dp rank 0; the tag's own files from rank 0.
+    if (pc.coord.dp == 0)
+      snap.files.push_back({"model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp}),
+                            ckpt::CopyForSnapshot(model.StateDict(), pool.get(), model.checkpoint_dtype()), {.weights_only = true}});
+    if (pc.coord.dp == 0 || c.grid.zero1)
+      snap.files.push_back({OptimFile(c.grid, pc.coord), ckpt::CopyForSnapshot(adamw.StateDict(lr), pool.get()), {}});
+    if (rank0) {
+      snap.files.push_back({ckpt::kSchedulerFile, sched.ToValue(), {}});
+      snap.files.push_back({ckpt::kUserContentFile, user.ToValue(), {}});
+    }
     store->Save(std::move(snap));
   };
 
-  std::ofstream metrics(run_dir + "/metrics.jsonl", std::ios::app);
-  const bool tty = ::isatty(2);
+  std::ofstream metrics;
+  if (rank0) metrics.open(run_dir + "/metrics.jsonl", std::ios::app);
+  const bool tty = rank0 && ::isatty(2);
+  // Micro-batches per step over the job, and this rank's share: as Megatron's sampler deals them,
+  // global micro-batch g = m * dp + dp_rank holds samples consumed + g * B .. + B - 1.
   const int64_t micro = c.global_batch_size / c.micro_batch_size, B = c.micro_batch_size, T = c.seq_length;
+  const int64_t dp = c.grid.dp, my_micro = micro / dp;
   std::vector<int32_t> sample(T + 1), tokens(B * T), targets(B * T);
   double lr = 0;
   int64_t last_saved = tag ? step : -1;
@@ -129,23 +192,22 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     const auto t0 = Clock::now();
     model.ZeroGrad();
     double loss = 0;
-    for (int64_t m = 0; m < micro; ++m) {
+    for (int64_t m = 0; m < my_micro; ++m) {
+      const int64_t first = consumed + (m * dp + pc.coord.dp) * B;
       for (int64_t b = 0; b < B; ++b) {
-        data.Sample(consumed + m * B + b, sample.data());
+        data.Sample(first + b, sample.data());
         std::copy(sample.begin(), sample.end() - 1, tokens.begin() + b * T);
         std::copy(sample.begin() + 1, sample.end(), targets.begin() + b * T);
       }
-      // Dropout masks are a function of the seed and the batch's place in the data, so a resumed run draws the same.
-      const uint64_t dropout_key = DropoutStream(c.seed, static_cast<uint64_t>(consumed + m * B));
+      // Dropout masks are a function of the seed and the batch's place in the data, so a resumed
+      // run, and any data-parallel layout, draws the same.
+      const uint64_t dropout_key = DropoutStream(c.seed, static_cast<uint64_t>(first));
       loss += model.Forward(tokens.data(), targets.data(), B, T, dropout_key) / static_cast<double>(micro);
       model.Backward();
     }
-    if (micro > 1)  // the mean over micro-batches
-      for (const auto& p : model.layout()) {
-        float* g = reinterpret_cast<float*>(model.grad(p.name).mutable_data());
-        for (int64_t i = 0, n = model.grad(p.name).numel(); i < n; ++i) g[i] /= static_cast<float>(micro);
-      }
-    const double grad_norm = ClipGradNorm(model, c.gradient_clip_val);
+    pc.dp->AllReduceSum(&loss, 1);
+    // Summed over every rank's micro-batches, then the mean over them.
+    const double grad_norm = adamw.ReduceAndClip(model, 1.0 / static_cast<double>(micro), c.gradient_clip_val);
     lr = LrAt(c.sched, c.optim.lr, step);
     adamw.Step(model, lr);
     consumed += c.global_batch_size;
@@ -156,7 +218,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     nlohmann::ordered_json j = {{"step", step}, {"loss", loss}, {"lr", lr}, {"consumed_samples", consumed}, {"tokens_per_s", tps}};
     if (c.log_gradient_norm) j["grad_norm"] = grad_norm;
     if (c.log_parameter_norm) j["param_norm"] = ParamNorm(model);
-    metrics << j.dump() << "\n" << std::flush;
+    if (rank0) metrics << j.dump() << "\n" << std::flush;
     if (step % c.log_every_n_steps == 0 || step == c.max_steps) {
       char line[256];
       std::snprintf(line, sizeof line, "step %lld/%lld loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f",

@@ -1,15 +1,17 @@
 // ckpt-verify PATH [--json] [--no-checksums] [--fingerprints] [--gc [--dry-run]]
-// ckpt-verify TAG --against OTHER [--no-checksums] [--json]
+// ckpt-verify TAG --against OTHER [--rtol R] [--atol A] [--no-checksums] [--json]
 // PATH is a checkpoint tag or a checkpoint directory (every tag in it).
 // Checks markers, every file against manifest.json (size and CRC-32, in
 // parallel), missing and extra files, leftover temporaries and rank-grid
 // completeness. Exits 1 with the list of problems, 0 when all is well.
 // --fingerprints also recomputes every logical tensor's fingerprint from the
 // data and checks the manifest's (ckpt/fingerprint.h). --against compares
-// two tags of any layouts by their fingerprints (ckpt/tag_compare.h).
+// two tags of any layouts by their fingerprints (ckpt/tag_compare.h), or
+// with --rtol/--atol as numbers within a tolerance.
 // --gc removes incomplete tags (no `done`) and leftover temporaries from a
 // checkpoint directory, refusing while a running job holds its lock.
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -75,7 +77,8 @@ int Gc(ckpt::Env* env, const std::string& dir, bool dry_run, bool json) {
 // every tensor that differs, 2 when either is not a readable tag. A tag's
 // recorded fingerprints are used once its files match its manifest's
 // checksums (skipped with --no-checksums: then only the manifests speak).
-int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ckpt::FormatHints& h, bool checksums, bool json) {
+int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ckpt::FormatHints& h, bool checksums, bool json,
+            const ckpt::CompareOptions& tolerance) {
   std::vector<ckpt::TagDifference> failed;
   for (const std::string& t : {a, b})
     if (checksums && env->Exists(t + "/" + ckpt::kManifestFile))
@@ -84,7 +87,7 @@ int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ck
   ckpt::CompareReport r;
   if (failed.empty()) {
     const auto ta = ckpt::ShardedTag::Open(env, a, h), tb = ckpt::ShardedTag::Open(env, b, h);
-    r = ckpt::CompareTags(*ta, *tb);
+    r = ckpt::CompareTags(*ta, *tb, tolerance);
   } else {
     r.differences = failed;  // a tag that fails verification proves nothing
   }
@@ -95,6 +98,8 @@ int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ck
     for (const auto& x : r.differences) d.push_back({{"tensor", x.name}, {"difference", x.what}});
     std::cout << nlohmann::ordered_json{{"tag", a}, {"against", b}, {"same", same}, {"tensors_compared", r.tensors},
                                         {"bytes_compared", r.bytes}, {"fingerprints", {{a, source(r.recorded_a)}, {b, source(r.recorded_b)}}},
+                                        {"rtol", tolerance.rtol}, {"atol", tolerance.atol}, {"tensors_within_tolerance", r.inexact},
+                                        {"max_abs_diff", r.max_abs_diff}, {"max_rel_diff", r.max_rel_diff}, {"max_rel_diff_at", r.max_rel_at},
                                         {"differences", d}}
                      .dump(2, ' ', false, nlohmann::json::error_handler_t::replace)
               << "\n";
@@ -103,6 +108,13 @@ int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ck
     std::cout << (same ? "same     " : "FAILED   ") << a << " and " << b << ": " << r.tensors << " logical tensors, "
               << ckpt::HumanBytes(r.bytes) << " compared by fingerprint (" << source(r.recorded_a) << ", " << source(r.recorded_b) << ")"
               << (same ? "" : ", " + std::to_string(r.differences.size()) + " differ") << "\n";
+    if (tolerance.rtol > 0 || tolerance.atol > 0) {
+      char line[256];
+      std::snprintf(line, sizeof line, "         %llu equal within rtol %g atol %g; largest difference %.3g absolute, %.3g relative%s%s\n",
+                    static_cast<unsigned long long>(r.inexact), tolerance.rtol, tolerance.atol, r.max_abs_diff, r.max_rel_diff,
+                    r.max_rel_at.empty() ? "" : " at ", r.max_rel_at.c_str());
+      std::cout << line;
+    }
   }
   return same ? 0 : 1;
 }
@@ -148,12 +160,16 @@ int main(int argc, char** argv) {
   bool fingerprints = false;
   app.add_flag("--fingerprints", fingerprints, "also recompute each logical tensor's fingerprint and check it against the manifest's");
   app.add_option("--against", against, "another tag, in any layout: do both hold the same model and optimizer state?");
+  ckpt::CompareOptions tolerance;
+  app.add_option("--rtol", tolerance.rtol, "with --against: equal within |a-b| <= atol + rtol*|b| (numpy.allclose), not bit for bit")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--atol", tolerance.atol, "with --against: the absolute part of the tolerance")->check(CLI::Range(0.0, 1e30));
   hints.AddTo(app);  // with --against, for a tag without a manifest
   SHARDKIT_PARSE(app, argc, argv);
   auto* env = ckpt::Env::Default();
   try {
     if (!against.empty()) {
-      return Against(env, path, against, hints.Hints(), !no_checksums, json);
+      return Against(env, path, against, hints.Hints(), !no_checksums, json, tolerance);
     }
     if (!env->IsDirectory(path)) throw ckpt::Error(path + ": not a directory");
     if (gc) {

@@ -246,7 +246,16 @@ class TrainAndResume(TempDirTest):
         cases = [
             (["data.data_prefix=[1.0,missing/prefix]"], "missing/prefix.idx: missing"),
             (["data.global_batch_size=6"], "data.global_batch_size: 6 is not a multiple of data.micro_batch_size (4)"),
-            (["distributed_strategy.tensor_model_parallel_size=2"], "distributed_strategy: tp=2 pp=1"),
+            (["distributed_strategy.tensor_model_parallel_size=2"],
+             "distributed_strategy: tensor_model_parallel_size (2) * pipeline_model_parallel_size (1) = 2 does not divide "
+             "trainer.devices * trainer.num_nodes (1)"),
+            (["distributed_strategy.tensor_model_parallel_size=2", "trainer.devices=2"],
+             "distributed_strategy: tensor_model_parallel_size 2, pipeline_model_parallel_size 1: this trainer runs data "
+             "parallelism only (tp = pp = 1) so far"),
+            (["+model.virtual_pipeline_model_parallel_size=2"],
+             "model.virtual_pipeline_model_parallel_size: interleaved (virtual) pipeline stages are not supported"),
+            (["trainer.devices=2", "data.global_batch_size=4"],
+             "data.global_batch_size: 4 is not a multiple of data.micro_batch_size (4) * data-parallel size (2)"),
             (["model.num_kv_heads=3"], "model.num_kv_heads: must divide num_attention_heads (4)"),
             (["precision.type=mixed_precision"],
              "precision.type: mixed_precision keeps float32 master weights only with distributed_strategy.zero1: True"),

@@ -1,0 +1,149 @@
+#include "libtrain/comm.h"
+
+// The C API only: Open MPI otherwise pulls in its deprecated C++ bindings.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <mutex>
+
+#include "ckpt/error.h"
+
+namespace train {
+namespace {
+
+MPI_Comm Handle(void* c) { return static_cast<MPI_Comm>(c); }
+
+// MPI counts are int; larger buffers go in pieces.
+constexpr size_t kMaxCount = size_t{1} << 30;
+
+void Check(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    throw ckpt::Error(std::string("MPI ") + what + " failed: " + std::string(msg, len));
+  }
+}
+
+void FinalizeMpi() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+}  // namespace
+
+Comm::Comm(void* mpi_comm, int rank, int size) : comm_(mpi_comm), rank_(rank), size_(size) {}
+
+Comm::~Comm() {
+  if (comm_ && Handle(comm_) != MPI_COMM_WORLD) {
+    MPI_Comm c = Handle(comm_);
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&c);
+  }
+}
+
+bool Comm::UsingMpi() { return ckpt::ReadMpiLaunch().world_size > 1; }
+
+Comm& Comm::World() {
+  static Comm* world = [] {
+    if (!UsingMpi()) return new Comm(nullptr, 0, 1);
+    int provided = 0;
+    // Collectives are called from the training thread only; TBB workers never call MPI.
+    Check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "init");
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    std::atexit(FinalizeMpi);
+    int rank = 0, size = 1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    return new Comm(MPI_COMM_WORLD, rank, size);
+  }();
+  return *world;
+}
+
+void Comm::Abort(int code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, code);
+  std::exit(code);
+}
+
+std::unique_ptr<Comm> Comm::Group(const std::vector<int>& ranks) {
+  const auto me = std::find(ranks.begin(), ranks.end(), World().rank());
+  if (me == ranks.end()) throw ckpt::Error("internal: rank " + std::to_string(World().rank()) + " is not in its own group");
+  const int rank_in_group = static_cast<int>(me - ranks.begin());
+  if (!comm_) return std::unique_ptr<Comm>(new Comm(nullptr, rank_in_group, static_cast<int>(ranks.size())));
+  // MPI_Comm_split: the color is the group's first world rank, which names it uniquely.
+  MPI_Comm out;
+  Check(MPI_Comm_split(Handle(comm_), ranks.front(), rank_in_group, &out), "comm_split");
+  int r = 0, n = 0;
+  MPI_Comm_rank(out, &r);
+  MPI_Comm_size(out, &n);
+  return std::unique_ptr<Comm>(new Comm(out, r, n));
+}
+
+void Comm::AllReduceSum(float* x, size_t n) {
+  if (size_ == 1) return;
+  for (size_t i = 0; i < n; i += kMaxCount)
+    Check(MPI_Allreduce(MPI_IN_PLACE, x + i, static_cast<int>(std::min(kMaxCount, n - i)), MPI_FLOAT, MPI_SUM, Handle(comm_)), "allreduce");
+}
+
+void Comm::AllReduceSum(double* x, size_t n) {
+  if (size_ == 1) return;
+  for (size_t i = 0; i < n; i += kMaxCount)
+    Check(MPI_Allreduce(MPI_IN_PLACE, x + i, static_cast<int>(std::min(kMaxCount, n - i)), MPI_DOUBLE, MPI_SUM, Handle(comm_)), "allreduce");
+}
+
+void Comm::ReduceScatterSum(const float* in, float* out, size_t block) {
+  if (size_ == 1) {
+    std::copy(in, in + block, out);
+    return;
+  }
+  if (block > kMaxCount) throw ckpt::Error("reduce-scatter block of " + std::to_string(block) + " floats is larger than MPI's count");
+  Check(MPI_Reduce_scatter_block(in, out, static_cast<int>(block), MPI_FLOAT, MPI_SUM, Handle(comm_)), "reduce_scatter");
+}
+
+void Comm::AllGather(const float* in, float* out, size_t block) {
+  if (size_ == 1) {
+    std::copy(in, in + block, out);
+    return;
+  }
+  if (block > kMaxCount) throw ckpt::Error("all-gather block of " + std::to_string(block) + " floats is larger than MPI's count");
+  Check(MPI_Allgather(in, static_cast<int>(block), MPI_FLOAT, out, static_cast<int>(block), MPI_FLOAT, Handle(comm_)), "allgather");
+}
+
+void Comm::Broadcast(std::string* s, int root) {
+  if (size_ == 1) return;
+  unsigned long long n = s->size();
+  Check(MPI_Bcast(&n, 1, MPI_UNSIGNED_LONG_LONG, root, Handle(comm_)), "broadcast");
+  s->resize(n);
+  if (n) Check(MPI_Bcast(s->data(), static_cast<int>(n), MPI_CHAR, root, Handle(comm_)), "broadcast");
+}
+
+void Comm::Barrier() {
+  if (size_ > 1) Check(MPI_Barrier(Handle(comm_)), "barrier");
+}
+
+ParallelComms MakeParallelComms(const ckpt::RankGrid& grid, const std::string& where) {
+  Comm& world = Comm::World();
+  if (world.size() != grid.world_size())
+    throw ckpt::Error(where + ": " + grid.ToString() + " needs " + std::to_string(grid.world_size()) + " processes (tp * pp * dp), but " +
+                      std::to_string(world.size()) + (world.size() == 1 ? " was started" : " were started") +
+                      (Comm::UsingMpi() ? " by mpirun" : " (run it under mpirun -np " + std::to_string(grid.world_size()) + ", or use train.sh)"));
+  ParallelComms pc;
+  pc.grid = grid;
+  pc.coord = grid.CoordOf(world.rank());
+  pc.world = &world;
+  pc.tp = world.Group(grid.TpGroup(world.rank()));
+  pc.dp = world.Group(grid.DpGroup(world.rank()));
+  pc.pp = world.Group(grid.PpGroup(world.rank()));
+  return pc;
+}
+
+}  // namespace train

@@ -1,0 +1,72 @@
+// Collectives among the ranks of a training job, over Open MPI when mpirun
+// started the job and trivially (one rank) otherwise. The world communicator
+// and the tensor-, data- and pipeline-parallel groups are all made here from
+// the one ckpt::RankGrid; nothing else talks to MPI.
+//
+// Every rank must make the same calls in the same order (MPI's rule). A rank
+// that fails calls Comm::Abort, which ends the whole job, so no rank waits
+// forever in a collective its peer never reaches.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "ckpt/rank_grid.h"
+
+namespace train {
+
+class Comm {
+ public:
+  // Initializes MPI when ckpt::ReadMpiLaunch() says mpirun started more than
+  // one process (once per process, finalized at exit), and returns the world
+  // communicator; a one-rank communicator otherwise.
+  static Comm& World();
+  // Whether World() runs over MPI.
+  static bool UsingMpi();
+  // Ends every rank of the job with `code` (MPI_Abort), after the caller has
+  // reported its error; without MPI running, std::exit(code).
+  [[noreturn]] static void Abort(int code);
+
+  ~Comm();
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // The communicator of the group `ranks` (world ranks, in group order) that
+  // this rank belongs to. Every rank of this communicator must call it, each
+  // with the group it is in.
+  std::unique_ptr<Comm> Group(const std::vector<int>& ranks);
+
+  // Elementwise sums over the ranks, in place.
+  void AllReduceSum(float* x, size_t n);
+  void AllReduceSum(double* x, size_t n);
+  // `in` holds size() blocks of `block` floats; rank r receives the sum of
+  // every rank's block r in `out` (MPI_Reduce_scatter_block).
+  void ReduceScatterSum(const float* in, float* out, size_t block);
+  // Every rank's `block` floats from `in`, in rank order, into `out`.
+  void AllGather(const float* in, float* out, size_t block);
+  // Rank `root`'s string to every rank.
+  void Broadcast(std::string* s, int root);
+  void Barrier();
+
+ private:
+  Comm(void* mpi_comm, int rank, int size);
+  void* comm_;  // MPI_Comm, or nullptr for one rank
+  int rank_, size_;
+};
+
+// The grid's communicators for one rank: the world and its groups.
+struct ParallelComms {
+  ckpt::RankGrid grid;
+  ckpt::RankCoord coord;
+  Comm* world = nullptr;
+  std::unique_ptr<Comm> tp, dp, pp;
+};
+// Checks that the world communicator has exactly grid.world_size() ranks
+// (throws ckpt::Error naming both, and `where`) and makes the groups.
+ParallelComms MakeParallelComms(const ckpt::RankGrid& grid, const std::string& where);
+
+}  // namespace train
