@@ -55,10 +55,12 @@ void CheckResumeGrid(const std::string& tag, const ckpt::RankGrid& run, const st
   auto shards = [](const ckpt::RankGrid& g) { return g.zero1 ? g.dp : 1; };
   const bool fits = was.tp == run.tp && was.pp == run.pp && (!has_optim || shards(was) == shards(run));
   if (fits) return;
+  // Absolute paths: the command is to be pasted anywhere.
   const std::string name = std::filesystem::path(tag).filename().string();
-  const std::string dst = checkpoint_dir + "-tp" + std::to_string(run.tp) + "pp" + std::to_string(run.pp) + "dp" + std::to_string(run.dp) + "/" + name;
+  const std::string src = std::filesystem::absolute(tag).lexically_normal().string();
+  const std::string dst = std::filesystem::absolute(checkpoint_dir).lexically_normal().string() + "-tp" + std::to_string(run.tp) + "pp" + std::to_string(run.pp) + "dp" + std::to_string(run.dp) + "/" + name;
   throw ckpt::Error(tag + ": written at " + was.ToString() + ", but this run is " + run.ToString() +
-                    ". Reshard it with: ckpt-reshard " + tag + " " + dst + " --tp " + std::to_string(run.tp) + " --pp " +
+                    ". Reshard it with: ckpt-reshard " + src + " " + dst + " --tp " + std::to_string(run.tp) + " --pp " +
                     std::to_string(run.pp) + " --dp " + std::to_string(run.dp) + (run.zero1 ? " --zero1" : " --no-zero1") +
                     " and resume from it with exp_manager.resume_from_checkpoint=" + dst);
 }

@@ -1,0 +1,234 @@
+"""shardkit-train under mpirun: data parallelism, with and without ZeRO-1.
+
+Every layout must compute what one process computes: the same losses at every
+step (relative 1e-5, fp32) and, at the checkpoint, the same state within a
+tolerance (ckpt-verify --against --rtol/--atol). The files are NxD's: torch
+reads the ZeRO-1 shards of every dp rank and they join into one process's
+moments. A rank SIGKILLed ends the job, and the restart resumes every rank
+from the last complete tag. A tag written at other degrees is refused with the
+ckpt-reshard command, which run as printed makes a tag the new layout resumes
+from, continuing the one-process run.
+
+The worst relative loss difference seen is printed to stderr for the record.
+"""
+import glob
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import unittest
+
+import torch
+
+from canon import BIN, TOKENIZE, TRAIN, TempDirTest, run
+from train_resume import CONF, GPT_CONF, TEXT, losses
+
+RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
+VERIFY = os.path.join(BIN, "tools", "ckpt-verify")
+STEPS = 20
+# Dropout everywhere Megatron puts it: masks are keyed on global sample positions, so a rank
+# drawing them for its share of the batch draws what one process does.
+# (tiny_gpt.yaml has them already.)
+DROPOUT = ["+model.hidden_dropout=0.1", "+model.attention_dropout=0.1", "+model.ffn_dropout=0.1"]
+LOSS_RTOL = 1e-5
+
+
+def mpirun(n):
+    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n)] if n > 1 else []
+
+
+class DataParallel(TempDirTest):
+    def setUp(self):
+        super().setUp()
+        os.makedirs(os.path.join(self.dir, "data"))
+        run(TOKENIZE, TEXT, os.path.join(self.dir, "data", "text_document"))
+
+    def command(self, log_dir, world, extra=(), conf=CONF, steps=STEPS):
+        # 16 samples of 4 per step: 4 micro-batches, 2 per rank at dp 2, so accumulation is exercised too.
+        return [*mpirun(world), TRAIN, conf, f"exp_manager.explicit_log_dir={log_dir}", f"trainer.devices={world}",
+                f"trainer.max_steps={steps}", "+model.optim.sched.max_steps=40", "data.global_batch_size=16",
+                "exp_manager.checkpoint_callback_params.every_n_train_steps=10",
+                "exp_manager.checkpoint_callback_params.save_top_k=-1", *extra]
+
+    def train(self, log_dir, world, extra=(), conf=CONF, steps=STEPS, check=True):
+        p = subprocess.run(self.command(log_dir, world, extra, conf, steps), cwd=self.dir, capture_output=True, text=True)
+        if check:
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        return p
+
+    def tag(self, log_dir, step, name="tiny_llama"):
+        return os.path.join(self.dir, log_dir, "checkpoints", f"{name}--step={step}-consumed_samples={16.0 * step}.ckpt")
+
+    def assert_same_losses(self, one, two, steps=range(1, STEPS + 1)):
+        a, b = losses(os.path.join(self.dir, one)), losses(os.path.join(self.dir, two))
+        self.assertEqual(sorted(b), sorted(set(b) | set(steps)))
+        worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in steps)
+        print(f"\n  {self.id().split('.')[-1]}: {two} vs {one}, worst relative loss difference {worst:.2e} "
+              f"over steps {steps.start}-{steps.stop - 1}", file=sys.stderr)
+        self.assertLess(worst, LOSS_RTOL)
+        # The losses move: equal losses would prove nothing if they did not.
+        self.assertGreater(a[steps.start] - a[steps.stop - 1], 0.1)
+
+    def assert_same_state(self, a, b, rtol, atol):
+        v = subprocess.run([VERIFY, a, "--against", b, "--rtol", str(rtol), "--atol", str(atol), "--json"],
+                           capture_output=True, text=True)
+        self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
+        report = json.loads(v.stdout)
+        self.assertTrue(report["same"])
+        self.assertGreaterEqual(report["tensors_compared"], 3 * 10)  # parameters, exp_avg, exp_avg_sq
+        # Bit for bit they are not (other summation orders): the tolerance is what makes them the same.
+        exact = subprocess.run([VERIFY, a, "--against", b], capture_output=True, text=True)
+        self.assertEqual(exact.returncode, 1, exact.stdout)
+        return report
+
+    def check_equivalence(self, conf, extra, name, rtol):
+        self.train("one", 1, extra, conf)
+        self.train("two", 2, extra, conf)
+        self.assert_same_losses("one", "two")
+        self.assert_same_state(self.tag("one", STEPS, name), self.tag("two", STEPS, name), rtol, 1e-5)
+
+    def test_llama_plain_data_parallel_matches_one_process(self):
+        self.check_equivalence(CONF, ["distributed_strategy.zero1=False", *DROPOUT], "tiny_llama", 1e-3)
+        # Without ZeRO-1 only dp rank 0 writes the (whole) optimizer state.
+        self.assertEqual(os.listdir(os.path.join(self.tag("two", STEPS), "optim")), ["dp_rank_00_tp_rank_00_pp_rank_00.pt"])
+
+    def test_llama_zero1_data_parallel_matches_one_process_and_writes_nxd_shards(self):
+        self.check_equivalence(CONF, ["distributed_strategy.zero1=True", *DROPOUT], "tiny_llama", 1e-3)
+        one = torch.load(os.path.join(self.tag("one", STEPS), "optim", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
+        shards = [torch.load(os.path.join(self.tag("two", STEPS), "optim", f"dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt"))
+                  for d in range(2)]
+        model = torch.load(os.path.join(self.tag("two", STEPS), "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
+        self.assertEqual(sorted(os.listdir(os.path.join(self.tag("two", STEPS), "model"))), ["dp_rank_00_tp_rank_00_pp_rank_00.pt"])
+        for s in shards:  # torch-xla ZeRO-1's layout, as NxD saves it
+            self.assertEqual(set(s), {"state", "param_groups", "base_state", "shape_info"})
+            self.assertEqual(s["state"], {})
+            self.assertEqual(s["param_groups"], one["param_groups"])
+        n = len(one["base_state"])
+        self.assertEqual(n, len(model))
+        joined = 0
+        for i in range(n):
+            full_shape = one["shape_info"][i]
+            rows = full_shape[0]
+            chunk = (rows + 1) // 2  # padded on dim 0 to a multiple of dp, cut in dp chunks
+            for key in ("exp_avg", "exp_avg_sq"):
+                parts = [s["base_state"][i][key] for s in shards]
+                for p in parts:
+                    self.assertEqual(tuple(p.shape), (chunk, *full_shape[1:]))
+                    self.assertEqual(p.dtype, torch.float32)
+                    self.assertEqual(tuple(shards[0]["shape_info"][i]), tuple(full_shape))
+                whole = torch.cat(parts)[:rows]
+                if rows % 2:
+                    self.assertEqual(torch.count_nonzero(parts[1][-1]).item(), 0)  # the padding row
+                want = one["base_state"][i][key]
+                self.assertTrue(torch.allclose(whole, want, rtol=1e-3, atol=1e-7),
+                                f"{key} of {i}: {(whole - want).abs().max().item()}")
+                joined += 1
+            self.assertEqual(float(shards[1]["base_state"][i]["step"]), float(STEPS))
+        self.assertEqual(joined, 2 * n)
+
+    def test_gpt_mixed_precision_zero1_matches_one_process(self):
+        # bfloat16 parameters with fp32 master weights sharded over dp (use_master_weights_in_ckpt):
+        # a parameter may round to the neighbouring bfloat16 (2^-8 relative), masters stay close.
+        self.check_equivalence(GPT_CONF, ["exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=True"], "tiny_gpt", 1e-2)
+        s = torch.load(os.path.join(self.tag("two", STEPS, "tiny_gpt"), "optim", "dp_rank_01_tp_rank_00_pp_rank_00.pt"))
+        self.assertIn("sharded_master_weights", s)
+        self.assertEqual(s["sharded_master_weights"][0].dtype, torch.float32)
+
+    def test_gpt_fp32_plain_matches_one_process(self):
+        self.check_equivalence(GPT_CONF, ["precision.type=fp32", "distributed_strategy.zero1=False"], "tiny_gpt", 1e-3)
+
+    def test_sigkill_of_one_rank_ends_the_job_and_the_restart_resumes_every_rank(self):
+        extra = ["distributed_strategy.zero1=True", "exp_manager.async_checkpointing=True"]
+        steps = 100
+        self.train("straight", 2, extra, steps=steps)
+        killed = os.path.join(self.dir, "killed")
+        p = subprocess.Popen(self.command(killed, 2, extra, steps=steps), cwd=self.dir, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while not glob.glob(os.path.join(killed, "checkpoints", "*step=40-*", "done")):
+            self.assertIsNone(p.poll(), "the run finished before a rank could be killed")
+            self.assertLess(time.time(), deadline)
+            time.sleep(0.002)
+        ranks = subprocess.run(["pgrep", "-P", str(p.pid), "-f", "shardkit-train"], capture_output=True, text=True).stdout.split()
+        self.assertEqual(len(ranks), 2)
+        os.kill(int(ranks[-1]), signal.SIGKILL)
+        self.assertNotEqual(p.wait(timeout=60), 0)  # mpirun ends the job: no rank is left waiting
+        r = self.train("killed", 2, extra, steps=steps)
+        self.assertRegex(r.stderr, r"resumed from \S*step=(40|50|60|70|80|90)-")
+        self.assertEqual(losses(os.path.join(self.dir, "straight")), losses(killed))
+        for sub in ("model/dp_rank_00", "optim/dp_rank_00", "optim/dp_rank_01"):
+            a = glob.glob(os.path.join(self.tag("straight", steps), sub + "*"))[0]
+            b = glob.glob(os.path.join(self.tag("killed", steps), sub + "*"))[0]
+            with open(a, "rb") as f1, open(b, "rb") as f2:
+                self.assertEqual(f1.read(), f2.read(), f"{sub} differs")
+
+    def reshard_as_told(self, stderr):
+        """Runs the ckpt-reshard command a refused resume printed; returns the new tag."""
+        m = re.search(r"Reshard it with: ckpt-reshard (.*?) and resume from it with exp_manager.resume_from_checkpoint=(\S+)", stderr)
+        self.assertIsNotNone(m, stderr)
+        r = subprocess.run([RESHARD, *shlex.split(m.group(1))], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        return m.group(2)
+
+    def check_resume_across_layouts(self, world_a, world_b, extra):
+        self.train("straight", 1, extra)
+        self.train("a", world_a, extra, steps=10)
+        refused = self.train("b", world_b, [*extra, f"exp_manager.resume_from_checkpoint={self.tag('a', 10)}"], check=False)
+        self.assertNotEqual(refused.returncode, 0)
+        self.assertIn(f"written at tp 1, pp 1, dp {world_a} (ZeRO-1), but this run is tp 1, pp 1, dp {world_b} (ZeRO-1)",
+                      refused.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "b", "checkpoints")))
+        new_tag = self.reshard_as_told(refused.stderr)
+        r = self.train("b", world_b, [*extra, f"exp_manager.resume_from_checkpoint={new_tag}"])
+        self.assertIn("resumed from " + new_tag, r.stderr)
+        self.assert_same_losses("straight", "b", range(11, STEPS + 1))
+
+    def test_a_zero1_tag_from_dp2_resumes_in_one_process_through_ckpt_reshard(self):
+        self.check_resume_across_layouts(2, 1, ["distributed_strategy.zero1=True"])
+
+    def test_a_zero1_tag_from_one_process_resumes_at_dp2_through_ckpt_reshard(self):
+        self.check_resume_across_layouts(1, 2, ["distributed_strategy.zero1=True"])
+
+    def test_a_plain_tag_resumes_at_any_dp(self):
+        # Without ZeRO-1 the files do not depend on dp: nothing to reshard.
+        extra = ["distributed_strategy.zero1=False"]
+        self.train("straight", 1, extra)
+        self.train("a", 1, extra, steps=10)
+        r = self.train("a", 2, extra)
+        self.assertRegex(r.stderr, r"resumed from \S*step=10-")
+        self.assert_same_losses("straight", "a", range(11, STEPS + 1))
+
+    def test_a_missing_rank_file_is_named_and_the_previous_tag_resumed(self):
+        extra = ["distributed_strategy.zero1=True"]
+        self.train("run", 2, extra)
+        os.remove(os.path.join(self.tag("run", 20), "optim", "dp_rank_01_tp_rank_00_pp_rank_00.pt"))
+        r = self.train("run", 2, extra, steps=30)
+        self.assertRegex(r.stderr, r"skipping \S*step=20-\S*: optim/dp_rank_01_tp_rank_00_pp_rank_00.pt")
+        self.assertRegex(r.stderr, r"resumed from \S*step=10-")
+
+    def test_world_size_other_than_the_config_is_refused(self):
+        p = self.train("bad", 1, check=False)  # sanity: one process, one device works
+        self.assertEqual(p.returncode, 0)
+        cmd = [*mpirun(2), TRAIN, CONF, "exp_manager.explicit_log_dir=bad2", "trainer.devices=1"]
+        p = subprocess.run(cmd, cwd=self.dir, capture_output=True, text=True)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("tp 1, pp 1, dp 1 needs 1 processes (tp * pp * dp), but 2 were started by mpirun", p.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "bad2", "checkpoints")))
+        p = subprocess.run([TRAIN, CONF, "exp_manager.explicit_log_dir=bad3", "trainer.devices=2"], cwd=self.dir,
+                           capture_output=True, text=True)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("tp 1, pp 1, dp 2 needs 2 processes (tp * pp * dp), but 1 was started (run it under mpirun -np 2, "
+                      "or use train.sh)", p.stderr)
+
+    def test_world_size_flag_tells_train_sh_how_many_ranks(self):
+        out = subprocess.run([TRAIN, "--world_size", CONF, "trainer.devices=2", "trainer.num_nodes=2", "data.global_batch_size=16"],
+                             capture_output=True, text=True, check=True).stdout
+        self.assertEqual(out.strip(), "4")
+
+
+if __name__ == "__main__":
+    unittest.main()
