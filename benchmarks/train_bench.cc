@@ -51,7 +51,7 @@ void BM_TrainStep(benchmark::State& state) {
     benchmark::DoNotOptimize(m.Forward(tokens.data(), targets.data(), s.batch, s.seq));
     act = m.activation_bytes();
     m.Backward();
-    train::ClipGradNorm(m, 1.0);
+    opt.ReduceAndClip(m, 1.0, 1.0);
     opt.Step(m, 1e-4);
   }
   rusage ru;

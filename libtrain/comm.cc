@@ -100,6 +100,12 @@ void Comm::AllReduceSum(double* x, size_t n) {
     Check(MPI_Allreduce(MPI_IN_PLACE, x + i, static_cast<int>(std::min(kMaxCount, n - i)), MPI_DOUBLE, MPI_SUM, Handle(comm_)), "allreduce");
 }
 
+void Comm::AllReduceMax(float* x, size_t n) {
+  if (size_ == 1) return;
+  for (size_t i = 0; i < n; i += kMaxCount)
+    Check(MPI_Allreduce(MPI_IN_PLACE, x + i, static_cast<int>(std::min(kMaxCount, n - i)), MPI_FLOAT, MPI_MAX, Handle(comm_)), "allreduce");
+}
+
 void Comm::ReduceScatterSum(const float* in, float* out, size_t block) {
   if (size_ == 1) {
     std::copy(in, in + block, out);

@@ -43,6 +43,8 @@ class Comm {
   // Elementwise sums over the ranks, in place.
   void AllReduceSum(float* x, size_t n);
   void AllReduceSum(double* x, size_t n);
+  // Elementwise maxima over the ranks, in place.
+  void AllReduceMax(float* x, size_t n);
   // `in` holds size() blocks of `block` floats; rank r receives the sum of
   // every rank's block r in `out` (MPI_Reduce_scatter_block).
   void ReduceScatterSum(const float* in, float* out, size_t block);

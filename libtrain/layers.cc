@@ -54,13 +54,19 @@ void LinearBackward(float* dx, float* dw, float* dbias, const float* dout, const
   });
 }
 
-void EmbeddingForward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t H) {
-  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) { std::memcpy(out + n * H, wte + int64_t{tokens[n]} * H, H * sizeof(float)); });
+void EmbeddingForward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t H, int64_t v0, int64_t V) {
+  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
+    const int64_t row = int64_t{tokens[n]} - v0;
+    if (row >= 0 && row < V) std::memcpy(out + n * H, wte + row * H, H * sizeof(float));
+    else std::fill(out + n * H, out + (n + 1) * H, 0.0f);
+  });
 }
 
-void EmbeddingBackward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t H) {
+void EmbeddingBackward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t H, int64_t v0, int64_t V) {
   for (int64_t n = 0; n < N; ++n) {  // serial: tokens repeat
-    float* row = dwte + int64_t{tokens[n]} * H;
+    const int64_t r = int64_t{tokens[n]} - v0;
+    if (r < 0 || r >= V) continue;
+    float* row = dwte + r * H;
     for (int64_t i = 0; i < H; ++i) row[i] += dout[n * H + i];
   }
 }
@@ -213,27 +219,54 @@ void DropoutApply(float* x, int64_t n, float p, uint64_t stream) {
   });
 }
 
-float CrossEntropyForward(float* probs, const float* logits, const int32_t* targets, int64_t N, int64_t V) {
-  std::vector<double> losses(N);
+void DropoutApplyColumns(float* x, int64_t rows, int64_t cols, int64_t col0, int64_t total_cols, float p, uint64_t stream) {
+  if (p <= 0) return;
+  const float scale = 1.0f / (1.0f - p);
+  tbb::parallel_for(int64_t{0}, rows, [&](int64_t r) {
+    const uint64_t base = static_cast<uint64_t>(r * total_cols + col0);
+    for (int64_t c = 0; c < cols; ++c) {
+      float& v = x[r * cols + c];
+      v = DropoutKeep(stream, base + static_cast<uint64_t>(c), p) ? v * scale : 0.0f;
+    }
+  });
+}
+
+void CrossEntropyRowMax(float* row_max, const float* logits, int64_t N, int64_t V) {
+  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) { row_max[n] = *std::max_element(logits + n * V, logits + (n + 1) * V); });
+}
+
+void CrossEntropySums(double* sum_exp, double* target_logit, float* probs, const float* logits, const float* row_max,
+                      const int32_t* targets, int64_t v0, int64_t N, int64_t V) {
   tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
     const float* l = logits + n * V;
     float* p = probs + n * V;
-    const float mx = *std::max_element(l, l + V);
     double sum = 0;
-    for (int64_t v = 0; v < V; ++v) sum += p[v] = std::exp(l[v] - mx);
-    for (int64_t v = 0; v < V; ++v) p[v] = static_cast<float>(p[v] / sum);
-    losses[n] = -(l[targets[n]] - mx - std::log(sum));
+    for (int64_t v = 0; v < V; ++v) sum += p[v] = std::exp(l[v] - row_max[n]);
+    sum_exp[n] = sum;
+    const int64_t t = int64_t{targets[n]} - v0;
+    target_logit[n] = t >= 0 && t < V ? double{l[t]} : 0.0;
+  });
+}
+
+float CrossEntropyFinish(float* probs, const double* sum_exp, const double* target_logit, const float* row_max, int64_t N,
+                         int64_t V) {
+  std::vector<double> losses(N);
+  tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
+    float* p = probs + n * V;
+    for (int64_t v = 0; v < V; ++v) p[v] = static_cast<float>(p[v] / sum_exp[n]);
+    losses[n] = -(target_logit[n] - row_max[n] - std::log(sum_exp[n]));
   });
   double total = 0;
   for (double x : losses) total += x;
   return static_cast<float>(total / N);
 }
 
-void CrossEntropyBackward(float* dlogits, const float* probs, const int32_t* targets, int64_t N, int64_t V) {
+void CrossEntropyBackward(float* dlogits, const float* probs, const int32_t* targets, int64_t v0, int64_t N, int64_t V) {
   const float inv = 1.0f / static_cast<float>(N);
   tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
     for (int64_t v = 0; v < V; ++v) dlogits[n * V + v] = probs[n * V + v] * inv;
-    dlogits[n * V + targets[n]] -= inv;
+    const int64_t t = int64_t{targets[n]} - v0;
+    if (t >= 0 && t < V) dlogits[n * V + t] -= inv;
   });
 }
 

@@ -16,9 +16,12 @@ void LinearForward(float* out, const float* x, const float* w, const float* bias
 void LinearBackward(float* dx, float* dw, float* dbias, const float* dout, const float* x, const float* w, int64_t N,
                     int64_t K, int64_t C);
 
-// out[n,:] = wte[tokens[n],:]
-void EmbeddingForward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t H);
-void EmbeddingBackward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t H);
+// Rows [v0, v0 + V) of a vocab-parallel embedding, wte[V,H] (v0 = 0 and V
+// the whole vocabulary in one process): out[n,:] = wte[tokens[n] - v0,:] for
+// the tokens in those rows, 0 for the others (the ranks' outputs sum to the
+// lookup). Backward accumulates the rows of the tokens in range.
+void EmbeddingForward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t H, int64_t v0, int64_t V);
+void EmbeddingBackward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t H, int64_t v0, int64_t V);
 
 // out = x / sqrt(mean(x^2) + eps) * w; rstd[N] is saved for backward.
 void RmsNormForward(float* out, float* rstd, const float* x, const float* w, float eps, int64_t N, int64_t H);
@@ -59,9 +62,25 @@ float DropoutFactor(uint64_t stream, uint64_t i, float p);
 // and backward on their gradients alike.
 void DropoutApply(float* x, int64_t n, float p, uint64_t stream);
 
-// Mean cross-entropy over N positions; probs[N,V] holds the softmax.
-float CrossEntropyForward(float* probs, const float* logits, const int32_t* targets, int64_t N, int64_t V);
-// dlogits = (probs - onehot(target)) / N
-void CrossEntropyBackward(float* dlogits, const float* probs, const int32_t* targets, int64_t N, int64_t V);
+// Dropout on columns [col0, col0 + cols) of a [rows, total_cols] tensor held
+// as x[rows, cols]: element (r, c) draws the mask of index r * total_cols +
+// col0 + c, as DropoutApply on the whole tensor would.
+void DropoutApplyColumns(float* x, int64_t rows, int64_t cols, int64_t col0, int64_t total_cols, float p, uint64_t stream);
+
+// Mean cross-entropy over N positions of logits whose vocabulary columns
+// [v0, v0 + V) are held here (Megatron's vocab_parallel_cross_entropy), in
+// three steps with reductions over the ranks holding the other columns in
+// between (none in one process):
+//   1. row_max[N]: the row maxima here; the caller takes the maximum over ranks;
+//   2. sum_exp[N] (of exp(logit - max), kept unnormalized in probs[N,V]) and
+//      target_logit[N] (0 when the target is not here); the caller sums both;
+//   3. the mean loss; probs becomes the softmax.
+void CrossEntropyRowMax(float* row_max, const float* logits, int64_t N, int64_t V);
+void CrossEntropySums(double* sum_exp, double* target_logit, float* probs, const float* logits, const float* row_max,
+                      const int32_t* targets, int64_t v0, int64_t N, int64_t V);
+float CrossEntropyFinish(float* probs, const double* sum_exp, const double* target_logit, const float* row_max, int64_t N,
+                         int64_t V);
+// dlogits = (probs - onehot(target)) / N on the columns held here.
+void CrossEntropyBackward(float* dlogits, const float* probs, const int32_t* targets, int64_t v0, int64_t N, int64_t V);
 
 }  // namespace train

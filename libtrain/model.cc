@@ -2,14 +2,16 @@
 
 #include <tbb/parallel_for.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
 
 #include "ckpt/dtype_cast.h"
 #include "ckpt/error.h"
-#include "libtrain/layers.h"
 #include "ckpt/optimizer_groups.h"
+#include "libtrain/comm.h"
+#include "libtrain/layers.h"
 
 namespace train {
 
@@ -19,12 +21,12 @@ std::string LayerName(int l, const std::string& rest) {
 }
 }  // namespace
 
-ckpt::ModelFormat ModelConfig::format() const {
+ckpt::ModelFormat ModelConfig::format(int tp) const {
   ckpt::ModelFormat f;
   f.hidden = hidden, f.ffn = ffn, f.heads = heads, f.kv_heads = kv_heads, f.layers = layers;
   f.vocab_size = vocab_size > 0 ? vocab_size : vocab;
   f.make_vocab_size_divisible_by = make_vocab_size_divisible_by;
-  if (f.PaddedVocab(1) != vocab) f.vocab_size = vocab, f.make_vocab_size_divisible_by = 1;  // vocab set directly (tests)
+  if (f.PaddedVocab(tp) != vocab) f.vocab_size = vocab, f.make_vocab_size_divisible_by = 1;  // vocab set directly (tests)
   f.layernorm = layernorm, f.gelu = gelu, f.bias = bias, f.learned_positions = learned_positions;
   f.max_positions = max_positions, f.tied_output = tied_output;
   return f;
@@ -43,13 +45,27 @@ struct Model::LayerCache {
 
 Model::~Model() = default;
 
-Model::Model(const ModelConfig& c) : c_(c), layout_(ckpt::LogicalParameters(c.format())) {
+Model::Model(const ModelConfig& c, const TensorParallel& tp)
+    : c_(c), tp_(tp), format_(c.format(tp.size)), layout_(ckpt::LogicalParameters(format_, tp.size)) {
   if (c.hidden % c.heads) throw ckpt::Error("hidden_size must be divisible by num_attention_heads");
   if (c.heads % c.kv_heads) throw ckpt::Error("num_attention_heads must be divisible by num_kv_heads");
   if (c.learned_positions && c.max_positions < 1) throw ckpt::Error("learned position embeddings need max_position_embeddings");
+  if (const std::string why = format_.CheckTensorParallel(tp.size); !why.empty()) throw ckpt::Error(why);
+  if (c.vocab % tp.size)
+    throw ckpt::Error("tensor parallel degree " + std::to_string(tp.size) + " does not divide the padded vocabulary (" +
+                      std::to_string(c.vocab) + ")");
+  if ((tp.size > 1) != (tp.comm != nullptr) || (c.kv_heads < tp.size) != (tp.kv_comm != nullptr))
+    throw ckpt::Error("internal: tensor-parallel communicators do not match the degree");
+  const int64_t n = tp.size, r = tp.rank;
+  nh_ = c.heads / n, h0_ = r * nh_;
+  if (c.kv_heads >= n) G_ = c.kv_heads / n, g0_ = r * G_;
+  else G_ = 1, g0_ = r / (n / c.kv_heads);  // the group of this rank's heads, replicated (ckpt::LocalRuns)
+  F_ = c.ffn / n, f0_ = r * F_;
+  V_ = c.vocab / n, v0_ = r * V_;
   for (const auto& p : layout_) {
-    params_.emplace(p.name, ckpt::Tensor::Zeros(ckpt::DType::kFloat32, p.shape));
-    grads_.emplace(p.name, ckpt::Tensor::Zeros(ckpt::DType::kFloat32, p.shape));
+    const auto shape = ckpt::LocalShape(p, format_, tp.size, tp.rank);
+    params_.emplace(p.name, ckpt::Tensor::Zeros(ckpt::DType::kFloat32, shape));
+    grads_.emplace(p.name, ckpt::Tensor::Zeros(ckpt::DType::kFloat32, shape));
   }
   const int64_t rot = c_.rotary_dim();
   for (int64_t i = 0; i < rot / 2; ++i)
@@ -75,6 +91,7 @@ ckpt::Tensor& Model::grad(const std::string& n) {
 void Model::InitWeights() {
   std::mt19937_64 rng(c_.seed);
   const float scaled = c_.scaled_init ? c_.init_std / std::sqrt(2.0f * c_.layers) : c_.init_std;
+  std::vector<float> whole;
   for (const auto& p : layout_) {
     float* w = W(p.name);
     const int64_t n = param(p.name).numel();
@@ -85,9 +102,21 @@ void Model::InitWeights() {
     }
     const bool output_proj = p.name.ends_with("self_attention.dense.weight") || p.name.ends_with("mlp.dense_4h_to_h.weight");
     std::normal_distribution<float> dist(0.f, output_proj ? scaled : c_.init_std);
-    for (int64_t i = 0; i < n; ++i) w[i] = dist(rng);
+    whole.resize(ckpt::ShapeNumel(p.shape));
+    for (float& x : whole) x = dist(rng);
     if (c_.bf16_params)
-      for (int64_t i = 0; i < n; ++i) w[i] = ckpt::RoundToBFloat16(w[i]);
+      for (float& x : whole) x = ckpt::RoundToBFloat16(x);
+    // This rank's slice: runs of rows, or of columns within every row.
+    const auto runs = ckpt::LocalRuns(p, format_, tp_.size, tp_.rank);
+    if (p.split == ckpt::SplitDim::kColumns) {
+      const int64_t rows = p.shape[0], cols = p.shape[1], local_cols = n / rows;
+      for (int64_t i = 0; i < rows; ++i)
+        for (const ckpt::Run& run : runs)
+          std::copy_n(&whole[i * cols + run.logical], run.count, w + i * local_cols + run.local);
+    } else {
+      const int64_t row = static_cast<int64_t>(whole.size()) / p.shape[0];
+      for (const ckpt::Run& run : runs) std::copy_n(&whole[run.logical * row], run.count * row, w + run.local * row);
+    }
   }
 }
 
@@ -96,6 +125,31 @@ ckpt::DType Model::checkpoint_dtype() const { return c_.bf16_params ? ckpt::DTyp
 void Model::ZeroGrad() {
   for (auto& [n, g] : grads_) std::memset(g.mutable_data(), 0, g.nbytes());
 }
+
+void Model::ReduceReplicaGrads() {
+  if (!tp_.kv_comm) return;
+  for (int l = 0; l < c_.layers; ++l)
+    for (const char* part : {"self_attention.key_value.weight", "self_attention.key_value.bias"})
+      if (auto it = grads_.find(LayerName(l, part)); it != grads_.end())
+        tp_.kv_comm->AllReduceSum(reinterpret_cast<float*>(it->second.mutable_data()), static_cast<size_t>(it->second.numel()));
+}
+
+bool Model::CountsInNorm(const std::string& name) const {
+  const auto p = std::find_if(layout_.begin(), layout_.end(), [&](const ckpt::ParamRule& r) { return r.name == name; });
+  if (p == layout_.end()) throw ckpt::Error("model has no parameter '" + name + "'");
+  if (p->split == ckpt::SplitDim::kReplicated || (p->split == ckpt::SplitDim::kColumns && name.ends_with(".bias")))
+    return tp_.rank == 0;
+  if (p->fused == ckpt::FusedRows::kPerGroupKv && c_.kv_heads < tp_.size) return tp_.rank % (tp_.size / c_.kv_heads) == 0;
+  return true;
+}
+
+void Model::TpSum(float* x, int64_t n) {
+  if (tp_.comm) tp_.comm->AllReduceSum(x, static_cast<size_t>(n));
+}
+
+int64_t Model::QCol(int64_t h) const { return c_.gqa() ? h * c_.head_dim() : h * 3 * c_.head_dim(); }
+int64_t Model::KCol(int64_t g) const { return c_.gqa() ? g * 2 * c_.head_dim() : g * 3 * c_.head_dim() + c_.head_dim(); }
+int64_t Model::VCol(int64_t g) const { return c_.gqa() ? g * 2 * c_.head_dim() + c_.head_dim() : g * 3 * c_.head_dim() + 2 * c_.head_dim(); }
 
 ckpt::Value Model::StateDict() const {
   ckpt::Value d = ckpt::Value::NewDict();
@@ -115,9 +169,10 @@ void Model::LoadStateDict(const ckpt::Value& sd) {
     const ckpt::Value* v = d.Find(p.name);
     if (!v) throw ckpt::Error("state dict has no '" + p.name + "'");
     const ckpt::Tensor& t = v->as_tensor();
-    if (t.shape() != p.shape)
+    const std::vector<int64_t>& want = param(p.name).shape();
+    if (t.shape() != want)
       throw ckpt::Error("state dict '" + p.name + "' is " + ckpt::ShapeString(t.shape()) + ", the wrong shape for this config (" +
-                        ckpt::ShapeString(p.shape) + ")");
+                        ckpt::ShapeString(want) + (tp_.size > 1 ? " on tensor-parallel rank " + std::to_string(tp_.rank) : "") + ")");
     if (!ckpt::CanCast(t.dtype(), ckpt::DType::kFloat32))
       throw ckpt::Error("state dict '" + p.name + "' is " + std::string(ckpt::DTypeName(t.dtype())) +
                         "; parameters load from float32, float64 or bfloat16");
@@ -156,33 +211,43 @@ void Model::Linear(const std::string& prefix, const float* x, float* out, int64_
   LinearForward(out, x, W(prefix + ".weight"), c_.bias ? W(prefix + ".bias") : nullptr, B_ * T_, K, C);
 }
 
+void Model::RowParallelLinear(const std::string& prefix, const float* x, float* out, int64_t K, int64_t C) {
+  const int64_t N = B_ * T_;
+  LinearForward(out, x, W(prefix + ".weight"), nullptr, N, K, C);
+  TpSum(out, N * C);  // each rank's K columns give a partial sum
+  if (c_.bias) {      // the bias is whole: added once, after the sum
+    const float* b = W(prefix + ".bias");
+    tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
+      for (int64_t i = 0; i < C; ++i) out[n * C + i] += b[i];
+    });
+  }
+}
+
 void Model::LinearGrad(const std::string& prefix, const float* dout, const float* x, float* dx, int64_t K, int64_t C) {
   LinearBackward(dx, Dw(prefix + ".weight"), c_.bias ? Dw(prefix + ".bias") : nullptr, dout, x, W(prefix + ".weight"),
                  B_ * T_, K, C);
 }
 
-// Attention: project, split heads (with RoPE on q and k), causal softmax
-// attention per (batch, head), heads concatenated into y.
+int64_t Model::LocalGroup(int64_t h) const { return (h0_ + h) / (c_.heads / c_.kv_heads) - g0_; }
+
+// Attention over this rank's heads: project, split heads (with RoPE on q and
+// k), causal softmax attention per (batch, head), heads concatenated into y.
 void Model::AttentionForward(int l, LayerCache& lc) {
-  const int64_t B = B_, T = T_, N = B * T, H = c_.hidden, hd = c_.head_dim(), nh = c_.heads, G = c_.kv_heads;
+  const int64_t B = B_, T = T_, N = B * T, H = c_.hidden, hd = c_.head_dim(), nh = nh_, G = G_, Hl = nh_ * hd;
   const int64_t rot = c_.rotary_dim();
-  // Where head h's q and group g's k and v live in the projection outputs.
   const float* qsrc;
   const float* kvsrc;
   int64_t qstride, kvstride;
-  auto qcol = [&](int64_t h) { return c_.gqa() ? h * hd : h * 3 * hd; };
-  auto kcol = [&](int64_t g) { return c_.gqa() ? g * 2 * hd : g * 3 * hd + hd; };
-  auto vcol = [&](int64_t g) { return c_.gqa() ? g * 2 * hd + hd : g * 3 * hd + 2 * hd; };
   if (c_.gqa()) {
-    lc.proj.resize(N * H);
+    lc.proj.resize(N * Hl);
     lc.kvproj.resize(N * 2 * G * hd);
-    Linear(LayerName(l, "self_attention.query"), lc.ln1.data(), lc.proj.data(), H, H);
+    Linear(LayerName(l, "self_attention.query"), lc.ln1.data(), lc.proj.data(), H, Hl);
     Linear(LayerName(l, "self_attention.key_value"), lc.ln1.data(), lc.kvproj.data(), H, 2 * G * hd);
-    qsrc = lc.proj.data(), qstride = H, kvsrc = lc.kvproj.data(), kvstride = 2 * G * hd;
+    qsrc = lc.proj.data(), qstride = Hl, kvsrc = lc.kvproj.data(), kvstride = 2 * G * hd;
   } else {
-    lc.proj.resize(N * 3 * H);
-    Linear(LayerName(l, "self_attention.query_key_value"), lc.ln1.data(), lc.proj.data(), H, 3 * H);
-    qsrc = kvsrc = lc.proj.data(), qstride = kvstride = 3 * H;
+    lc.proj.resize(N * 3 * Hl);
+    Linear(LayerName(l, "self_attention.query_key_value"), lc.ln1.data(), lc.proj.data(), H, 3 * Hl);
+    qsrc = kvsrc = lc.proj.data(), qstride = kvstride = 3 * Hl;
   }
   lc.q.resize(B * nh * T * hd);
   lc.k.resize(B * G * T * hd);
@@ -192,28 +257,30 @@ void Model::AttentionForward(int l, LayerCache& lc) {
       const int64_t n = b * T + t;
       for (int64_t h = 0; h < nh; ++h) {
         float* q = &lc.q[((b * nh + h) * T + t) * hd];
-        std::memcpy(q, qsrc + n * qstride + qcol(h), hd * sizeof(float));
+        std::memcpy(q, qsrc + n * qstride + QCol(h), hd * sizeof(float));
         RopeApply(q, t, inv_freq_.data(), rot, false);
       }
       for (int64_t g = 0; g < G; ++g) {
         float* k = &lc.k[((b * G + g) * T + t) * hd];
-        std::memcpy(k, kvsrc + n * kvstride + kcol(g), hd * sizeof(float));
+        std::memcpy(k, kvsrc + n * kvstride + KCol(g), hd * sizeof(float));
         RopeApply(k, t, inv_freq_.data(), rot, false);
-        std::memcpy(&lc.v[((b * G + g) * T + t) * hd], kvsrc + n * kvstride + vcol(g), hd * sizeof(float));
+        std::memcpy(&lc.v[((b * G + g) * T + t) * hd], kvsrc + n * kvstride + VCol(g), hd * sizeof(float));
       }
     }
   AttentionCore(l, lc);
 }
 
 void Model::AttentionCore(int l, LayerCache& lc) {
-  const int64_t B = B_, T = T_, N = B * T, H = c_.hidden, hd = c_.head_dim(), nh = c_.heads, G = c_.kv_heads;
+  const int64_t B = B_, T = T_, N = B * T, hd = c_.head_dim(), nh = nh_, G = G_, Hl = nh_ * hd;
   lc.att.assign(B * nh * T * T, 0.f);
-  lc.y.assign(N * H, 0.f);
+  lc.y.assign(N * Hl, 0.f);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float p = c_.attention_dropout;
   const uint64_t stream = DropoutSite(l, 0);
   tbb::parallel_for(int64_t{0}, B * nh, [&](int64_t bh) {
-    const int64_t b = bh / nh, h = bh % nh, g = h / (nh / G);
+    const int64_t b = bh / nh, h = bh % nh, g = LocalGroup(h);
+    // The mask index of the global head, as one process numbers them.
+    const int64_t global_bh = b * c_.heads + h0_ + h;
     const float* q = &lc.q[bh * T * hd];
     const float* k = &lc.k[(b * G + g) * T * hd];
     const float* v = &lc.v[(b * G + g) * T * hd];
@@ -229,10 +296,10 @@ void Model::AttentionCore(int l, LayerCache& lc) {
       float sum = 0;
       for (int64_t s = 0; s <= t; ++s) sum += a[s] = std::exp(a[s] - mx);
       for (int64_t s = 0; s <= t; ++s) a[s] /= sum;
-      float* y = &lc.y[(b * T + t) * H + h * hd];
+      float* y = &lc.y[(b * T + t) * Hl + h * hd];
       for (int64_t s = 0; s <= t; ++s) {
         // att keeps the probabilities; the values see them after dropout.
-        const float w = a[s] * DropoutFactor(stream, static_cast<uint64_t>((bh * T + t) * T + s), p);
+        const float w = a[s] * DropoutFactor(stream, static_cast<uint64_t>((global_bh * T + t) * T + s), p);
         for (int64_t d = 0; d < hd; ++d) y[d] += w * v[s * hd + d];
       }
     }
@@ -240,8 +307,8 @@ void Model::AttentionCore(int l, LayerCache& lc) {
 }
 
 void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln1) {
-  const int64_t B = B_, T = T_, N = B * T, H = c_.hidden, hd = c_.head_dim(), nh = c_.heads, G = c_.kv_heads;
-  const int64_t rot = c_.rotary_dim(), per_group = nh / G;
+  const int64_t B = B_, T = T_, N = B * T, H = c_.hidden, hd = c_.head_dim(), nh = nh_, G = G_, Hl = nh_ * hd;
+  const int64_t rot = c_.rotary_dim();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   std::vector<float> dq(lc.q.size(), 0.f), dk(lc.k.size(), 0.f), dv(lc.v.size(), 0.f);
   const float p = c_.attention_dropout;
@@ -254,16 +321,17 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
     float* dkg = &dk[bg * T * hd];
     float* dvg = &dv[bg * T * hd];
     std::vector<float> datt(T);
-    for (int64_t h = g * per_group; h < (g + 1) * per_group; ++h) {
-      const int64_t bh = b * nh + h;
+    for (int64_t h = 0; h < nh; ++h) {
+      if (LocalGroup(h) != g) continue;
+      const int64_t bh = b * nh + h, global_bh = b * c_.heads + h0_ + h;
       const float* q = &lc.q[bh * T * hd];
       float* dqh = &dq[bh * T * hd];
       for (int64_t t = 0; t < T; ++t) {
         const float* a = &lc.att[(bh * T + t) * T];
-        const float* dyt = dy + (b * T + t) * H + h * hd;
+        const float* dyt = dy + (b * T + t) * Hl + h * hd;
         float dsum = 0;
         for (int64_t s = 0; s <= t; ++s) {
-          const float f = DropoutFactor(stream, static_cast<uint64_t>((bh * T + t) * T + s), p);
+          const float f = DropoutFactor(stream, static_cast<uint64_t>((global_bh * T + t) * T + s), p);
           float d = 0;
           for (int64_t e = 0; e < hd; ++e) {
             d += dyt[e] * v[s * hd + e];
@@ -283,10 +351,7 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
     }
   });
   // Undo RoPE on the gradients and scatter them into the projection layout.
-  auto qcol = [&](int64_t h) { return c_.gqa() ? h * hd : h * 3 * hd; };
-  auto kcol = [&](int64_t g) { return c_.gqa() ? g * 2 * hd : g * 3 * hd + hd; };
-  auto vcol = [&](int64_t g) { return c_.gqa() ? g * 2 * hd + hd : g * 3 * hd + 2 * hd; };
-  const int64_t qstride = c_.gqa() ? H : 3 * H, kvstride = c_.gqa() ? 2 * G * hd : 3 * H;
+  const int64_t qstride = c_.gqa() ? Hl : 3 * Hl, kvstride = c_.gqa() ? 2 * G * hd : 3 * Hl;
   std::vector<float> dproj(lc.proj.size(), 0.f), dkvproj(lc.kvproj.size(), 0.f);
   float* dq_dst = dproj.data();
   float* dkv_dst = c_.gqa() ? dkvproj.data() : dproj.data();
@@ -296,45 +361,49 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
       for (int64_t h = 0; h < nh; ++h) {
         float* src = &dq[((b * nh + h) * T + t) * hd];
         RopeApply(src, t, inv_freq_.data(), rot, true);
-        std::memcpy(dq_dst + n * qstride + qcol(h), src, hd * sizeof(float));
+        std::memcpy(dq_dst + n * qstride + QCol(h), src, hd * sizeof(float));
       }
       for (int64_t g = 0; g < G; ++g) {
         float* src = &dk[((b * G + g) * T + t) * hd];
         RopeApply(src, t, inv_freq_.data(), rot, true);
-        std::memcpy(dkv_dst + n * kvstride + kcol(g), src, hd * sizeof(float));
-        std::memcpy(dkv_dst + n * kvstride + vcol(g), &dv[((b * G + g) * T + t) * hd], hd * sizeof(float));
+        std::memcpy(dkv_dst + n * kvstride + KCol(g), src, hd * sizeof(float));
+        std::memcpy(dkv_dst + n * kvstride + VCol(g), &dv[((b * G + g) * T + t) * hd], hd * sizeof(float));
       }
     }
   if (c_.gqa()) {
     std::vector<float> tmp(N * H);
-    LinearGrad(LayerName(l, "self_attention.query"), dproj.data(), lc.ln1.data(), dln1, H, H);
+    LinearGrad(LayerName(l, "self_attention.query"), dproj.data(), lc.ln1.data(), dln1, H, Hl);
     LinearGrad(LayerName(l, "self_attention.key_value"), dkvproj.data(), lc.ln1.data(), tmp.data(), H, 2 * G * hd);
+    // A replicated KV group: each replica's part comes from its own heads' dk and dv, so the
+    // sum over the ranks below is the one-process gradient.
     for (int64_t i = 0; i < N * H; ++i) dln1[i] += tmp[i];
   } else {
-    LinearGrad(LayerName(l, "self_attention.query_key_value"), dproj.data(), lc.ln1.data(), dln1, H, 3 * H);
+    LinearGrad(LayerName(l, "self_attention.query_key_value"), dproj.data(), lc.ln1.data(), dln1, H, 3 * Hl);
   }
+  TpSum(dln1, N * H);  // the column-parallel projections' inputs were whole on every rank
 }
 
 void Model::LayerForward(int l, LayerCache& lc, float* out) {
-  const int64_t N = B_ * T_, H = c_.hidden, F = c_.ffn;
+  const int64_t N = B_ * T_, H = c_.hidden, F = F_, Hl = nh_ * c_.head_dim();
   lc.ln1.resize(N * H);
   NormForward(LayerName(l, "input_layernorm"), lc.x.data(), lc.ln1.data(), lc.mean1, lc.rstd1);
   AttentionForward(l, lc);
   std::vector<float> attn_out(N * H);
-  Linear(LayerName(l, "self_attention.dense"), lc.y.data(), attn_out.data(), H, H);
+  RowParallelLinear(LayerName(l, "self_attention.dense"), lc.y.data(), attn_out.data(), Hl, H);
   DropoutApply(attn_out.data(), N * H, c_.hidden_dropout, DropoutSite(l, 1));
   lc.x2.resize(N * H);
   for (int64_t i = 0; i < N * H; ++i) lc.x2[i] = lc.x[i] + attn_out[i];
   lc.ln2.resize(N * H);
   NormForward(LayerName(l, "post_attention_layernorm"), lc.x2.data(), lc.ln2.data(), lc.mean2, lc.rstd2);
-  const int64_t fc_width = c_.ffn_in_width();
+  const int64_t fc_width = c_.gelu ? F : 2 * F;
   lc.fc.resize(N * fc_width), lc.act.resize(N * F);
   Linear(LayerName(l, "mlp.dense_h_to_4h"), lc.ln2.data(), lc.fc.data(), H, fc_width);
   if (c_.gelu) GeluForward(lc.act.data(), lc.fc.data(), N * F);
   else SwiGluForward(lc.act.data(), lc.fc.data(), N, F);
-  DropoutApply(lc.act.data(), N * F, c_.ffn_dropout, DropoutSite(l, 2));  // act holds what dense_4h_to_h sees
+  // act holds what dense_4h_to_h sees; masks keyed on the global FFN column.
+  DropoutApplyColumns(lc.act.data(), N, F, f0_, c_.ffn, c_.ffn_dropout, DropoutSite(l, 2));
   std::vector<float> mlp_out(N * H);
-  Linear(LayerName(l, "mlp.dense_4h_to_h"), lc.act.data(), mlp_out.data(), F, H);
+  RowParallelLinear(LayerName(l, "mlp.dense_4h_to_h"), lc.act.data(), mlp_out.data(), F, H);
   DropoutApply(mlp_out.data(), N * H, c_.hidden_dropout, DropoutSite(l, 3));
   for (int64_t i = 0; i < N * H; ++i) out[i] = lc.x2[i] + mlp_out[i];
 }
@@ -383,8 +452,10 @@ float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, i
   tokens_.assign(tokens, tokens + N);
   targets_.assign(targets, targets + N);
   cache_.resize(c_.layers);
+  // Vocab-parallel embedding: each rank looks up the tokens in its rows, the sum is the lookup.
   std::vector<float> x(N * H);
-  EmbeddingForward(x.data(), tokens, W(kWordEmbeddings), N, H);
+  EmbeddingForward(x.data(), tokens, W(kWordEmbeddings), N, H, v0_, V_);
+  TpSum(x.data(), N * H);
   if (c_.learned_positions) {
     const float* pos = W(kPositionEmbeddings);
     for (int64_t n = 0; n < N; ++n)
@@ -400,21 +471,29 @@ float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, i
   x_final_ = x;
   lnf_.resize(N * H);
   NormForward(kFinalNorm, x_final_.data(), lnf_.data(), meanf_, rstdf_);
-  logits_.resize(N * V), probs_.resize(N * V);
-  // The output layer has no bias; tied, it is the word embedding matrix.
-  LinearForward(logits_.data(), lnf_.data(), W(c_.tied_output ? kWordEmbeddings : kOutputLayer), nullptr, N, H, V);
-  return CrossEntropyForward(probs_.data(), logits_.data(), targets, N, V);
+  logits_.resize(N * V_), probs_.resize(N * V_);
+  // The output layer has no bias; tied, it is the word embedding matrix. Its rows (this rank's
+  // vocabulary) give this rank's logits, and cross-entropy joins them with three reductions.
+  LinearForward(logits_.data(), lnf_.data(), W(c_.tied_output ? kWordEmbeddings : kOutputLayer), nullptr, N, H, V_);
+  std::vector<float> row_max(N);
+  CrossEntropyRowMax(row_max.data(), logits_.data(), N, V_);
+  if (tp_.comm) tp_.comm->AllReduceMax(row_max.data(), static_cast<size_t>(N));
+  std::vector<double> sums(2 * N);  // sum of exp(logit - max), then the target's logit
+  CrossEntropySums(sums.data(), sums.data() + N, probs_.data(), logits_.data(), row_max.data(), targets, v0_, N, V_);
+  if (tp_.comm) tp_.comm->AllReduceSum(sums.data(), sums.size());
+  return CrossEntropyFinish(probs_.data(), sums.data(), sums.data() + N, row_max.data(), N, V_);
 }
 
 void Model::Backward() {
-  const int64_t N = B_ * T_, H = c_.hidden, F = c_.ffn, V = c_.vocab;
+  const int64_t N = B_ * T_, H = c_.hidden, F = F_, V = V_, Hl = nh_ * c_.head_dim();
   const char* output = c_.tied_output ? kWordEmbeddings : kOutputLayer;
   std::vector<float> dlogits(N * V), dlnf(N * H), dx(N * H);
-  CrossEntropyBackward(dlogits.data(), probs_.data(), targets_.data(), N, V);
+  CrossEntropyBackward(dlogits.data(), probs_.data(), targets_.data(), v0_, N, V);
   LinearBackward(dlnf.data(), Dw(output), nullptr, dlogits.data(), lnf_.data(), W(output), N, H, V);
+  TpSum(dlnf.data(), N * H);
   NormBackward(kFinalNorm, dlnf.data(), x_final_.data(), meanf_, rstdf_, dx.data());
-  const int64_t fc_width = c_.ffn_in_width();
-  std::vector<float> dact(N * F), dfc(N * fc_width), dln(N * H), dpart(N * H), dy(N * H), dropped;
+  const int64_t fc_width = c_.gelu ? F : 2 * F;
+  std::vector<float> dact(N * F), dfc(N * fc_width), dln(N * H), dpart(N * H), dy(N * Hl), dropped;
   // The gradient at a block's output as it was before hidden dropout (dx itself without dropout).
   auto before_dropout = [&](int l, int site) -> const float* {
     if (c_.hidden_dropout <= 0) return dx.data();
@@ -432,21 +511,22 @@ void Model::Backward() {
     }
     // MLP block: dx is the gradient at the layer output (x2 + dropout(mlp_out)).
     LinearGrad(LayerName(l, "mlp.dense_4h_to_h"), before_dropout(l, 3), lc.act.data(), dact.data(), F, H);
-    DropoutApply(dact.data(), N * F, c_.ffn_dropout, DropoutSite(l, 2));
+    DropoutApplyColumns(dact.data(), N, F, f0_, c_.ffn, c_.ffn_dropout, DropoutSite(l, 2));
     if (c_.gelu) GeluBackward(dfc.data(), dact.data(), lc.fc.data(), N * F);
     else SwiGluBackward(dfc.data(), dact.data(), lc.fc.data(), N, F);
     LinearGrad(LayerName(l, "mlp.dense_h_to_4h"), dfc.data(), lc.ln2.data(), dln.data(), H, fc_width);
+    TpSum(dln.data(), N * H);
     NormBackward(LayerName(l, "post_attention_layernorm"), dln.data(), lc.x2.data(), lc.mean2, lc.rstd2, dpart.data());
     for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // now the gradient at x2
     // Attention block.
-    LinearGrad(LayerName(l, "self_attention.dense"), before_dropout(l, 1), lc.y.data(), dy.data(), H, H);
+    LinearGrad(LayerName(l, "self_attention.dense"), before_dropout(l, 1), lc.y.data(), dy.data(), Hl, H);
     AttentionBackward(l, lc, dy.data(), dln.data());
     NormBackward(LayerName(l, "input_layernorm"), dln.data(), lc.x.data(), lc.mean1, lc.rstd1, dpart.data());
     for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // the gradient at the layer input
     Drop(lc);
   }
   DropoutApply(dx.data(), N * H, c_.hidden_dropout, DropoutSite(-1, 0));
-  EmbeddingBackward(Dw(kWordEmbeddings), dx.data(), tokens_.data(), N, H);
+  EmbeddingBackward(Dw(kWordEmbeddings), dx.data(), tokens_.data(), N, H, v0_, V_);
   if (c_.learned_positions) {
     float* dpos = Dw(kPositionEmbeddings);
     for (int64_t n = 0; n < N; ++n)  // serial: positions repeat across the batch

@@ -12,6 +12,20 @@
 // Parameters carry NxDT's state-dict names; their partition rules (split dim,
 // fused layout, stage, optimizer group) come from ckpt/partition.h, the one
 // copy the checkpoint tools read too.
+//
+// Tensor parallelism (Megatron's, without sequence parallelism): a model built
+// for tp rank r of tp holds that rank's slice of every parameter as the
+// partition rules cut it (ckpt::LocalShape/LocalRuns): whole heads of
+// query_key_value (or query, and key_value groups, replicated over tp /
+// kv_heads ranks when there are fewer groups than ranks), [gate_r; up_r] of
+// dense_h_to_4h, columns of the row-parallel dense and dense_4h_to_h, and
+// vocabulary rows of the embedding and output layer. Activations between the
+// blocks are whole on every rank: a row-parallel output is all-reduced
+// before its (whole) bias, a column-parallel input's gradient after its
+// backward; the embedding sums the ranks' rows and cross-entropy is
+// vocab-parallel (Megatron's vocab_parallel_cross_entropy). Dropout masks are
+// keyed on global coordinates (global head, global FFN column), so every
+// layout draws the masks one process draws.
 #pragma once
 
 #include <cstdint>
@@ -62,22 +76,35 @@ struct ModelConfig {
   bool gqa() const { return kv_heads != heads; }
   // Rows of dense_h_to_4h: [gate; up] for SwiGLU, one projection for GeLU.
   int64_t ffn_in_width() const { return gelu ? ffn : 2 * ffn; }
-  // The checkpoint format this model reads and writes (one process: tp 1).
-  ckpt::ModelFormat format() const;
+  // The checkpoint format this model reads and writes; `vocab` must be the
+  // vocabulary padded for `tp` (ModelFormat::PaddedVocab(tp)).
+  ckpt::ModelFormat format(int tp = 1) const;
+};
+
+class Comm;
+
+// This model's place in a tensor-parallel group.
+struct TensorParallel {
+  int size = 1, rank = 0;
+  Comm* comm = nullptr;     // the tensor-parallel group; nullptr when size is 1
+  Comm* kv_comm = nullptr;  // with kv_heads < size: the ranks sharing this rank's KV group
 };
 
 
 class Model {
  public:
-  explicit Model(const ModelConfig& c);
+  // Throws ckpt::Error when tp does not divide the model (heads, KV heads,
+  // FFN width, padded vocabulary).
+  explicit Model(const ModelConfig& c, const TensorParallel& tp = {});
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
   // Normal(0, init_std) weights and position embeddings; output projections
   // of each layer (dense, dense_4h_to_h) scaled by 1/sqrt(2 * layers) with
-  // scaled_init; norm weights 1; biases 0.
-  // Rounded to bfloat16 with bf16_params.
+  // scaled_init; norm weights 1; biases 0. Drawn for the whole logical tensor
+  // and sliced (Megatron's use_cpu_initialization), so every layout starts
+  // from the weights one process does. Rounded to bfloat16 with bf16_params.
   void InitWeights();
   // Forward over B sequences of T tokens; returns the mean cross-entropy.
   // `dropout_key` seeds this batch's dropout masks (the trainer derives it
@@ -86,17 +113,28 @@ class Model {
   // Accumulates gradients of the last Forward's loss.
   void Backward();
   void ZeroGrad();
+  // Sums the gradients of KV groups replicated over several tensor-parallel
+  // ranks (kv_heads < tp), so the replicas take the same step. Once per step,
+  // after the last Backward.
+  void ReduceReplicaGrads();
+  // Whether this rank's copy of `name` counts in global norms: a tensor
+  // replicated over the tensor-parallel ranks counts on one of them only.
+  bool CountsInNorm(const std::string& name) const;
+  const TensorParallel& tensor_parallel() const { return tp_; }
 
   const ModelConfig& config() const { return c_; }
   ckpt::Tensor& param(const std::string& name);
   const ckpt::Tensor& param(const std::string& name) const;
   ckpt::Tensor& grad(const std::string& name);
+  // The logical parameters (shapes at tp 1); param() and grad() hold this
+  // rank's slices of them.
   const std::vector<ckpt::ParamRule>& layout() const { return layout_; }
+  // This rank's vocabulary columns of the last Forward's logits [N, vocab / tp].
   const std::vector<float>& logits() const { return logits_; }
   // Bytes of activations held for backward after the last Forward.
   size_t activation_bytes() const;
 
-  // name -> float32 tensor, viewing the model's own memory (no copy).
+  // name -> float32 tensor (this rank's slice), viewing the model's own memory (no copy).
   ckpt::Value StateDict() const;
   ckpt::Value GradDict() const;
   // The dtype a checkpoint stores the parameters in: bfloat16 with
@@ -117,12 +155,23 @@ class Model {
                     const std::vector<float>& rstd, float* dx);
   // The linear layer `prefix` (its weight, and its bias with has_bias).
   void Linear(const std::string& prefix, const float* x, float* out, int64_t K, int64_t C);
+  // A row-parallel linear layer: this rank's K input columns, the partial
+  // products summed over the tensor-parallel ranks, then the whole bias.
+  void RowParallelLinear(const std::string& prefix, const float* x, float* out, int64_t K, int64_t C);
+  // The local group of local head h.
+  int64_t LocalGroup(int64_t h) const;
   void LinearGrad(const std::string& prefix, const float* dout, const float* x, float* dx, int64_t K, int64_t C);
   // Runs layer l on lc.x, filling lc and writing the layer output to `out`.
   void LayerForward(int l, LayerCache& lc, float* out);
   void AttentionForward(int l, LayerCache& lc);
   // Softmax attention of layer l from lc.q/k/v into lc.att and lc.y.
   void AttentionCore(int l, LayerCache& lc);
+  // Where local head h's q and local group g's k and v lie in the projections.
+  int64_t QCol(int64_t h) const;
+  int64_t KCol(int64_t g) const;
+  int64_t VCol(int64_t g) const;
+  // Sums x over the tensor-parallel ranks (no-op with one).
+  void TpSum(float* x, int64_t n);
   void AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln1);
   // The dropout mask stream of `site` in layer l (l = -1: the embeddings).
   uint64_t DropoutSite(int l, int site) const;
@@ -130,6 +179,11 @@ class Model {
   void Drop(LayerCache& lc);
 
   ModelConfig c_;
+  TensorParallel tp_;
+  // This rank's share: heads [h0_, h0_ + nh_), KV groups from g0_ (G_ of them),
+  // FFN columns [f0_, f0_ + F_), vocabulary rows [v0_, v0_ + V_).
+  int64_t nh_ = 0, h0_ = 0, G_ = 0, g0_ = 0, F_ = 0, f0_ = 0, V_ = 0, v0_ = 0;
+  ckpt::ModelFormat format_;
   std::vector<ckpt::ParamRule> layout_;
   std::map<std::string, ckpt::Tensor> params_, grads_;
   std::vector<float> inv_freq_;

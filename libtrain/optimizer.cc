@@ -20,8 +20,8 @@ AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp) : c_(c), dp_(dp) {
   if (dp_) dp_size_ = dp_->size(), dp_rank_ = dp_->rank();
   const int shards = c.zero1 ? dp_size_ : 1;
   std::vector<std::string> names;
-  std::map<std::string, const std::vector<int64_t>*> shapes;
-  for (const auto& p : m.layout()) names.push_back(p.name), shapes[p.name] = &p.shape;
+  std::map<std::string, const std::vector<int64_t>*> shapes;  // this rank's slices
+  for (const auto& p : m.layout()) names.push_back(p.name), shapes[p.name] = &m.param(p.name).shape();
   for (const auto& entry : ckpt::OptimizerOrder(names, c.do_layer_norm_weight_decay)) {
     order_.push_back(entry.name);
     group_.push_back(entry.group);
@@ -77,12 +77,16 @@ void Scale(float* x, int64_t n, double by) {
   });
 }
 
+// Over the whole model: this rank's slices, tensors replicated over the
+// tensor-parallel ranks counted once, summed over those ranks.
 double SumSquares(Model& m, bool grads) {
   double total = 0;
   for (const auto& p : m.layout()) {
+    if (!m.CountsInNorm(p.name)) continue;
     const ckpt::Tensor& t = grads ? m.grad(p.name) : m.param(p.name);
     total += SumSquares(reinterpret_cast<const float*>(t.data()), t.numel());
   }
+  if (Comm* tp = m.tensor_parallel().comm) tp->AllReduceSum(&total, 1);
   return total;
 }
 }  // namespace
@@ -94,10 +98,11 @@ double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
     ckpt::Tensor& gt = m.grad(order_[i]);
     float* g = reinterpret_cast<float*>(gt.mutable_data());
     const int64_t n = gt.numel();
+    const bool counts = m.CountsInNorm(order_[i]);  // a tensor-parallel replica counts once
     if (!Sharded()) {
       if (dp_) dp_->AllReduceSum(g, static_cast<size_t>(n));
       if (scale != 1.0) Scale(g, n, scale);
-      sum_squares += SumSquares(g, n);
+      if (counts) sum_squares += SumSquares(g, n);
       continue;
     }
     // Padded on dim 0 to dp chunks of shard_rows; rank r receives the sum of chunk r.
@@ -107,9 +112,10 @@ double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
     std::copy(g, g + n, padded.begin());
     dp_->ReduceScatterSum(padded.data(), grad_shard_[i].data(), block);
     if (scale != 1.0) Scale(grad_shard_[i].data(), static_cast<int64_t>(block), scale);
-    sum_squares += SumSquares(grad_shard_[i].data(), static_cast<int64_t>(block));
+    if (counts) sum_squares += SumSquares(grad_shard_[i].data(), static_cast<int64_t>(block));
   }
   if (Sharded()) dp_->AllReduceSum(&sum_squares, 1);
+  if (Comm* tp = m.tensor_parallel().comm) tp->AllReduceSum(&sum_squares, 1);
   const double norm = std::sqrt(sum_squares);
   const double coef = max_norm / (norm + 1e-6);
   if (max_norm > 0 && coef < 1)
@@ -255,16 +261,6 @@ bool AdamW::LoadStateDict(const ckpt::Value& sd) {
     copy(*w, master_[i], "master weight", i);
   }
   return true;
-}
-
-double ClipGradNorm(Model& m, double max_norm) {
-  const double norm = std::sqrt(SumSquares(m, true));
-  if (max_norm > 0) {
-    const double coef = max_norm / (norm + 1e-6);
-    if (coef < 1)
-      for (const auto& p : m.layout()) Scale(reinterpret_cast<float*>(m.grad(p.name).mutable_data()), m.grad(p.name).numel(), coef);
-  }
-  return norm;
 }
 
 double ParamNorm(Model& m) { return std::sqrt(SumSquares(m, false)); }

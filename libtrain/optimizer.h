@@ -6,7 +6,7 @@
 // data-parallel rank, as NxDT writes it. With master_weights (NxDT's
 // mixed_precision) the update runs on float32 master copies and the model's
 // parameters become their bfloat16 rounding. Gradient clipping by global norm as
-// torch.nn.utils.clip_grad_norm_. Learning-rate schedules as NeMo's
+// torch.nn.utils.clip_grad_norm_ (ReduceAndClip). Learning-rate schedules as NeMo's
 // CosineAnnealing and NxDT's LinearAnnealingWithWarmUp compute them.
 //
 // Data parallelism: given the data-parallel group, ReduceAndClip sums the
@@ -96,9 +96,8 @@ class AdamW {
   int64_t step_ = 0;
 };
 
-// Scales every gradient so their global L2 norm is at most `max_norm` (no-op
-// when max_norm <= 0). Returns the norm before clipping.
-double ClipGradNorm(Model& m, double max_norm);
+// The L2 norm of the whole model's parameters (every rank's slices, each
+// tensor-parallel replica once).
 double ParamNorm(Model& m);
 
 struct ScheduleConfig {

@@ -143,9 +143,9 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   // NxDT's default; it decides the optimizer files' layout even with one data-parallel rank.
   c.optim.zero1 = r.Bool("distributed_strategy.zero1", true);
   c.grid = ckpt::RankGrid::ForWorld(world, tp, pp, c.optim.zero1, path + ": distributed_strategy", "trainer.devices * trainer.num_nodes");
-  if (tp != 1 || pp != 1)
-    r.Fail("distributed_strategy", "tensor_model_parallel_size " + std::to_string(tp) + ", pipeline_model_parallel_size " +
-                                       std::to_string(pp) + ": this trainer runs data parallelism only (tp = pp = 1) so far");
+  if (pp != 1)
+    r.Fail("distributed_strategy.pipeline_model_parallel_size", std::to_string(pp) + ": this trainer runs tensor and data "
+                                                                "parallelism only (pipeline_model_parallel_size 1) so far");
   if (r.Has("model.virtual_pipeline_model_parallel_size") && r.Int("model.virtual_pipeline_model_parallel_size", 1, 1) != 1)
     r.Fail("model.virtual_pipeline_model_parallel_size", "interleaved (virtual) pipeline stages are not supported; remove it or set 1");
   c.micro_batch_size = r.Int("data.micro_batch_size", 1, 1, 1 << 24);
@@ -231,9 +231,13 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
     }
   }
   const int64_t divisible = r.Int("model.make_vocab_size_divisible_by", 8, 1, 1 << 20);
-  m.vocab = (vocab + divisible - 1) / divisible * divisible;
   m.vocab_size = vocab;
   m.make_vocab_size_divisible_by = divisible;
+  ckpt::ModelFormat unpadded;
+  unpadded.vocab_size = vocab, unpadded.make_vocab_size_divisible_by = divisible;
+  m.vocab = unpadded.PaddedVocab(c.grid.tp);  // Megatron's padding: a multiple of divisible * tp
+  if (const std::string why = m.format(c.grid.tp).CheckTensorParallel(c.grid.tp); !why.empty())
+    r.Fail("distributed_strategy.tensor_model_parallel_size", why);
 
   c.optim.lr = r.Number("model.optim.lr", 3e-4);
   c.optim.weight_decay = r.Number("model.optim.weight_decay", 0.01);
@@ -290,8 +294,11 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
                         "exp_manager.save_xser", "exp_manager.load_xser",
                         "model.activations_checkpoint_recompute"})
     if (r.Has(k)) c.ignored.push_back(std::string(k) + " (a Neuron setting)");
-  if (r.Bool("distributed_strategy.sequence_parallel", false))  // splits along the sequence what tensor parallelism replicates
+  if (r.Bool("distributed_strategy.sequence_parallel", false)) {  // splits along the sequence what tensor parallelism replicates
+    if (tp > 1)
+      r.Fail("distributed_strategy.sequence_parallel", "True is not supported yet with tensor_model_parallel_size > 1; set False");
     c.ignored.push_back("distributed_strategy.sequence_parallel (no effect with tensor_model_parallel_size 1)");
+  }
   // Megatron scales Q.K^T by 1/layer and the softmax input back up: a guard for fp16 softmax.
   if (r.Bool("model.apply_query_key_layer_scaling", false))
     c.ignored.push_back("model.apply_query_key_layer_scaling (no effect: softmax runs in float32 here)");

@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
         d.Set("logits", ckpt::Value(Floats(m.logits(), {B, T, c.vocab})));
         d.Set("grads", train::CopyForGradCheck(m));
       }
-      norms.push_back(static_cast<float>(train::ClipGradNorm(m, clip)));
+      norms.push_back(static_cast<float>(adamw.ReduceAndClip(m, 1.0, clip)));
       lr = train::LrAt(sched, opt.lr, s);
       lrs.push_back(static_cast<float>(lr));
       adamw.Step(m, lr);

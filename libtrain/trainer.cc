@@ -85,7 +85,14 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     weights.push_back(w);
   }
   SampleSource data(datasets, weights, c.seq_length, c.seed);
-  Model model(c.model);
+  // A replicated KV group (fewer groups than tp ranks) is summed over the ranks sharing it.
+  std::unique_ptr<Comm> kv_comm;
+  if (c.model.kv_heads < c.grid.tp) {
+    const std::vector<int> tp_group = c.grid.TpGroup(pc.world->rank());
+    const int sharing = c.grid.tp / static_cast<int>(c.model.kv_heads), first = pc.coord.tp / sharing * sharing;
+    kv_comm = pc.world->Group(std::vector<int>(tp_group.begin() + first, tp_group.begin() + first + sharing));
+  }
+  Model model(c.model, TensorParallel{c.grid.tp, pc.coord.tp, c.grid.tp > 1 ? pc.tp.get() : nullptr, kv_comm.get()});
   model.InitWeights();
   AdamW adamw(model, c.optim, pc.dp.get());
 
@@ -149,7 +156,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     pc.world->Broadcast(&job_id, 0);
     store = std::make_unique<ckpt::CheckpointStore>(
         ckpt::StoreOptions{.dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .log = log,
-                           .damaged = DamagedNames(damaged), .model = model.config().format()},
+                           .damaged = DamagedNames(damaged), .model = model.config().format(c.grid.tp)},
         ckpt::MpiLaunch{.rank = pc.world->rank(), .world_size = pc.world->size(), .job_id = job_id});
     // Snapshot buffers, faulted in before the first step.
     if (pc.coord.dp == 0) pool->Reserve(model.StateDict(), model.checkpoint_dtype());
@@ -207,6 +214,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
       loss += model.Forward(tokens.data(), targets.data(), B, T, dropout_key) / static_cast<double>(micro);
       model.Backward();
     }
+    model.ReduceReplicaGrads();
     pc.dp->AllReduceSum(&loss, 1);
     // Summed over every rank's micro-batches, then the mean over them.
     const double grad_norm = adamw.ReduceAndClip(model, 1.0 / static_cast<double>(micro), c.gradient_clip_val);

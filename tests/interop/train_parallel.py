@@ -1,4 +1,5 @@
-"""shardkit-train under mpirun: data parallelism, with and without ZeRO-1.
+"""shardkit-train under mpirun: tensor and data parallelism, with and
+without ZeRO-1.
 
 Every layout must compute what one process computes: the same losses at every
 step (relative 1e-5, fp32) and, at the checkpoint, the same state within a
@@ -25,6 +26,7 @@ import unittest
 import torch
 
 from canon import BIN, TOKENIZE, TRAIN, TempDirTest, run
+from megatron_partition import merge_tag
 from train_resume import CONF, GPT_CONF, TEXT, losses
 
 RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
@@ -47,15 +49,16 @@ class DataParallel(TempDirTest):
         os.makedirs(os.path.join(self.dir, "data"))
         run(TOKENIZE, TEXT, os.path.join(self.dir, "data", "text_document"))
 
-    def command(self, log_dir, world, extra=(), conf=CONF, steps=STEPS):
+    def command(self, log_dir, world, extra=(), conf=CONF, steps=STEPS, tp=1):
         # 16 samples of 4 per step: 4 micro-batches, 2 per rank at dp 2, so accumulation is exercised too.
         return [*mpirun(world), TRAIN, conf, f"exp_manager.explicit_log_dir={log_dir}", f"trainer.devices={world}",
+                f"distributed_strategy.tensor_model_parallel_size={tp}",
                 f"trainer.max_steps={steps}", "+model.optim.sched.max_steps=40", "data.global_batch_size=16",
                 "exp_manager.checkpoint_callback_params.every_n_train_steps=10",
                 "exp_manager.checkpoint_callback_params.save_top_k=-1", *extra]
 
-    def train(self, log_dir, world, extra=(), conf=CONF, steps=STEPS, check=True):
-        p = subprocess.run(self.command(log_dir, world, extra, conf, steps), cwd=self.dir, capture_output=True, text=True)
+    def train(self, log_dir, world, extra=(), conf=CONF, steps=STEPS, check=True, tp=1):
+        p = subprocess.run(self.command(log_dir, world, extra, conf, steps, tp), cwd=self.dir, capture_output=True, text=True)
         if check:
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         return p
@@ -140,6 +143,63 @@ class DataParallel(TempDirTest):
 
     def test_gpt_fp32_plain_matches_one_process(self):
         self.check_equivalence(GPT_CONF, ["precision.type=fp32", "distributed_strategy.zero1=False"], "tiny_gpt", 1e-3)
+
+    def check_tensor_parallel(self, conf, name, extra, tp, dp, rtol):
+        """One process against tp * dp ranks. Megatron pads the vocabulary to a multiple of
+        make_vocab_size_divisible_by * tp, so the one process pads to the same rows (8 * tp)."""
+        self.train("one", 1, [*extra, f"model.make_vocab_size_divisible_by={8 * tp}"], conf)
+        self.train("many", tp * dp, extra, conf, tp=tp)
+        self.assert_same_losses("one", "many")
+        self.assert_same_state(self.tag("one", STEPS, name), self.tag("many", STEPS, name), rtol, 1e-5)
+        model = os.path.join(self.tag("many", STEPS, name), "model")
+        self.assertEqual(sorted(os.listdir(model)), [f"dp_rank_00_tp_rank_{t:02d}_pp_rank_00.pt" for t in range(tp)])
+        return [torch.load(os.path.join(model, f)) for f in sorted(os.listdir(model))]
+
+    def assert_merges_to_one_process(self, name, tp, dp, zero1, rtol):
+        """The tag merged into one rank by an independent Python statement of Megatron's partition
+        rules (megatron_partition.py) holds the one process's weights and moments."""
+        merged = os.path.join(self.dir, "merged")
+        merge_tag(self.tag("many", STEPS, name), merged, {"gpt": name == "tiny_gpt"}, tp, 1, dp, zero1)
+        mine = torch.load(os.path.join(merged, "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
+        one = torch.load(os.path.join(self.tag("one", STEPS, name), "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
+        self.assertEqual(list(mine), list(one))
+        for n in one:
+            self.assertEqual(mine[n].shape, one[n].shape, n)
+            self.assertTrue(torch.allclose(mine[n].float(), one[n].float(), rtol=rtol, atol=1e-5), n)
+        mo = torch.load(os.path.join(merged, "optim", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))["state"]
+        oo = torch.load(os.path.join(self.tag("one", STEPS, name), "optim", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
+        oo = oo["base_state"] if "base_state" in oo else oo["state"]
+        self.assertEqual(len(mo), len(oo))
+        for i in oo:
+            for k in ("exp_avg", "exp_avg_sq"):
+                d = (mo[i][k] - oo[i][k]).abs().max().item()
+                self.assertTrue(torch.allclose(mo[i][k], oo[i][k], rtol=rtol, atol=1e-7), f"{k} of {i}: {d}")
+
+    def test_llama_tp2_matches_one_process(self):
+        self.check_tensor_parallel(CONF, "tiny_llama", ["distributed_strategy.zero1=False", *DROPOUT], 2, 1, 1e-3)
+        self.assert_merges_to_one_process("tiny_llama", 2, 1, False, 1e-3)
+
+    def test_llama_tp2_dp2_zero1_matches_one_process(self):
+        self.check_tensor_parallel(CONF, "tiny_llama", ["distributed_strategy.zero1=True", *DROPOUT], 2, 2, 1e-3)
+        optim = sorted(os.listdir(os.path.join(self.tag("many", STEPS), "optim")))
+        self.assertEqual(optim, [f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt" for d in range(2) for t in range(2)])
+        self.assert_merges_to_one_process("tiny_llama", 2, 2, True, 1e-3)
+
+    def test_llama_gqa_tp4_with_replicated_kv_groups_matches_one_process(self):
+        # 2 KV groups over 4 ranks: ranks 0-1 hold group 0, ranks 2-3 group 1 (ckpt/partition.h).
+        parts = self.check_tensor_parallel(CONF, "tiny_llama", ["model.num_kv_heads=2", "distributed_strategy.zero1=True", *DROPOUT],
+                                           4, 1, 1e-3)
+        kv = "language_model.encoder.layers.1.self_attention.key_value.weight"
+        self.assertTrue(torch.equal(parts[0][kv], parts[1][kv]))  # the replicas stayed in step
+        self.assertTrue(torch.equal(parts[2][kv], parts[3][kv]))
+        self.assertFalse(torch.equal(parts[0][kv], parts[2][kv]))
+        one = torch.load(os.path.join(self.tag("one", STEPS), "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))[kv]
+        self.assertTrue(torch.allclose(torch.cat([parts[0][kv], parts[2][kv]]), one, rtol=1e-3, atol=1e-5))
+
+    def test_gpt_tp2_mixed_precision_matches_one_process(self):
+        # Biases (row-parallel ones whole), learned positions, the output layer tied to the vocab-parallel embedding.
+        self.check_tensor_parallel(GPT_CONF, "tiny_gpt", [], 2, 1, 1e-2)
+        self.assert_merges_to_one_process("tiny_gpt", 2, 1, True, 1e-2)
 
     def test_sigkill_of_one_rank_ends_the_job_and_the_restart_resumes_every_rank(self):
         extra = ["distributed_strategy.zero1=True", "exp_manager.async_checkpointing=True"]

@@ -249,9 +249,16 @@ class TrainAndResume(TempDirTest):
             (["distributed_strategy.tensor_model_parallel_size=2"],
              "distributed_strategy: tensor_model_parallel_size (2) * pipeline_model_parallel_size (1) = 2 does not divide "
              "trainer.devices * trainer.num_nodes (1)"),
-            (["distributed_strategy.tensor_model_parallel_size=2", "trainer.devices=2"],
-             "distributed_strategy: tensor_model_parallel_size 2, pipeline_model_parallel_size 1: this trainer runs data "
-             "parallelism only (tp = pp = 1) so far"),
+            (["distributed_strategy.pipeline_model_parallel_size=2", "trainer.devices=2"],
+             "distributed_strategy.pipeline_model_parallel_size: 2: this trainer runs tensor and data parallelism only "
+             "(pipeline_model_parallel_size 1) so far"),
+            (["distributed_strategy.tensor_model_parallel_size=3", "trainer.devices=3", "data.global_batch_size=12"],
+             "distributed_strategy.tensor_model_parallel_size: tensor parallel degree 3 does not divide the attention heads (4)"),
+            (["distributed_strategy.tensor_model_parallel_size=4", "trainer.devices=4", "model.num_kv_heads=2",
+              "model.ffn_hidden_size=174"],
+             "distributed_strategy.tensor_model_parallel_size: tensor parallel degree 4 does not divide the FFN width (174)"),
+            (["distributed_strategy.tensor_model_parallel_size=2", "trainer.devices=2", "+distributed_strategy.sequence_parallel=True"],
+             "distributed_strategy.sequence_parallel: True is not supported yet with tensor_model_parallel_size > 1"),
             (["+model.virtual_pipeline_model_parallel_size=2"],
              "model.virtual_pipeline_model_parallel_size: interleaved (virtual) pipeline stages are not supported"),
             (["trainer.devices=2", "data.global_batch_size=4"],
