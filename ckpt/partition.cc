@@ -188,11 +188,11 @@ std::vector<int64_t> StageBounds(int64_t layers, int pp, const std::vector<int64
     return b;
   }
   if (static_cast<int>(cuts.size()) != pp - 1)
-    throw Error("--pipeline_cuts lists " + std::to_string(cuts.size()) + " cuts; " + std::to_string(pp) + " stages need " +
+    throw Error("the pipeline cuts list " + std::to_string(cuts.size()) + " cuts; " + std::to_string(pp) + " stages need " +
                 std::to_string(pp - 1));
   for (int64_t c : cuts) {
     if (c <= b.back() || c >= layers)
-      throw Error("--pipeline_cuts must be ascending layer numbers between 1 and " + std::to_string(layers - 1) + " (got " +
+      throw Error("pipeline cuts must be ascending layer numbers between 1 and " + std::to_string(layers - 1) + " (got " +
                   std::to_string(c) + ")");
     b.push_back(c);
   }

@@ -37,9 +37,18 @@ void FinalizeMpi() {
 
 }  // namespace
 
+struct Comm::PendingSend {
+  std::vector<float> data;
+  MPI_Request request;
+};
+
 Comm::Comm(void* mpi_comm, int rank, int size) : comm_(mpi_comm), rank_(rank), size_(size) {}
 
 Comm::~Comm() {
+  try {
+    WaitSends();
+  } catch (const ckpt::Error&) {  // the job is ending anyway
+  }
   if (comm_ && Handle(comm_) != MPI_COMM_WORLD) {
     MPI_Comm c = Handle(comm_);
     int finalized = 0;
@@ -76,12 +85,13 @@ void Comm::Abort(int code) {
 
 std::unique_ptr<Comm> Comm::Group(const std::vector<int>& ranks) {
   const auto me = std::find(ranks.begin(), ranks.end(), World().rank());
-  if (me == ranks.end()) throw ckpt::Error("internal: rank " + std::to_string(World().rank()) + " is not in its own group");
+  const bool member = me != ranks.end();
   const int rank_in_group = static_cast<int>(me - ranks.begin());
-  if (!comm_) return std::unique_ptr<Comm>(new Comm(nullptr, rank_in_group, static_cast<int>(ranks.size())));
+  if (!comm_) return member ? std::unique_ptr<Comm>(new Comm(nullptr, rank_in_group, static_cast<int>(ranks.size()))) : nullptr;
   // MPI_Comm_split: the color is the group's first world rank, which names it uniquely.
   MPI_Comm out;
-  Check(MPI_Comm_split(Handle(comm_), ranks.front(), rank_in_group, &out), "comm_split");
+  Check(MPI_Comm_split(Handle(comm_), member ? ranks.front() : MPI_UNDEFINED, member ? rank_in_group : 0, &out), "comm_split");
+  if (!member) return nullptr;
   int r = 0, n = 0;
   MPI_Comm_rank(out, &r);
   MPI_Comm_size(out, &n);
@@ -122,6 +132,38 @@ void Comm::AllGather(const float* in, float* out, size_t block) {
   }
   if (block > kMaxCount) throw ckpt::Error("all-gather block of " + std::to_string(block) + " floats is larger than MPI's count");
   Check(MPI_Allgather(in, static_cast<int>(block), MPI_FLOAT, out, static_cast<int>(block), MPI_FLOAT, Handle(comm_)), "allgather");
+}
+
+void Comm::Send(const float* x, size_t n, int peer, int tag) {
+  if (!comm_) throw ckpt::Error("internal: point-to-point send on a one-rank communicator");
+  if (n > kMaxCount) throw ckpt::Error("a message of " + std::to_string(n) + " floats is larger than MPI's count");
+  auto s = std::make_unique<PendingSend>();
+  s->data.assign(x, x + n);
+  Check(MPI_Isend(s->data.data(), static_cast<int>(n), MPI_FLOAT, peer, tag, Handle(comm_), &s->request), "isend");
+  sends_.push_back(std::move(s));
+  // Deliveries that completed free their copies as we go.
+  std::erase_if(sends_, [](const std::unique_ptr<PendingSend>& p) {
+    int done = 0;
+    MPI_Test(&p->request, &done, MPI_STATUS_IGNORE);
+    return done != 0;
+  });
+}
+
+void Comm::Recv(float* x, size_t n, int peer, int tag) {
+  if (!comm_) throw ckpt::Error("internal: point-to-point receive on a one-rank communicator");
+  if (n > kMaxCount) throw ckpt::Error("a message of " + std::to_string(n) + " floats is larger than MPI's count");
+  MPI_Status st;
+  Check(MPI_Recv(x, static_cast<int>(n), MPI_FLOAT, peer, tag, Handle(comm_), &st), "recv");
+  int got = 0;
+  MPI_Get_count(&st, MPI_FLOAT, &got);
+  if (static_cast<size_t>(got) != n)
+    throw ckpt::Error("pipeline message from rank " + std::to_string(peer) + " holds " + std::to_string(got) + " floats, not " +
+                      std::to_string(n));
+}
+
+void Comm::WaitSends() {
+  for (auto& s : sends_) Check(MPI_Wait(&s->request, MPI_STATUS_IGNORE), "wait");
+  sends_.clear();
 }
 
 void Comm::Broadcast(std::string* s, int root) {

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "ckpt/rank_grid.h"
 
@@ -35,9 +36,9 @@ class Comm {
   int rank() const { return rank_; }
   int size() const { return size_; }
 
-  // The communicator of the group `ranks` (world ranks, in group order) that
-  // this rank belongs to. Every rank of this communicator must call it, each
-  // with the group it is in.
+  // The communicator of the group `ranks` (world ranks, in group order), or
+  // nullptr when this rank is not in it. Every rank of this communicator must
+  // call it, each with the group it is in (or, if in none, any group).
   std::unique_ptr<Comm> Group(const std::vector<int>& ranks);
 
   // Elementwise sums over the ranks, in place.
@@ -50,14 +51,24 @@ class Comm {
   void ReduceScatterSum(const float* in, float* out, size_t block);
   // Every rank's `block` floats from `in`, in rank order, into `out`.
   void AllGather(const float* in, float* out, size_t block);
+  // Point to point (pipeline stages): Send copies `x` and returns at once
+  // (MPI_Isend; so two neighbours sending to each other never deadlock);
+  // Recv blocks until the message from `peer` with `tag` has arrived in x[n].
+  // Messages between two ranks with one tag arrive in the order sent.
+  // WaitSends waits until every send has been delivered.
+  void Send(const float* x, size_t n, int peer, int tag);
+  void Recv(float* x, size_t n, int peer, int tag);
+  void WaitSends();
   // Rank `root`'s string to every rank.
   void Broadcast(std::string* s, int root);
   void Barrier();
 
  private:
   Comm(void* mpi_comm, int rank, int size);
+  struct PendingSend;
   void* comm_;  // MPI_Comm, or nullptr for one rank
   int rank_, size_;
+  std::vector<std::unique_ptr<PendingSend>> sends_;
 };
 
 // The grid's communicators for one rank: the world and its groups.

@@ -16,6 +16,11 @@
 namespace train {
 
 namespace {
+const char kWordEmbeddings[] = "language_model.embedding.word_embeddings.weight";
+const char kPositionEmbeddings[] = "language_model.embedding.position_embeddings.weight";
+const char kFinalNorm[] = "language_model.encoder.final_layernorm";
+const char kOutputLayer[] = "language_model.output_layer.weight";
+
 std::string LayerName(int l, const std::string& rest) {
   return "language_model.encoder.layers." + std::to_string(l) + "." + rest;
 }
@@ -32,21 +37,10 @@ ckpt::ModelFormat ModelConfig::format(int tp) const {
   return f;
 }
 
-// Everything one layer's backward needs from its forward.
-struct Model::LayerCache {
-  std::vector<float> x, ln1, mean1, rstd1;  // layer input, its norm (mean: LayerNorm only)
-  std::vector<float> proj, kvproj;      // qkv projection (MHA), or q and kv (GQA)
-  std::vector<float> q, k, v;           // [B, heads|kv, T, hd], RoPE applied to q and k
-  std::vector<float> att;               // [B, heads, T, T] softmax probabilities
-  std::vector<float> y;                 // [N, H] attention output before dense
-  std::vector<float> x2, ln2, mean2, rstd2;  // after the attention residual, its norm
-  std::vector<float> fc, act;           // [N, 2F] (SwiGLU) or [N, F] (GeLU), and [N, F]
-};
-
 Model::~Model() = default;
 
-Model::Model(const ModelConfig& c, const TensorParallel& tp)
-    : c_(c), tp_(tp), format_(c.format(tp.size)), layout_(ckpt::LogicalParameters(format_, tp.size)) {
+Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage& pp)
+    : c_(c), tp_(tp), pp_(pp), format_(c.format(tp.size)), logical_(ckpt::LogicalParameters(format_, tp.size)) {
   if (c.hidden % c.heads) throw ckpt::Error("hidden_size must be divisible by num_attention_heads");
   if (c.heads % c.kv_heads) throw ckpt::Error("num_attention_heads must be divisible by num_kv_heads");
   if (c.learned_positions && c.max_positions < 1) throw ckpt::Error("learned position embeddings need max_position_embeddings");
@@ -62,6 +56,16 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp)
   else G_ = 1, g0_ = r / (n / c.kv_heads);  // the group of this rank's heads, replicated (ckpt::LocalRuns)
   F_ = c.ffn / n, f0_ = r * F_;
   V_ = c.vocab / n, v0_ = r * V_;
+  if (pp_.bounds.empty()) pp_.bounds = ckpt::StageBounds(c.layers, pp_.size);
+  if (static_cast<int>(pp_.bounds.size()) != pp_.size + 1 || pp_.bounds.back() != c.layers || pp_.stage < 0 || pp_.stage >= pp_.size)
+    throw ckpt::Error("internal: pipeline stage bounds do not fit the model");
+  if ((c.tied_output && pp_.size > 1 && (pp_.first() || pp_.last())) != (pp_.embedding_comm != nullptr))
+    throw ckpt::Error("internal: the tied embedding's communicator does not match the pipeline");
+  first_layer_ = static_cast<int>(pp_.bounds[pp_.stage]), end_layer_ = static_cast<int>(pp_.bounds[pp_.stage + 1]);
+  for (const ckpt::StageParam& sp : ckpt::StageParameters(logical_, pp_.bounds, pp_.stage)) {
+    layout_.push_back(*sp.rule);
+    layout_.back().name = sp.name;
+  }
   for (const auto& p : layout_) {
     const auto shape = ckpt::LocalShape(p, format_, tp.size, tp.rank);
     params_.emplace(p.name, ckpt::Tensor::Zeros(ckpt::DType::kFloat32, shape));
@@ -92,12 +96,14 @@ void Model::InitWeights() {
   std::mt19937_64 rng(c_.seed);
   const float scaled = c_.scaled_init ? c_.init_std / std::sqrt(2.0f * c_.layers) : c_.init_std;
   std::vector<float> whole;
-  for (const auto& p : layout_) {
-    float* w = W(p.name);
-    const int64_t n = param(p.name).numel();
+  // Every parameter is drawn in the model's order on every stage, so the random stream is the one
+  // process's; a stage keeps what it holds (the last stage's tied output copy is the embedding).
+  const bool tied_copy = params_.count(ckpt::kTiedOutputCopy) > 0;
+  for (const auto& p : logical_) {
     if (p.name.ends_with(".bias")) continue;  // zeros
+    const bool here = params_.count(p.name) > 0;
     if (p.no_decay) {  // norm weights
-      std::fill(w, w + n, 1.0f);
+      if (here) std::fill(W(p.name), W(p.name) + param(p.name).numel(), 1.0f);
       continue;
     }
     const bool output_proj = p.name.ends_with("self_attention.dense.weight") || p.name.ends_with("mlp.dense_4h_to_h.weight");
@@ -108,15 +114,20 @@ void Model::InitWeights() {
       for (float& x : whole) x = ckpt::RoundToBFloat16(x);
     // This rank's slice: runs of rows, or of columns within every row.
     const auto runs = ckpt::LocalRuns(p, format_, tp_.size, tp_.rank);
-    if (p.split == ckpt::SplitDim::kColumns) {
-      const int64_t rows = p.shape[0], cols = p.shape[1], local_cols = n / rows;
-      for (int64_t i = 0; i < rows; ++i)
-        for (const ckpt::Run& run : runs)
-          std::copy_n(&whole[i * cols + run.logical], run.count, w + i * local_cols + run.local);
-    } else {
-      const int64_t row = static_cast<int64_t>(whole.size()) / p.shape[0];
-      for (const ckpt::Run& run : runs) std::copy_n(&whole[run.logical * row], run.count * row, w + run.local * row);
-    }
+    auto slice_into = [&](const std::string& name) {
+      float* w = W(name);
+      if (p.split == ckpt::SplitDim::kColumns) {
+        const int64_t rows = p.shape[0], cols = p.shape[1], local_cols = param(name).numel() / rows;
+        for (int64_t i = 0; i < rows; ++i)
+          for (const ckpt::Run& run : runs)
+            std::copy_n(&whole[i * cols + run.logical], run.count, w + i * local_cols + run.local);
+      } else {
+        const int64_t row = static_cast<int64_t>(whole.size()) / p.shape[0];
+        for (const ckpt::Run& run : runs) std::copy_n(&whole[run.logical * row], run.count * row, w + run.local * row);
+      }
+    };
+    if (here) slice_into(p.name);
+    if (tied_copy && p.name == kWordEmbeddings) slice_into(ckpt::kTiedOutputCopy);
   }
 }
 
@@ -127,16 +138,28 @@ void Model::ZeroGrad() {
 }
 
 void Model::ReduceReplicaGrads() {
-  if (!tp_.kv_comm) return;
-  for (int l = 0; l < c_.layers; ++l)
-    for (const char* part : {"self_attention.key_value.weight", "self_attention.key_value.bias"})
-      if (auto it = grads_.find(LayerName(l, part)); it != grads_.end())
-        tp_.kv_comm->AllReduceSum(reinterpret_cast<float*>(it->second.mutable_data()), static_cast<size_t>(it->second.numel()));
+  auto sum = [](Comm* comm, ckpt::Tensor& g) { comm->AllReduceSum(reinterpret_cast<float*>(g.mutable_data()), static_cast<size_t>(g.numel())); };
+  if (tp_.kv_comm)
+    for (int l = first_layer_; l < end_layer_; ++l)
+      for (const char* part : {"self_attention.key_value.weight", "self_attention.key_value.bias"})
+        if (auto it = grads_.find(LayerName(l, part)); it != grads_.end()) sum(tp_.kv_comm, it->second);
+  if (pp_.embedding_comm) sum(pp_.embedding_comm, grad(pp_.first() ? kWordEmbeddings : ckpt::kTiedOutputCopy));
+}
+
+void Model::SumOverModel(double* x, size_t n) const {
+  if (tp_.comm) tp_.comm->AllReduceSum(x, n);
+  if (pp_.comm) pp_.comm->AllReduceSum(x, n);
+}
+
+const char* Model::OutputWeight() const {
+  if (!c_.tied_output) return kOutputLayer;
+  return pp_.size > 1 ? ckpt::kTiedOutputCopy : kWordEmbeddings;
 }
 
 bool Model::CountsInNorm(const std::string& name) const {
   const auto p = std::find_if(layout_.begin(), layout_.end(), [&](const ckpt::ParamRule& r) { return r.name == name; });
   if (p == layout_.end()) throw ckpt::Error("model has no parameter '" + name + "'");
+  if (name == ckpt::kTiedOutputCopy) return false;
   if (p->split == ckpt::SplitDim::kReplicated || (p->split == ckpt::SplitDim::kColumns && name.ends_with(".bias")))
     return tp_.rank == 0;
   if (p->fused == ckpt::FusedRows::kPerGroupKv && c_.kv_heads < tp_.size) return tp_.rank % (tp_.size / c_.kv_heads) == 0;
@@ -423,75 +446,95 @@ void Model::Drop(LayerCache& lc) {
   }
 }
 
-size_t Model::activation_bytes() const {
-  size_t n = x_final_.size() + lnf_.size() + meanf_.size() + rstdf_.size() + logits_.size() + probs_.size();
-  for (const auto& lc : cache_)
+size_t Model::Activations::bytes() const {
+  size_t n = x_final.size() + lnf.size() + meanf.size() + rstdf.size() + logits.size() + probs.size();
+  for (const auto& lc : layers)
     for (const auto* v : {&lc.x, &lc.ln1, &lc.mean1, &lc.rstd1, &lc.proj, &lc.kvproj, &lc.q, &lc.k, &lc.v, &lc.att, &lc.y,
                           &lc.x2, &lc.ln2, &lc.mean2, &lc.rstd2, &lc.fc, &lc.act})
       n += v->size();
   return n * sizeof(float);
 }
 
-namespace {
-const char kWordEmbeddings[] = "language_model.embedding.word_embeddings.weight";
-const char kPositionEmbeddings[] = "language_model.embedding.position_embeddings.weight";
-const char kFinalNorm[] = "language_model.encoder.final_layernorm";
-const char kOutputLayer[] = "language_model.output_layer.weight";
-}  // namespace
-
 float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, uint64_t dropout_key) {
+  if (pp_.size != 1) throw ckpt::Error("internal: Forward runs a whole model; pipeline stages run ForwardStage");
+  return ForwardStage(last_, tokens, targets, nullptr, B, T, dropout_key, nullptr);
+}
+
+void Model::Backward() { BackwardStage(last_, nullptr, nullptr); }
+
+float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* targets, const float* x_in, int64_t B, int64_t T,
+                          uint64_t dropout_key, std::vector<float>* x_out) {
   B_ = B, T_ = T, dropout_key_ = dropout_key;
+  a = Activations{};
+  a.B = B, a.T = T, a.dropout_key = dropout_key;
   const int64_t N = B * T, H = c_.hidden, V = c_.vocab;
-  for (int64_t n = 0; n < N; ++n)
-    if (tokens[n] < 0 || tokens[n] >= V || targets[n] < 0 || targets[n] >= V)
-      throw ckpt::Error("token id " + std::to_string(tokens[n] < 0 || tokens[n] >= V ? tokens[n] : targets[n]) +
-                        " at position " + std::to_string(n) + " is outside the vocabulary of " + std::to_string(V));
-  if (c_.learned_positions && T > c_.max_positions)
-    throw ckpt::Error("sequence length " + std::to_string(T) + " is longer than max_position_embeddings (" +
-                      std::to_string(c_.max_positions) + ")");
-  tokens_.assign(tokens, tokens + N);
-  targets_.assign(targets, targets + N);
-  cache_.resize(c_.layers);
-  // Vocab-parallel embedding: each rank looks up the tokens in its rows, the sum is the lookup.
-  std::vector<float> x(N * H);
-  EmbeddingForward(x.data(), tokens, W(kWordEmbeddings), N, H, v0_, V_);
-  TpSum(x.data(), N * H);
-  if (c_.learned_positions) {
-    const float* pos = W(kPositionEmbeddings);
+  auto check_ids = [&](const int32_t* ids) {
     for (int64_t n = 0; n < N; ++n)
-      for (int64_t i = 0; i < H; ++i) x[n * H + i] += pos[(n % T) * H + i];
+      if (ids[n] < 0 || ids[n] >= V)
+        throw ckpt::Error("token id " + std::to_string(ids[n]) + " at position " + std::to_string(n) +
+                          " is outside the vocabulary of " + std::to_string(V));
+  };
+  std::vector<float> x(N * H);
+  if (pp_.first()) {
+    check_ids(tokens);
+    if (c_.learned_positions && T > c_.max_positions)
+      throw ckpt::Error("sequence length " + std::to_string(T) + " is longer than max_position_embeddings (" +
+                        std::to_string(c_.max_positions) + ")");
+    a.tokens.assign(tokens, tokens + N);
+    // Vocab-parallel embedding: each rank looks up the tokens in its rows, the sum is the lookup.
+    EmbeddingForward(x.data(), tokens, W(kWordEmbeddings), N, H, v0_, V_);
+    TpSum(x.data(), N * H);
+    if (c_.learned_positions) {
+      const float* pos = W(kPositionEmbeddings);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t i = 0; i < H; ++i) x[n * H + i] += pos[(n % T) * H + i];
+    }
+    DropoutApply(x.data(), N * H, c_.hidden_dropout, DropoutSite(-1, 0));
+  } else {
+    std::copy(x_in, x_in + N * H, x.begin());
   }
-  DropoutApply(x.data(), N * H, c_.hidden_dropout, DropoutSite(-1, 0));
-  for (int l = 0; l < c_.layers; ++l) {
-    LayerCache& lc = cache_[l];
+  a.layers.resize(end_layer_ - first_layer_);
+  for (int l = first_layer_; l < end_layer_; ++l) {
+    LayerCache& lc = a.layers[l - first_layer_];
     lc.x = x;
     LayerForward(l, lc, x.data());
     Drop(lc);
   }
-  x_final_ = x;
-  lnf_.resize(N * H);
-  NormForward(kFinalNorm, x_final_.data(), lnf_.data(), meanf_, rstdf_);
-  logits_.resize(N * V_), probs_.resize(N * V_);
+  if (!pp_.last()) {
+    *x_out = std::move(x);
+    return 0;
+  }
+  check_ids(targets);
+  a.targets.assign(targets, targets + N);
+  a.x_final = std::move(x);
+  a.lnf.resize(N * H);
+  NormForward(kFinalNorm, a.x_final.data(), a.lnf.data(), a.meanf, a.rstdf);
+  a.logits.resize(N * V_), a.probs.resize(N * V_);
   // The output layer has no bias; tied, it is the word embedding matrix. Its rows (this rank's
   // vocabulary) give this rank's logits, and cross-entropy joins them with three reductions.
-  LinearForward(logits_.data(), lnf_.data(), W(c_.tied_output ? kWordEmbeddings : kOutputLayer), nullptr, N, H, V_);
+  LinearForward(a.logits.data(), a.lnf.data(), W(OutputWeight()), nullptr, N, H, V_);
   std::vector<float> row_max(N);
-  CrossEntropyRowMax(row_max.data(), logits_.data(), N, V_);
+  CrossEntropyRowMax(row_max.data(), a.logits.data(), N, V_);
   if (tp_.comm) tp_.comm->AllReduceMax(row_max.data(), static_cast<size_t>(N));
   std::vector<double> sums(2 * N);  // sum of exp(logit - max), then the target's logit
-  CrossEntropySums(sums.data(), sums.data() + N, probs_.data(), logits_.data(), row_max.data(), targets, v0_, N, V_);
+  CrossEntropySums(sums.data(), sums.data() + N, a.probs.data(), a.logits.data(), row_max.data(), targets, v0_, N, V_);
   if (tp_.comm) tp_.comm->AllReduceSum(sums.data(), sums.size());
-  return CrossEntropyFinish(probs_.data(), sums.data(), sums.data() + N, row_max.data(), N, V_);
+  return CrossEntropyFinish(a.probs.data(), sums.data(), sums.data() + N, row_max.data(), N, V_);
 }
 
-void Model::Backward() {
+void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float>* dx_in) {
+  B_ = a.B, T_ = a.T, dropout_key_ = a.dropout_key;
   const int64_t N = B_ * T_, H = c_.hidden, F = F_, V = V_, Hl = nh_ * c_.head_dim();
-  const char* output = c_.tied_output ? kWordEmbeddings : kOutputLayer;
-  std::vector<float> dlogits(N * V), dlnf(N * H), dx(N * H);
-  CrossEntropyBackward(dlogits.data(), probs_.data(), targets_.data(), v0_, N, V);
-  LinearBackward(dlnf.data(), Dw(output), nullptr, dlogits.data(), lnf_.data(), W(output), N, H, V);
-  TpSum(dlnf.data(), N * H);
-  NormBackward(kFinalNorm, dlnf.data(), x_final_.data(), meanf_, rstdf_, dx.data());
+  std::vector<float> dx(N * H);
+  if (pp_.last()) {
+    std::vector<float> dlogits(N * V), dlnf(N * H);
+    CrossEntropyBackward(dlogits.data(), a.probs.data(), a.targets.data(), v0_, N, V);
+    LinearBackward(dlnf.data(), Dw(OutputWeight()), nullptr, dlogits.data(), a.lnf.data(), W(OutputWeight()), N, H, V);
+    TpSum(dlnf.data(), N * H);
+    NormBackward(kFinalNorm, dlnf.data(), a.x_final.data(), a.meanf, a.rstdf, dx.data());
+  } else {
+    std::copy(dx_out, dx_out + N * H, dx.begin());
+  }
   const int64_t fc_width = c_.gelu ? F : 2 * F;
   std::vector<float> dact(N * F), dfc(N * fc_width), dln(N * H), dpart(N * H), dy(N * Hl), dropped;
   // The gradient at a block's output as it was before hidden dropout (dx itself without dropout).
@@ -501,8 +544,8 @@ void Model::Backward() {
     DropoutApply(dropped.data(), N * H, c_.hidden_dropout, DropoutSite(l, site));
     return dropped.data();
   };
-  for (int l = c_.layers - 1; l >= 0; --l) {
-    LayerCache& lc = cache_[l];
+  for (int l = end_layer_ - 1; l >= first_layer_; --l) {
+    LayerCache& lc = a.layers[l - first_layer_];
     if (lc.fc.empty()) {  // full recompute: rebuild the layer's activations from its input
       std::vector<float> unused(N * H);
       LayerForward(l, lc, unused.data());
@@ -523,14 +566,18 @@ void Model::Backward() {
     AttentionBackward(l, lc, dy.data(), dln.data());
     NormBackward(LayerName(l, "input_layernorm"), dln.data(), lc.x.data(), lc.mean1, lc.rstd1, dpart.data());
     for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // the gradient at the layer input
-    Drop(lc);
+    lc = LayerCache{};  // done with it: free as we go
   }
-  DropoutApply(dx.data(), N * H, c_.hidden_dropout, DropoutSite(-1, 0));
-  EmbeddingBackward(Dw(kWordEmbeddings), dx.data(), tokens_.data(), N, H, v0_, V_);
-  if (c_.learned_positions) {
-    float* dpos = Dw(kPositionEmbeddings);
-    for (int64_t n = 0; n < N; ++n)  // serial: positions repeat across the batch
-      for (int64_t i = 0; i < H; ++i) dpos[(n % T_) * H + i] += dx[n * H + i];
+  if (pp_.first()) {
+    DropoutApply(dx.data(), N * H, c_.hidden_dropout, DropoutSite(-1, 0));
+    EmbeddingBackward(Dw(kWordEmbeddings), dx.data(), a.tokens.data(), N, H, v0_, V_);
+    if (c_.learned_positions) {
+      float* dpos = Dw(kPositionEmbeddings);
+      for (int64_t n = 0; n < N; ++n)  // serial: positions repeat across the batch
+        for (int64_t i = 0; i < H; ++i) dpos[(n % T_) * H + i] += dx[n * H + i];
+    }
+  } else {
+    *dx_in = std::move(dx);
   }
 }
 

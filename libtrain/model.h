@@ -26,6 +26,15 @@
 // vocab-parallel (Megatron's vocab_parallel_cross_entropy). Dropout masks are
 // keyed on global coordinates (global head, global FFN column), so every
 // layout draws the masks one process draws.
+//
+// Pipeline parallelism: a model built for stage s holds layers [bounds[s],
+// bounds[s+1]) (numbered globally, as in the checkpoint), the embeddings on
+// the first stage and the final norm and output layer on the last (GPT's
+// tied output there is `word_embeddings.weight`, a copy of the embedding
+// whose gradient is summed with the first stage's). ForwardStage takes the
+// tokens or the previous stage's hidden states and gives the next stage's
+// input or the loss, returning the micro-batch's activations; BackwardStage
+// consumes them, so a pipeline schedule can keep several in flight.
 #pragma once
 
 #include <cstdint>
@@ -91,11 +100,41 @@ struct TensorParallel {
 };
 
 
+// This model's place in a pipeline.
+struct PipelineStage {
+  int size = 1, stage = 0;
+  std::vector<int64_t> bounds;     // ckpt::StageBounds; empty: NxD's even split
+  Comm* comm = nullptr;            // the pipeline group (stage = rank); nullptr when size is 1
+  Comm* embedding_comm = nullptr;  // tied output with size > 1: the first and last stages
+  bool first() const { return stage == 0; }
+  bool last() const { return stage == size - 1; }
+};
+
 class Model {
  public:
+  // Everything one layer's backward needs from its forward.
+  struct LayerCache {
+    std::vector<float> x, ln1, mean1, rstd1;  // layer input, its norm (mean: LayerNorm only)
+    std::vector<float> proj, kvproj;          // qkv projection (MHA), or q and kv (GQA)
+    std::vector<float> q, k, v;               // [B, heads|kv, T, hd], RoPE applied to q and k
+    std::vector<float> att;                   // [B, heads, T, T] softmax probabilities
+    std::vector<float> y;                     // [N, H] attention output before dense
+    std::vector<float> x2, ln2, mean2, rstd2;  // after the attention residual, its norm
+    std::vector<float> fc, act;               // [N, 2F] (SwiGLU) or [N, F] (GeLU), and [N, F]
+  };
+  // One micro-batch's activations on this stage, from its forward to its backward.
+  struct Activations {
+    int64_t B = 0, T = 0;
+    uint64_t dropout_key = 0;
+    std::vector<int32_t> tokens, targets;
+    std::vector<LayerCache> layers;  // this stage's, first layer first
+    std::vector<float> x_final, lnf, meanf, rstdf, logits, probs;  // last stage
+    size_t bytes() const;
+  };
+
   // Throws ckpt::Error when tp does not divide the model (heads, KV heads,
   // FFN width, padded vocabulary).
-  explicit Model(const ModelConfig& c, const TensorParallel& tp = {});
+  explicit Model(const ModelConfig& c, const TensorParallel& tp = {}, const PipelineStage& pp = {});
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -106,33 +145,50 @@ class Model {
   // and sliced (Megatron's use_cpu_initialization), so every layout starts
   // from the weights one process does. Rounded to bfloat16 with bf16_params.
   void InitWeights();
-  // Forward over B sequences of T tokens; returns the mean cross-entropy.
-  // `dropout_key` seeds this batch's dropout masks (the trainer derives it
-  // from the seed and the batch's position in the data).
+  // This stage's forward over B sequences of T tokens. The first stage reads
+  // `tokens`, the others `x_in` [B*T, hidden] from the stage before; the last
+  // stage reads `targets` and returns the mean cross-entropy, the others write
+  // `x_out` for the next and return 0. `dropout_key` seeds the micro-batch's
+  // dropout masks (the trainer derives it from the seed and the batch's
+  // position in the data).
+  float ForwardStage(Activations& a, const int32_t* tokens, const int32_t* targets, const float* x_in, int64_t B, int64_t T,
+                     uint64_t dropout_key, std::vector<float>* x_out);
+  // Accumulates gradients of a's loss: the last stage from the loss, the
+  // others from `dx_out` (the next stage's gradient at x_out); all but the
+  // first write the gradient at x_in to `dx_in`. Frees a's activations.
+  void BackwardStage(Activations& a, const float* dx_out, std::vector<float>* dx_in);
+  // One stage: Forward returns the mean cross-entropy, Backward accumulates
+  // its gradients (the activations in between are kept here).
   float Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, uint64_t dropout_key = 0);
-  // Accumulates gradients of the last Forward's loss.
   void Backward();
   void ZeroGrad();
-  // Sums the gradients of KV groups replicated over several tensor-parallel
-  // ranks (kv_heads < tp), so the replicas take the same step. Once per step,
-  // after the last Backward.
+  // Sums the gradients of copies of one tensor on several ranks: KV groups
+  // replicated over tensor-parallel ranks (kv_heads < tp) and the tied
+  // embedding of the first and last stages, so the copies take the same step.
+  // Once per step, after the last Backward.
   void ReduceReplicaGrads();
   // Whether this rank's copy of `name` counts in global norms: a tensor
-  // replicated over the tensor-parallel ranks counts on one of them only.
+  // replicated over the tensor-parallel ranks counts on one of them only, the
+  // tied output copy not at all (the first stage counts the embedding).
   bool CountsInNorm(const std::string& name) const;
+  // Sums x over the ranks holding the other parts of the model (tensor, then
+  // pipeline parallel).
+  void SumOverModel(double* x, size_t n) const;
   const TensorParallel& tensor_parallel() const { return tp_; }
+  const PipelineStage& pipeline() const { return pp_; }
 
   const ModelConfig& config() const { return c_; }
   ckpt::Tensor& param(const std::string& name);
   const ckpt::Tensor& param(const std::string& name) const;
   ckpt::Tensor& grad(const std::string& name);
-  // The logical parameters (shapes at tp 1); param() and grad() hold this
-  // rank's slices of them.
+  // This stage's parameters in module order, under the names of its
+  // checkpoint file, with their logical shapes (tp 1); param() and grad() hold
+  // this rank's slices of them.
   const std::vector<ckpt::ParamRule>& layout() const { return layout_; }
   // This rank's vocabulary columns of the last Forward's logits [N, vocab / tp].
-  const std::vector<float>& logits() const { return logits_; }
+  const std::vector<float>& logits() const { return last_.logits; }
   // Bytes of activations held for backward after the last Forward.
-  size_t activation_bytes() const;
+  size_t activation_bytes() const { return last_.bytes(); }
 
   // name -> float32 tensor (this rank's slice), viewing the model's own memory (no copy).
   ckpt::Value StateDict() const;
@@ -146,7 +202,6 @@ class Model {
   void LoadStateDict(const ckpt::Value& sd);
 
  private:
-  struct LayerCache;
   float* W(const std::string& n) { return reinterpret_cast<float*>(param(n).mutable_data()); }
   float* Dw(const std::string& n) { return reinterpret_cast<float*>(grad(n).mutable_data()); }
   // RMSNorm or LayerNorm of x[N, H] with the module `prefix`'s parameters.
@@ -163,6 +218,8 @@ class Model {
   void LinearGrad(const std::string& prefix, const float* dout, const float* x, float* dx, int64_t K, int64_t C);
   // Runs layer l on lc.x, filling lc and writing the layer output to `out`.
   void LayerForward(int l, LayerCache& lc, float* out);
+  // The name of the output layer's weight on this stage.
+  const char* OutputWeight() const;
   void AttentionForward(int l, LayerCache& lc);
   // Softmax attention of layer l from lc.q/k/v into lc.att and lc.y.
   void AttentionCore(int l, LayerCache& lc);
@@ -180,19 +237,20 @@ class Model {
 
   ModelConfig c_;
   TensorParallel tp_;
+  PipelineStage pp_;
+  int first_layer_ = 0, end_layer_ = 0;  // this stage's layers
   // This rank's share: heads [h0_, h0_ + nh_), KV groups from g0_ (G_ of them),
   // FFN columns [f0_, f0_ + F_), vocabulary rows [v0_, v0_ + V_).
   int64_t nh_ = 0, h0_ = 0, G_ = 0, g0_ = 0, F_ = 0, f0_ = 0, V_ = 0, v0_ = 0;
   ckpt::ModelFormat format_;
-  std::vector<ckpt::ParamRule> layout_;
+  std::vector<ckpt::ParamRule> logical_;  // every parameter of the model
+  std::vector<ckpt::ParamRule> layout_;   // this stage's
   std::map<std::string, ckpt::Tensor> params_, grads_;
   std::vector<float> inv_freq_;
-  // Activations of the last Forward.
+  // The micro-batch being run (set by ForwardStage and BackwardStage).
   int64_t B_ = 0, T_ = 0;
   uint64_t dropout_key_ = 0;
-  std::vector<int32_t> tokens_, targets_;
-  std::vector<LayerCache> cache_;
-  std::vector<float> x_final_, lnf_, meanf_, rstdf_, logits_, probs_;
+  Activations last_;  // Forward's, for Backward
 };
 
 }  // namespace train

@@ -77,8 +77,8 @@ void Scale(float* x, int64_t n, double by) {
   });
 }
 
-// Over the whole model: this rank's slices, tensors replicated over the
-// tensor-parallel ranks counted once, summed over those ranks.
+// Over the whole model: this rank's slices, copies counted once
+// (Model::CountsInNorm), summed over the tensor and pipeline ranks.
 double SumSquares(Model& m, bool grads) {
   double total = 0;
   for (const auto& p : m.layout()) {
@@ -86,7 +86,7 @@ double SumSquares(Model& m, bool grads) {
     const ckpt::Tensor& t = grads ? m.grad(p.name) : m.param(p.name);
     total += SumSquares(reinterpret_cast<const float*>(t.data()), t.numel());
   }
-  if (Comm* tp = m.tensor_parallel().comm) tp->AllReduceSum(&total, 1);
+  m.SumOverModel(&total, 1);
   return total;
 }
 }  // namespace
@@ -115,7 +115,7 @@ double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
     if (counts) sum_squares += SumSquares(grad_shard_[i].data(), static_cast<int64_t>(block));
   }
   if (Sharded()) dp_->AllReduceSum(&sum_squares, 1);
-  if (Comm* tp = m.tensor_parallel().comm) tp->AllReduceSum(&sum_squares, 1);
+  m.SumOverModel(&sum_squares, 1);
   const double norm = std::sqrt(sum_squares);
   const double coef = max_norm / (norm + 1e-6);
   if (max_norm > 0 && coef < 1)

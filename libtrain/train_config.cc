@@ -143,9 +143,6 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   // NxDT's default; it decides the optimizer files' layout even with one data-parallel rank.
   c.optim.zero1 = r.Bool("distributed_strategy.zero1", true);
   c.grid = ckpt::RankGrid::ForWorld(world, tp, pp, c.optim.zero1, path + ": distributed_strategy", "trainer.devices * trainer.num_nodes");
-  if (pp != 1)
-    r.Fail("distributed_strategy.pipeline_model_parallel_size", std::to_string(pp) + ": this trainer runs tensor and data "
-                                                                "parallelism only (pipeline_model_parallel_size 1) so far");
   if (r.Has("model.virtual_pipeline_model_parallel_size") && r.Int("model.virtual_pipeline_model_parallel_size", 1, 1) != 1)
     r.Fail("model.virtual_pipeline_model_parallel_size", "interleaved (virtual) pipeline stages are not supported; remove it or set 1");
   c.micro_batch_size = r.Int("data.micro_batch_size", 1, 1, 1 << 24);
@@ -233,6 +230,23 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   const int64_t divisible = r.Int("model.make_vocab_size_divisible_by", 8, 1, 1 << 20);
   m.vocab_size = vocab;
   m.make_vocab_size_divisible_by = divisible;
+  if (r.Has("model.pipeline_cuts")) {
+    const YAML::Node cuts = Find(r.root(), "model.pipeline_cuts");
+    if (!cuts.IsSequence()) r.Fail("model.pipeline_cuts", "must be a list of layer numbers");
+    for (const auto& v : cuts) {
+      if (!v.IsScalar() || !migrate::IsIntegerText(v.Scalar())) r.Fail("model.pipeline_cuts", migrate::Describe(v) + " is not a layer number");
+      try {
+        c.pipeline_cuts.push_back(std::stoll(v.Scalar()));
+      } catch (const std::out_of_range&) {
+        r.Fail("model.pipeline_cuts", v.Scalar() + " is out of range");
+      }
+    }
+  }
+  try {
+    c.stage_bounds = ckpt::StageBounds(m.layers, c.grid.pp, c.pipeline_cuts);
+  } catch (const ckpt::Error& e) {
+    r.Fail(c.pipeline_cuts.empty() ? "distributed_strategy.pipeline_model_parallel_size" : "model.pipeline_cuts", e.what());
+  }
   ckpt::ModelFormat unpadded;
   unpadded.vocab_size = vocab, unpadded.make_vocab_size_divisible_by = divisible;
   m.vocab = unpadded.PaddedVocab(c.grid.tp);  // Megatron's padding: a multiple of divisible * tp

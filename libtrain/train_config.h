@@ -33,6 +33,9 @@ struct TrainConfig {
   int64_t micro_batch_size = 1, global_batch_size = 1, seq_length = 128;
   // distributed_strategy over trainer.devices * trainer.num_nodes ranks.
   ckpt::RankGrid grid;
+  // The pipeline stages' layers (ckpt::StageBounds): NxD's even split, or
+  // model.pipeline_cuts (the first layer of stages 1..pp-1).
+  std::vector<int64_t> pipeline_cuts, stage_bounds;
   std::vector<std::pair<double, std::string>> data_prefix;  // (weight, prefix or .h5 file)
   std::string data_impl = "mmap";                           // mmap (Megatron .bin/.idx) or hdf5
   // model and optimisation

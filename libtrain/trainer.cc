@@ -22,6 +22,7 @@
 #include "libtrain/layers.h"
 #include "libtrain/model.h"
 #include "libtrain/optimizer.h"
+#include "libtrain/pipeline.h"
 
 namespace train {
 namespace {
@@ -42,27 +43,48 @@ std::string OptimFile(const ckpt::RankGrid& grid, ckpt::RankCoord at) {
   return "optim/" + ckpt::RankFileName(at);
 }
 
+// What to do with a tag cut for another layout: the ckpt-reshard command
+// that makes one this run can resume from (absolute paths, to be pasted anywhere).
+std::string ReshardAdvice(const std::string& tag, const TrainConfig& c) {
+  const ckpt::RankGrid& run = c.grid;
+  const std::string name = std::filesystem::path(tag).filename().string();
+  const std::string src = std::filesystem::absolute(tag).lexically_normal().string();
+  const std::string dst = std::filesystem::absolute(c.CheckpointDir()).lexically_normal().string() + "-tp" + std::to_string(run.tp) +
+                          "pp" + std::to_string(run.pp) + "dp" + std::to_string(run.dp) + "/" + name;
+  std::string cuts;
+  for (int64_t cut : c.pipeline_cuts) cuts += (cuts.empty() ? " --pipeline_cuts " : ",") + std::to_string(cut);
+  return "Reshard it with: ckpt-reshard " + src + " " + dst + " --tp " + std::to_string(run.tp) + " --pp " + std::to_string(run.pp) +
+         " --dp " + std::to_string(run.dp) + (run.zero1 ? " --zero1" : " --no-zero1") + cuts +
+         " and resume from it with exp_manager.resume_from_checkpoint=" + dst;
+}
+
 // Refuses a tag written at other degrees than this run's, naming both and the
-// ckpt-reshard command that makes one this run can resume from. A tag without
-// optimizer files (weights only) needs only tp and pp to match.
-void CheckResumeGrid(const std::string& tag, const ckpt::RankGrid& run, const std::string& checkpoint_dir) {
+// ckpt-reshard command. A tag without optimizer files (weights only) needs
+// only tp and pp to match.
+void CheckResumeGrid(const std::string& tag, const TrainConfig& c) {
   const ckpt::TagReport report = ckpt::VerifyTag(ckpt::Env::Default(), tag, {.checksums = false});
   if (!report.grid) throw ckpt::Error(tag + ": cannot tell its parallel layout (no manifest and no rank files)");
-  const ckpt::RankGrid& was = *report.grid;
+  const ckpt::RankGrid &was = *report.grid, &run = c.grid;
   const bool has_optim = ckpt::Env::Default()->IsDirectory(tag + "/optim");
   // Optimizer files must be cut as this run cuts them: in dp ZeRO-1 shards, or whole (plain, or
   // ZeRO-1 over one rank, whose one shard is the whole state).
   auto shards = [](const ckpt::RankGrid& g) { return g.zero1 ? g.dp : 1; };
   const bool fits = was.tp == run.tp && was.pp == run.pp && (!has_optim || shards(was) == shards(run));
-  if (fits) return;
-  // Absolute paths: the command is to be pasted anywhere.
-  const std::string name = std::filesystem::path(tag).filename().string();
-  const std::string src = std::filesystem::absolute(tag).lexically_normal().string();
-  const std::string dst = std::filesystem::absolute(checkpoint_dir).lexically_normal().string() + "-tp" + std::to_string(run.tp) + "pp" + std::to_string(run.pp) + "dp" + std::to_string(run.dp) + "/" + name;
-  throw ckpt::Error(tag + ": written at " + was.ToString() + ", but this run is " + run.ToString() +
-                    ". Reshard it with: ckpt-reshard " + src + " " + dst + " --tp " + std::to_string(run.tp) + " --pp " +
-                    std::to_string(run.pp) + " --dp " + std::to_string(run.dp) + (run.zero1 ? " --zero1" : " --no-zero1") +
-                    " and resume from it with exp_manager.resume_from_checkpoint=" + dst);
+  if (!fits) throw ckpt::Error(tag + ": written at " + was.ToString() + ", but this run is " + run.ToString() + ". " + ReshardAdvice(tag, c));
+}
+
+// Refuses a stage file holding other layers than this stage runs (other pipeline cuts).
+void CheckStageLayers(const ckpt::Value& state, const std::string& tag, const std::string& file, const TrainConfig& c, int stage) {
+  int64_t lo = -1, hi = -1;
+  for (const auto& [k, v] : state.as_dict().items) {
+    const int l = k.is_str() ? ckpt::LayerOfName(k.as_str()) : -1;
+    if (l >= 0) lo = lo < 0 ? l : std::min<int64_t>(lo, l), hi = std::max<int64_t>(hi, l);
+  }
+  const int64_t want_lo = c.stage_bounds[stage], want_hi = c.stage_bounds[stage + 1] - 1;
+  if (lo != want_lo || hi != want_hi)
+    throw ckpt::Error(tag + "/" + file + ": holds layers " + std::to_string(lo) + ".." + std::to_string(hi) + ", but this run's stage " +
+                      std::to_string(stage) + " runs layers " + std::to_string(want_lo) + ".." + std::to_string(want_hi) +
+                      " (other pipeline cuts). " + ReshardAdvice(tag, c));
 }
 
 }  // namespace
@@ -92,7 +114,15 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     const int sharing = c.grid.tp / static_cast<int>(c.model.kv_heads), first = pc.coord.tp / sharing * sharing;
     kv_comm = pc.world->Group(std::vector<int>(tp_group.begin() + first, tp_group.begin() + first + sharing));
   }
-  Model model(c.model, TensorParallel{c.grid.tp, pc.coord.tp, c.grid.tp > 1 ? pc.tp.get() : nullptr, kv_comm.get()});
+  // GPT's tied output: the first and last stages' copies of the embedding sum their gradients.
+  std::unique_ptr<Comm> embedding_comm;
+  if (c.model.tied_output && c.grid.pp > 1) {
+    ckpt::RankCoord first = pc.coord, last = pc.coord;
+    first.pp = 0, last.pp = c.grid.pp - 1;
+    embedding_comm = pc.world->Group({c.grid.RankOf(first), c.grid.RankOf(last)});
+  }
+  Model model(c.model, TensorParallel{c.grid.tp, pc.coord.tp, c.grid.tp > 1 ? pc.tp.get() : nullptr, kv_comm.get()},
+              PipelineStage{c.grid.pp, pc.coord.pp, c.stage_bounds, c.grid.pp > 1 ? pc.pp.get() : nullptr, embedding_comm.get()});
   model.InitWeights();
   AdamW adamw(model, c.optim, pc.dp.get());
 
@@ -119,10 +149,12 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   const std::optional<std::string> tag = chosen.empty() ? std::nullopt : std::optional(chosen);
   if (tag) {
     try {
-      CheckResumeGrid(*tag, c.grid, ckpt_dir);
+      CheckResumeGrid(*tag, c);
       const std::string model_file = "model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp});
       const std::string optim_file = OptimFile(c.grid, pc.coord);
-      model.LoadStateDict(ckpt::LoadPt(*tag + "/" + model_file));
+      const ckpt::Value state = ckpt::LoadPt(*tag + "/" + model_file);
+      CheckStageLayers(state, *tag, model_file, c, pc.coord.pp);
+      model.LoadStateDict(state);
       adamw.ResetMasterWeights(model);
       ckpt::Env* env = ckpt::Env::Default();
       if (!env->IsDirectory(*tag + "/optim"))  // weights only, e.g. converted from NNM's HF import
@@ -194,26 +226,27 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   // global micro-batch g = m * dp + dp_rank holds samples consumed + g * B .. + B - 1.
   const int64_t micro = c.global_batch_size / c.micro_batch_size, B = c.micro_batch_size, T = c.seq_length;
   const int64_t dp = c.grid.dp, my_micro = micro / dp;
-  std::vector<int32_t> sample(T + 1), tokens(B * T), targets(B * T);
+  std::vector<int32_t> sample(T + 1);
+  auto load = [&](int64_t m, MicroBatch* mb) {
+    const int64_t first = consumed + (m * dp + pc.coord.dp) * B;
+    mb->tokens.resize(B * T), mb->targets.resize(B * T);
+    for (int64_t b = 0; b < B; ++b) {
+      data.Sample(first + b, sample.data());
+      std::copy(sample.begin(), sample.end() - 1, mb->tokens.begin() + b * T);
+      std::copy(sample.begin() + 1, sample.end(), mb->targets.begin() + b * T);
+    }
+    // Dropout masks are a function of the seed and the batch's place in the data, so a resumed
+    // run, and any data-parallel layout, draws the same.
+    mb->dropout_key = DropoutStream(c.seed, static_cast<uint64_t>(first));
+  };
   double lr = 0;
   int64_t last_saved = tag ? step : -1;
   while (step < c.max_steps) {
     const auto t0 = Clock::now();
     model.ZeroGrad();
-    double loss = 0;
-    for (int64_t m = 0; m < my_micro; ++m) {
-      const int64_t first = consumed + (m * dp + pc.coord.dp) * B;
-      for (int64_t b = 0; b < B; ++b) {
-        data.Sample(first + b, sample.data());
-        std::copy(sample.begin(), sample.end() - 1, tokens.begin() + b * T);
-        std::copy(sample.begin() + 1, sample.end(), targets.begin() + b * T);
-      }
-      // Dropout masks are a function of the seed and the batch's place in the data, so a resumed
-      // run, and any data-parallel layout, draws the same.
-      const uint64_t dropout_key = DropoutStream(c.seed, static_cast<uint64_t>(first));
-      loss += model.Forward(tokens.data(), targets.data(), B, T, dropout_key) / static_cast<double>(micro);
-      model.Backward();
-    }
+    // The last stage's losses, summed over the stages (the others add 0) and the data-parallel ranks.
+    double loss = RunPipelineStep(model, my_micro, B, T, load) / static_cast<double>(micro);
+    pc.pp->AllReduceSum(&loss, 1);
     model.ReduceReplicaGrads();
     pc.dp->AllReduceSum(&loss, 1);
     // Summed over every rank's micro-batches, then the mean over them.

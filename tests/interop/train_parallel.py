@@ -1,5 +1,5 @@
-"""shardkit-train under mpirun: tensor and data parallelism, with and
-without ZeRO-1.
+"""shardkit-train under mpirun: tensor, pipeline and data parallelism,
+with and without ZeRO-1.
 
 Every layout must compute what one process computes: the same losses at every
 step (relative 1e-5, fp32) and, at the checkpoint, the same state within a
@@ -49,16 +49,16 @@ class DataParallel(TempDirTest):
         os.makedirs(os.path.join(self.dir, "data"))
         run(TOKENIZE, TEXT, os.path.join(self.dir, "data", "text_document"))
 
-    def command(self, log_dir, world, extra=(), conf=CONF, steps=STEPS, tp=1):
+    def command(self, log_dir, world, extra=(), conf=CONF, steps=STEPS, tp=1, pp=1):
         # 16 samples of 4 per step: 4 micro-batches, 2 per rank at dp 2, so accumulation is exercised too.
         return [*mpirun(world), TRAIN, conf, f"exp_manager.explicit_log_dir={log_dir}", f"trainer.devices={world}",
-                f"distributed_strategy.tensor_model_parallel_size={tp}",
+                f"distributed_strategy.tensor_model_parallel_size={tp}", f"distributed_strategy.pipeline_model_parallel_size={pp}",
                 f"trainer.max_steps={steps}", "+model.optim.sched.max_steps=40", "data.global_batch_size=16",
                 "exp_manager.checkpoint_callback_params.every_n_train_steps=10",
                 "exp_manager.checkpoint_callback_params.save_top_k=-1", *extra]
 
-    def train(self, log_dir, world, extra=(), conf=CONF, steps=STEPS, check=True, tp=1):
-        p = subprocess.run(self.command(log_dir, world, extra, conf, steps, tp), cwd=self.dir, capture_output=True, text=True)
+    def train(self, log_dir, world, extra=(), conf=CONF, steps=STEPS, check=True, tp=1, pp=1):
+        p = subprocess.run(self.command(log_dir, world, extra, conf, steps, tp, pp), cwd=self.dir, capture_output=True, text=True)
         if check:
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         return p
@@ -76,16 +76,19 @@ class DataParallel(TempDirTest):
         # The losses move: equal losses would prove nothing if they did not.
         self.assertGreater(a[steps.start] - a[steps.stop - 1], 0.1)
 
-    def assert_same_state(self, a, b, rtol, atol):
-        v = subprocess.run([VERIFY, a, "--against", b, "--rtol", str(rtol), "--atol", str(atol), "--json"],
-                           capture_output=True, text=True)
+    def assert_same_state(self, a, b, rtol, atol, exact=False):
+        """With `exact`, bit for bit (a pipeline alone changes no summation order); otherwise within
+        the tolerance, and then not bit for bit (reductions over ranks sum in other orders), so the
+        tolerance is what makes them the same."""
+        tolerance = [] if exact else ["--rtol", str(rtol), "--atol", str(atol)]
+        v = subprocess.run([VERIFY, a, "--against", b, *tolerance, "--json"], capture_output=True, text=True)
         self.assertEqual(v.returncode, 0, v.stdout + v.stderr)
         report = json.loads(v.stdout)
         self.assertTrue(report["same"])
         self.assertGreaterEqual(report["tensors_compared"], 3 * 10)  # parameters, exp_avg, exp_avg_sq
-        # Bit for bit they are not (other summation orders): the tolerance is what makes them the same.
-        exact = subprocess.run([VERIFY, a, "--against", b], capture_output=True, text=True)
-        self.assertEqual(exact.returncode, 1, exact.stdout)
+        if not exact:
+            bitwise = subprocess.run([VERIFY, a, "--against", b], capture_output=True, text=True)
+            self.assertEqual(bitwise.returncode, 1, bitwise.stdout)
         return report
 
     def check_equivalence(self, conf, extra, name, rtol):
@@ -144,15 +147,17 @@ class DataParallel(TempDirTest):
     def test_gpt_fp32_plain_matches_one_process(self):
         self.check_equivalence(GPT_CONF, ["precision.type=fp32", "distributed_strategy.zero1=False"], "tiny_gpt", 1e-3)
 
-    def check_tensor_parallel(self, conf, name, extra, tp, dp, rtol):
-        """One process against tp * dp ranks. Megatron pads the vocabulary to a multiple of
+    def check_tensor_parallel(self, conf, name, extra, tp, dp, rtol, pp=1, many_extra=()):
+        """One process against tp * pp * dp ranks. Megatron pads the vocabulary to a multiple of
         make_vocab_size_divisible_by * tp, so the one process pads to the same rows (8 * tp)."""
         self.train("one", 1, [*extra, f"model.make_vocab_size_divisible_by={8 * tp}"], conf)
-        self.train("many", tp * dp, extra, conf, tp=tp)
+        self.train("many", tp * pp * dp, [*extra, *many_extra], conf, tp=tp, pp=pp)
         self.assert_same_losses("one", "many")
-        self.assert_same_state(self.tag("one", STEPS, name), self.tag("many", STEPS, name), rtol, 1e-5)
+        # A pipeline alone sums nothing in another order, except the tied embedding's two gradient parts.
+        exact = tp * dp == 1 and name != "tiny_gpt"
+        self.assert_same_state(self.tag("one", STEPS, name), self.tag("many", STEPS, name), rtol, 1e-5, exact=exact)
         model = os.path.join(self.tag("many", STEPS, name), "model")
-        self.assertEqual(sorted(os.listdir(model)), [f"dp_rank_00_tp_rank_{t:02d}_pp_rank_00.pt" for t in range(tp)])
+        self.assertEqual(sorted(os.listdir(model)), sorted(f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt" for p in range(pp) for t in range(tp)))
         return [torch.load(os.path.join(model, f)) for f in sorted(os.listdir(model))]
 
     def assert_merges_to_one_process(self, name, tp, dp, zero1, rtol):
@@ -200,6 +205,57 @@ class DataParallel(TempDirTest):
         # Biases (row-parallel ones whole), learned positions, the output layer tied to the vocab-parallel embedding.
         self.check_tensor_parallel(GPT_CONF, "tiny_gpt", [], 2, 1, 1e-2)
         self.assert_merges_to_one_process("tiny_gpt", 2, 1, True, 1e-2)
+
+    def stage_layers(self, log_dir, pp, name="tiny_llama"):
+        out = []
+        for p in range(pp):
+            m = torch.load(os.path.join(self.tag(log_dir, STEPS, name), "model", f"dp_rank_00_tp_rank_00_pp_rank_{p:02d}.pt"))
+            out.append(sorted({int(k.split(".")[3]) for k in m if ".layers." in k}))
+        return out
+
+    def test_llama_pp2_matches_one_process(self):
+        # 3 layers on 2 stages: NxD's even split puts the remainder last (1, 2).
+        self.check_tensor_parallel(CONF, "tiny_llama", ["model.num_layers=3", "distributed_strategy.zero1=True", *DROPOUT],
+                                   1, 1, 1e-3, pp=2)
+        self.assertEqual(self.stage_layers("many", 2), [[0], [1, 2]])
+
+    def test_llama_pp2_with_pipeline_cuts_matches_one_process(self):
+        self.check_tensor_parallel(CONF, "tiny_llama", ["model.num_layers=3", *DROPOUT], 1, 1, 1e-3, pp=2,
+                                   many_extra=["+model.pipeline_cuts=[2]"])
+        self.assertEqual(self.stage_layers("many", 2), [[0, 1], [2]])
+
+    def test_llama_tp2_pp2_matches_one_process(self):
+        self.check_tensor_parallel(CONF, "tiny_llama", ["distributed_strategy.zero1=False", *DROPOUT], 2, 1, 1e-3, pp=2)
+
+    def test_llama_tp2_pp2_dp2_zero1_matches_one_process(self):
+        # 8 ranks on this machine's 2 cores: oversubscribed, one compute thread each.
+        self.check_tensor_parallel(CONF, "tiny_llama", ["distributed_strategy.zero1=True", *DROPOUT], 2, 2, 1e-3, pp=2)
+        optim = os.listdir(os.path.join(self.tag("many", STEPS), "optim"))
+        self.assertEqual(len(optim), 8)
+
+    def test_gpt_pp2_tied_embedding_matches_one_process(self):
+        # The last stage's output layer is `word_embeddings.weight`, a copy of the first stage's embedding
+        # (Megatron's initialize_word_embeddings); their gradients are summed, so the copies stay equal.
+        parts = self.check_tensor_parallel(GPT_CONF, "tiny_gpt", [], 1, 1, 1e-2, pp=2)
+        self.assertIn("language_model.embedding.word_embeddings.weight", parts[0])
+        self.assertNotIn("word_embeddings.weight", parts[0])
+        self.assertIn("word_embeddings.weight", parts[1])
+        self.assertNotIn("language_model.output_layer.weight", parts[1])
+        self.assertTrue(torch.equal(parts[0]["language_model.embedding.word_embeddings.weight"], parts[1]["word_embeddings.weight"]))
+
+    def test_a_tag_with_other_pipeline_cuts_is_refused_with_the_reshard_command(self):
+        extra = ["model.num_layers=3", "distributed_strategy.zero1=False"]
+        self.train("straight", 1, extra)
+        self.train("a", 2, extra, steps=10, pp=2)  # stages hold layers 0 and 1-2
+        cut = [*extra, "+model.pipeline_cuts=[2]"]
+        refused = self.train("b", 2, [*cut, f"exp_manager.resume_from_checkpoint={self.tag('a', 10)}"], check=False, pp=2)
+        self.assertNotEqual(refused.returncode, 0)
+        self.assertIn("holds layers 0..0, but this run's stage 0 runs layers 0..1 (other pipeline cuts)", refused.stderr)
+        self.assertIn("--pipeline_cuts 2", refused.stderr)
+        new_tag = self.reshard_as_told(refused.stderr)
+        r = self.train("b", 2, [*cut, f"exp_manager.resume_from_checkpoint={new_tag}"], pp=2)
+        self.assertIn("resumed from " + new_tag, r.stderr)
+        self.assert_same_losses("straight", "b", range(11, STEPS + 1))
 
     def test_sigkill_of_one_rank_ends_the_job_and_the_restart_resumes_every_rank(self):
         extra = ["distributed_strategy.zero1=True", "exp_manager.async_checkpointing=True"]

@@ -249,9 +249,12 @@ class TrainAndResume(TempDirTest):
             (["distributed_strategy.tensor_model_parallel_size=2"],
              "distributed_strategy: tensor_model_parallel_size (2) * pipeline_model_parallel_size (1) = 2 does not divide "
              "trainer.devices * trainer.num_nodes (1)"),
-            (["distributed_strategy.pipeline_model_parallel_size=2", "trainer.devices=2"],
-             "distributed_strategy.pipeline_model_parallel_size: 2: this trainer runs tensor and data parallelism only "
-             "(pipeline_model_parallel_size 1) so far"),
+            (["distributed_strategy.pipeline_model_parallel_size=3", "trainer.devices=3", "data.global_batch_size=12"],
+             "distributed_strategy.pipeline_model_parallel_size: pipeline parallel degree 3 exceeds the 2 layers: every stage "
+             "needs at least one layer"),
+            (["distributed_strategy.pipeline_model_parallel_size=2", "trainer.devices=2", "+model.pipeline_cuts=[2]"],
+             "model.pipeline_cuts: pipeline cuts must be ascending layer numbers between 1 and 1"),
+            (["+model.pipeline_cuts=[1]"], "model.pipeline_cuts: the pipeline cuts list 1 cuts; 1 stages need 0"),
             (["distributed_strategy.tensor_model_parallel_size=3", "trainer.devices=3", "data.global_batch_size=12"],
              "distributed_strategy.tensor_model_parallel_size: tensor parallel degree 3 does not divide the attention heads (4)"),
             (["distributed_strategy.tensor_model_parallel_size=4", "trainer.devices=4", "model.num_kv_heads=2",

@@ -1,0 +1,45 @@
+#include "libtrain/pipeline.h"
+
+#include <algorithm>
+#include <deque>
+#include <memory>
+
+#include "libtrain/comm.h"
+
+namespace train {
+namespace {
+constexpr int kActivationTag = 1, kGradientTag = 2;
+}  // namespace
+
+double RunPipelineStep(Model& model, int64_t count, int64_t B, int64_t T, const std::function<void(int64_t, MicroBatch*)>& load) {
+  const PipelineStage& pp = model.pipeline();
+  Comm* comm = pp.comm;
+  const size_t n = static_cast<size_t>(B * T * model.config().hidden);
+  const int64_t warmup = std::min<int64_t>(pp.size - pp.stage - 1, count);
+  std::deque<std::unique_ptr<Model::Activations>> in_flight;  // oldest first
+  int64_t next = 0;
+  double loss = 0;
+  MicroBatch mb;
+  std::vector<float> in, out;
+  auto forward = [&] {
+    load(next++, &mb);
+    if (!pp.first()) in.resize(n), comm->Recv(in.data(), n, pp.stage - 1, kActivationTag);
+    auto a = std::make_unique<Model::Activations>();
+    loss += model.ForwardStage(*a, mb.tokens.data(), mb.targets.data(), in.data(), B, T, mb.dropout_key, &out);
+    if (!pp.last()) comm->Send(out.data(), n, pp.stage + 1, kActivationTag);
+    in_flight.push_back(std::move(a));
+  };
+  auto backward = [&] {
+    if (!pp.last()) in.resize(n), comm->Recv(in.data(), n, pp.stage + 1, kGradientTag);
+    model.BackwardStage(*in_flight.front(), in.data(), &out);
+    if (!pp.first()) comm->Send(out.data(), n, pp.stage - 1, kGradientTag);
+    in_flight.pop_front();
+  };
+  for (int64_t i = 0; i < warmup; ++i) forward();
+  for (int64_t i = warmup; i < count; ++i) forward(), backward();
+  for (int64_t i = 0; i < warmup; ++i) backward();
+  if (comm) comm->WaitSends();
+  return loss;
+}
+
+}  // namespace train
