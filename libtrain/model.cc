@@ -144,6 +144,11 @@ void Model::ReduceReplicaGrads() {
       for (const char* part : {"self_attention.key_value.weight", "self_attention.key_value.bias"})
         if (auto it = grads_.find(LayerName(l, part)); it != grads_.end()) sum(tp_.kv_comm, it->second);
   if (pp_.embedding_comm) sum(pp_.embedding_comm, grad(pp_.first() ? kWordEmbeddings : ckpt::kTiedOutputCopy));
+  // Under sequence parallelism each rank's norms saw its own rows only (Megatron's
+  // allreduce of sequence-parallel gradients).
+  if (SequenceParallel())
+    for (const auto& p : layout_)
+      if (p.name.find("layernorm") != std::string::npos) sum(tp_.comm, grad(p.name));
 }
 
 void Model::SumOverModel(double* x, size_t n) const {
@@ -168,6 +173,47 @@ bool Model::CountsInNorm(const std::string& name) const {
 
 void Model::TpSum(float* x, int64_t n) {
   if (tp_.comm) tp_.comm->AllReduceSum(x, static_cast<size_t>(n));
+}
+
+int64_t Model::HiddenStateFloats(int64_t B, int64_t T) const {
+  return B * T * c_.hidden / (SequenceParallel() ? tp_.size : 1);
+}
+
+// Rank r's rows are positions [r*Ts, (r+1)*Ts) of every sequence: block r of
+// the collectives is [B, Ts, H], and row (b, t) of the whole is b*T + t.
+const float* Model::GatherRows(const float* local, std::vector<float>& whole) {
+  if (!SequenceParallel()) return local;
+  const int64_t H = c_.hidden, Ts = T_ / tp_.size, block = B_ * Ts * H;
+  std::vector<float> blocks(block * tp_.size);
+  tp_.comm->AllGather(local, blocks.data(), static_cast<size_t>(block));
+  whole.resize(B_ * T_ * H);
+  for (int64_t r = 0; r < tp_.size; ++r)
+    for (int64_t b = 0; b < B_; ++b)
+      std::copy_n(&blocks[r * block + b * Ts * H], Ts * H, &whole[(b * T_ + r * Ts) * H]);
+  return whole.data();
+}
+
+void Model::ReduceRows(float* whole, float* local) {
+  const int64_t H = c_.hidden;
+  if (!SequenceParallel()) {
+    TpSum(whole, B_ * T_ * H);
+    if (local != whole) std::copy_n(whole, B_ * T_ * H, local);
+    return;
+  }
+  const int64_t Ts = T_ / tp_.size, block = B_ * Ts * H;
+  std::vector<float> blocks(block * tp_.size);
+  for (int64_t r = 0; r < tp_.size; ++r)
+    for (int64_t b = 0; b < B_; ++b)
+      std::copy_n(&whole[(b * T_ + r * Ts) * H], Ts * H, &blocks[r * block + b * Ts * H]);
+  tp_.comm->ReduceScatterSum(blocks.data(), local, static_cast<size_t>(block));
+}
+
+void Model::HiddenDropout(float* x, uint64_t stream) {
+  const int64_t H = c_.hidden;
+  if (!SequenceParallel()) return DropoutApply(x, B_ * T_ * H, c_.hidden_dropout, stream);
+  // Row (b, t0 + i) of the whole is mask index ((b * T + t0 + i) * H + h).
+  const int64_t Ts = T_ / tp_.size;
+  DropoutApplyColumns(x, B_, Ts * H, tp_.rank * Ts * H, T_ * H, c_.hidden_dropout, stream);
 }
 
 int64_t Model::QCol(int64_t h) const { return c_.gqa() ? h * c_.head_dim() : h * 3 * c_.head_dim(); }
@@ -210,7 +256,7 @@ void Model::LoadStateDict(const ckpt::Value& sd) {
 
 void Model::NormForward(const std::string& prefix, const float* x, float* out, std::vector<float>& mean,
                         std::vector<float>& rstd) {
-  const int64_t N = B_ * T_, H = c_.hidden;
+  const int64_t N = Rows(), H = c_.hidden;
   rstd.resize(N);
   if (c_.layernorm) {
     mean.resize(N);
@@ -222,7 +268,7 @@ void Model::NormForward(const std::string& prefix, const float* x, float* out, s
 
 void Model::NormBackward(const std::string& prefix, const float* dout, const float* x, const std::vector<float>& mean,
                          const std::vector<float>& rstd, float* dx) {
-  const int64_t N = B_ * T_, H = c_.hidden;
+  const int64_t N = Rows(), H = c_.hidden;
   if (c_.layernorm)
     LayerNormBackward(dx, Dw(prefix + ".weight"), Dw(prefix + ".bias"), dout, x, W(prefix + ".weight"), mean.data(),
                       rstd.data(), N, H);
@@ -235,12 +281,16 @@ void Model::Linear(const std::string& prefix, const float* x, float* out, int64_
 }
 
 void Model::RowParallelLinear(const std::string& prefix, const float* x, float* out, int64_t K, int64_t C) {
-  const int64_t N = B_ * T_;
-  LinearForward(out, x, W(prefix + ".weight"), nullptr, N, K, C);
-  TpSum(out, N * C);  // each rank's K columns give a partial sum
-  if (c_.bias) {      // the bias is whole: added once, after the sum
+  const int64_t N = B_ * T_, R = Rows();
+  // Each rank's K columns give a partial sum over all N rows; summed, this rank keeps its rows.
+  std::vector<float> partial;
+  float* whole = out;
+  if (SequenceParallel()) partial.resize(N * C), whole = partial.data();
+  LinearForward(whole, x, W(prefix + ".weight"), nullptr, N, K, C);
+  ReduceRows(whole, out);
+  if (c_.bias) {  // the bias is whole: added once, after the sum
     const float* b = W(prefix + ".bias");
-    tbb::parallel_for(int64_t{0}, N, [&](int64_t n) {
+    tbb::parallel_for(int64_t{0}, R, [&](int64_t n) {
       for (int64_t i = 0; i < C; ++i) out[n * C + i] += b[i];
     });
   }
@@ -403,21 +453,24 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
   } else {
     LinearGrad(LayerName(l, "self_attention.query_key_value"), dproj.data(), lc.ln1.data(), dln1, H, 3 * Hl);
   }
-  TpSum(dln1, N * H);  // the column-parallel projections' inputs were whole on every rank
 }
 
 void Model::LayerForward(int l, LayerCache& lc, float* out) {
-  const int64_t N = B_ * T_, H = c_.hidden, F = F_, Hl = nh_ * c_.head_dim();
-  lc.ln1.resize(N * H);
-  NormForward(LayerName(l, "input_layernorm"), lc.x.data(), lc.ln1.data(), lc.mean1, lc.rstd1);
+  const int64_t N = B_ * T_, R = Rows(), H = c_.hidden, F = F_, Hl = nh_ * c_.head_dim();
+  // The norms run on this rank's rows; the column-parallel layers see every row.
+  std::vector<float> ln(R * H);
+  NormForward(LayerName(l, "input_layernorm"), lc.x.data(), ln.data(), lc.mean1, lc.rstd1);
+  if (SequenceParallel()) GatherRows(ln.data(), lc.ln1);
+  else lc.ln1 = ln;
   AttentionForward(l, lc);
-  std::vector<float> attn_out(N * H);
+  std::vector<float> attn_out(R * H);
   RowParallelLinear(LayerName(l, "self_attention.dense"), lc.y.data(), attn_out.data(), Hl, H);
-  DropoutApply(attn_out.data(), N * H, c_.hidden_dropout, DropoutSite(l, 1));
-  lc.x2.resize(N * H);
-  for (int64_t i = 0; i < N * H; ++i) lc.x2[i] = lc.x[i] + attn_out[i];
-  lc.ln2.resize(N * H);
-  NormForward(LayerName(l, "post_attention_layernorm"), lc.x2.data(), lc.ln2.data(), lc.mean2, lc.rstd2);
+  HiddenDropout(attn_out.data(), DropoutSite(l, 1));
+  lc.x2.resize(R * H);
+  for (int64_t i = 0; i < R * H; ++i) lc.x2[i] = lc.x[i] + attn_out[i];
+  NormForward(LayerName(l, "post_attention_layernorm"), lc.x2.data(), ln.data(), lc.mean2, lc.rstd2);
+  if (SequenceParallel()) GatherRows(ln.data(), lc.ln2);
+  else lc.ln2 = std::move(ln);
   const int64_t fc_width = c_.gelu ? F : 2 * F;
   lc.fc.resize(N * fc_width), lc.act.resize(N * F);
   Linear(LayerName(l, "mlp.dense_h_to_4h"), lc.ln2.data(), lc.fc.data(), H, fc_width);
@@ -425,10 +478,10 @@ void Model::LayerForward(int l, LayerCache& lc, float* out) {
   else SwiGluForward(lc.act.data(), lc.fc.data(), N, F);
   // act holds what dense_4h_to_h sees; masks keyed on the global FFN column.
   DropoutApplyColumns(lc.act.data(), N, F, f0_, c_.ffn, c_.ffn_dropout, DropoutSite(l, 2));
-  std::vector<float> mlp_out(N * H);
+  std::vector<float> mlp_out(R * H);
   RowParallelLinear(LayerName(l, "mlp.dense_4h_to_h"), lc.act.data(), mlp_out.data(), F, H);
-  DropoutApply(mlp_out.data(), N * H, c_.hidden_dropout, DropoutSite(l, 3));
-  for (int64_t i = 0; i < N * H; ++i) out[i] = lc.x2[i] + mlp_out[i];
+  HiddenDropout(mlp_out.data(), DropoutSite(l, 3));
+  for (int64_t i = 0; i < R * H; ++i) out[i] = lc.x2[i] + mlp_out[i];
 }
 
 uint64_t Model::DropoutSite(int l, int site) const {
@@ -465,16 +518,19 @@ void Model::Backward() { BackwardStage(last_, nullptr, nullptr); }
 float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* targets, const float* x_in, int64_t B, int64_t T,
                           uint64_t dropout_key, std::vector<float>* x_out) {
   B_ = B, T_ = T, dropout_key_ = dropout_key;
+  if (SequenceParallel() && T % tp_.size)
+    throw ckpt::Error("sequence parallelism splits the " + std::to_string(T) + " positions of a sequence over " +
+                      std::to_string(tp_.size) + " tensor-parallel ranks: they must divide evenly");
   a = Activations{};
   a.B = B, a.T = T, a.dropout_key = dropout_key;
-  const int64_t N = B * T, H = c_.hidden, V = c_.vocab;
+  const int64_t N = B * T, R = Rows(), H = c_.hidden, V = c_.vocab;
   auto check_ids = [&](const int32_t* ids) {
     for (int64_t n = 0; n < N; ++n)
       if (ids[n] < 0 || ids[n] >= V)
         throw ckpt::Error("token id " + std::to_string(ids[n]) + " at position " + std::to_string(n) +
                           " is outside the vocabulary of " + std::to_string(V));
   };
-  std::vector<float> x(N * H);
+  std::vector<float> x(R * H);
   if (pp_.first()) {
     check_ids(tokens);
     if (c_.learned_positions && T > c_.max_positions)
@@ -482,16 +538,18 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
                         std::to_string(c_.max_positions) + ")");
     a.tokens.assign(tokens, tokens + N);
     // Vocab-parallel embedding: each rank looks up the tokens in its rows, the sum is the lookup.
-    EmbeddingForward(x.data(), tokens, W(kWordEmbeddings), N, H, v0_, V_);
-    TpSum(x.data(), N * H);
-    if (c_.learned_positions) {
+    std::vector<float> whole(N * H);
+    EmbeddingForward(whole.data(), tokens, W(kWordEmbeddings), N, H, v0_, V_);
+    ReduceRows(whole.data(), x.data());
+    if (c_.learned_positions) {  // row i here is position t0 + i % Ts of its sequence
       const float* pos = W(kPositionEmbeddings);
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t i = 0; i < H; ++i) x[n * H + i] += pos[(n % T) * H + i];
+      const int64_t Ts = R / B, t0 = SequenceParallel() ? tp_.rank * Ts : 0;
+      for (int64_t n = 0; n < R; ++n)
+        for (int64_t i = 0; i < H; ++i) x[n * H + i] += pos[(t0 + n % Ts) * H + i];
     }
-    DropoutApply(x.data(), N * H, c_.hidden_dropout, DropoutSite(-1, 0));
+    HiddenDropout(x.data(), DropoutSite(-1, 0));
   } else {
-    std::copy(x_in, x_in + N * H, x.begin());
+    std::copy(x_in, x_in + R * H, x.begin());
   }
   a.layers.resize(end_layer_ - first_layer_);
   for (int l = first_layer_; l < end_layer_; ++l) {
@@ -507,8 +565,10 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
   check_ids(targets);
   a.targets.assign(targets, targets + N);
   a.x_final = std::move(x);
-  a.lnf.resize(N * H);
-  NormForward(kFinalNorm, a.x_final.data(), a.lnf.data(), a.meanf, a.rstdf);
+  std::vector<float> lnf(R * H);
+  NormForward(kFinalNorm, a.x_final.data(), lnf.data(), a.meanf, a.rstdf);
+  if (SequenceParallel()) GatherRows(lnf.data(), a.lnf);
+  else a.lnf = std::move(lnf);
   a.logits.resize(N * V_), a.probs.resize(N * V_);
   // The output layer has no bias; tied, it is the word embedding matrix. Its rows (this rank's
   // vocabulary) give this rank's logits, and cross-entropy joins them with three reductions.
@@ -524,25 +584,34 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
 
 void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float>* dx_in) {
   B_ = a.B, T_ = a.T, dropout_key_ = a.dropout_key;
-  const int64_t N = B_ * T_, H = c_.hidden, F = F_, V = V_, Hl = nh_ * c_.head_dim();
-  std::vector<float> dx(N * H);
+  const int64_t N = B_ * T_, R = Rows(), H = c_.hidden, F = F_, V = V_, Hl = nh_ * c_.head_dim();
+  std::vector<float> dx(R * H), dln(N * H), dln_here(R * H), whole;
+  // The column-parallel layers' input gradients, over all rows, summed over the ranks into this rank's rows.
+  auto reduce_dln = [&]() -> float* {
+    float* here = SequenceParallel() ? dln_here.data() : dln.data();
+    ReduceRows(dln.data(), here);
+    return here;
+  };
   if (pp_.last()) {
-    std::vector<float> dlogits(N * V), dlnf(N * H);
+    std::vector<float> dlogits(N * V);
     CrossEntropyBackward(dlogits.data(), a.probs.data(), a.targets.data(), v0_, N, V);
-    LinearBackward(dlnf.data(), Dw(OutputWeight()), nullptr, dlogits.data(), a.lnf.data(), W(OutputWeight()), N, H, V);
-    TpSum(dlnf.data(), N * H);
-    NormBackward(kFinalNorm, dlnf.data(), a.x_final.data(), a.meanf, a.rstdf, dx.data());
+    LinearBackward(dln.data(), Dw(OutputWeight()), nullptr, dlogits.data(), a.lnf.data(), W(OutputWeight()), N, H, V);
+    NormBackward(kFinalNorm, reduce_dln(), a.x_final.data(), a.meanf, a.rstdf, dx.data());
   } else {
-    std::copy(dx_out, dx_out + N * H, dx.begin());
+    std::copy(dx_out, dx_out + R * H, dx.begin());
   }
   const int64_t fc_width = c_.gelu ? F : 2 * F;
-  std::vector<float> dact(N * F), dfc(N * fc_width), dln(N * H), dpart(N * H), dy(N * Hl), dropped;
-  // The gradient at a block's output as it was before hidden dropout (dx itself without dropout).
+  std::vector<float> dact(N * F), dfc(N * fc_width), dpart(R * H), dy(N * Hl), dropped;
+  // The gradient at a block's output as it was before hidden dropout (dx itself without dropout),
+  // over all rows (the row-parallel layer's output gradient).
   auto before_dropout = [&](int l, int site) -> const float* {
-    if (c_.hidden_dropout <= 0) return dx.data();
-    dropped = dx;
-    DropoutApply(dropped.data(), N * H, c_.hidden_dropout, DropoutSite(l, site));
-    return dropped.data();
+    const float* d = dx.data();
+    if (c_.hidden_dropout > 0) {
+      dropped = dx;
+      HiddenDropout(dropped.data(), DropoutSite(l, site));
+      d = dropped.data();
+    }
+    return GatherRows(d, whole);
   };
   for (int l = end_layer_ - 1; l >= first_layer_; --l) {
     LayerCache& lc = a.layers[l - first_layer_];
@@ -558,23 +627,23 @@ void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float
     if (c_.gelu) GeluBackward(dfc.data(), dact.data(), lc.fc.data(), N * F);
     else SwiGluBackward(dfc.data(), dact.data(), lc.fc.data(), N, F);
     LinearGrad(LayerName(l, "mlp.dense_h_to_4h"), dfc.data(), lc.ln2.data(), dln.data(), H, fc_width);
-    TpSum(dln.data(), N * H);
-    NormBackward(LayerName(l, "post_attention_layernorm"), dln.data(), lc.x2.data(), lc.mean2, lc.rstd2, dpart.data());
-    for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // now the gradient at x2
+    NormBackward(LayerName(l, "post_attention_layernorm"), reduce_dln(), lc.x2.data(), lc.mean2, lc.rstd2, dpart.data());
+    for (int64_t i = 0; i < R * H; ++i) dx[i] += dpart[i];  // now the gradient at x2
     // Attention block.
     LinearGrad(LayerName(l, "self_attention.dense"), before_dropout(l, 1), lc.y.data(), dy.data(), Hl, H);
     AttentionBackward(l, lc, dy.data(), dln.data());
-    NormBackward(LayerName(l, "input_layernorm"), dln.data(), lc.x.data(), lc.mean1, lc.rstd1, dpart.data());
-    for (int64_t i = 0; i < N * H; ++i) dx[i] += dpart[i];  // the gradient at the layer input
+    NormBackward(LayerName(l, "input_layernorm"), reduce_dln(), lc.x.data(), lc.mean1, lc.rstd1, dpart.data());
+    for (int64_t i = 0; i < R * H; ++i) dx[i] += dpart[i];  // the gradient at the layer input
     lc = LayerCache{};  // done with it: free as we go
   }
   if (pp_.first()) {
-    DropoutApply(dx.data(), N * H, c_.hidden_dropout, DropoutSite(-1, 0));
-    EmbeddingBackward(Dw(kWordEmbeddings), dx.data(), a.tokens.data(), N, H, v0_, V_);
+    HiddenDropout(dx.data(), DropoutSite(-1, 0));
+    const float* d = GatherRows(dx.data(), whole);  // every row: each rank's vocabulary rows, all positions
+    EmbeddingBackward(Dw(kWordEmbeddings), d, a.tokens.data(), N, H, v0_, V_);
     if (c_.learned_positions) {
       float* dpos = Dw(kPositionEmbeddings);
       for (int64_t n = 0; n < N; ++n)  // serial: positions repeat across the batch
-        for (int64_t i = 0; i < H; ++i) dpos[(n % T_) * H + i] += dx[n * H + i];
+        for (int64_t i = 0; i < H; ++i) dpos[(n % T_) * H + i] += d[n * H + i];
     }
   } else {
     *dx_in = std::move(dx);

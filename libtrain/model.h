@@ -95,6 +95,11 @@ class Comm;
 // This model's place in a tensor-parallel group.
 struct TensorParallel {
   int size = 1, rank = 0;
+  // Megatron's sequence parallelism: between the tensor-parallel blocks
+  // (norms, dropout, the residual stream) each rank holds T / size positions
+  // of every sequence; all-gathers feed the column-parallel layers and
+  // reduce-scatters replace the row-parallel all-reduces.
+  bool sequence_parallel = false;
   Comm* comm = nullptr;     // the tensor-parallel group; nullptr when size is 1
   Comm* kv_comm = nullptr;  // with kv_heads < size: the ranks sharing this rank's KV group
 };
@@ -176,6 +181,9 @@ class Model {
   void SumOverModel(double* x, size_t n) const;
   const TensorParallel& tensor_parallel() const { return tp_; }
   const PipelineStage& pipeline() const { return pp_; }
+  // The floats of a hidden state passed between stages for B sequences of T
+  // tokens: B * T * hidden, or this rank's sequence part of it.
+  int64_t HiddenStateFloats(int64_t B, int64_t T) const;
 
   const ModelConfig& config() const { return c_; }
   ckpt::Tensor& param(const std::string& name);
@@ -210,13 +218,15 @@ class Model {
                     const std::vector<float>& rstd, float* dx);
   // The linear layer `prefix` (its weight, and its bias with has_bias).
   void Linear(const std::string& prefix, const float* x, float* out, int64_t K, int64_t C);
-  // A row-parallel linear layer: this rank's K input columns, the partial
-  // products summed over the tensor-parallel ranks, then the whole bias.
+  // A row-parallel linear layer on all B*T rows: this rank's K input columns,
+  // the partial products summed over the tensor-parallel ranks into out's
+  // Rows() (ReduceRows), then the whole bias.
   void RowParallelLinear(const std::string& prefix, const float* x, float* out, int64_t K, int64_t C);
   // The local group of local head h.
   int64_t LocalGroup(int64_t h) const;
   void LinearGrad(const std::string& prefix, const float* dout, const float* x, float* dx, int64_t K, int64_t C);
-  // Runs layer l on lc.x, filling lc and writing the layer output to `out`.
+  // Runs layer l on lc.x, filling lc and writing the layer output to `out`
+  // (hidden states of Rows() rows; lc.ln1 and lc.ln2 hold all B*T rows).
   void LayerForward(int l, LayerCache& lc, float* out);
   // The name of the output layer's weight on this stage.
   const char* OutputWeight() const;
@@ -229,6 +239,18 @@ class Model {
   int64_t VCol(int64_t g) const;
   // Sums x over the tensor-parallel ranks (no-op with one).
   void TpSum(float* x, int64_t n);
+  // Sequence parallelism: a hidden state here holds Rows() of the B*T rows
+  // (this rank's T / tp positions of each sequence), else all of them.
+  bool SequenceParallel() const { return tp_.sequence_parallel && tp_.size > 1; }
+  int64_t Rows() const { return SequenceParallel() ? B_ * T_ / tp_.size : B_ * T_; }
+  // The whole [B*T, hidden] from every rank's rows (returns `local` itself
+  // without sequence parallelism).
+  const float* GatherRows(const float* local, std::vector<float>& whole);
+  // Sums the ranks' partial [B*T, hidden] in `whole` and leaves this rank's
+  // Rows() in `local` (which may be `whole` without sequence parallelism).
+  void ReduceRows(float* whole, float* local);
+  // Hidden dropout on a hidden state of Rows() rows, keyed on global positions.
+  void HiddenDropout(float* x, uint64_t stream);
   void AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln1);
   // The dropout mask stream of `site` in layer l (l = -1: the embeddings).
   uint64_t DropoutSite(int l, int site) const;

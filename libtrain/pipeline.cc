@@ -14,7 +14,7 @@ constexpr int kActivationTag = 1, kGradientTag = 2;
 double RunPipelineStep(Model& model, int64_t count, int64_t B, int64_t T, const std::function<void(int64_t, MicroBatch*)>& load) {
   const PipelineStage& pp = model.pipeline();
   Comm* comm = pp.comm;
-  const size_t n = static_cast<size_t>(B * T * model.config().hidden);
+  const size_t n = static_cast<size_t>(model.HiddenStateFloats(B, T));
   const int64_t warmup = std::min<int64_t>(pp.size - pp.stage - 1, count);
   std::deque<std::unique_ptr<Model::Activations>> in_flight;  // oldest first
   int64_t next = 0;

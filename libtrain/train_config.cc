@@ -308,11 +308,14 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
                         "exp_manager.save_xser", "exp_manager.load_xser",
                         "model.activations_checkpoint_recompute"})
     if (r.Has(k)) c.ignored.push_back(std::string(k) + " (a Neuron setting)");
-  if (r.Bool("distributed_strategy.sequence_parallel", false)) {  // splits along the sequence what tensor parallelism replicates
-    if (tp > 1)
-      r.Fail("distributed_strategy.sequence_parallel", "True is not supported yet with tensor_model_parallel_size > 1; set False");
+  // Splits along the sequence what tensor parallelism replicates (norms, dropout, the residual stream).
+  c.sequence_parallel = r.Bool("distributed_strategy.sequence_parallel", false);
+  if (c.sequence_parallel && tp == 1)
     c.ignored.push_back("distributed_strategy.sequence_parallel (no effect with tensor_model_parallel_size 1)");
-  }
+  if (c.sequence_parallel && c.seq_length % tp)
+    r.Fail("distributed_strategy.sequence_parallel", "splits data.seq_length (" + std::to_string(c.seq_length) +
+                                                         ") over tensor_model_parallel_size (" + std::to_string(tp) +
+                                                         "): it must divide evenly");
   // Megatron scales Q.K^T by 1/layer and the softmax input back up: a guard for fp16 softmax.
   if (r.Bool("model.apply_query_key_layer_scaling", false))
     c.ignored.push_back("model.apply_query_key_layer_scaling (no effect: softmax runs in float32 here)");

@@ -36,6 +36,7 @@ struct TrainConfig {
   // The pipeline stages' layers (ckpt::StageBounds): NxD's even split, or
   // model.pipeline_cuts (the first layer of stages 1..pp-1).
   std::vector<int64_t> pipeline_cuts, stage_bounds;
+  bool sequence_parallel = false;  // distributed_strategy.sequence_parallel
   std::vector<std::pair<double, std::string>> data_prefix;  // (weight, prefix or .h5 file)
   std::string data_impl = "mmap";                           // mmap (Megatron .bin/.idx) or hdf5
   // model and optimisation

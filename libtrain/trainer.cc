@@ -121,7 +121,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     first.pp = 0, last.pp = c.grid.pp - 1;
     embedding_comm = pc.world->Group({c.grid.RankOf(first), c.grid.RankOf(last)});
   }
-  Model model(c.model, TensorParallel{c.grid.tp, pc.coord.tp, c.grid.tp > 1 ? pc.tp.get() : nullptr, kv_comm.get()},
+  Model model(c.model, TensorParallel{c.grid.tp, pc.coord.tp, c.sequence_parallel, c.grid.tp > 1 ? pc.tp.get() : nullptr, kv_comm.get()},
               PipelineStage{c.grid.pp, pc.coord.pp, c.stage_bounds, c.grid.pp > 1 ? pc.pp.get() : nullptr, embedding_comm.get()});
   model.InitWeights();
   AdamW adamw(model, c.optim, pc.dp.get());

@@ -206,6 +206,17 @@ class DataParallel(TempDirTest):
         self.check_tensor_parallel(GPT_CONF, "tiny_gpt", [], 2, 1, 1e-2)
         self.assert_merges_to_one_process("tiny_gpt", 2, 1, True, 1e-2)
 
+    def test_llama_tp2_sequence_parallel_matches_one_process(self):
+        # Norms, dropout and the residual stream split along the sequence (masks keyed on global positions).
+        self.check_tensor_parallel(CONF, "tiny_llama", ["distributed_strategy.zero1=True", *DROPOUT], 2, 1, 1e-3,
+                                   many_extra=["+distributed_strategy.sequence_parallel=True"])
+        self.assert_merges_to_one_process("tiny_llama", 2, 1, True, 1e-3)
+
+    def test_gpt_tp2_pp2_sequence_parallel_matches_one_process(self):
+        # LayerNorm biases, learned positions for each rank's positions, the tied embedding across stages.
+        self.check_tensor_parallel(GPT_CONF, "tiny_gpt", [], 2, 1, 1e-2, pp=2,
+                                   many_extra=["+distributed_strategy.sequence_parallel=True"])
+
     def stage_layers(self, log_dir, pp, name="tiny_llama"):
         out = []
         for p in range(pp):

@@ -260,8 +260,10 @@ class TrainAndResume(TempDirTest):
             (["distributed_strategy.tensor_model_parallel_size=4", "trainer.devices=4", "model.num_kv_heads=2",
               "model.ffn_hidden_size=174"],
              "distributed_strategy.tensor_model_parallel_size: tensor parallel degree 4 does not divide the FFN width (174)"),
-            (["distributed_strategy.tensor_model_parallel_size=2", "trainer.devices=2", "+distributed_strategy.sequence_parallel=True"],
-             "distributed_strategy.sequence_parallel: True is not supported yet with tensor_model_parallel_size > 1"),
+            (["distributed_strategy.tensor_model_parallel_size=2", "trainer.devices=2", "+distributed_strategy.sequence_parallel=True",
+              "model.encoder_seq_length=63"],
+             "distributed_strategy.sequence_parallel: splits data.seq_length (63) over tensor_model_parallel_size (2): it must "
+             "divide evenly"),
             (["+model.virtual_pipeline_model_parallel_size=2"],
              "model.virtual_pipeline_model_parallel_size: interleaved (virtual) pipeline stages are not supported"),
             (["trainer.devices=2", "data.global_batch_size=4"],
