@@ -131,6 +131,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   c.resume_from_checkpoint = r.Str("exp_manager.resume_from_checkpoint", "");
   // shardkit's own: start from scratch when every complete checkpoint is damaged (they are kept).
   c.resume_past_damaged_checkpoints = r.Bool("exp_manager.resume_past_damaged_checkpoints", false);
+  c.resume_reshard = r.Bool("exp_manager.resume_reshard", false);
   c.create_checkpoint_callback = r.Bool("exp_manager.create_checkpoint_callback", true);
   c.async_checkpointing = r.Bool("exp_manager.async_checkpointing", false);
   c.save_top_k = r.Int("exp_manager.checkpoint_callback_params.save_top_k", -1, -1);

@@ -26,6 +26,8 @@ struct TrainConfig {
   bool resume_if_exists = false, resume_ignore_no_checkpoint = false;
   std::string resume_from_checkpoint;
   bool resume_past_damaged_checkpoints = false;
+  // shardkit's own: a tag cut for other degrees is resharded for this run and resumed from.
+  bool resume_reshard = false;
   bool create_checkpoint_callback = true, async_checkpointing = false;
   int64_t save_top_k = -1, every_n_train_steps = 0;
   bool log_parameter_norm = true, log_gradient_norm = true;

@@ -13,6 +13,8 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/error.h"
 #include "ckpt/progress.h"
+#include "ckpt/reshard.h"
+#include "ckpt/sharded_tag.h"
 #include "ckpt/pt_file.h"
 #include "ckpt/training_state.h"
 #include "ckpt/tag_verify.h"
@@ -43,48 +45,64 @@ std::string OptimFile(const ckpt::RankGrid& grid, ckpt::RankCoord at) {
   return "optim/" + ckpt::RankFileName(at);
 }
 
-// What to do with a tag cut for another layout: the ckpt-reshard command
-// that makes one this run can resume from (absolute paths, to be pasted anywhere).
-std::string ReshardAdvice(const std::string& tag, const TrainConfig& c) {
+// Where a tag cut for another layout goes when resharded for this run: a
+// folder beside the checkpoint directory named for the run's degrees (never
+// the checkpoint directory itself, which holds the source).
+std::string ReshardTarget(const std::string& tag, const TrainConfig& c) {
   const ckpt::RankGrid& run = c.grid;
-  const std::string name = std::filesystem::path(tag).filename().string();
-  const std::string src = std::filesystem::absolute(tag).lexically_normal().string();
-  const std::string dst = std::filesystem::absolute(c.CheckpointDir()).lexically_normal().string() + "-tp" + std::to_string(run.tp) +
-                          "pp" + std::to_string(run.pp) + "dp" + std::to_string(run.dp) + "/" + name;
-  std::string cuts;
-  for (int64_t cut : c.pipeline_cuts) cuts += (cuts.empty() ? " --pipeline_cuts " : ",") + std::to_string(cut);
-  return "Reshard it with: ckpt-reshard " + src + " " + dst + " --tp " + std::to_string(run.tp) + " --pp " + std::to_string(run.pp) +
-         " --dp " + std::to_string(run.dp) + (run.zero1 ? " --zero1" : " --no-zero1") + cuts +
-         " and resume from it with exp_manager.resume_from_checkpoint=" + dst;
+  return std::filesystem::absolute(c.CheckpointDir()).lexically_normal().string() + "-tp" + std::to_string(run.tp) + "pp" +
+         std::to_string(run.pp) + "dp" + std::to_string(run.dp) + "/" + std::filesystem::path(tag).filename().string();
 }
 
-// Refuses a tag written at other degrees than this run's, naming both and the
-// ckpt-reshard command. A tag without optimizer files (weights only) needs
-// only tp and pp to match.
-void CheckResumeGrid(const std::string& tag, const TrainConfig& c) {
-  const ckpt::TagReport report = ckpt::VerifyTag(ckpt::Env::Default(), tag, {.checksums = false});
-  if (!report.grid) throw ckpt::Error(tag + ": cannot tell its parallel layout (no manifest and no rank files)");
-  const ckpt::RankGrid &was = *report.grid, &run = c.grid;
-  const bool has_optim = ckpt::Env::Default()->IsDirectory(tag + "/optim");
+// What this run's config says of the model format, for a tag whose manifest
+// does not (NxD's, and nnm2nxdt-ckpt's).
+ckpt::FormatHints HintsOf(const TrainConfig& c) {
+  return {c.model.heads, c.model.kv_heads, c.model.vocab_size > 0 ? c.model.vocab_size : c.model.vocab, c.model.make_vocab_size_divisible_by};
+}
+
+// The ckpt-reshard arguments that make `tag` a tag this run can resume from.
+ckpt::ReshardArgs ReshardFor(const std::string& tag, const TrainConfig& c) {
+  ckpt::ReshardArgs a;
+  a.src = std::filesystem::absolute(tag).lexically_normal().string();
+  a.dst = ReshardTarget(tag, c);
+  a.tp = c.grid.tp, a.pp = c.grid.pp, a.dp = c.grid.dp, a.zero1 = c.grid.zero1;
+  a.pipeline_cuts = c.pipeline_cuts;
+  a.hints = HintsOf(c);
+  a.tool = "resume-reshard";
+  return a;
+}
+
+std::string ReshardAdvice(const std::string& tag, const TrainConfig& c) {
+  const ckpt::ReshardArgs a = ReshardFor(tag, c);
+  std::string cuts;
+  for (int64_t cut : a.pipeline_cuts) cuts += (cuts.empty() ? " --pipeline_cuts " : ",") + std::to_string(cut);
+  return "Reshard it with: ckpt-reshard " + a.src + " " + a.dst + " --tp " + std::to_string(a.tp) + " --pp " + std::to_string(a.pp) +
+         " --dp " + std::to_string(*a.dp) + (*a.zero1 ? " --zero1" : " --no-zero1") + cuts +
+         " and resume from it with exp_manager.resume_from_checkpoint=" + a.dst + " (or set exp_manager.resume_reshard: True)";
+}
+
+// Why `tag` cannot be resumed by this run as it is cut ("" when it can): its
+// degrees, or its pipeline stages' layers. A tag without optimizer files
+// (weights only) needs only tp and the stages to match.
+std::string LayoutMismatch(const std::string& tag, const TrainConfig& c) {
+  const auto t = ckpt::ShardedTag::Open(ckpt::Env::Default(), tag, HintsOf(c));
+  const ckpt::TagLayout& L = t->layout();
+  const ckpt::RankGrid &was = L.grid, &run = c.grid;
   // Optimizer files must be cut as this run cuts them: in dp ZeRO-1 shards, or whole (plain, or
   // ZeRO-1 over one rank, whose one shard is the whole state).
   auto shards = [](const ckpt::RankGrid& g) { return g.zero1 ? g.dp : 1; };
-  const bool fits = was.tp == run.tp && was.pp == run.pp && (!has_optim || shards(was) == shards(run));
-  if (!fits) throw ckpt::Error(tag + ": written at " + was.ToString() + ", but this run is " + run.ToString() + ". " + ReshardAdvice(tag, c));
-}
-
-// Refuses a stage file holding other layers than this stage runs (other pipeline cuts).
-void CheckStageLayers(const ckpt::Value& state, const std::string& tag, const std::string& file, const TrainConfig& c, int stage) {
-  int64_t lo = -1, hi = -1;
-  for (const auto& [k, v] : state.as_dict().items) {
-    const int l = k.is_str() ? ckpt::LayerOfName(k.as_str()) : -1;
-    if (l >= 0) lo = lo < 0 ? l : std::min<int64_t>(lo, l), hi = std::max<int64_t>(hi, l);
+  if (was.tp != run.tp || was.pp != run.pp || (L.has_optimizer && shards(was) != shards(run)))
+    return "written at " + was.ToString() + ", but this run is " + run.ToString();
+  if (L.stage_bounds != c.stage_bounds) {
+    auto stages = [](const std::vector<int64_t>& b) {
+      std::string s;
+      for (size_t i = 0; i + 1 < b.size(); ++i) s += (i ? ", " : "") + std::to_string(b[i]) + ".." + std::to_string(b[i + 1] - 1);
+      return s;
+    };
+    return "its pipeline stages hold layers " + stages(L.stage_bounds) + ", but this run's hold " + stages(c.stage_bounds) +
+           " (other pipeline cuts)";
   }
-  const int64_t want_lo = c.stage_bounds[stage], want_hi = c.stage_bounds[stage + 1] - 1;
-  if (lo != want_lo || hi != want_hi)
-    throw ckpt::Error(tag + "/" + file + ": holds layers " + std::to_string(lo) + ".." + std::to_string(hi) + ", but this run's stage " +
-                      std::to_string(stage) + " runs layers " + std::to_string(want_lo) + ".." + std::to_string(want_hi) +
-                      " (other pipeline cuts). " + ReshardAdvice(tag, c));
+  return "";
 }
 
 }  // namespace
@@ -146,15 +164,36 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     chosen = t.value_or("");
   }
   pc.world->Broadcast(&chosen, 0);
-  const std::optional<std::string> tag = chosen.empty() ? std::nullopt : std::optional(chosen);
+  std::optional<std::string> tag = chosen.empty() ? std::nullopt : std::optional(chosen);
+  if (tag) {
+    // A tag cut for other degrees is refused, or with resume_reshard resharded for this run by every
+    // rank together (each writes its share of the files, rank 0 commits) and resumed from.
+    if (const std::string why = LayoutMismatch(*tag, c); !why.empty()) {
+      if (!c.resume_reshard) throw ckpt::Error(*tag + ": " + why + ". " + ReshardAdvice(*tag, c));
+      ckpt::ReshardArgs a = ReshardFor(*tag, c);
+      ckpt::Env* env = ckpt::Env::Default();
+      if (env->Exists(a.dst)) {  // resharded by an earlier start; anything else there is not ours to replace
+        if (!env->Exists(a.dst + "/" + ckpt::kDoneMarker) || !LayoutMismatch(a.dst, c).empty())
+          throw ckpt::Error(*tag + ": " + why + ", and " + a.dst + ", where resume_reshard would write this run's copy, already holds "
+                            "something else; move it away");
+        log("resume: " + *tag + ": " + why + "; resuming from " + a.dst + ", resharded for it by an earlier start");
+      } else {
+        log("resume: " + *tag + ": " + why + "; resharding it into " + a.dst);
+        std::string job_id = rank0 ? "resume-reshard-" + std::to_string(::getpid()) + "-" + std::to_string(std::random_device()()) : "";
+        pc.world->Broadcast(&job_id, 0);
+        a.launch = {pc.world->rank(), pc.world->size(), job_id};
+        a.progress_bar = false;
+        ckpt::RunReshard(a, env, log);
+        pc.world->Barrier();  // rank 0 has committed it
+      }
+      tag = a.dst;
+    }
+  }
   if (tag) {
     try {
-      CheckResumeGrid(*tag, c);
       const std::string model_file = "model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp});
       const std::string optim_file = OptimFile(c.grid, pc.coord);
-      const ckpt::Value state = ckpt::LoadPt(*tag + "/" + model_file);
-      CheckStageLayers(state, *tag, model_file, c, pc.coord.pp);
-      model.LoadStateDict(state);
+      model.LoadStateDict(ckpt::LoadPt(*tag + "/" + model_file));
       adamw.ResetMasterWeights(model);
       ckpt::Env* env = ckpt::Env::Default();
       if (!env->IsDirectory(*tag + "/optim"))  // weights only, e.g. converted from NNM's HF import

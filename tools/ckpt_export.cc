@@ -27,7 +27,7 @@
 #include "tools/format_hints_cli.h"
 #include "tools/h5_state.h"
 #include "tools/hf_export.h"
-#include "tools/reshard.h"
+#include "ckpt/reshard.h"
 
 namespace {
 
@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
   try {
     const auto t0 = std::chrono::steady_clock::now();
     out = ckpt::WithoutTrailingSeparators(out);
-    const std::string tag = tools::ResolveSourceTag(src, !no_verify, env, log);
+    const std::string tag = ckpt::ResolveSourceTag(src, !no_verify, env, log);
     const bool hf = format == "hf";
     const uint64_t memory_budget = ckpt::ParseSize(budget, "--memory_budget");
     const uint64_t shard_size = ckpt::ParseSize(max_shard, "--max_shard_size");
@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
     const auto state = ckpt::ShardedTag::Open(env, tag, hints.Hints());
     // Memory: what is resident now (the source's index), then blocks: one
     // read, one widened (float32), and what HDF5 and the writer buffer.
-    const uint64_t base = tools::CurrentRss(), min_block = 1 << 20;
+    const uint64_t base = ckpt::CurrentRss(), min_block = 1 << 20;
     if (memory_budget < base + 4 * min_block)
       throw ckpt::Error("--memory_budget " + ckpt::HumanBytes(memory_budget) + " is too small: the process already holds " +
                         ckpt::HumanBytes(base) + "; give at least " + ckpt::HumanBytes(base + 4 * min_block));
@@ -114,11 +114,11 @@ int main(int argc, char** argv) {
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (json)
         std::cout << nlohmann::ordered_json{{"source", tag}, {"output", out}, {"architecture", s.architecture}, {"tensors", s.tensors},
-                                            {"tensor_bytes", s.bytes}, {"shards", s.shards}, {"seconds", secs}, {"peak_rss", tools::PeakRss()}}
+                                            {"tensor_bytes", s.bytes}, {"shards", s.shards}, {"seconds", secs}, {"peak_rss", ckpt::PeakRss()}}
                          .dump(1)
                   << std::endl;
       log("exported " + std::to_string(s.tensors) + " tensors (" + ckpt::HumanBytes(s.bytes) + ") of " + tag + " as " + s.architecture + " to " +
-          out + " (" + std::to_string(s.shards) + " shard(s), .bin and .safetensors); peak memory " + ckpt::HumanBytes(tools::PeakRss()));
+          out + " (" + std::to_string(s.shards) + " shard(s), .bin and .safetensors); peak memory " + ckpt::HumanBytes(ckpt::PeakRss()));
       return 0;
     }
     tools::ExportOptions o;
@@ -149,12 +149,12 @@ int main(int argc, char** argv) {
     const uint64_t size = env->FileSize(out);
     if (json)
       std::cout << nlohmann::ordered_json{{"source", tag},       {"output", out},  {"tensors", s.tensors}, {"tensor_bytes", s.bytes},
-                                          {"file_bytes", size},  {"seconds", secs}, {"peak_rss", tools::PeakRss()}}
+                                          {"file_bytes", size},  {"seconds", secs}, {"peak_rss", ckpt::PeakRss()}}
                        .dump(1)
                 << std::endl;
     log("exported " + std::to_string(s.tensors) + " logical tensors (" + ckpt::HumanBytes(s.bytes) + ") of " + tag + " to " + out + " (" +
         ckpt::HumanBytes(size) + ") in " + std::to_string(secs).substr(0, std::to_string(secs).find('.') + 3) + " s; peak memory " +
-        ckpt::HumanBytes(tools::PeakRss()));
+        ckpt::HumanBytes(ckpt::PeakRss()));
     return 0;
   } catch (const ckpt::Error& e) {
     if (!partial.empty() && env->Exists(partial)) env->RemoveAll(partial);

@@ -26,7 +26,7 @@
 #include "tools/h5_state.h"
 #include "tools/hf_state.h"
 #include "tools/layout_cli.h"
-#include "tools/reshard.h"
+#include "ckpt/reshard.h"
 
 namespace {
 
@@ -39,29 +39,29 @@ nlohmann::ordered_json GridJson(const ckpt::RankGrid& g, const std::vector<int64
 
 namespace tools {
 
-ReshardSummary RunImport(const ReshardArgs& args, bool hf, int64_t divisible, ckpt::Env* env, const LogFn& log) {
+ckpt::ReshardSummary RunImport(const ckpt::ReshardArgs& args, bool hf, int64_t divisible, ckpt::Env* env, const ckpt::LogFn& log) {
   const auto t0 = std::chrono::steady_clock::now();
-  ReshardArgs a = args;
+  ckpt::ReshardArgs a = args;
   a.tool = "import";
-  ReshardSummary sum;
+  ckpt::ReshardSummary sum;
   sum.src_tag = ckpt::WithoutTrailingSeparators(a.src);
   if (hf) {
     const auto src = HfState::Open(env, sum.src_tag, divisible);
     for (const auto& name : env->ListDir(sum.src_tag))
       if (!env->IsDirectory(sum.src_tag + "/" + name)) sum.bytes_read += env->FileSize(sum.src_tag + "/" + name);
-    return WriteInLayout(*src, "", a, env, log, t0, std::move(sum));
+    return ckpt::WriteInLayout(*src, "", a, env, log, t0, std::move(sum));
   }
   if (!env->Exists(a.src) || env->IsDirectory(a.src)) throw ckpt::Error(a.src + ": no such file (IN is a ckpt-export .h5 file)");
   const auto src = H5State::Open(a.src);
   sum.bytes_read = env->FileSize(a.src);
-  return WriteInLayout(*src, src->tag_name(), a, env, log, t0, std::move(sum));
+  return ckpt::WriteInLayout(*src, src->tag_name(), a, env, log, t0, std::move(sum));
 }
 
 int LayoutMain(int argc, char** argv, LayoutSource source) {
   const bool h5 = source == LayoutSource::kExport;
   CLI::App app{h5 ? "Write a ckpt-export HDF5 file as a checkpoint tag in any tensor, pipeline and data parallel layout"
                   : "Re-lay a checkpoint for other tensor, pipeline and data parallel degrees, optimizer state included"};
-  tools::ReshardArgs a;
+  ckpt::ReshardArgs a;
   int dp = 0;
   bool zero1 = false, no_zero1 = false, json = false, no_verify = false;
   std::string budget = "512M", cuts;
@@ -115,8 +115,8 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
       at = comma + 1;
     }
     tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(a.threads));
-    const tools::ReshardSummary s =
-        h5 ? RunImport(a, format == "hf", divisible, ckpt::Env::Default(), log) : tools::RunReshard(a, ckpt::Env::Default(), log);
+    const ckpt::ReshardSummary s =
+        h5 ? RunImport(a, format == "hf", divisible, ckpt::Env::Default(), log) : ckpt::RunReshard(a, ckpt::Env::Default(), log);
     const double rate = static_cast<double>(s.bytes_written) / std::max(s.seconds, 1e-9);
     if (json && a.launch.rank == 0) {
       nlohmann::ordered_json j = {{"source", s.src_tag},

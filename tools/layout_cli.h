@@ -2,7 +2,7 @@
 #pragma once
 
 #include "ckpt/env.h"
-#include "tools/reshard.h"
+#include "ckpt/reshard.h"
 
 namespace tools {
 
@@ -11,7 +11,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source);
 
 // ckpt-import: opens a ckpt-export file (or with `hf` a Hugging Face folder,
 // its vocab padded to a multiple of `divisible` times tp) and writes it as
-// WriteInLayout does.
-ReshardSummary RunImport(const ReshardArgs& a, bool hf, int64_t divisible, ckpt::Env* env, const LogFn& log);
+// ckpt::WriteInLayout does.
+ckpt::ReshardSummary RunImport(const ckpt::ReshardArgs& a, bool hf, int64_t divisible, ckpt::Env* env, const ckpt::LogFn& log);
 
 }  // namespace tools

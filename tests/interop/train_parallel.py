@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -238,6 +239,16 @@ class DataParallel(TempDirTest):
     def test_llama_tp2_pp2_matches_one_process(self):
         self.check_tensor_parallel(CONF, "tiny_llama", ["distributed_strategy.zero1=False", *DROPOUT], 2, 1, 1e-3, pp=2)
 
+    def test_recompute_under_tp2_pp2_matches_one_process(self):
+        # Full recompute reruns each layer's forward, collectives included, inside backward.
+        for granularity in ("full", "selective"):
+            with self.subTest(granularity):
+                extra = [f"+model.activations_checkpoint_granularity={granularity}", "distributed_strategy.zero1=False", *DROPOUT]
+                self.check_tensor_parallel(CONF, "tiny_llama", extra, 2, 1, 1e-3, pp=2,
+                                           many_extra=["+distributed_strategy.sequence_parallel=True"])
+                shutil.rmtree(os.path.join(self.dir, "one"))
+                shutil.rmtree(os.path.join(self.dir, "many"))
+
     def test_llama_tp2_pp2_dp2_zero1_matches_one_process(self):
         # 8 ranks on this machine's 2 cores: oversubscribed, one compute thread each.
         self.check_tensor_parallel(CONF, "tiny_llama", ["distributed_strategy.zero1=True", *DROPOUT], 2, 2, 1e-3, pp=2)
@@ -261,7 +272,7 @@ class DataParallel(TempDirTest):
         cut = [*extra, "+model.pipeline_cuts=[2]"]
         refused = self.train("b", 2, [*cut, f"exp_manager.resume_from_checkpoint={self.tag('a', 10)}"], check=False, pp=2)
         self.assertNotEqual(refused.returncode, 0)
-        self.assertIn("holds layers 0..0, but this run's stage 0 runs layers 0..1 (other pipeline cuts)", refused.stderr)
+        self.assertIn("its pipeline stages hold layers 0..0, 1..2, but this run's hold 0..1, 2..2 (other pipeline cuts)", refused.stderr)
         self.assertIn("--pipeline_cuts 2", refused.stderr)
         new_tag = self.reshard_as_told(refused.stderr)
         r = self.train("b", 2, [*cut, f"exp_manager.resume_from_checkpoint={new_tag}"], pp=2)
@@ -319,6 +330,23 @@ class DataParallel(TempDirTest):
 
     def test_a_zero1_tag_from_one_process_resumes_at_dp2_through_ckpt_reshard(self):
         self.check_resume_across_layouts(1, 2, ["distributed_strategy.zero1=True"])
+
+    def test_resume_reshard_reshards_with_every_rank_and_continues_the_run(self):
+        # exp_manager.resume_reshard (shardkit's own): one process's ZeRO-1 tag, resumed at tp1 pp2 dp2 by 4 ranks.
+        extra = ["model.num_layers=3", "distributed_strategy.zero1=True", *DROPOUT]
+        self.train("straight", 1, extra)
+        self.train("a", 1, extra, steps=10)
+        r = self.train("a", 4, [*extra, "+exp_manager.resume_reshard=True"], pp=2)
+        new_tag = os.path.join(self.dir, "a", "checkpoints-tp1pp2dp2", os.path.basename(self.tag("a", 10)))
+        self.assertIn(f"written at tp 1, pp 1, dp 1 (ZeRO-1), but this run is tp 1, pp 2, dp 2 (ZeRO-1); resharding it into {new_tag}",
+                      r.stderr)
+        self.assertIn("resumed from " + new_tag, r.stderr)
+        self.assertEqual(len(os.listdir(os.path.join(new_tag, "optim"))), 4)
+        subprocess.run([VERIFY, new_tag], check=True, capture_output=True)
+        self.assert_same_losses("straight", "a", range(11, STEPS + 1))
+        # The source is untouched and still the one process's.
+        v = subprocess.run([VERIFY, self.tag("a", 10), "--against", self.tag("straight", 10)], capture_output=True, text=True)
+        self.assertEqual(v.returncode, 0, v.stdout)
 
     def test_a_plain_tag_resumes_at_any_dp(self):
         # Without ZeRO-1 the files do not depend on dp: nothing to reshard.

@@ -1,4 +1,4 @@
-#include "tools/reshard.h"
+#include "ckpt/reshard.h"
 
 #include <sys/resource.h>
 #include <unistd.h>
@@ -26,7 +26,7 @@
 #include "ckpt/tag_verify.h"
 #include "ckpt/tag_writer.h"
 
-namespace tools {
+namespace ckpt {
 namespace {
 
 using ckpt::Error;
@@ -409,4 +409,4 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   return sum;
 }
 
-}  // namespace tools
+}  // namespace ckpt

@@ -24,9 +24,10 @@
 #include <vector>
 
 #include "ckpt/env.h"
+#include "ckpt/resume.h"
 #include "ckpt/sharded_tag.h"
 
-namespace tools {
+namespace ckpt {
 
 struct ReshardArgs {
   std::string src;             // a tag, or a checkpoint folder (its newest complete tag)
@@ -59,8 +60,6 @@ struct ReshardSummary {
   std::vector<std::string> notes;
 };
 
-using LogFn = std::function<void(const std::string&)>;
-
 // Throws ckpt::Error naming the file, key or degree for bad input.
 ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log);
 
@@ -81,4 +80,4 @@ uint64_t PeakRss();
 // Resident memory of this process now, in bytes.
 uint64_t CurrentRss();
 
-}  // namespace tools
+}  // namespace ckpt
