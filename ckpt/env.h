@@ -19,6 +19,8 @@ class WritableFile {
  public:
   virtual ~WritableFile() = default;
   virtual void Append(std::span<const uint8_t> data) = 0;
+  // Hands what is buffered to the OS (visible to readers, not yet durable).
+  virtual void Flush() = 0;
   // Flushes buffers and makes the contents durable (fsync).
   virtual void Sync() = 0;
   virtual void Close() = 0;
@@ -65,6 +67,9 @@ class Env {
 
   // Creates or truncates `path`.
   virtual std::unique_ptr<WritableFile> NewWritableFile(const std::string& path) = 0;
+  // Opens `path` (creating it) to append after what it holds; Size() counts
+  // the bytes already there.
+  virtual std::unique_ptr<WritableFile> NewAppendableFile(const std::string& path) = 0;
   virtual std::shared_ptr<const MappedFile> MapFile(const std::string& path) = 0;
   // Atomically replaces `to` with `from`.
   virtual void RenameFile(const std::string& from, const std::string& to) = 0;

@@ -32,7 +32,10 @@ namespace fs = std::filesystem;
 // save. File systems without O_DIRECT (tmpfs) fall back to buffered writes.
 class PosixWritableFile final : public WritableFile {
  public:
-  PosixWritableFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) { buf_.reserve(kBuf); }
+  // `offset`: where appending starts (the size of the file kept, or 0).
+  PosixWritableFile(std::string path, int fd, uint64_t offset = 0) : path_(std::move(path)), fd_(fd), offset_(offset) {
+    buf_.reserve(kBuf);
+  }
   ~PosixWritableFile() override {
     if (dfd_ >= 0) ::close(dfd_);
     if (fd_ >= 0) ::close(fd_);
@@ -85,7 +88,7 @@ class PosixWritableFile final : public WritableFile {
   static constexpr size_t kPage = 4096;
   static constexpr size_t kDirectMin = 1 << 20;
 
-  void Flush() {
+  void Flush() override {
     if (buf_.empty()) return;
     WriteBuffered(buf_);
     buf_.clear();
@@ -198,6 +201,18 @@ class PosixEnv final : public Env {
     int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) ThrowErrno(path, "cannot create");
     return std::make_unique<PosixWritableFile>(path, fd);
+  }
+
+  std::unique_ptr<WritableFile> NewAppendableFile(const std::string& path) override {
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) ThrowErrno(path, "cannot open for appending");
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      int e = errno;
+      ::close(fd);
+      ThrowErrno(path, "cannot stat", e);
+    }
+    return std::make_unique<PosixWritableFile>(path, fd, static_cast<uint64_t>(st.st_size));
   }
 
   std::shared_ptr<const MappedFile> MapFile(const std::string& path) override {

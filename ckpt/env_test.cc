@@ -36,6 +36,20 @@ TEST(Env, AtomicWriteReplacesWholeFile) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Env, AppendableFileKeepsWhatTheFileHeld) {
+  const std::string dir = TempDir(), path = dir + "/metrics.jsonl";
+  auto* env = Env::Default();
+  for (const std::string line : {"{\"step\": 1}\n", "{\"step\": 2}\n"}) {
+    auto f = env->NewAppendableFile(path);
+    const uint64_t before = f->Size();
+    f->Append({reinterpret_cast<const uint8_t*>(line.data()), line.size()});
+    EXPECT_EQ(f->Size(), before + line.size());
+    f->Close();
+  }
+  EXPECT_EQ(ReadAll(path), "{\"step\": 1}\n{\"step\": 2}\n");
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Env, FailedAtomicWriteKeepsOldFileAndRemovesTemp) {
   const std::string dir = TempDir(), path = dir + "/f.bin";
   auto* env = Env::Default();

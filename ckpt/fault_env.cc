@@ -35,6 +35,7 @@ class FaultFile final : public WritableFile {
     base_->Append(d);
     env_->written_ += d.size();
   }
+  void Flush() override { base_->Flush(); }
   void Sync() override {
     base_->Sync();
     env_->Sync(path_, FaultEnv::Event::kSyncFile);
@@ -55,6 +56,11 @@ class FaultFile final : public WritableFile {
 std::unique_ptr<WritableFile> FaultEnv::NewWritableFile(const std::string& path) {
   Op();
   return std::make_unique<FaultFile>(this, path, base_->NewWritableFile(path));
+}
+
+std::unique_ptr<WritableFile> FaultEnv::NewAppendableFile(const std::string& path) {
+  Op();
+  return std::make_unique<FaultFile>(this, path, base_->NewAppendableFile(path));
 }
 
 void FaultEnv::RenameFile(const std::string& from, const std::string& to) {

@@ -45,6 +45,7 @@ class FaultEnv : public Env {
   int64_t mutating_ops() const { return ops_; }
 
   std::unique_ptr<WritableFile> NewWritableFile(const std::string& path) override;
+  std::unique_ptr<WritableFile> NewAppendableFile(const std::string& path) override;
   std::shared_ptr<const MappedFile> MapFile(const std::string& path) override { return base_->MapFile(path); }
   void RenameFile(const std::string& from, const std::string& to) override;
   void SyncDir(const std::string& dir) override;

@@ -20,6 +20,7 @@ namespace ckpt::testing {
 class StringFile : public WritableFile {
  public:
   void Append(std::span<const uint8_t> d) override { s.append(reinterpret_cast<const char*>(d.data()), d.size()); }
+  void Flush() override {}
   void Sync() override {}
   void Close() override {}
   uint64_t Size() const override { return s.size(); }

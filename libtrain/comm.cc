@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <mutex>
@@ -28,6 +29,27 @@ void Check(int rc, const char* what) {
     throw ckpt::Error(std::string("MPI ") + what + " failed: " + std::string(msg, len));
   }
 }
+
+CommStats& MutableStats() {
+  static CommStats stats;
+  return stats;
+}
+
+// Times a collective of `floats` input floats into the stats.
+class Timed {
+ public:
+  explicit Timed(uint64_t floats, bool recv = false) : recv_(recv), t0_(std::chrono::steady_clock::now()) {
+    if (!recv) MutableStats().collective_floats += floats;
+  }
+  ~Timed() {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    (recv_ ? MutableStats().recv_wait_seconds : MutableStats().collective_seconds) += s;
+  }
+
+ private:
+  bool recv_;
+  std::chrono::steady_clock::time_point t0_;
+};
 
 void FinalizeMpi() {
   int finalized = 0;
@@ -56,6 +78,8 @@ Comm::~Comm() {
     if (!finalized) MPI_Comm_free(&c);
   }
 }
+
+const CommStats& Comm::Stats() { return MutableStats(); }
 
 bool Comm::UsingMpi() { return ckpt::ReadMpiLaunch().world_size > 1; }
 
@@ -100,18 +124,21 @@ std::unique_ptr<Comm> Comm::Group(const std::vector<int>& ranks) {
 
 void Comm::AllReduceSum(float* x, size_t n) {
   if (size_ == 1) return;
+  Timed timed(n);
   for (size_t i = 0; i < n; i += kMaxCount)
     Check(MPI_Allreduce(MPI_IN_PLACE, x + i, static_cast<int>(std::min(kMaxCount, n - i)), MPI_FLOAT, MPI_SUM, Handle(comm_)), "allreduce");
 }
 
 void Comm::AllReduceSum(double* x, size_t n) {
   if (size_ == 1) return;
+  Timed timed(2 * n);  // in floats' worth
   for (size_t i = 0; i < n; i += kMaxCount)
     Check(MPI_Allreduce(MPI_IN_PLACE, x + i, static_cast<int>(std::min(kMaxCount, n - i)), MPI_DOUBLE, MPI_SUM, Handle(comm_)), "allreduce");
 }
 
 void Comm::AllReduceMax(float* x, size_t n) {
   if (size_ == 1) return;
+  Timed timed(n);
   for (size_t i = 0; i < n; i += kMaxCount)
     Check(MPI_Allreduce(MPI_IN_PLACE, x + i, static_cast<int>(std::min(kMaxCount, n - i)), MPI_FLOAT, MPI_MAX, Handle(comm_)), "allreduce");
 }
@@ -122,6 +149,7 @@ void Comm::ReduceScatterSum(const float* in, float* out, size_t block) {
     return;
   }
   if (block > kMaxCount) throw ckpt::Error("reduce-scatter block of " + std::to_string(block) + " floats is larger than MPI's count");
+  Timed timed(block * size_);
   Check(MPI_Reduce_scatter_block(in, out, static_cast<int>(block), MPI_FLOAT, MPI_SUM, Handle(comm_)), "reduce_scatter");
 }
 
@@ -131,12 +159,14 @@ void Comm::AllGather(const float* in, float* out, size_t block) {
     return;
   }
   if (block > kMaxCount) throw ckpt::Error("all-gather block of " + std::to_string(block) + " floats is larger than MPI's count");
+  Timed timed(block);
   Check(MPI_Allgather(in, static_cast<int>(block), MPI_FLOAT, out, static_cast<int>(block), MPI_FLOAT, Handle(comm_)), "allgather");
 }
 
 void Comm::Send(const float* x, size_t n, int peer, int tag) {
   if (!comm_) throw ckpt::Error("internal: point-to-point send on a one-rank communicator");
   if (n > kMaxCount) throw ckpt::Error("a message of " + std::to_string(n) + " floats is larger than MPI's count");
+  MutableStats().sent_floats += n;
   auto s = std::make_unique<PendingSend>();
   s->data.assign(x, x + n);
   Check(MPI_Isend(s->data.data(), static_cast<int>(n), MPI_FLOAT, peer, tag, Handle(comm_), &s->request), "isend");
@@ -153,7 +183,10 @@ void Comm::Recv(float* x, size_t n, int peer, int tag) {
   if (!comm_) throw ckpt::Error("internal: point-to-point receive on a one-rank communicator");
   if (n > kMaxCount) throw ckpt::Error("a message of " + std::to_string(n) + " floats is larger than MPI's count");
   MPI_Status st;
-  Check(MPI_Recv(x, static_cast<int>(n), MPI_FLOAT, peer, tag, Handle(comm_), &st), "recv");
+  {
+    Timed timed(0, /*recv=*/true);
+    Check(MPI_Recv(x, static_cast<int>(n), MPI_FLOAT, peer, tag, Handle(comm_), &st), "recv");
+  }
   int got = 0;
   MPI_Get_count(&st, MPI_FLOAT, &got);
   if (static_cast<size_t>(got) != n)

@@ -17,8 +17,20 @@
 
 namespace train {
 
+// What this process's communicators have done, for the step-time split and
+// the traffic count: seconds inside collectives, seconds blocked in Recv
+// (waiting for a pipeline neighbour and the transfer), and the floats handed
+// over: a collective's input (all-reduce n, reduce-scatter size*block,
+// all-gather block) and each sent message.
+struct CommStats {
+  double collective_seconds = 0, recv_wait_seconds = 0;
+  uint64_t collective_floats = 0, sent_floats = 0;
+};
+
 class Comm {
  public:
+  // This process's totals so far (only calls between ranks count).
+  static const CommStats& Stats();
   // Initializes MPI when ckpt::ReadMpiLaunch() says mpirun started more than
   // one process (once per process, finalized at exit), and returns the world
   // communicator; a one-rank communicator otherwise.

@@ -84,8 +84,8 @@ std::string ReshardAdvice(const std::string& tag, const TrainConfig& c) {
 // Why `tag` cannot be resumed by this run as it is cut ("" when it can): its
 // degrees, or its pipeline stages' layers. A tag without optimizer files
 // (weights only) needs only tp and the stages to match.
-std::string LayoutMismatch(const std::string& tag, const TrainConfig& c) {
-  const auto t = ckpt::ShardedTag::Open(ckpt::Env::Default(), tag, HintsOf(c));
+std::string LayoutMismatch(ckpt::Env* env, const std::string& tag, const TrainConfig& c) {
+  const auto t = ckpt::ShardedTag::Open(env, tag, HintsOf(c));
   const ckpt::TagLayout& L = t->layout();
   const ckpt::RankGrid &was = L.grid, &run = c.grid;
   // Optimizer files must be cut as this run cuts them: in dp ZeRO-1 shards, or whole (plain, or
@@ -107,7 +107,7 @@ std::string LayoutMismatch(const std::string& tag, const TrainConfig& c) {
 
 }  // namespace
 
-TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& say) {
+TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& say, ckpt::Env* env) {
   TrainResult result;
   const ParallelComms pc = MakeParallelComms(c.grid, c.source);
   const bool rank0 = pc.world->rank() == 0;
@@ -121,7 +121,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   std::vector<double> weights;
   for (const auto& [w, prefix] : c.data_prefix) {
     if (c.data_impl == "hdf5") datasets.push_back(std::make_shared<Hdf5Dataset>(prefix));
-    else datasets.push_back(std::make_shared<IndexedDataset>(prefix));
+    else datasets.push_back(std::make_shared<IndexedDataset>(prefix, env));
     weights.push_back(w);
   }
   SampleSource data(datasets, weights, c.seq_length, c.seed);
@@ -146,7 +146,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
 
   // Resume.
   const std::string run_dir = c.RunDir(), ckpt_dir = c.CheckpointDir();
-  if (rank0) ckpt::Env::Default()->CreateDirs(run_dir);
+  if (rank0) env->CreateDirs(run_dir);
   int64_t step = 0, consumed = 0;
   // Rank 0 chooses the tag and every rank takes its choice. Every byte of the tag is checked
   // against its manifest before it is loaded; a damaged tag is skipped for the next one that
@@ -154,7 +154,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   std::vector<ckpt::DamagedTag> damaged;
   std::string chosen;
   if (rank0) {
-    const auto t = ckpt::ResolveResume(ckpt::Env::Default(), ckpt_dir,
+    const auto t = ckpt::ResolveResume(env, ckpt_dir,
                                        {.resume_if_exists = c.resume_if_exists,
                                         .resume_ignore_no_checkpoint = c.resume_ignore_no_checkpoint,
                                         .resume_from_checkpoint = c.resume_from_checkpoint,
@@ -168,12 +168,11 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   if (tag) {
     // A tag cut for other degrees is refused, or with resume_reshard resharded for this run by every
     // rank together (each writes its share of the files, rank 0 commits) and resumed from.
-    if (const std::string why = LayoutMismatch(*tag, c); !why.empty()) {
+    if (const std::string why = LayoutMismatch(env, *tag, c); !why.empty()) {
       if (!c.resume_reshard) throw ckpt::Error(*tag + ": " + why + ". " + ReshardAdvice(*tag, c));
       ckpt::ReshardArgs a = ReshardFor(*tag, c);
-      ckpt::Env* env = ckpt::Env::Default();
       if (env->Exists(a.dst)) {  // resharded by an earlier start; anything else there is not ours to replace
-        if (!env->Exists(a.dst + "/" + ckpt::kDoneMarker) || !LayoutMismatch(a.dst, c).empty())
+        if (!env->Exists(a.dst + "/" + ckpt::kDoneMarker) || !LayoutMismatch(env, a.dst, c).empty())
           throw ckpt::Error(*tag + ": " + why + ", and " + a.dst + ", where resume_reshard would write this run's copy, already holds "
                             "something else; move it away");
         log("resume: " + *tag + ": " + why + "; resuming from " + a.dst + ", resharded for it by an earlier start");
@@ -193,19 +192,18 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     try {
       const std::string model_file = "model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp});
       const std::string optim_file = OptimFile(c.grid, pc.coord);
-      model.LoadStateDict(ckpt::LoadPt(*tag + "/" + model_file));
+      model.LoadStateDict(ckpt::LoadPt(*tag + "/" + model_file, {}, env));
       adamw.ResetMasterWeights(model);
-      ckpt::Env* env = ckpt::Env::Default();
       if (!env->IsDirectory(*tag + "/optim"))  // weights only, e.g. converted from NNM's HF import
         log("info: " + *tag + " holds no optimizer state; the optimizer starts fresh");
       else if (!env->Exists(*tag + "/" + optim_file))
         throw ckpt::Error(optim_file + " is missing (this rank's optimizer state)");
-      else if (!adamw.LoadStateDict(ckpt::LoadPt(*tag + "/" + optim_file)) && c.optim.master_weights)
+      else if (!adamw.LoadStateDict(ckpt::LoadPt(*tag + "/" + optim_file, {}, env)) && c.optim.master_weights)
         log("info: the checkpoint holds no master weights (use_master_weights_in_ckpt was off); they restart from its "
             "bfloat16 parameters, as in NxDT");
       if (env->Exists(*tag + "/" + ckpt::kUserContentFile)) {
         const std::string path = *tag + "/" + ckpt::kUserContentFile;
-        const ckpt::UserContent uc = ckpt::UserContent::FromValue(ckpt::LoadPt(path), path);
+        const ckpt::UserContent uc = ckpt::UserContent::FromValue(ckpt::LoadPt(path, {}, env), path);
         step = uc.global_step;
         consumed = static_cast<int64_t>(uc.consumed_samples);
       } else {
@@ -226,15 +224,25 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     std::string job_id = rank0 ? "train-" + std::to_string(::getpid()) + "-" + std::to_string(std::random_device()()) : "";
     pc.world->Broadcast(&job_id, 0);
     store = std::make_unique<ckpt::CheckpointStore>(
-        ckpt::StoreOptions{.dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .log = log,
+        ckpt::StoreOptions{.dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .env = env, .log = log,
                            .damaged = DamagedNames(damaged), .model = model.config().format(c.grid.tp)},
         ckpt::MpiLaunch{.rank = pc.world->rank(), .world_size = pc.world->size(), .job_id = job_id});
     // Snapshot buffers, faulted in before the first step.
     if (pc.coord.dp == 0) pool->Reserve(model.StateDict(), model.checkpoint_dtype());
     if (pc.coord.dp == 0 || c.grid.zero1) pool->Reserve(adamw.StateDict(0));
   }
+  // This rank's totals: step time, its communication, and time blocked saving (for timing.json).
+  struct {
+    double step = 0, collective = 0, recv_wait = 0, save = 0, collective_floats = 0, sent_floats = 0, steps = 0;
+  } timing;
   auto save = [&](int64_t global_step, double lr) {
     if (!store) return;
+    const auto save_start = Clock::now();
+    struct Timer {
+      double* total;
+      Clock::time_point start;
+      ~Timer() { *total += std::chrono::duration<double>(Clock::now() - start).count(); }
+    } timer{&timing.save, save_start};
     ckpt::SchedulerState sched;
     sched.last_epoch = global_step;
     sched.carried = {{"base_lrs", ckpt::Value::List({ckpt::Value(c.optim.lr)})},
@@ -258,8 +266,9 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     store->Save(std::move(snap));
   };
 
-  std::ofstream metrics;
-  if (rank0) metrics.open(run_dir + "/metrics.jsonl", std::ios::app);
+  // Appended to across resumes; each line handed to the OS as it is written, so a killed run keeps its steps.
+  std::unique_ptr<ckpt::WritableFile> metrics;
+  if (rank0) metrics = env->NewAppendableFile(run_dir + "/metrics.jsonl");
   const bool tty = rank0 && ::isatty(2);
   // Micro-batches per step over the job, and this rank's share: as Megatron's sampler deals them,
   // global micro-batch g = m * dp + dp_rank holds samples consumed + g * B .. + B - 1.
@@ -282,6 +291,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   int64_t last_saved = tag ? step : -1;
   while (step < c.max_steps) {
     const auto t0 = Clock::now();
+    const CommStats comm0 = Comm::Stats();
     model.ZeroGrad();
     // The last stage's losses, summed over the stages (the others add 0) and the data-parallel ranks.
     double loss = RunPipelineStep(model, my_micro, B, T, load) / static_cast<double>(micro);
@@ -296,11 +306,23 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     ++step;
     result.losses.push_back(loss);
     const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    const CommStats& comm1 = Comm::Stats();
+    const double collective = comm1.collective_seconds - comm0.collective_seconds, wait = comm1.recv_wait_seconds - comm0.recv_wait_seconds;
+    const double floats = static_cast<double>(comm1.collective_floats - comm0.collective_floats);
+    const double sent = static_cast<double>(comm1.sent_floats - comm0.sent_floats);
+    timing.step += secs, timing.collective += collective, timing.recv_wait += wait, ++timing.steps;
+    timing.collective_floats += floats, timing.sent_floats += sent;
     const double tps = static_cast<double>(c.global_batch_size * T) / secs;
     nlohmann::ordered_json j = {{"step", step}, {"loss", loss}, {"lr", lr}, {"consumed_samples", consumed}, {"tokens_per_s", tps}};
+    if (pc.world->size() > 1)  // rank 0's share of the step: in collectives, and blocked on the next pipeline stage
+      j["comm_seconds"] = collective, j["recv_wait_seconds"] = wait, j["comm_bytes"] = 4 * (floats + sent);
     if (c.log_gradient_norm) j["grad_norm"] = grad_norm;
     if (c.log_parameter_norm) j["param_norm"] = ParamNorm(model);
-    if (rank0) metrics << j.dump() << "\n" << std::flush;
+    if (metrics) {
+      const std::string line = j.dump() + "\n";
+      metrics->Append({reinterpret_cast<const uint8_t*>(line.data()), line.size()});
+      metrics->Flush();
+    }
     if (step % c.log_every_n_steps == 0 || step == c.max_steps) {
       char line[256];
       std::snprintf(line, sizeof line, "step %lld/%lld loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f",
@@ -312,8 +334,31 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   }
   if (tty) std::fprintf(stderr, "\n");
   if (last_saved != step) save(step, lr);
-  if (store) store->Finalize();
+  if (store) {
+    const auto f0 = Clock::now();
+    store->Finalize();
+    timing.save += std::chrono::duration<double>(Clock::now() - f0).count();
+  }
   result.end_step = step;
+  // Every rank's totals, to rank 0: <run>/timing.json (benchmarks/train_parallel.py reads it).
+  constexpr int kFields = 7;
+  std::vector<double> all(kFields * pc.world->size(), 0.0);
+  const double mine[kFields] = {timing.steps, timing.step, timing.collective, timing.recv_wait, timing.save, timing.collective_floats, timing.sent_floats};
+  std::copy(mine, mine + kFields, all.begin() + kFields * pc.world->rank());
+  pc.world->AllReduceSum(all.data(), all.size());
+  if (rank0) {
+    nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+    for (int r = 0; r < pc.world->size(); ++r) {
+      const double* t = &all[kFields * r];
+      const ckpt::RankCoord at = c.grid.CoordOf(r);
+      ranks.push_back({{"rank", r}, {"dp", at.dp}, {"tp", at.tp}, {"pp", at.pp}, {"steps", t[0]}, {"step_seconds", t[1]},
+                       {"collective_seconds", t[2]}, {"recv_wait_seconds", t[3]}, {"save_seconds", t[4]},
+                       {"collective_bytes", 4 * t[5]}, {"sent_bytes", 4 * t[6]}});
+    }
+    const std::string text = nlohmann::ordered_json{{"grid", c.grid.ToString()}, {"ranks", ranks}}.dump(2) + "\n";
+    ckpt::WriteFileAtomically(env, run_dir + "/timing.json",
+                              [&](ckpt::WritableFile& f) { f.Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()}); });
+  }
   return result;
 }
 

@@ -10,6 +10,7 @@
 #include <functional>
 #include <string>
 
+#include "ckpt/env.h"
 #include "libtrain/train_config.h"
 
 namespace train {
@@ -20,6 +21,10 @@ struct TrainResult {
   std::string resumed_from;
 };
 
-TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& log);
+// Every file the run reads or writes (checkpoints, resume, metrics, timing,
+// the indexed dataset) goes through `env`, so tests can inject faults; the
+// HDF5 dataset reader is the exception (the HDF5 library opens its file).
+TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& log,
+                        ckpt::Env* env = ckpt::Env::Default());
 
 }  // namespace train
