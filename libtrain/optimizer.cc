@@ -37,6 +37,9 @@ AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp) : c_(c), dp_(dp) {
     m_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, state_shape));
     v_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, state_shape));
     if (Sharded()) grad_shard_.emplace_back(static_cast<size_t>(s.shard_rows * s.row_elems));
+    // Where the parameter lies in a communication bucket (its chunk, with ZeRO-1).
+    if (offset_.empty()) offset_.push_back(0);
+    offset_.push_back(offset_.back() + static_cast<size_t>((Sharded() ? s.shard_rows : s.rows) * s.row_elems));
     slot_.push_back(std::move(s));
   }
   ResetMasterWeights(m);
@@ -92,27 +95,40 @@ double SumSquares(Model& m, bool grads) {
 }  // namespace
 
 double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
-  double sum_squares = 0;
-  std::vector<float> padded;
-  for (size_t i = 0; i < order_.size(); ++i) {
-    ckpt::Tensor& gt = m.grad(order_[i]);
-    float* g = reinterpret_cast<float*>(gt.mutable_data());
-    const int64_t n = gt.numel();
-    const bool counts = m.CountsInNorm(order_[i]);  // a tensor-parallel replica counts once
-    if (!Sharded()) {
-      if (dp_) dp_->AllReduceSum(g, static_cast<size_t>(n));
-      if (scale != 1.0) Scale(g, n, scale);
-      if (counts) sum_squares += SumSquares(g, n);
-      continue;
+  // One collective for all parameters (a bucket): the gradients side by side, or with ZeRO-1
+  // rank r's chunk of every parameter in segment r (at offset_[i]), so rank r receives the sums
+  // of its own chunks.
+  const size_t segment = offset_.empty() ? 0 : offset_.back();
+  if (dp_ && dp_size_ > 1) {
+    bucket_.assign(Sharded() ? segment * dp_size_ : segment, 0.0f);
+    for (size_t i = 0; i < order_.size(); ++i) {
+      const Slot& s = slot_[i];
+      const float* g = reinterpret_cast<const float*>(m.grad(order_[i]).data());
+      if (!Sharded()) {
+        std::copy_n(g, s.rows * s.row_elems, bucket_.data() + offset_[i]);
+        continue;
+      }
+      for (int r = 0; r < dp_size_; ++r) {
+        const int64_t lo = std::min(s.rows, r * s.shard_rows), hi = std::min(s.rows, lo + s.shard_rows);
+        std::copy(g + lo * s.row_elems, g + hi * s.row_elems, bucket_.data() + r * segment + offset_[i]);
+      }
     }
-    // Padded on dim 0 to dp chunks of shard_rows; rank r receives the sum of chunk r.
+    if (Sharded()) {
+      std::vector<float> mine(segment);
+      dp_->ReduceScatterSum(bucket_.data(), mine.data(), segment);
+      bucket_ = std::move(mine);
+    } else {
+      dp_->AllReduceSum(bucket_.data(), segment);
+    }
+  }
+  double sum_squares = 0;
+  for (size_t i = 0; i < order_.size(); ++i) {
     const Slot& s = slot_[i];
-    const size_t block = static_cast<size_t>(s.shard_rows * s.row_elems);
-    padded.assign(block * dp_size_, 0.0f);
-    std::copy(g, g + n, padded.begin());
-    dp_->ReduceScatterSum(padded.data(), grad_shard_[i].data(), block);
-    if (scale != 1.0) Scale(grad_shard_[i].data(), static_cast<int64_t>(block), scale);
-    if (counts) sum_squares += SumSquares(grad_shard_[i].data(), static_cast<int64_t>(block));
+    float* g = Sharded() ? grad_shard_[i].data() : reinterpret_cast<float*>(m.grad(order_[i]).mutable_data());
+    const int64_t n = Sharded() ? s.shard_rows * s.row_elems : s.rows * s.row_elems;
+    if (dp_ && dp_size_ > 1) std::copy_n(bucket_.data() + offset_[i], n, g);
+    if (scale != 1.0) Scale(g, n, scale);
+    if (m.CountsInNorm(order_[i])) sum_squares += SumSquares(g, n);  // a tensor-parallel replica counts once
   }
   if (Sharded()) dp_->AllReduceSum(&sum_squares, 1);
   m.SumOverModel(&sum_squares, 1);
@@ -132,7 +148,6 @@ void AdamW::Step(Model& m, double lr) {
   const double bc2 = 1 - std::pow(c_.beta2, static_cast<double>(step_));
   const float step_size = static_cast<float>(lr / bc1), bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   const float b1 = static_cast<float>(c_.beta1), b2 = static_cast<float>(c_.beta2), eps = static_cast<float>(c_.eps);
-  std::vector<float> mine, all;
   for (size_t i = 0; i < order_.size(); ++i) {
     const Slot& s = slot_[i];
     // This rank's rows of the parameter (all of them unless sharded).
@@ -154,15 +169,24 @@ void AdamW::Step(Model& m, double lr) {
         if (w != param) param[j] = ckpt::RoundToBFloat16(w[j]);
       }
     });
-    if (!Sharded()) continue;
-    // Every rank's updated rows back into the whole parameter.
-    const size_t block = static_cast<size_t>(s.shard_rows * s.row_elems);
-    mine.assign(block, 0.0f);
-    std::copy(param, param + n, mine.begin());
-    all.resize(block * dp_size_);
-    dp_->AllGather(mine.data(), all.data(), block);
+  }
+  if (!Sharded()) return;
+  // Every rank's updated rows back into the whole parameters: one all-gather of the segments.
+  const size_t segment = offset_.back();
+  std::vector<float> mine(segment, 0.0f), all(segment * dp_size_);
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const Slot& s = slot_[i];
+    const float* own = reinterpret_cast<const float*>(m.param(order_[i]).data()) + s.lo * s.row_elems;
+    std::copy_n(own, s.real * s.row_elems, mine.data() + offset_[i]);
+  }
+  dp_->AllGather(mine.data(), all.data(), segment);
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const Slot& s = slot_[i];
     float* whole = reinterpret_cast<float*>(m.param(order_[i]).mutable_data());
-    std::copy(all.begin(), all.begin() + s.rows * s.row_elems, whole);
+    for (int r = 0; r < dp_size_; ++r) {
+      const int64_t lo = std::min(s.rows, r * s.shard_rows), hi = std::min(s.rows, lo + s.shard_rows);
+      std::copy_n(all.data() + r * segment + offset_[i], (hi - lo) * s.row_elems, whole + lo * s.row_elems);
+    }
   }
 }
 
