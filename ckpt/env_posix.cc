@@ -195,6 +195,17 @@ class BufferFile final : public MappedFile {
   std::string name_, buf_;
 };
 
+// fstat of an open descriptor; on failure closes it and throws naming `path`.
+struct stat StatOrClose(int fd, const std::string& path) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int e = errno;
+    ::close(fd);
+    ThrowErrno(path, "cannot stat", e);
+  }
+  return st;
+}
+
 class PosixEnv final : public Env {
  public:
   std::unique_ptr<WritableFile> NewWritableFile(const std::string& path) override {
@@ -206,24 +217,14 @@ class PosixEnv final : public Env {
   std::unique_ptr<WritableFile> NewAppendableFile(const std::string& path) override {
     int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) ThrowErrno(path, "cannot open for appending");
-    struct stat st;
-    if (::fstat(fd, &st) != 0) {
-      int e = errno;
-      ::close(fd);
-      ThrowErrno(path, "cannot stat", e);
-    }
+    const struct stat st = StatOrClose(fd, path);
     return std::make_unique<PosixWritableFile>(path, fd, static_cast<uint64_t>(st.st_size));
   }
 
   std::shared_ptr<const MappedFile> MapFile(const std::string& path) override {
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) ThrowErrno(path, "cannot open");
-    struct stat st;
-    if (::fstat(fd, &st) != 0) {
-      int e = errno;
-      ::close(fd);
-      ThrowErrno(path, "cannot stat", e);
-    }
+    const struct stat st = StatOrClose(fd, path);
     if (S_ISDIR(st.st_mode)) {
       ::close(fd);
       throw Error(path + ": is a directory, not a file");

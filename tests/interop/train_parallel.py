@@ -21,14 +21,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import unittest
 
 import torch
 
 from canon import BIN, TOKENIZE, TRAIN, TempDirTest, run
 from megatron_partition import merge_tag
-from train_resume import CONF, GPT_CONF, TEXT, losses
+from train_resume import CONF, GPT_CONF, TEXT, losses, start_until
 
 RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
 VERIFY = os.path.join(BIN, "tools", "ckpt-verify")
@@ -284,13 +283,8 @@ class DataParallel(TempDirTest):
         steps = 100
         self.train("straight", 2, extra, steps=steps)
         killed = os.path.join(self.dir, "killed")
-        p = subprocess.Popen(self.command(killed, 2, extra, steps=steps), cwd=self.dir, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-        deadline = time.time() + 120
-        while not glob.glob(os.path.join(killed, "checkpoints", "*step=40-*", "done")):
-            self.assertIsNone(p.poll(), "the run finished before a rank could be killed")
-            self.assertLess(time.time(), deadline)
-            time.sleep(0.002)
+        p = start_until(self, self.command(killed, 2, extra, steps=steps), self.dir,
+                        os.path.join(killed, "checkpoints", "*step=40-*", "done"), 120)
         ranks = subprocess.run(["pgrep", "-P", str(p.pid), "-f", "shardkit-train"], capture_output=True, text=True).stdout.split()
         self.assertEqual(len(ranks), 2)
         os.kill(int(ranks[-1]), signal.SIGKILL)

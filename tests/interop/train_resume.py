@@ -41,6 +41,18 @@ def losses(log_dir):
     return out
 
 
+def start_until(test, cmd, cwd, marker, timeout):
+    """Starts `cmd` and returns its Popen once a file matching the glob `marker` exists (the
+    test fails if the run ends first, or after `timeout` seconds)."""
+    p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while not glob.glob(marker):
+        test.assertIsNone(p.poll(), "the run finished before it could be killed")
+        test.assertLess(time.time(), deadline)
+        time.sleep(0.002)
+    return p
+
+
 class TrainAndResume(TempDirTest):
     def setUp(self):
         super().setUp()
@@ -62,13 +74,7 @@ class TrainAndResume(TempDirTest):
         returns both runs' losses by step and the rerun's stderr."""
         self.train("straight", async_save, extra, conf)
         killed = os.path.join(self.dir, "killed")
-        p = subprocess.Popen(args(killed, async_save, extra, conf), cwd=self.dir, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while not glob.glob(os.path.join(killed, "checkpoints", "*step=40*", "done")):
-            self.assertIsNone(p.poll(), "the run finished before it could be killed")
-            self.assertLess(time.time(), deadline)
-            time.sleep(0.002)
+        p = start_until(self, args(killed, async_save, extra, conf), self.dir, os.path.join(killed, "checkpoints", "*step=40*", "done"), 60)
         p.send_signal(signal.SIGKILL)
         p.wait()
         r = self.train("killed", async_save, extra, conf)
