@@ -458,19 +458,28 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
 void Model::LayerForward(int l, LayerCache& lc, float* out) {
   const int64_t N = B_ * T_, R = Rows(), H = c_.hidden, F = F_, Hl = nh_ * c_.head_dim();
   // The norms run on this rank's rows; the column-parallel layers see every row.
-  std::vector<float> ln(R * H);
-  NormForward(LayerName(l, "input_layernorm"), lc.x.data(), ln.data(), lc.mean1, lc.rstd1);
-  if (SequenceParallel()) GatherRows(ln.data(), lc.ln1);
-  else lc.ln1 = ln;
+  std::vector<float> ln;
+  if (SequenceParallel()) {
+    ln.resize(R * H);
+    NormForward(LayerName(l, "input_layernorm"), lc.x.data(), ln.data(), lc.mean1, lc.rstd1);
+    GatherRows(ln.data(), lc.ln1);
+  } else {
+    lc.ln1.resize(N * H);
+    NormForward(LayerName(l, "input_layernorm"), lc.x.data(), lc.ln1.data(), lc.mean1, lc.rstd1);
+  }
   AttentionForward(l, lc);
   std::vector<float> attn_out(R * H);
   RowParallelLinear(LayerName(l, "self_attention.dense"), lc.y.data(), attn_out.data(), Hl, H);
   HiddenDropout(attn_out.data(), DropoutSite(l, 1));
   lc.x2.resize(R * H);
   for (int64_t i = 0; i < R * H; ++i) lc.x2[i] = lc.x[i] + attn_out[i];
-  NormForward(LayerName(l, "post_attention_layernorm"), lc.x2.data(), ln.data(), lc.mean2, lc.rstd2);
-  if (SequenceParallel()) GatherRows(ln.data(), lc.ln2);
-  else lc.ln2 = std::move(ln);
+  if (SequenceParallel()) {
+    NormForward(LayerName(l, "post_attention_layernorm"), lc.x2.data(), ln.data(), lc.mean2, lc.rstd2);
+    GatherRows(ln.data(), lc.ln2);
+  } else {
+    lc.ln2.resize(N * H);
+    NormForward(LayerName(l, "post_attention_layernorm"), lc.x2.data(), lc.ln2.data(), lc.mean2, lc.rstd2);
+  }
   const int64_t fc_width = c_.gelu ? F : 2 * F;
   lc.fc.resize(N * fc_width), lc.act.resize(N * F);
   Linear(LayerName(l, "mlp.dense_h_to_4h"), lc.ln2.data(), lc.fc.data(), H, fc_width);
@@ -515,14 +524,24 @@ float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, i
 
 void Model::Backward() { BackwardStage(last_, nullptr, nullptr); }
 
+std::unique_ptr<Model::Activations> Model::TakeActivations() {
+  if (spare_.empty()) return std::make_unique<Activations>();
+  auto a = std::move(spare_.back());
+  spare_.pop_back();
+  return a;
+}
+
+void Model::ReturnActivations(std::unique_ptr<Activations> a) { spare_.push_back(std::move(a)); }
+
 float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* targets, const float* x_in, int64_t B, int64_t T,
                           uint64_t dropout_key, std::vector<float>* x_out) {
   B_ = B, T_ = T, dropout_key_ = dropout_key;
   if (SequenceParallel() && T % tp_.size)
     throw ckpt::Error("sequence parallelism splits the " + std::to_string(T) + " positions of a sequence over " +
                       std::to_string(tp_.size) + " tensor-parallel ranks: they must divide evenly");
-  a = Activations{};
+  // Buffers of an earlier micro-batch are reused (assigned and resized, not reallocated).
   a.B = B, a.T = T, a.dropout_key = dropout_key;
+  a.tokens.clear(), a.targets.clear();
   const int64_t N = B * T, R = Rows(), H = c_.hidden, V = c_.vocab;
   auto check_ids = [&](const int32_t* ids) {
     for (int64_t n = 0; n < N; ++n)
@@ -585,7 +604,7 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
 void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float>* dx_in) {
   B_ = a.B, T_ = a.T, dropout_key_ = a.dropout_key;
   const int64_t N = B_ * T_, R = Rows(), H = c_.hidden, F = F_, V = V_, Hl = nh_ * c_.head_dim();
-  std::vector<float> dx(R * H), dln(N * H), dln_here(R * H), whole;
+  std::vector<float> dx(R * H), dln(N * H), dln_here(SequenceParallel() ? R * H : 0), whole;
   // The column-parallel layers' input gradients, over all rows, summed over the ranks into this rank's rows.
   auto reduce_dln = [&]() -> float* {
     float* here = SequenceParallel() ? dln_here.data() : dln.data();
@@ -634,7 +653,7 @@ void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float
     AttentionBackward(l, lc, dy.data(), dln.data());
     NormBackward(LayerName(l, "input_layernorm"), reduce_dln(), lc.x.data(), lc.mean1, lc.rstd1, dpart.data());
     for (int64_t i = 0; i < R * H; ++i) dx[i] += dpart[i];  // the gradient at the layer input
-    lc = LayerCache{};  // done with it: free as we go
+    Drop(lc);
   }
   if (pp_.first()) {
     HiddenDropout(dx.data(), DropoutSite(-1, 0));

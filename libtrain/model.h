@@ -39,6 +39,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -162,6 +163,10 @@ class Model {
   // others from `dx_out` (the next stage's gradient at x_out); all but the
   // first write the gradient at x_in to `dx_in`. Frees a's activations.
   void BackwardStage(Activations& a, const float* dx_out, std::vector<float>* dx_in);
+  // Activations objects for a schedule to keep micro-batches in flight: a
+  // returned one is handed out again, its buffers reused.
+  std::unique_ptr<Activations> TakeActivations();
+  void ReturnActivations(std::unique_ptr<Activations> a);
   // One stage: Forward returns the mean cross-entropy, Backward accumulates
   // its gradients (the activations in between are kept here).
   float Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, uint64_t dropout_key = 0);
@@ -273,6 +278,7 @@ class Model {
   int64_t B_ = 0, T_ = 0;
   uint64_t dropout_key_ = 0;
   Activations last_;  // Forward's, for Backward
+  std::vector<std::unique_ptr<Activations>> spare_;
 };
 
 }  // namespace train

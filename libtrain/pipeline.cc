@@ -24,7 +24,7 @@ double RunPipelineStep(Model& model, int64_t count, int64_t B, int64_t T, const 
   auto forward = [&] {
     load(next++, &mb);
     if (!pp.first()) in.resize(n), comm->Recv(in.data(), n, pp.stage - 1, kActivationTag);
-    auto a = std::make_unique<Model::Activations>();
+    auto a = model.TakeActivations();
     loss += model.ForwardStage(*a, mb.tokens.data(), mb.targets.data(), in.data(), B, T, mb.dropout_key, &out);
     if (!pp.last()) comm->Send(out.data(), n, pp.stage + 1, kActivationTag);
     in_flight.push_back(std::move(a));
@@ -33,6 +33,7 @@ double RunPipelineStep(Model& model, int64_t count, int64_t B, int64_t T, const 
     if (!pp.last()) in.resize(n), comm->Recv(in.data(), n, pp.stage + 1, kGradientTag);
     model.BackwardStage(*in_flight.front(), in.data(), &out);
     if (!pp.first()) comm->Send(out.data(), n, pp.stage - 1, kGradientTag);
+    model.ReturnActivations(std::move(in_flight.front()));
     in_flight.pop_front();
   };
   for (int64_t i = 0; i < warmup; ++i) forward();
