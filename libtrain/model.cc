@@ -66,10 +66,18 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
     layout_.push_back(*sp.rule);
     layout_.back().name = sp.name;
   }
-  for (const auto& p : layout_) {
-    const auto shape = ckpt::LocalShape(p, format_, tp.size, tp.rank);
-    params_.emplace(p.name, ckpt::Tensor::Zeros(ckpt::DType::kFloat32, shape));
-    grads_.emplace(p.name, ckpt::Tensor::Zeros(ckpt::DType::kFloat32, shape));
+  // Every parameter (and its gradient) is a view into one flat buffer, in module order.
+  int64_t total = 0;
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& p : layout_) shapes.push_back(ckpt::LocalShape(p, format_, tp.size, tp.rank)), total += ckpt::ShapeNumel(shapes.back());
+  const size_t bytes = static_cast<size_t>(total) * sizeof(float);
+  flat_params_ = ckpt::Storage::Allocate(bytes), flat_grads_ = ckpt::Storage::Allocate(bytes);
+  int64_t at = 0;
+  for (size_t i = 0; i < layout_.size(); ++i) {
+    const auto strides = ckpt::Tensor::ContiguousStrides(shapes[i]);
+    params_.emplace(layout_[i].name, ckpt::Tensor(ckpt::DType::kFloat32, shapes[i], strides, at, flat_params_));
+    grads_.emplace(layout_[i].name, ckpt::Tensor(ckpt::DType::kFloat32, shapes[i], strides, at, flat_grads_));
+    at += ckpt::ShapeNumel(shapes[i]);
   }
   const int64_t rot = c_.rotary_dim();
   for (int64_t i = 0; i < rot / 2; ++i)
@@ -133,9 +141,7 @@ void Model::InitWeights() {
 
 ckpt::DType Model::checkpoint_dtype() const { return c_.bf16_params ? ckpt::DType::kBFloat16 : ckpt::DType::kFloat32; }
 
-void Model::ZeroGrad() {
-  for (auto& [n, g] : grads_) std::memset(g.mutable_data(), 0, g.nbytes());
-}
+void Model::ZeroGrad() { std::memset(flat_grads_->mutable_data(), 0, flat_grads_->nbytes()); }
 
 void Model::ReduceReplicaGrads() {
   auto sum = [](Comm* comm, ckpt::Tensor& g) { comm->AllReduceSum(reinterpret_cast<float*>(g.mutable_data()), static_cast<size_t>(g.numel())); };

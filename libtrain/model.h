@@ -194,6 +194,12 @@ class Model {
   ckpt::Tensor& param(const std::string& name);
   const ckpt::Tensor& param(const std::string& name) const;
   ckpt::Tensor& grad(const std::string& name);
+  // This rank's parameters and gradients, each one contiguous buffer in
+  // layout() order (params and grads view them): what the optimizer and the
+  // data-parallel collectives walk.
+  float* flat_params() { return reinterpret_cast<float*>(flat_params_->mutable_data()); }
+  float* flat_grads() { return reinterpret_cast<float*>(flat_grads_->mutable_data()); }
+  size_t flat_size() const { return flat_params_->nbytes() / sizeof(float); }
   // This stage's parameters in module order, under the names of its
   // checkpoint file, with their logical shapes (tp 1); param() and grad() hold
   // this rank's slices of them.
@@ -272,6 +278,8 @@ class Model {
   ckpt::ModelFormat format_;
   std::vector<ckpt::ParamRule> logical_;  // every parameter of the model
   std::vector<ckpt::ParamRule> layout_;   // this stage's
+  // Flat buffers of this rank's parameters and gradients (module order); params_ and grads_ view them.
+  std::shared_ptr<ckpt::Storage> flat_params_, flat_grads_;
   std::map<std::string, ckpt::Tensor> params_, grads_;
   std::vector<float> inv_freq_;
   // The micro-batch being run (set by ForwardStage and BackwardStage).

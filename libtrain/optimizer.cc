@@ -37,9 +37,9 @@ AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp) : c_(c), dp_(dp) {
     m_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, state_shape));
     v_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, state_shape));
     if (Sharded()) grad_shard_.emplace_back(static_cast<size_t>(s.shard_rows * s.row_elems));
-    // Where the parameter lies in a communication bucket (its chunk, with ZeRO-1).
+    // Where the parameter's chunk lies in a ZeRO-1 bucket segment.
     if (offset_.empty()) offset_.push_back(0);
-    offset_.push_back(offset_.back() + static_cast<size_t>((Sharded() ? s.shard_rows : s.rows) * s.row_elems));
+    offset_.push_back(offset_.back() + static_cast<size_t>(s.shard_rows * s.row_elems));
     slot_.push_back(std::move(s));
   }
   ResetMasterWeights(m);
@@ -95,38 +95,30 @@ double SumSquares(Model& m, bool grads) {
 }  // namespace
 
 double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
-  // One collective for all parameters (a bucket): the gradients side by side, or with ZeRO-1
-  // rank r's chunk of every parameter in segment r (at offset_[i]), so rank r receives the sums
-  // of its own chunks.
+  // One collective for all parameters: the model's flat gradient buffer, or with ZeRO-1 a bucket
+  // holding rank r's chunk of every parameter in segment r (at offset_[i]), so rank r receives the
+  // sums of its own chunks.
   const size_t segment = offset_.empty() ? 0 : offset_.back();
-  if (dp_ && dp_size_ > 1) {
-    bucket_.assign(Sharded() ? segment * dp_size_ : segment, 0.0f);
+  if (dp_ && dp_size_ > 1 && !Sharded()) dp_->AllReduceSum(m.flat_grads(), m.flat_size());
+  if (Sharded()) {
+    bucket_.assign(segment * dp_size_, 0.0f);
     for (size_t i = 0; i < order_.size(); ++i) {
       const Slot& s = slot_[i];
       const float* g = reinterpret_cast<const float*>(m.grad(order_[i]).data());
-      if (!Sharded()) {
-        std::copy_n(g, s.rows * s.row_elems, bucket_.data() + offset_[i]);
-        continue;
-      }
       for (int r = 0; r < dp_size_; ++r) {
         const int64_t lo = std::min(s.rows, r * s.shard_rows), hi = std::min(s.rows, lo + s.shard_rows);
         std::copy(g + lo * s.row_elems, g + hi * s.row_elems, bucket_.data() + r * segment + offset_[i]);
       }
     }
-    if (Sharded()) {
-      std::vector<float> mine(segment);
-      dp_->ReduceScatterSum(bucket_.data(), mine.data(), segment);
-      bucket_ = std::move(mine);
-    } else {
-      dp_->AllReduceSum(bucket_.data(), segment);
-    }
+    std::vector<float> mine(segment);
+    dp_->ReduceScatterSum(bucket_.data(), mine.data(), segment);
+    for (size_t i = 0; i < order_.size(); ++i) std::copy_n(mine.data() + offset_[i], grad_shard_[i].size(), grad_shard_[i].data());
   }
   double sum_squares = 0;
   for (size_t i = 0; i < order_.size(); ++i) {
     const Slot& s = slot_[i];
     float* g = Sharded() ? grad_shard_[i].data() : reinterpret_cast<float*>(m.grad(order_[i]).mutable_data());
     const int64_t n = Sharded() ? s.shard_rows * s.row_elems : s.rows * s.row_elems;
-    if (dp_ && dp_size_ > 1) std::copy_n(bucket_.data() + offset_[i], n, g);
     if (scale != 1.0) Scale(g, n, scale);
     if (m.CountsInNorm(order_[i])) sum_squares += SumSquares(g, n);  // a tensor-parallel replica counts once
   }

@@ -93,7 +93,7 @@ class AdamW {
   std::vector<Slot> slot_;          // id -> where its state lies
   std::vector<ckpt::Tensor> m_, v_, master_;  // master_ empty without master_weights
   std::vector<std::vector<float>> grad_shard_;  // with Sharded(): this rank's reduced gradient rows
-  std::vector<size_t> offset_;   // id -> offset in a bucket (its chunk with Sharded()); last: the bucket's size
+  std::vector<size_t> offset_;   // id -> offset of its ZeRO-1 chunk in a bucket segment; last: the segment's size
   std::vector<float> bucket_;
   int64_t step_ = 0;
 };
