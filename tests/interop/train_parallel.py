@@ -342,6 +342,21 @@ class DataParallel(TempDirTest):
         v = subprocess.run([VERIFY, self.tag("a", 10), "--against", self.tag("straight", 10)], capture_output=True, text=True)
         self.assertEqual(v.returncode, 0, v.stdout)
 
+    def test_a_tp2_tag_resumes_at_pp2_through_ckpt_reshard(self):
+        # #12's proof with a sharded trainer: trained at layout A (tp 2), resharded to B (pp 2), resumed at B,
+        # continuing one process's losses. A vocabulary of 320 pads to the same rows at tp 1 and tp 2.
+        extra = ["+model.vocab_size=320", "model.num_layers=3", "distributed_strategy.zero1=True", *DROPOUT]
+        self.train("straight", 1, extra)
+        self.train("a", 2, extra, steps=10, tp=2)
+        refused = self.train("b", 2, [*extra, f"exp_manager.resume_from_checkpoint={self.tag('a', 10)}"], check=False, pp=2)
+        self.assertIn("written at tp 2, pp 1, dp 1 (ZeRO-1), but this run is tp 1, pp 2, dp 1 (ZeRO-1)", refused.stderr)
+        new_tag = self.reshard_as_told(refused.stderr)
+        self.assertEqual(sorted(os.listdir(os.path.join(new_tag, "model"))),
+                         ["dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_00_tp_rank_00_pp_rank_01.pt"])
+        r = self.train("b", 2, [*extra, f"exp_manager.resume_from_checkpoint={new_tag}"], pp=2)
+        self.assertIn("resumed from " + new_tag, r.stderr)
+        self.assert_same_losses("straight", "b", range(11, STEPS + 1))
+
     def test_a_plain_tag_resumes_at_any_dp(self):
         # Without ZeRO-1 the files do not depend on dp: nothing to reshard.
         extra = ["distributed_strategy.zero1=False"]
