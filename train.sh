@@ -19,4 +19,4 @@ opts=()
 [ "$(id -u)" -eq 0 ] && opts+=(--allow-run-as-root)
 [ "$world" -gt "$(nproc)" ] && opts+=(--oversubscribe)
 # shellcheck disable=SC2086
-exec mpirun "${opts[@]}" ${MPIRUN_ARGS:-} -np "$world" "$train" "$conf" "$@"
+exec mpirun ${opts[@]+"${opts[@]}"} ${MPIRUN_ARGS:-} -np "$world" "$train" "$conf" "$@"

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdlib>
+#include <exception>
 #include <mutex>
 
 #include "ckpt/error.h"
@@ -67,6 +68,9 @@ struct Comm::PendingSend {
 Comm::Comm(void* mpi_comm, int rank, int size) : comm_(mpi_comm), rank_(rank), size_(size) {}
 
 Comm::~Comm() {
+  // Unwinding from an error: the job is about to be aborted, and waiting on a peer (for a send,
+  // or in the collective MPI_Comm_free) could block before main gets to abort it.
+  if (std::uncaught_exceptions() > 0) return;
   try {
     WaitSends();
   } catch (const ckpt::Error&) {  // the job is ending anyway

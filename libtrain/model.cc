@@ -63,6 +63,7 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
     throw ckpt::Error("internal: the tied embedding's communicator does not match the pipeline");
   first_layer_ = static_cast<int>(pp_.bounds[pp_.stage]), end_layer_ = static_cast<int>(pp_.bounds[pp_.stage + 1]);
   for (const ckpt::StageParam& sp : ckpt::StageParameters(logical_, pp_.bounds, pp_.stage)) {
+    index_[sp.name] = layout_.size();
     layout_.push_back(*sp.rule);
     layout_.back().name = sp.name;
   }
@@ -168,8 +169,9 @@ const char* Model::OutputWeight() const {
 }
 
 bool Model::CountsInNorm(const std::string& name) const {
-  const auto p = std::find_if(layout_.begin(), layout_.end(), [&](const ckpt::ParamRule& r) { return r.name == name; });
-  if (p == layout_.end()) throw ckpt::Error("model has no parameter '" + name + "'");
+  const auto at = index_.find(name);
+  if (at == index_.end()) throw ckpt::Error("model has no parameter '" + name + "'");
+  const ckpt::ParamRule* p = &layout_[at->second];
   if (name == ckpt::kTiedOutputCopy) return false;
   if (p->split == ckpt::SplitDim::kReplicated || (p->split == ckpt::SplitDim::kColumns && name.ends_with(".bias")))
     return tp_.rank == 0;

@@ -13,7 +13,7 @@
 // fused layout, stage, optimizer group) come from ckpt/partition.h, the one
 // copy the checkpoint tools read too.
 //
-// Tensor parallelism (Megatron's, without sequence parallelism): a model built
+// Tensor parallelism (Megatron's; sequence parallelism below): a model built
 // for tp rank r of tp holds that rank's slice of every parameter as the
 // partition rules cut it (ckpt::LocalShape/LocalRuns): whole heads of
 // query_key_value (or query, and key_value groups, replicated over tp /
@@ -161,7 +161,7 @@ class Model {
                      uint64_t dropout_key, std::vector<float>* x_out);
   // Accumulates gradients of a's loss: the last stage from the loss, the
   // others from `dx_out` (the next stage's gradient at x_out); all but the
-  // first write the gradient at x_in to `dx_in`. Frees a's activations.
+  // first write the gradient at x_in to `dx_in`. Frees what recompute drops.
   void BackwardStage(Activations& a, const float* dx_out, std::vector<float>* dx_in);
   // Activations objects for a schedule to keep micro-batches in flight: a
   // returned one is handed out again, its buffers reused.
@@ -278,6 +278,7 @@ class Model {
   ckpt::ModelFormat format_;
   std::vector<ckpt::ParamRule> logical_;  // every parameter of the model
   std::vector<ckpt::ParamRule> layout_;   // this stage's
+  std::map<std::string, size_t> index_;   // name -> position in layout_
   // Flat buffers of this rank's parameters and gradients (module order); params_ and grads_ view them.
   std::shared_ptr<ckpt::Storage> flat_params_, flat_grads_;
   std::map<std::string, ckpt::Tensor> params_, grads_;

@@ -9,6 +9,7 @@
 #include <tbb/global_control.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <iostream>
 #include <thread>
 #include <string>
@@ -46,7 +47,9 @@ int main(int argc, char** argv) {
     // Oversubscribed (more ranks than cores, as in tests on 2 cores): one compute thread per rank.
     const ckpt::MpiLaunch launch = ckpt::ReadMpiLaunch();
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    const size_t threads = launch.world_size >= static_cast<int>(cores) ? 1 : cores / launch.world_size;
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");  // ranks on this node
+    const int here = local && std::atoi(local) > 0 ? std::atoi(local) : launch.world_size;
+    const size_t threads = here >= static_cast<int>(cores) ? 1 : cores / here;
     tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
     if (launch.rank == 0) log("run directory " + c.RunDir());
     const train::TrainResult r = train::RunTraining(c, log);

@@ -167,26 +167,41 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   std::optional<std::string> tag = chosen.empty() ? std::nullopt : std::optional(chosen);
   if (tag) {
     // A tag cut for other degrees is refused, or with resume_reshard resharded for this run by every
-    // rank together (each writes its share of the files, rank 0 commits) and resumed from.
-    if (const std::string why = LayoutMismatch(env, *tag, c); !why.empty()) {
-      if (!c.resume_reshard) throw ckpt::Error(*tag + ": " + why + ". " + ReshardAdvice(*tag, c));
-      ckpt::ReshardArgs a = ReshardFor(*tag, c);
-      if (env->Exists(a.dst)) {  // resharded by an earlier start; anything else there is not ours to replace
-        if (!env->Exists(a.dst + "/" + ckpt::kDoneMarker) || !LayoutMismatch(env, a.dst, c).empty())
-          throw ckpt::Error(*tag + ": " + why + ", and " + a.dst + ", where resume_reshard would write this run's copy, already holds "
-                            "something else; move it away");
-        log("resume: " + *tag + ": " + why + "; resuming from " + a.dst + ", resharded for it by an earlier start");
-      } else {
-        log("resume: " + *tag + ": " + why + "; resharding it into " + a.dst);
-        std::string job_id = rank0 ? "resume-reshard-" + std::to_string(::getpid()) + "-" + std::to_string(std::random_device()()) : "";
-        pc.world->Broadcast(&job_id, 0);
-        a.launch = {pc.world->rank(), pc.world->size(), job_id};
-        a.progress_bar = false;
-        ckpt::RunReshard(a, env, log);
-        pc.world->Barrier();  // rank 0 has committed it
+    // rank together (each writes its share of the files, rank 0 commits) and resumed from. Rank 0
+    // decides what to do and every rank follows, so all take the same collectives.
+    const ckpt::ReshardArgs plan = ReshardFor(*tag, c);
+    std::string action;  // "" (resume as it is), "reuse", "reshard", or "!" and the error
+    if (rank0) {
+      try {
+        if (const std::string why = LayoutMismatch(env, *tag, c); !why.empty()) {
+          if (!c.resume_reshard) {
+            action = "!" + *tag + ": " + why + ". " + ReshardAdvice(*tag, c);
+          } else if (env->Exists(plan.dst)) {  // resharded by an earlier start; anything else there is not ours to replace
+            const bool ours = env->Exists(plan.dst + "/" + ckpt::kDoneMarker) && LayoutMismatch(env, plan.dst, c).empty();
+            action = ours ? "reuse" : "!" + *tag + ": " + why + ", and " + plan.dst + ", where resume_reshard would write this run's "
+                                                                                      "copy, already holds something else; move it away";
+            if (ours) log("resume: " + *tag + ": " + why + "; resuming from " + plan.dst + ", resharded for it by an earlier start");
+          } else {
+            action = "reshard";
+            log("resume: " + *tag + ": " + why + "; resharding it into " + plan.dst);
+          }
+        }
+      } catch (const ckpt::Error& e) {
+        action = "!" + std::string(e.what());
       }
-      tag = a.dst;
     }
+    pc.world->Broadcast(&action, 0);
+    if (!action.empty() && action[0] == '!') throw ckpt::Error(action.substr(1));
+    if (action == "reshard") {
+      ckpt::ReshardArgs a = plan;
+      std::string job_id = rank0 ? "resume-reshard-" + std::to_string(::getpid()) + "-" + std::to_string(std::random_device()()) : "";
+      pc.world->Broadcast(&job_id, 0);
+      a.launch = {pc.world->rank(), pc.world->size(), job_id};
+      a.progress_bar = false;
+      ckpt::RunReshard(a, env, log);
+      pc.world->Barrier();  // rank 0 has committed it
+    }
+    if (!action.empty()) tag = plan.dst;
   }
   if (tag) {
     try {
