@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on built-in defaults: install and build; tokenize a text file
 # every Debian ships; train conf/tiny_llama.yaml, SIGKILL it after its first
-# checkpoint, restart it and watch it resume by itself to the end; inspect and
+# checkpoint, restart it and watch it resume by itself to the end; train it again
+# on 2 ranks at tensor-parallel degree 2 (train.sh starts mpirun); inspect and
 # verify the checkpoints; migrate NNM's example Llama config to NxDT's schema.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,6 +22,11 @@ kill -9 $pid 2>/dev/null && echo "main: killed the run (SIGKILL)" || true
 wait $pid 2>/dev/null || true
 echo "main: restarting; it resumes from the newest complete checkpoint"
 "$bin/libtrain/shardkit-train" "$root/conf/tiny_llama.yaml"
+
+echo "main: training again on 2 ranks, tensor_model_parallel_size 2 (train.sh starts mpirun)"
+CONF="$root/conf/tiny_llama.yaml" bash "$root/train.sh" exp_manager.explicit_log_dir=runs/tp2 trainer.devices=2 \
+  distributed_strategy.tensor_model_parallel_size=2 trainer.max_steps=20
+"$bin/tools/ckpt-verify" runs/tp2/checkpoints
 
 ckpts=runs/tiny_llama/version_0/checkpoints
 "$bin/tools/ckpt-inspect" "$(ls -d $ckpts/*.ckpt | sort -V | tail -1)"
