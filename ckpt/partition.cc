@@ -160,11 +160,16 @@ std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat& f, int tp, int
     return {{0, rank * half, half}, {half, extent / 2 + rank * half, half}};
   }
   if (p.fused == FusedRows::kPerGroupKv && f.kv_heads < tp) {
-    const int64_t group = extent / f.kv_heads, sharing = tp / f.kv_heads;
-    return {{0, rank / sharing * group, group}};
+    const int64_t group = extent / f.kv_heads;
+    return {{0, KvReplicasOf(f.kv_heads, tp, rank).group * group, group}};
   }
   const int64_t n = extent / tp;
   return {{0, rank * n, n}};
+}
+
+KvReplicas KvReplicasOf(int64_t kv_heads, int tp, int rank) {
+  const int sharing = tp / static_cast<int>(kv_heads);
+  return {rank / sharing, rank / sharing * sharing, sharing};
 }
 
 std::vector<int64_t> LocalShape(const ParamRule& p, const ModelFormat& f, int tp, int rank) {

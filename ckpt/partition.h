@@ -90,6 +90,14 @@ std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat& f, int tp, int
 // The local shape of tp rank `rank`'s slice.
 std::vector<int64_t> LocalShape(const ParamRule& p, const ModelFormat& f, int tp, int rank);
 
+// With fewer KV groups than tp ranks (kv_heads < tp), the KV group tp rank
+// `rank` holds, and the tp ranks [first, first + count) holding it with it.
+struct KvReplicas {
+  int64_t group;
+  int first, count;
+};
+KvReplicas KvReplicasOf(int64_t kv_heads, int tp, int rank);
+
 // Pipeline stages: the first layer of each stage and, last, the layer count.
 // No cuts: NxD's even split with the remainder on the last stages (10 layers
 // on 3 stages: 3, 3, 4). Cuts: the first layer of stages 1..pp-1, ascending.

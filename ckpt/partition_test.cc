@@ -135,6 +135,11 @@ TEST(Partition, FewerKvGroupsThanRanksAreReplicatedOverConsecutiveRanks) {
     EXPECT_EQ(idx.front(), (r / 4) * group) << "rank " << r;
     // The query heads of rank r are r (one per rank) and belong to group r / (heads / kv_heads).
     EXPECT_EQ(idx.front() / group, r / (f.heads / f.kv_heads));
+    // The ranks that hold the same group with it: 0-3 or 4-7.
+    const KvReplicas kvr = KvReplicasOf(f.kv_heads, 8, r);
+    EXPECT_EQ(kvr.group, r / 4);
+    EXPECT_EQ(kvr.first, r / 4 * 4);
+    EXPECT_EQ(kvr.count, 4);
   }
   EXPECT_EQ(f.CheckTensorParallel(8), "");
   EXPECT_EQ(f.CheckTensorParallel(2), "");

@@ -53,7 +53,7 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
   const int64_t n = tp.size, r = tp.rank;
   nh_ = c.heads / n, h0_ = r * nh_;
   if (c.kv_heads >= n) G_ = c.kv_heads / n, g0_ = r * G_;
-  else G_ = 1, g0_ = r / (n / c.kv_heads);  // the group of this rank's heads, replicated (ckpt::LocalRuns)
+  else G_ = 1, g0_ = ckpt::KvReplicasOf(c.kv_heads, tp.size, tp.rank).group;  // the group of this rank's heads, replicated
   F_ = c.ffn / n, f0_ = r * F_;
   V_ = c.vocab / n, v0_ = r * V_;
   if (pp_.bounds.empty()) pp_.bounds = ckpt::StageBounds(c.layers, pp_.size);
@@ -175,7 +175,8 @@ bool Model::CountsInNorm(const std::string& name) const {
   if (name == ckpt::kTiedOutputCopy) return false;
   if (p->split == ckpt::SplitDim::kReplicated || (p->split == ckpt::SplitDim::kColumns && name.ends_with(".bias")))
     return tp_.rank == 0;
-  if (p->fused == ckpt::FusedRows::kPerGroupKv && c_.kv_heads < tp_.size) return tp_.rank % (tp_.size / c_.kv_heads) == 0;
+  if (p->fused == ckpt::FusedRows::kPerGroupKv && c_.kv_heads < tp_.size)
+    return tp_.rank == ckpt::KvReplicasOf(c_.kv_heads, tp_.size, tp_.rank).first;
   return true;
 }
 

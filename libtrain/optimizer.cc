@@ -30,8 +30,7 @@ AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp) : c_(c), dp_(dp) {
     s.rows = s.shape.empty() ? 1 : s.shape[0];
     s.row_elems = s.rows ? ckpt::ShapeNumel(s.shape) / s.rows : 0;
     s.shard_rows = ckpt::Zero1ShardRows(s.rows, shards);
-    s.lo = std::min(s.rows, dp_rank_ * s.shard_rows * (shards > 1));
-    s.real = std::min(s.rows - s.lo, s.shard_rows);
+    s.own = shards > 1 ? dp_rank_ : 0;
     std::vector<int64_t> state_shape = s.shape;
     if (!state_shape.empty()) state_shape[0] = s.shard_rows;
     m_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, state_shape));
@@ -50,9 +49,10 @@ void AdamW::ResetMasterWeights(const Model& m) {
   if (!c_.master_weights) return;
   for (size_t i = 0; i < order_.size(); ++i) {
     const Slot& s = slot_[i];
+    const auto [lo, hi] = s.Chunk(s.own);
     ckpt::Tensor w = ckpt::Tensor::Zeros(ckpt::DType::kFloat32, m_[i].shape());
-    const float* p = reinterpret_cast<const float*>(m.param(order_[i]).data()) + s.lo * s.row_elems;
-    std::copy(p, p + s.real * s.row_elems, reinterpret_cast<float*>(w.mutable_data()));
+    const float* p = reinterpret_cast<const float*>(m.param(order_[i]).data());
+    std::copy(p + lo * s.row_elems, p + hi * s.row_elems, reinterpret_cast<float*>(w.mutable_data()));
     master_.push_back(std::move(w));
   }
 }
@@ -94,6 +94,12 @@ double SumSquares(Model& m, bool grads) {
 }
 }  // namespace
 
+std::span<float> AdamW::Gradient(Model& m, size_t i) {
+  if (Sharded()) return grad_shard_[i];
+  ckpt::Tensor& g = m.grad(order_[i]);
+  return {reinterpret_cast<float*>(g.mutable_data()), static_cast<size_t>(g.numel())};
+}
+
 double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
   // One collective for all parameters: the model's flat gradient buffer, or with ZeRO-1 a bucket
   // holding rank r's chunk of every parameter in segment r (at offset_[i]), so rank r receives the
@@ -106,7 +112,7 @@ double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
       const Slot& s = slot_[i];
       const float* g = reinterpret_cast<const float*>(m.grad(order_[i]).data());
       for (int r = 0; r < dp_size_; ++r) {
-        const int64_t lo = std::min(s.rows, r * s.shard_rows), hi = std::min(s.rows, lo + s.shard_rows);
+        const auto [lo, hi] = s.Chunk(r);
         std::copy(g + lo * s.row_elems, g + hi * s.row_elems, bucket_.data() + r * segment + offset_[i]);
       }
     }
@@ -116,11 +122,10 @@ double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
   }
   double sum_squares = 0;
   for (size_t i = 0; i < order_.size(); ++i) {
-    const Slot& s = slot_[i];
-    float* g = Sharded() ? grad_shard_[i].data() : reinterpret_cast<float*>(m.grad(order_[i]).mutable_data());
-    const int64_t n = Sharded() ? s.shard_rows * s.row_elems : s.rows * s.row_elems;
-    if (scale != 1.0) Scale(g, n, scale);
-    if (m.CountsInNorm(order_[i])) sum_squares += SumSquares(g, n);  // a tensor-parallel replica counts once
+    const std::span<float> g = Gradient(m, i);
+    const int64_t n = static_cast<int64_t>(g.size());
+    if (scale != 1.0) Scale(g.data(), n, scale);
+    if (m.CountsInNorm(order_[i])) sum_squares += SumSquares(g.data(), n);  // a tensor-parallel replica counts once
   }
   if (Sharded()) dp_->AllReduceSum(&sum_squares, 1);
   m.SumOverModel(&sum_squares, 1);
@@ -128,8 +133,8 @@ double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
   const double coef = max_norm / (norm + 1e-6);
   if (max_norm > 0 && coef < 1)
     for (size_t i = 0; i < order_.size(); ++i) {
-      if (Sharded()) Scale(grad_shard_[i].data(), static_cast<int64_t>(grad_shard_[i].size()), coef);
-      else Scale(reinterpret_cast<float*>(m.grad(order_[i]).mutable_data()), m.grad(order_[i]).numel(), coef);
+      const std::span<float> g = Gradient(m, i);
+      Scale(g.data(), static_cast<int64_t>(g.size()), coef);
     }
   return norm;
 }
@@ -143,15 +148,16 @@ void AdamW::Step(Model& m, double lr) {
   for (size_t i = 0; i < order_.size(); ++i) {
     const Slot& s = slot_[i];
     // This rank's rows of the parameter (all of them unless sharded).
-    float* param = reinterpret_cast<float*>(m.param(order_[i]).mutable_data()) + s.lo * s.row_elems;
+    const auto [lo, hi] = s.Chunk(s.own);
+    float* param = reinterpret_cast<float*>(m.param(order_[i]).mutable_data()) + lo * s.row_elems;
     // With master weights the update runs on the float32 master copy, and
     // the parameter becomes its bfloat16 rounding.
     float* w = master_.empty() ? param : reinterpret_cast<float*>(master_[i].mutable_data());
-    const float* g = Sharded() ? grad_shard_[i].data() : reinterpret_cast<const float*>(m.grad(order_[i]).data());
+    const float* g = Gradient(m, i).data();
     float* mo = reinterpret_cast<float*>(m_[i].mutable_data());
     float* vo = reinterpret_cast<float*>(v_[i].mutable_data());
     const float decay = group_[i] == 0 ? static_cast<float>(1 - lr * c_.weight_decay) : 1.0f;
-    const int64_t n = s.real * s.row_elems;
+    const int64_t n = (hi - lo) * s.row_elems;
     tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16), [&](const tbb::blocked_range<int64_t>& r) {
       for (int64_t j = r.begin(); j < r.end(); ++j) {  // elementwise: the same result on any split
         w[j] *= decay;
@@ -168,15 +174,16 @@ void AdamW::Step(Model& m, double lr) {
   std::vector<float> mine(segment, 0.0f), all(segment * dp_size_);
   for (size_t i = 0; i < order_.size(); ++i) {
     const Slot& s = slot_[i];
-    const float* own = reinterpret_cast<const float*>(m.param(order_[i]).data()) + s.lo * s.row_elems;
-    std::copy_n(own, s.real * s.row_elems, mine.data() + offset_[i]);
+    const auto [lo, hi] = s.Chunk(s.own);
+    const float* p = reinterpret_cast<const float*>(m.param(order_[i]).data());
+    std::copy(p + lo * s.row_elems, p + hi * s.row_elems, mine.data() + offset_[i]);
   }
   dp_->AllGather(mine.data(), all.data(), segment);
   for (size_t i = 0; i < order_.size(); ++i) {
     const Slot& s = slot_[i];
     float* whole = reinterpret_cast<float*>(m.param(order_[i]).mutable_data());
     for (int r = 0; r < dp_size_; ++r) {
-      const int64_t lo = std::min(s.rows, r * s.shard_rows), hi = std::min(s.rows, lo + s.shard_rows);
+      const auto [lo, hi] = s.Chunk(r);
       std::copy_n(all.data() + r * segment + offset_[i], (hi - lo) * s.row_elems, whole + lo * s.row_elems);
     }
   }

@@ -19,7 +19,9 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ckpt/value.h"
@@ -75,14 +77,23 @@ class AdamW {
   const std::vector<std::string>& order() const { return order_; }
 
  private:
-  // Where optimizer id i's state lies in its parameter: dim-0 rows
-  // [lo, lo + real) of `rows`, each of row_elems values; the state tensors hold
-  // shard_rows rows (the padding rows stay zero).
+  // A parameter's dim-0 rows (each of row_elems values), cut into chunks of
+  // shard_rows rows (ckpt::Zero1ShardRows): chunk k is rows [lo, hi); the last chunks
+  // may hold fewer real rows, or none). The state tensors hold one chunk, its
+  // padding rows zero.
   struct Slot {
     std::vector<int64_t> shape;  // the parameter's
-    int64_t rows = 1, row_elems = 1, shard_rows = 1, lo = 0, real = 1;
+    int64_t rows = 1, row_elems = 1, shard_rows = 1;
+    int own = 0;  // the chunk this rank's state covers
+    std::pair<int64_t, int64_t> Chunk(int k) const {
+      const int64_t lo = std::min(rows, k * shard_rows);
+      return {lo, std::min(rows, lo + shard_rows)};
+    }
   };
   bool Sharded() const { return c_.zero1 && dp_size_ > 1; }
+  // This rank's gradient of optimizer id i after ReduceAndClip: its chunk's
+  // reduced rows (padded) under ZeRO-1, else the model's whole gradient.
+  std::span<float> Gradient(Model& m, size_t i);
   void CheckGroups(const ckpt::Value& param_groups) const;
 
   AdamWConfig c_;

@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <random>
 #include <nlohmann/json.hpp>
 
@@ -17,7 +16,6 @@
 #include "ckpt/sharded_tag.h"
 #include "ckpt/pt_file.h"
 #include "ckpt/training_state.h"
-#include "ckpt/tag_verify.h"
 #include "libtrain/comm.h"
 #include "libtrain/hdf5_dataset.h"
 #include "libtrain/indexed_dataset.h"
@@ -105,6 +103,13 @@ std::string LayoutMismatch(ckpt::Env* env, const std::string& tag, const TrainCo
   return "";
 }
 
+// An id every rank shares for a multi-rank save: rank 0's, broadcast.
+std::string SharedSaveId(Comm& world, const std::string& what) {
+  std::string id = world.rank() == 0 ? what + "-" + std::to_string(::getpid()) + "-" + std::to_string(std::random_device()()) : "";
+  world.Broadcast(&id, 0);
+  return id;
+}
+
 }  // namespace
 
 TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& say, ckpt::Env* env) {
@@ -129,8 +134,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   std::unique_ptr<Comm> kv_comm;
   if (c.model.kv_heads < c.grid.tp) {
     const std::vector<int> tp_group = c.grid.TpGroup(pc.world->rank());
-    const int sharing = c.grid.tp / static_cast<int>(c.model.kv_heads), first = pc.coord.tp / sharing * sharing;
-    kv_comm = pc.world->Group(std::vector<int>(tp_group.begin() + first, tp_group.begin() + first + sharing));
+    const ckpt::KvReplicas kv = ckpt::KvReplicasOf(c.model.kv_heads, c.grid.tp, pc.coord.tp);
+    kv_comm = pc.world->Group(std::vector<int>(tp_group.begin() + kv.first, tp_group.begin() + kv.first + kv.count));
   }
   // GPT's tied output: the first and last stages' copies of the embedding sum their gradients.
   std::unique_ptr<Comm> embedding_comm;
@@ -194,9 +199,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     if (!action.empty() && action[0] == '!') throw ckpt::Error(action.substr(1));
     if (action == "reshard") {
       ckpt::ReshardArgs a = plan;
-      std::string job_id = rank0 ? "resume-reshard-" + std::to_string(::getpid()) + "-" + std::to_string(std::random_device()()) : "";
-      pc.world->Broadcast(&job_id, 0);
-      a.launch = {pc.world->rank(), pc.world->size(), job_id};
+      a.launch = {pc.world->rank(), pc.world->size(), SharedSaveId(*pc.world, "resume-reshard")};
       a.progress_bar = false;
       ckpt::RunReshard(a, env, log);
       pc.world->Barrier();  // rank 0 has committed it
@@ -235,9 +238,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   std::unique_ptr<ckpt::CheckpointStore> store;
   auto pool = ckpt::SnapshotPool::Create();
   if (c.create_checkpoint_callback) {
-    // One save id for the job's saves, shared by every rank (rank 0's).
-    std::string job_id = rank0 ? "train-" + std::to_string(::getpid()) + "-" + std::to_string(std::random_device()()) : "";
-    pc.world->Broadcast(&job_id, 0);
+    const std::string job_id = SharedSaveId(*pc.world, "train");  // one id for the job's saves
     store = std::make_unique<ckpt::CheckpointStore>(
         ckpt::StoreOptions{.dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .env = env, .log = log,
                            .damaged = DamagedNames(damaged), .model = model.config().format(c.grid.tp)},
@@ -252,12 +253,11 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   } timing;
   auto save = [&](int64_t global_step, double lr) {
     if (!store) return;
-    const auto save_start = Clock::now();
     struct Timer {
       double* total;
       Clock::time_point start;
       ~Timer() { *total += std::chrono::duration<double>(Clock::now() - start).count(); }
-    } timer{&timing.save, save_start};
+    } timer{&timing.save, Clock::now()};
     ckpt::SchedulerState sched;
     sched.last_epoch = global_step;
     sched.carried = {{"base_lrs", ckpt::Value::List({ckpt::Value(c.optim.lr)})},
