@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -49,34 +50,39 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b, const Co
   const TensorFingerprints fpa = rep.recorded_a ? *a.recorded_fingerprints() : ComputeFingerprints(a, chunk);
   const TensorFingerprints fpb = rep.recorded_b ? *b.recorded_fingerprints() : ComputeFingerprints(b, chunk);
   std::vector<uint8_t> ba(chunk), bb(chunk);
-  // The first element at which the two tags' `t` differ, streamed; nullopt when none does.
-  auto first_difference = [&](const LogicalTensor& t) -> std::optional<uint64_t> {
+  // Streams `t` from both tags a chunk at a time into ba and bb; `each(at, n)` sees elements
+  // [at, at + n) and returns true to stop.
+  auto stream_both = [&](const LogicalTensor& t, const std::function<bool(uint64_t, uint64_t)>& each) {
     const size_t es = ElementSize(t.dtype), per = chunk / es;
     for (uint64_t at = 0; at < t.numel;) {
       const uint64_t n = std::min<uint64_t>(per, t.numel - at);
       Touched ta, tb;
       a.Read(t.name, t.field, at, {ba.data(), n * es}, &ta);
       b.Read(t.name, t.field, at, {bb.data(), n * es}, &tb);
-      if (std::memcmp(ba.data(), bb.data(), n * es) != 0) {
-        uint64_t i = 0;
-        while (std::memcmp(ba.data() + i * es, bb.data() + i * es, es) == 0) ++i;
-        return at + i;
-      }
+      if (each(at, n)) return;
       at += n;
     }
-    return std::nullopt;
+  };
+  // The first element at which the two tags' `t` differ; nullopt when none does.
+  auto first_difference = [&](const LogicalTensor& t) -> std::optional<uint64_t> {
+    const size_t es = ElementSize(t.dtype);
+    std::optional<uint64_t> first;
+    stream_both(t, [&](uint64_t at, uint64_t n) {
+      if (std::memcmp(ba.data(), bb.data(), n * es) == 0) return false;
+      uint64_t i = 0;
+      while (std::memcmp(ba.data() + i * es, bb.data() + i * es, es) == 0) ++i;
+      first = at + i;
+      return true;
+    });
+    return first;
   };
   // Element by element as numbers: the first element past the tolerance, nullopt when none is;
   // the largest differences go into the report.
   const bool tolerant = opts.rtol > 0 || opts.atol > 0;
   auto first_beyond_tolerance = [&](const LogicalTensor& t) -> std::optional<uint64_t> {
-    const size_t es = ElementSize(t.dtype), per = chunk / es;
+    const size_t es = ElementSize(t.dtype);
     std::optional<uint64_t> beyond;
-    for (uint64_t at = 0; at < t.numel;) {
-      const uint64_t n = std::min<uint64_t>(per, t.numel - at);
-      Touched ta, tb;
-      a.Read(t.name, t.field, at, {ba.data(), n * es}, &ta);
-      b.Read(t.name, t.field, at, {bb.data(), n * es}, &tb);
+    stream_both(t, [&](uint64_t at, uint64_t n) {
       const Tensor xa = CastTensor(Tensor::FromBytes(t.dtype, {static_cast<int64_t>(n)}, {ba.data(), n * es}), DType::kFloat64);
       const Tensor xb = CastTensor(Tensor::FromBytes(t.dtype, {static_cast<int64_t>(n)}, {bb.data(), n * es}), DType::kFloat64);
       const double* pa = reinterpret_cast<const double*>(xa.data());
@@ -88,8 +94,8 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b, const Co
         if (pb[i] != 0 && d / std::fabs(pb[i]) > rep.max_rel_diff && d > opts.atol)
           rep.max_rel_diff = d / std::fabs(pb[i]), rep.max_rel_at = t.name + " " + FieldName(t.field);
       }
-      at += n;
-    }
+      return false;  // every element, for the largest differences
+    });
     return beyond;
   };
   auto find = [](const TensorFingerprints& fp, const LogicalTensor& t) -> const TensorFingerprint* {

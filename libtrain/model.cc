@@ -173,8 +173,7 @@ bool Model::CountsInNorm(const std::string& name) const {
   if (at == index_.end()) throw ckpt::Error("model has no parameter '" + name + "'");
   const ckpt::ParamRule* p = &layout_[at->second];
   if (name == ckpt::kTiedOutputCopy) return false;
-  if (p->split == ckpt::SplitDim::kReplicated || (p->split == ckpt::SplitDim::kColumns && name.ends_with(".bias")))
-    return tp_.rank == 0;
+  if (p->split == ckpt::SplitDim::kReplicated) return tp_.rank == 0;  // norms, row-parallel biases, positions
   if (p->fused == ckpt::FusedRows::kPerGroupKv && c_.kv_heads < tp_.size)
     return tp_.rank == ckpt::KvReplicasOf(c_.kv_heads, tp_.size, tp_.rank).first;
   return true;
