@@ -126,25 +126,26 @@ std::unique_ptr<Comm> Comm::Group(const std::vector<int>& ranks) {
   return std::unique_ptr<Comm>(new Comm(out, r, n));
 }
 
-void Comm::AllReduceSum(float* x, size_t n) {
-  if (size_ == 1) return;
-  Timed timed(n);
+namespace {
+// An in-place all-reduce of n elements of `size` bytes, in pieces MPI's int count can hold.
+void AllReduce(void* x, size_t n, size_t size, MPI_Datatype type, MPI_Op op, MPI_Comm comm) {
+  Timed timed(n * size / sizeof(float));  // in floats' worth
   for (size_t i = 0; i < n; i += kMaxCount)
-    Check(MPI_Allreduce(MPI_IN_PLACE, x + i, static_cast<int>(std::min(kMaxCount, n - i)), MPI_FLOAT, MPI_SUM, Handle(comm_)), "allreduce");
+    Check(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(x) + i * size, static_cast<int>(std::min(kMaxCount, n - i)), type, op, comm),
+          "allreduce");
+}
+}  // namespace
+
+void Comm::AllReduceSum(float* x, size_t n) {
+  if (size_ > 1) AllReduce(x, n, sizeof(float), MPI_FLOAT, MPI_SUM, Handle(comm_));
 }
 
 void Comm::AllReduceSum(double* x, size_t n) {
-  if (size_ == 1) return;
-  Timed timed(2 * n);  // in floats' worth
-  for (size_t i = 0; i < n; i += kMaxCount)
-    Check(MPI_Allreduce(MPI_IN_PLACE, x + i, static_cast<int>(std::min(kMaxCount, n - i)), MPI_DOUBLE, MPI_SUM, Handle(comm_)), "allreduce");
+  if (size_ > 1) AllReduce(x, n, sizeof(double), MPI_DOUBLE, MPI_SUM, Handle(comm_));
 }
 
 void Comm::AllReduceMax(float* x, size_t n) {
-  if (size_ == 1) return;
-  Timed timed(n);
-  for (size_t i = 0; i < n; i += kMaxCount)
-    Check(MPI_Allreduce(MPI_IN_PLACE, x + i, static_cast<int>(std::min(kMaxCount, n - i)), MPI_FLOAT, MPI_MAX, Handle(comm_)), "allreduce");
+  if (size_ > 1) AllReduce(x, n, sizeof(float), MPI_FLOAT, MPI_MAX, Handle(comm_));
 }
 
 void Comm::ReduceScatterSum(const float* in, float* out, size_t block) {
