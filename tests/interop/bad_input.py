@@ -274,6 +274,9 @@ class BadInput(TempDirTest):
         self.expect(c, [VERIFY, tag], ["manifest.json", "not valid JSON"], codes=(1,))
         with open(manifest, "w") as f:
             json.dump(good, f)
+        # A tolerance that is no tolerance.
+        self.expect(c + " --rtol", [VERIFY, tag, "--against", tag, "--rtol", "2"], ["--rtol: Value 2 not in range"], codes=(2,))
+        self.expect(c + " --atol", [VERIFY, tag, "--against", tag, "--atol", "-1"], ["--atol"], codes=(2,))
         # An NxD-style tag whose rank file name claims an absurd grid.
         nxd = os.path.join(self.dir, "nxd", "step_5")
         os.makedirs(os.path.join(nxd, "model"))
