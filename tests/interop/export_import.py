@@ -45,8 +45,8 @@ class ExportImport(TempDirTest):
     def setUp(self):
         super().setUp()
         for tool in (EXPORT, IMPORT):
-            if not os.path.exists(tool):
-                self.skipTest(f"{tool} is not built")
+            # A missing binary is a failure, never a skip: a wrong SHARDKIT_BIN must not pass.
+            self.assertTrue(os.path.exists(tool), f"{tool} is not built")
 
     def tag(self, c, layout, **kw):
         """torch writes `layout`; ckpt-reshard re-lays it as itself (a manifest, our bytes)."""

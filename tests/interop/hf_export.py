@@ -126,8 +126,8 @@ class HfExport(TempDirTest):
     def setUp(self):
         super().setUp()
         for tool in (EXPORT, TRAIN_DUMP):
-            if not os.path.exists(tool):
-                self.skipTest(f"{tool} is not built")
+            # A missing binary is a failure, never a skip: a wrong SHARDKIT_BIN must not pass.
+            self.assertTrue(os.path.exists(tool), f"{tool} is not built")
 
     def dump_tag(self, *flags):
         """The reference model's weights as a tag, and the logits it computed."""

@@ -127,8 +127,8 @@ def first_difference(got, want):
 class Reshard(TempDirTest):
     def setUp(self):
         super().setUp()
-        if not os.path.exists(RESHARD):
-            self.skipTest(f"{RESHARD} is not built")
+        # A missing binary is a failure, never a skip: a wrong SHARDKIT_BIN must not pass.
+        self.assertTrue(os.path.exists(RESHARD), f"{RESHARD} is not built")
         self.out = os.path.join(self.dir, "out")
         os.makedirs(self.out)
 
