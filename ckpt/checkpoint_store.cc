@@ -151,8 +151,30 @@ void CheckpointStore::ApplyRetention(int64_t saved_step) {
   for (TagEntry& t : ListTags(opts_.env, opts_.dir))
     if (t.has_done && t.parsed && t.parsed->step <= saved_step && !IsDamaged(t.dir_name))
       complete.push_back(std::move(t));  // newest first
+  // A tag without a manifest (ours that lost it, or one NxD wrote under our name) was checked
+  // at resume only by what its files say of themselves, and this run may descend from it. It is
+  // neither counted nor deleted, and the newest tag older than it that verifies against its
+  // manifest, the last state known good, stays whatever save_top_k says.
+  std::string anchor;
+  bool unmanifested_after = false;
+  std::vector<TagEntry> counted;
+  for (TagEntry& t : complete) {
+    if (!opts_.env->Exists(t.path + "/" + kManifestFile)) {
+      unmanifested_after = true;
+      continue;
+    }
+    if (unmanifested_after && anchor.empty() && VerifyTag(opts_.env, t.path, {.checksums = false}).ok()) anchor = t.path;
+    counted.push_back(std::move(t));
+  }
+  complete = std::move(counted);
   const size_t keep = std::max(1, opts_.save_top_k);   // the newest complete tag always stays
   for (size_t i = keep; i < complete.size(); ++i) {
+    if (complete[i].path == anchor) {
+      if (opts_.log)
+        opts_.log("checkpoint: kept " + anchor + " beyond save_top_k: it is the newest tag verified against its manifest "
+                  "before one that has no manifest");
+      continue;
+    }
     DeleteTag(opts_.env, complete[i].path);
     if (opts_.log) opts_.log("checkpoint: removed " + complete[i].path + " (save_top_k=" + std::to_string(opts_.save_top_k) + ")");
   }

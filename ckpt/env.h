@@ -87,6 +87,9 @@ class Env {
   virtual uint64_t FileSize(const std::string& path) = 0;
   // Modification time in nanoseconds since the epoch.
   virtual int64_t FileMTimeNs(const std::string& path) = 0;
+  // Bytes an unprivileged writer can still put on the file system holding
+  // `dir` (statvfs f_bavail): a large output is refused before it starts.
+  virtual uint64_t AvailableBytes(const std::string& dir) = 0;
   // flock()s `path` (created if absent). Shared locks coexist; an exclusive
   // lock excludes all others. Returns null when !wait and the lock is taken.
   virtual std::unique_ptr<FileLock> LockFile(const std::string& path, bool exclusive, bool wait) = 0;

@@ -3,6 +3,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -222,12 +223,19 @@ class PosixEnv final : public Env {
   }
 
   std::shared_ptr<const MappedFile> MapFile(const std::string& path) override {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
+    // forever; it returns at once and the file type is refused below. It does
+    // not affect reads of a regular file, which are all this maps.
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) ThrowErrno(path, "cannot open");
     const struct stat st = StatOrClose(fd, path);
     if (S_ISDIR(st.st_mode)) {
       ::close(fd);
       throw Error(path + ": is a directory, not a file");
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      throw Error(path + ": is not a regular file (a FIFO, socket or device); refusing to read it");
     }
     const uint64_t size = static_cast<uint64_t>(st.st_size);
     void* p = nullptr;
@@ -296,6 +304,12 @@ class PosixEnv final : public Env {
     struct stat st;
     if (::stat(path.c_str(), &st) != 0) ThrowErrno(path, "cannot stat");
     return static_cast<uint64_t>(st.st_size);
+  }
+
+  uint64_t AvailableBytes(const std::string& dir) override {
+    struct statvfs st;
+    if (::statvfs(dir.empty() ? "." : dir.c_str(), &st) != 0) ThrowErrno(dir, "cannot read the file system's free space");
+    return static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
   }
 
   int64_t FileMTimeNs(const std::string& path) override {

@@ -57,6 +57,7 @@ class FaultEnv : public Env {
   std::vector<std::string> ListDir(const std::string& path) override { return base_->ListDir(path); }
   uint64_t FileSize(const std::string& path) override { return base_->FileSize(path); }
   int64_t FileMTimeNs(const std::string& path) override { return base_->FileMTimeNs(path); }
+  uint64_t AvailableBytes(const std::string& dir) override { return base_->AvailableBytes(dir); }
   std::unique_ptr<FileLock> LockFile(const std::string& path, bool exclusive, bool wait) override {
     return base_->LockFile(path, exclusive, wait);
   }

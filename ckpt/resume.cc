@@ -32,6 +32,10 @@ std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& che
       if (damaged) damaged->push_back({t.path, Describe(r)});
       continue;
     }
+    if (r.checked_without_manifest && log)
+      log("resume: " + t.dir_name + " has no manifest.json; checked without one (every zip record's CRC-32, every pickle "
+          "and tensor: " + std::to_string(r.files_checked) + " files), so damage a manifest would catch inside a record's "
+          "bounds cannot be ruled out");
     return t.path;
   }
   return std::nullopt;

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "ckpt/error.h"
+#include "ckpt/input_guard.h"
 #include "ckpt/manifest.h"
 #include "ckpt/optimizer_groups.h"
 #include "ckpt/optimizer_state.h"
@@ -99,7 +100,11 @@ class ShardedTagBuilder {
   };
 
   std::string Rel(const std::string& sub, const RankCoord& r) const { return sub + "/" + RankFileName(r); }
-  std::string Path(const std::string& rel) const { return t_->dir_ + "/" + rel; }
+  // A rank file (or model/ itself) linked out of the tag is refused, never read.
+  std::string Path(const std::string& rel) const {
+    RequireInside(t_->dir_, t_->dir_ + "/" + rel);
+    return t_->dir_ + "/" + rel;
+  }
 
   Value Load(const std::string& rel) {
     auto f = env_->MapFile(Path(rel));
@@ -474,6 +479,7 @@ std::unique_ptr<ShardedTag> ShardedTag::Open(Env* env, const std::string& tag_di
 std::optional<Value> ShardedTag::TagFile(const std::string& name) const {
   const std::string path = dir_ + "/" + name;
   if (!env_->Exists(path)) return std::nullopt;
+  RequireInside(dir_, path);
   return LoadPt(path, {}, env_);
 }
 

@@ -3,13 +3,17 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <set>
 #include <sstream>
 
 #include "ckpt/error.h"
+#include "ckpt/input_guard.h"
 #include "ckpt/manifest.h"
+#include "ckpt/output_guard.h"
+#include "ckpt/xser.h"
 #include "ckpt/tag_writer.h"
 
 namespace ckpt {
@@ -53,6 +57,24 @@ std::optional<RankGrid> InferGrid(const std::vector<std::string>& files) {
   return g;
 }
 
+// The .pt files a reader opens directly: everything ending .pt except the
+// tensor files inside an xser folder, which their X.pt loads.
+bool IsDirectlyLoaded(const std::string& rel) {
+  return rel.ends_with(".pt") && rel.find(".pt.tensors/") == std::string::npos;
+}
+
+// Loads `rel` as a reader would: the zip structure, the pickle, every
+// tensor's storage, and (with `crc`) every zip record's CRC-32, which torch
+// writes. Returns the problem, or "".
+std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string& rel, bool crc) {
+  try {
+    LoadPtOrXser(tag_dir + "/" + rel, {.verify_crc = crc}, env);
+    return "";
+  } catch (const Error& e) {
+    return std::string("unreadable: ") + e.what();
+  }
+}
+
 }  // namespace
 
 TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& opts) {
@@ -72,6 +94,19 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
 
   for (const auto& f : files)
     if (IsTempPath(f)) problem(f, "leftover temporary file from an interrupted write");
+  // A rank file (or model/ itself) linked out of the tag is not this tag's to read, nor is
+  // anything but a regular file.
+  std::set<std::string> outside;
+  for (const auto& f : files) {
+    std::error_code ec;
+    if (!ResolvesInside(tag_dir, tag_dir + "/" + f)) {
+      outside.insert(f);
+      problem(f, "resolves to " + ResolvedPath(tag_dir + "/" + f) + ", outside the tag (a symbolic link); not read");
+    } else if (!std::filesystem::is_regular_file(tag_dir + "/" + f, ec)) {  // a FIFO would block a reader
+      outside.insert(f);
+      problem(f, "is not a regular file (a FIFO, socket or device); not read");
+    }
+  }
 
   if (r.has_manifest) {
     Manifest m;
@@ -94,6 +129,8 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
       uint64_t bytes = 0;
       if (!present.count(rel)) {
         what = "missing (listed in the manifest)";
+      } else if (outside.count(rel)) {
+        return;  // reported above
       } else {
         try {
           const uint64_t size = env->FileSize(path);
@@ -104,6 +141,10 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
             bytes = got.size;
             if (got.crc32 != want.crc32)
               what = "checksum " + CrcHex(got.crc32) + " differs from the manifest's " + CrcHex(want.crc32);
+            // Bytes that match a manifest rewritten to match them (a truncated file
+            // and its recomputed record) must still load.
+            else if (IsDirectlyLoaded(rel))
+              what = LoadProblem(env, tag_dir, rel, false);
           }
         } catch (const Error& e) {
           what = e.what();
@@ -117,6 +158,28 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
   } else {
     r.grid = InferGrid(files);
     if (!r.grid) problem("model/", "no rank files (model/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt)");
+    // No manifest (NxD or NxDT wrote it, or ours lost it): what the files say of
+    // themselves is checked instead. Every zip record's CRC-32, a parse of every
+    // pickle and every tensor's storage bounds.
+    if (opts.checksums) {
+      r.checked_without_manifest = true;
+      std::vector<std::string> loaded;
+      for (const auto& f : files)
+        if (IsDirectlyLoaded(f) && !outside.count(f) && !IsTempPath(f)) loaded.push_back(f);
+      std::mutex mu;
+      tbb::parallel_for(size_t{0}, loaded.size(), [&](size_t i) {
+        const std::string what = LoadProblem(env, tag_dir, loaded[i], true);
+        uint64_t bytes = 0;
+        try {
+          bytes = env->FileSize(tag_dir + "/" + loaded[i]);
+        } catch (const Error&) {
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        r.files_checked += 1;
+        r.bytes_checked += bytes;
+        if (!what.empty()) problem(loaded[i], what);
+      });
+    }
   }
 
   // A grid far larger than the files present (a rank file named tp_rank_99999999, say) is one

@@ -1,8 +1,11 @@
 // Checking a checkpoint tag: markers, files against manifest.json (sizes
 // always, CRC-32s when asked, in parallel), files the manifest does not
 // list, leftover temporaries, and rank-grid completeness (every model file for
-// the grid, optim files for every dp rank under ZeRO-1). Tags NxD wrote have
-// no manifest: their grid is inferred from the rank file names present.
+// the grid, optim files for every dp rank under ZeRO-1), and every .pt file
+// loads. Tags NxD wrote have no manifest: their grid is inferred from the rank
+// file names present, and with checksums every file is loaded with its zip
+// records' CRC-32s checked. Files that resolve outside the tag (symbolic
+// links) are problems, never read.
 #pragma once
 
 #include <optional>
@@ -22,6 +25,9 @@ struct TagProblem {
 struct TagReport {
   std::string path;
   bool has_done = false, has_manifest = false;
+  // No manifest, so the files were checked by what they say of themselves:
+  // zip CRC-32s, pickles and tensor bounds (with VerifyOptions::checksums).
+  bool checked_without_manifest = false;
   std::optional<RankGrid> grid;
   uint64_t files_checked = 0, bytes_checked = 0;
   std::vector<TagProblem> problems;
