@@ -130,10 +130,11 @@ TensorFingerprints FingerprintCollector::Finish(const std::vector<LogicalTensor>
   return out;
 }
 
-TensorFingerprints ComputeFingerprints(const LogicalState& tag, size_t chunk) {
+TensorFingerprints ComputeFingerprints(const LogicalState& tag, size_t chunk, std::optional<StateField> only) {
   TensorFingerprints out;
   std::vector<uint8_t> buf(chunk);
   for (const LogicalTensor& t : LogicalTensors(tag)) {
+    if (only && t.field != *only) continue;
     const size_t es = ElementSize(t.dtype), per = chunk / es;
     uint32_t crc = 0;
     for (uint64_t at = 0; at < t.numel;) {
@@ -146,6 +147,20 @@ TensorFingerprints ComputeFingerprints(const LogicalState& tag, size_t chunk) {
     out[t.name][FieldName(t.field)] = {std::string(DTypeName(t.dtype)), t.numel, crc};
   }
   return out;
+}
+
+void CheckRecordedFingerprints(const LogicalState& tag, size_t chunk, std::optional<StateField> only) {
+  const auto& recorded = tag.recorded_fingerprints();
+  if (!recorded) return;
+  for (const auto& [name, fields] : ComputeFingerprints(tag, chunk, only))
+    for (const auto& [field, got] : fields) {
+      const auto n = recorded->find(name);
+      if (n == recorded->end()) continue;
+      const auto f = n->second.find(field);
+      if (f != n->second.end() && f->second.crc32 != got.crc32)
+        throw Error(tag.path() + ": " + name + " " + field + " reads with fingerprint " + CrcHex(got.crc32) + ", but its manifest records " +
+                    CrcHex(f->second.crc32) + ": its data changed since it was written");
+    }
 }
 
 }  // namespace ckpt

@@ -67,6 +67,10 @@ class FingerprintCollector {
 
 // Reads every logical tensor of `tag` (chunk by chunk, pages released) and
 // returns its fingerprints.
-TensorFingerprints ComputeFingerprints(const LogicalState& tag, size_t chunk = 4 << 20);
+TensorFingerprints ComputeFingerprints(const LogicalState& tag, size_t chunk = 4 << 20, std::optional<StateField> only = std::nullopt);
+
+// Throws ckpt::Error naming the tensor when `tag` records fingerprints and its
+// data (the parameters, or every field) no longer match them.
+void CheckRecordedFingerprints(const LogicalState& tag, size_t chunk, std::optional<StateField> only = std::nullopt);
 
 }  // namespace ckpt

@@ -7,6 +7,7 @@
 
 #include "ckpt/crc32.h"
 #include "ckpt/error.h"
+#include "ckpt/value_json.h"
 
 namespace ckpt {
 
@@ -82,7 +83,7 @@ TensorFingerprints FingerprintsFromJson(const nlohmann::json& j, const std::stri
   }
   return out;
 } catch (const nlohmann::json::exception& e) {
-  throw Error(where + ": malformed manifest 'tensors': " + e.what());
+  throw Error(where + ": malformed manifest 'tensors': " + JsonErrorText(e));
 }
 
 FileDigest DigestFromJson(const nlohmann::json& d, const std::string& where) try {
@@ -94,7 +95,7 @@ FileDigest DigestFromJson(const nlohmann::json& d, const std::string& where) try
   return FileDigest{static_cast<uint64_t>(BoundedInt(d, "size", 0, int64_t{1} << 56, where)),
                     static_cast<uint32_t>(std::stoul(hex.get<std::string>(), nullptr, 16))};
 } catch (const nlohmann::json::exception& e) {
-  throw Error(where + ": malformed: " + e.what());
+  throw Error(where + ": malformed: " + JsonErrorText(e));
 }
 
 Manifest Manifest::FromJson(const nlohmann::json& j, const std::string& source) {
@@ -127,13 +128,13 @@ Manifest Manifest::FromJson(const nlohmann::json& j, const std::string& source) 
                   std::to_string(m.files.size()) + " files");
     return m;
   } catch (const nlohmann::json::exception& e) {
-    throw Error(source + ": malformed manifest: " + e.what());
+    throw Error(source + ": malformed manifest: " + JsonErrorText(e));
   }
 }
 
 Manifest Manifest::Load(Env* env, const std::string& path) {
   auto m = env->MapFile(path);
-  nlohmann::json j = nlohmann::json::parse(m->data(), m->data() + m->size(), nullptr, false);
+  nlohmann::json j = ParseJsonBounded(reinterpret_cast<const char*>(m->data()), reinterpret_cast<const char*>(m->data()) + m->size(), path);
   if (j.is_discarded()) throw Error(path + ": manifest is not valid JSON");
   return FromJson(j, path);
 }

@@ -65,6 +65,18 @@ std::string ModelFormat::CheckTensorParallel(int tp) const {
   return "";
 }
 
+std::string ModelFormat::CheckSizes() const {
+  auto over = [](const char* what, int64_t v, int64_t max) {
+    return std::string(what) + " " + std::to_string(v) + " is beyond any model (at most " + std::to_string(max) + ")";
+  };
+  if (layers < 1 || layers > kMaxLayers) return over("the layer count", layers, kMaxLayers);
+  if (hidden < 1 || hidden > (1 << 20)) return over("the hidden size", hidden, 1 << 20);
+  if (ffn < 1 || ffn > (1 << 20)) return over("the FFN width", ffn, 1 << 20);
+  if (vocab_size < 1 || vocab_size > (1 << 24)) return over("the vocabulary", vocab_size, 1 << 24);
+  if (max_positions < 0 || max_positions > (1 << 24)) return over("max_position_embeddings", max_positions, 1 << 24);
+  return "";
+}
+
 nlohmann::ordered_json ModelFormat::ToJson() const {
   return {{"num_layers", layers},
           {"hidden_size", hidden},
@@ -100,6 +112,7 @@ ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& wh
   f.tied_output = FieldBool(j, "share_embeddings_and_output_weights", where);
   if (f.hidden % f.heads) throw Error(where + ": model format hidden_size " + std::to_string(f.hidden) + " is not a multiple of num_attention_heads");
   if (f.heads % f.kv_heads) throw Error(where + ": model format num_attention_heads is not a multiple of num_kv_heads");
+  if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(where + ": model format: " + why);
   return f;
 }
 

@@ -57,6 +57,13 @@ struct ModelFormat {
   // Why the degrees cannot hold this model ("" when they can): tp must divide
   // heads, KV heads (or be a multiple of them), ffn; pp at most the layers.
   std::string CheckTensorParallel(int tp) const;
+  // Why the sizes are beyond any model ("" when they are not): at most
+  // kMaxLayers layers, hidden and FFN widths up to 2^20, a vocabulary up to
+  // 2^24. The largest published dense models have under 200 layers, widths
+  // under 2^17 and vocabularies under 2^18, so these refuse only hostile or
+  // mistyped input, before anything is planned or allocated for it.
+  std::string CheckSizes() const;
+  static constexpr int64_t kMaxLayers = 1 << 14;
   nlohmann::ordered_json ToJson() const;
   // Throws ckpt::Error naming `where` and the field.
   static ModelFormat FromJson(const nlohmann::json& j, const std::string& where);

@@ -29,6 +29,8 @@
 namespace ckpt {
 namespace {
 
+constexpr int64_t kMaxRankFiles = int64_t{1} << 16;
+
 using ckpt::Error;
 using ckpt::ParamRule;
 using ckpt::Run;
@@ -288,6 +290,12 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   to.zero1 = a.zero1.value_or(L.grid.zero1);
   if (to.zero1 && to.dp < 1) throw Error("--dp must be at least 1");
   if (int64_t{to.tp} * to.pp * to.dp > ckpt::kMaxRanks) throw Error("the target grid has more than " + std::to_string(ckpt::kMaxRanks) + " ranks");
+  // The plan holds an entry per tensor per rank file; a grid past any real job's (tp 64, pp 32,
+  // dp 32 with ZeRO-1 is 65,536 files) is refused before planning grows without bound.
+  if (const int64_t files = int64_t{to.tp} * to.pp * (to.zero1 ? to.dp : 1); files > kMaxRankFiles)
+    throw Error("the target grid tp=" + std::to_string(to.tp) + " pp=" + std::to_string(to.pp) + " dp=" + std::to_string(to.dp) +
+                (to.zero1 ? " with ZeRO-1" : "") + " needs " + std::to_string(files) + " rank files; one pass writes at most " +
+                std::to_string(kMaxRankFiles));
   if (const std::string why = L.format.CheckTensorParallel(to.tp); !why.empty()) throw Error("--tp " + std::to_string(to.tp) + ": " + why);
   sum.to = to;
   sum.to_bounds = ckpt::StageBounds(L.format.layers, to.pp, a.pipeline_cuts);
@@ -353,6 +361,18 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     return sum;
   }
 
+  // The whole output must fit before any of it is written: a hostile or mistyped source
+  // declaring a huge model ends here, not after filling the disk.
+  if (a.launch.rank == 0) {
+    uint64_t bytes = 0;
+    for (const auto& f : plan) bytes += f.bytes;
+    const std::filesystem::path dst(sum.dst_tag);
+    const std::string parent = dst.has_parent_path() ? dst.parent_path().string() : ".";
+    if (env->IsDirectory(parent))
+      if (const uint64_t free = env->AvailableBytes(parent); bytes > free)
+        throw Error(sum.dst_tag + ": the output needs " + ckpt::HumanBytes(bytes) + " of tensors, but " + parent + " has " + ckpt::HumanBytes(free) +
+                    " free; nothing was written");
+  }
   const ckpt::StagedTag staged = ckpt::StageFor(sum.dst_tag, a.tool);
   if (a.launch.rank == 0) ckpt::PrepareTarget(env, staged, a.overwrite, log);
   const std::string save_id = ckpt::BeginStaged(env, staged, a.launch, a.tool);

@@ -45,10 +45,26 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b, const Co
     for (size_t i = 0; same && i < ha.size(); ++i) same = DeepEqual(ha[i], hb[i]);
     if (!same) rep.differences.push_back({"", "the optimizer's param_groups hyperparameters differ"});
   }
+  // Fingerprints are computed from the data, never taken on a manifest's word: a tag whose
+  // rank files were swapped and its file checksums rewritten still records the old ones.
+  // Recorded fingerprints are checked against the computed ones.
   rep.recorded_a = a.recorded_fingerprints().has_value();
   rep.recorded_b = b.recorded_fingerprints().has_value();
-  const TensorFingerprints fpa = rep.recorded_a ? *a.recorded_fingerprints() : ComputeFingerprints(a, chunk);
-  const TensorFingerprints fpb = rep.recorded_b ? *b.recorded_fingerprints() : ComputeFingerprints(b, chunk);
+  const TensorFingerprints fpa = ComputeFingerprints(a, chunk);
+  const TensorFingerprints fpb = ComputeFingerprints(b, chunk);
+  for (const LogicalState* s : {&a, &b}) {
+    if (!s->recorded_fingerprints()) continue;
+    const TensorFingerprints& computed = s == &a ? fpa : fpb;
+    for (const auto& [name, fields] : *s->recorded_fingerprints())
+      for (const auto& [field, rec] : fields) {
+        const auto n = computed.find(name);
+        if (n == computed.end()) continue;
+        const auto f = n->second.find(field);
+        if (f != n->second.end() && (f->second.crc32 != rec.crc32 || f->second.numel != rec.numel))
+          rep.differences.push_back({name, field + ": " + s->path() + "'s manifest records another fingerprint than its data "
+                                                   "have (files changed or swapped after the manifest was written)"});
+      }
+  }
   std::vector<uint8_t> ba(chunk), bb(chunk);
   // Streams `t` from both tags a chunk at a time into ba and bb; `each(at, n)` sees elements
   // [at, at + n) and returns true to stop.

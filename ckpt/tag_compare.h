@@ -40,7 +40,7 @@ struct CompareReport {
   uint64_t inexact = 0;                  // tensors equal only within the tolerance
   double max_abs_diff = 0, max_rel_diff = 0;  // over the elements compared as numbers
   std::string max_rel_at;                // "name field" holding max_rel_diff
-  bool recorded_a = false, recorded_b = false;  // fingerprints from the manifest, not computed
+  bool recorded_a = false, recorded_b = false;  // the tag recorded fingerprints, checked against the computed ones
   std::vector<TagDifference> differences;
 };
 

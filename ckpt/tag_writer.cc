@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "ckpt/error.h"
+#include "ckpt/value_json.h"
 #include "ckpt/progress.h"
 
 namespace ckpt {
@@ -155,7 +156,7 @@ std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& ta
 }
 
 RankRecord ParseRankRecord(const std::string& text, const std::string& where) {
-  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  const nlohmann::json j = ParseJsonBounded(text, where);
   if (j.is_discarded() || !j.is_object() || !j.contains("files") || !j["files"].is_object() || !j.contains("save_id") ||
       !j["save_id"].is_string())
     throw Error(where + ": malformed rank completion record");

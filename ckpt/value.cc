@@ -206,4 +206,42 @@ int64_t AsInteger(const Value& v, const std::string& what) {
   throw Error(what + " is a " + v.kind_name() + ", not an integer");
 }
 
+namespace {
+
+std::string KeyText(const Value& k) {
+  if (k.is_str()) return k.as_str();
+  if (k.is_int()) return std::to_string(k.as_int());
+  return "<" + k.kind_name() + ">";
+}
+
+void RequirePlainAt(const Value& v, const std::string& where, const std::string& at) {
+  auto refuse = [&](const std::string& what) {
+    throw Error(where + (at.empty() ? "" : " at " + at) + ": " + what +
+                " is not checkpoint data (numbers, strings, lists, dicts, tensors); refused, since torch.load of the "
+                "output would call it");
+  };
+  if (v.is_object()) refuse("an object of class " + v.as_object().cls.full());
+  if (v.is_storage()) refuse("a bare storage");
+  if (v.is_global()) {
+    const Global& g = v.as_global();
+    if (g.module != "torch" || !DTypeFromName(g.name)) refuse("the global " + g.full());
+    return;
+  }
+  if (v.is_seq()) {
+    const auto& items = v.as_seq().items;
+    for (size_t i = 0; i < items.size(); ++i) RequirePlainAt(items[i], where, at + "[" + std::to_string(i) + "]");
+  } else if (v.is_dict()) {
+    const Dict& d = v.as_dict();
+    if (d.attrs) RequirePlainAt(*d.attrs, where, at + ".<attrs>");
+    for (const auto& [k, item] : d.items) {
+      RequirePlainAt(k, where, at + "<key>");
+      RequirePlainAt(item, where, at + "['" + KeyText(k) + "']");
+    }
+  }
+}
+
+}  // namespace
+
+void RequirePlainData(const Value& v, const std::string& where) { RequirePlainAt(v, where, ""); }
+
 }  // namespace ckpt

@@ -165,4 +165,13 @@ double AsScalar(const Value& v);
 // throws ckpt::Error starting with `what` for anything else.
 int64_t AsInteger(const Value& v, const std::string& what);
 
+// Checks that a tree is data a checkpoint holds and nothing that runs on
+// load: None, bools, numbers, strings, bytes, lists, tuples, sets, dicts,
+// OrderedDicts, torch.Size, tensors and torch dtypes. Any other object or
+// global (a class, a function such as os.system) throws ckpt::Error naming
+// `where`, the key path and the class: written back as a pickle it would be
+// called by torch.load. Used wherever a tree comes from somewhere other than
+// a torch checkpoint the user already loads (an HDF5 attribute, JSON).
+void RequirePlainData(const Value& v, const std::string& where);
+
 }  // namespace ckpt

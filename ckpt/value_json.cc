@@ -206,8 +206,26 @@ Value ValueFromJson(const nlohmann::json& j) {
   try {
     return FromJson().Do(j);
   } catch (const nlohmann::json::exception& e) {
-    throw Error(std::string("malformed canonical JSON: ") + e.what());
+    throw Error(std::string("malformed canonical JSON: ") + JsonErrorText(e));
   }
+}
+
+std::string JsonErrorText(const nlohmann::json::exception& e) {
+  std::string text = e.what();
+  if (const size_t close = text.find("] "); text.rfind("[json.exception.", 0) == 0 && close != std::string::npos) text = text.substr(close + 2);
+  if (text.rfind("cannot use at() with ", 0) == 0 || text.rfind("cannot use operator[] with ", 0) == 0)
+    return "is " + text.substr(text.find(" with ") + 6) + " where an object with named fields is expected";
+  if (text.rfind("key '", 0) == 0 && text.ends_with("' not found")) return "has no key " + text.substr(4, text.size() - 14);
+  if (text.rfind("type must be ", 0) == 0) return "a value has the wrong type (" + text + ")";
+  return text;
+}
+
+nlohmann::json ParseJsonBounded(const char* begin, const char* end, const std::string& where) {
+  const nlohmann::json::parser_callback_t bound = [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+    if (depth > kMaxJsonDepth) throw Error(where + ": JSON nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+    return true;
+  };
+  return nlohmann::json::parse(begin, end, bound, false);
 }
 
 }  // namespace ckpt

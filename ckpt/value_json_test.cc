@@ -22,4 +22,23 @@ TEST(ValueJson, RoundTripKeepsStorageSharingAndExactFloats) {
   EXPECT_EQ(back.as_dict().At("a").as_tensor().storage(), back.as_dict().At("b").as_tensor().storage());
 }
 
+TEST(ValueJson, ParseJsonBoundedRefusesDeepNestingAndKeepsTheRest) {
+  const std::string deep = std::string(20000, '[') + std::string(20000, ']');
+  std::string e;
+  try {
+    ParseJsonBounded(deep, "attr");
+  } catch (const Error& err) {
+    e = err.what();
+  }
+  EXPECT_NE(e.find("attr: JSON nested deeper than 1000"), std::string::npos) << e;
+  const std::string ok = std::string(900, '[') + std::string(900, ']');
+  EXPECT_TRUE(ParseJsonBounded(ok, "attr").is_array());
+  EXPECT_TRUE(ParseJsonBounded("{not json", "attr").is_discarded());
+  try {
+    nlohmann::json::parse("[1]").at("tp");
+  } catch (const nlohmann::json::exception& err) {
+    EXPECT_EQ(JsonErrorText(err), "is array where an object with named fields is expected");
+  }
+}
+
 }  // namespace ckpt

@@ -55,4 +55,30 @@ TEST(Value, AsScalarReadsNumbersAndOneElementTensors) {
   EXPECT_THROW(AsScalar(Value("x")), Error);
 }
 
+TEST(Value, RequirePlainDataRefusesWhatTorchLoadWouldCall) {
+  Value ok = Value::NewDict(true);
+  ok.as_dict().Set("lr", Value(0.1));
+  ok.as_dict().Set("betas", Value::Tuple({Value(0.9), Value(0.95)}));
+  ok.as_dict().Set("w", Value(Tensor::Zeros(DType::kFloat32, {2})));
+  ok.as_dict().Set("dtype", Value(Global{"torch", "bfloat16"}));
+  ok.as_dict().Set("size", Value::NewSeq(SeqKind::kTorchSize, {Value(2)}));
+  EXPECT_NO_THROW(RequirePlainData(ok, "x"));
+
+  auto call = std::make_shared<Object>();
+  call->cls = Global{"posix", "system"};
+  call->args = std::make_shared<Value>(Value::Tuple({Value("touch /tmp/pwned")}));
+  Value bad = Value::List({Value(1), ok});
+  bad.as_seq().items[1].as_dict().Set("hook", Value(call));
+  std::string e;
+  try {
+    RequirePlainData(bad, "user_content.pt");
+  } catch (const Error& err) {
+    e = err.what();
+  }
+  EXPECT_NE(e.find("user_content.pt at [1]['hook']"), std::string::npos) << e;
+  EXPECT_NE(e.find("posix.system"), std::string::npos) << e;
+  EXPECT_THROW(RequirePlainData(Value(Global{"os", "system"}), "x"), Error);
+  EXPECT_THROW(RequirePlainData(Value(Global{"torch", "load"}), "x"), Error);
+}
+
 }  // namespace ckpt

@@ -21,6 +21,8 @@
 
 #include "ckpt/cli.h"
 #include "ckpt/error.h"
+#include "ckpt/fingerprint.h"
+#include "ckpt/value_json.h"
 #include "ckpt/output_guard.h"
 #include "ckpt/progress.h"
 #include "ckpt/sharded_tag.h"
@@ -45,7 +47,7 @@ bool IsHfExport(ckpt::Env* env, const std::string& dir) {
   const std::string config = dir + "/config.json";
   if (!env->IsDirectory(dir) || !env->Exists(config)) return false;
   const auto m = env->MapFile(config);
-  const auto j = nlohmann::json::parse(m->data(), m->data() + m->size(), nullptr, false);
+  const auto j = ckpt::ParseJsonBounded(reinterpret_cast<const char*>(m->data()), reinterpret_cast<const char*>(m->data()) + m->size(), m->path());
   return j.is_object() && j.contains("shardkit_export");
 }
 
@@ -102,6 +104,8 @@ int main(int argc, char** argv) {
     if (env->Exists(partial)) env->RemoveAll(partial);  // an interrupted earlier export's
     if (hf) {
       if (const std::string why = tools::HfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
+      // As the HDF5 export and reshard do: a source must still hold what its manifest recorded.
+      ckpt::CheckRecordedFingerprints(*state, block, ckpt::StateField::kParam);
       env->CreateDirs(partial);
       const tools::HfExportSummary s = tools::WriteHfFolder(*state, partial, {.max_shard_size = shard_size, .chunk = block}, env);
       env->SyncDir(partial);

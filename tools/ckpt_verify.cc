@@ -10,6 +10,7 @@
 // with --rtol/--atol as numbers within a tolerance.
 // --gc removes incomplete tags (no `done`) and leftover temporaries from a
 // checkpoint directory, refusing while a running job holds its lock.
+#include <cmath>
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -92,7 +93,7 @@ int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ck
     r.differences = failed;  // a tag that fails verification proves nothing
   }
   const bool same = r.differences.empty();
-  auto source = [](bool recorded) { return recorded ? "recorded in the manifest" : "computed from the data"; };
+  auto source = [](bool recorded) { return recorded ? "computed from the data, and the manifest's checked" : "computed from the data"; };
   if (json) {
     nlohmann::ordered_json d = nlohmann::ordered_json::array();
     for (const auto& x : r.differences) d.push_back({{"tensor", x.name}, {"difference", x.what}});
@@ -166,6 +167,10 @@ int main(int argc, char** argv) {
   app.add_option("--atol", tolerance.atol, "with --against: the absolute part of the tolerance")->check(CLI::Range(0.0, 1e30));
   hints.AddTo(app);  // with --against, for a tag without a manifest
   SHARDKIT_PARSE(app, argc, argv);
+  if (!std::isfinite(tolerance.rtol) || !std::isfinite(tolerance.atol)) {  // NaN passes CLI11's range check
+    std::cerr << "error: --rtol and --atol take numbers (not nan or inf)\n";
+    return 2;
+  }
   auto* env = ckpt::Env::Default();
   try {
     if (!against.empty()) {

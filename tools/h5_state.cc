@@ -1,5 +1,10 @@
 #include "tools/h5_state.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <hdf5.h>
 
 #include <algorithm>
@@ -125,9 +130,43 @@ std::string GetBytes(hid_t obj, const char* name, const std::string& where) {
 }
 
 nlohmann::json ParseJson(const std::string& text, const std::string& where) {
-  nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  nlohmann::json j = ckpt::ParseJsonBounded(text, where);
   if (j.is_discarded()) throw Error(where + ": is not valid JSON");
   return j;
+}
+
+// HDF5 opens the file itself, not through Env: a FIFO would block it forever.
+void RequireRegularFile(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) throw Error(path + ": cannot open: " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) throw Error(path + ": is not a regular file (a FIFO, socket, device or folder); refusing to read it");
+}
+
+// An export holds its data in itself. External links, external raw storage
+// and virtual datasets all make HDF5 open other files, which an import
+// refuses: nothing outside the file the user named is read.
+herr_t RefuseExternalLink(hid_t, const char* name, const H5L_info_t* info, void* out) {
+  if (info->type == H5L_TYPE_HARD || info->type == H5L_TYPE_SOFT) return 0;
+  *static_cast<std::string*>(out) = name;
+  return 1;  // stop: found one
+}
+
+void RequireNoLinksOut(hid_t file, const std::string& path) {
+  std::string link;
+  if (H5Lvisit(file, H5_INDEX_NAME, H5_ITER_NATIVE, RefuseExternalLink, &link) < 0)
+    throw Error(path + ": cannot walk the file's links");
+  if (!link.empty())
+    throw Error(path + ": /" + link + " is an external link to another file; an export holds its data in itself, and "
+                "nothing outside the file you named is opened");
+}
+
+void RequireDataInFile(hid_t ds, const std::string& where) {
+  const Hid dcpl(H5Dget_create_plist(ds), H5Pclose);
+  if (!dcpl.ok()) throw Error(where + ": cannot read its storage properties");
+  if (H5Pget_layout(dcpl) == H5D_VIRTUAL)
+    throw Error(where + ": is a virtual dataset (its data lives in other files), which an import does not follow");
+  if (H5Pget_external_count(dcpl) != 0)
+    throw Error(where + ": keeps its data in external files, which an import does not follow");
 }
 
 // The HDF5 type a tensor of `d` is stored as (16-bit floats as their bits).
@@ -382,6 +421,8 @@ ExportSummary WriteH5State(const ckpt::LogicalState& src, const std::string& tag
 bool IsH5State(const std::string& path) {
   std::lock_guard<std::mutex> lock(ckpt::Hdf5Lock());
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;  // a FIFO would block the open
   if (H5Fis_hdf5(path.c_str()) <= 0) return false;
   const Hid file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   if (!file.ok()) return false;
@@ -397,10 +438,12 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
   std::lock_guard<std::mutex> lock(ckpt::Hdf5Lock());
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
   s->path_ = path;
+  RequireRegularFile(path);
   if (H5Fis_hdf5(path.c_str()) <= 0) throw Error(path + ": is not an HDF5 file (or cannot be read)");
   s->file_ = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
   if (s->file_ < 0) throw Error(path + ": cannot open the HDF5 file");
   const hid_t file = s->file_;
+  RequireNoLinksOut(file, path);
   if (H5Aexists(file, "format") <= 0 || GetString(file, "format", path) != kH5Format)
     throw Error(path + ": is not a shardkit full-state export (no format attribute '" + kH5Format + "')");
   if (const int64_t v = GetInt(file, "version", path); v != kH5Version)
@@ -416,7 +459,7 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
     L.one_group = sl.at("one_group").get<bool>();
     L.master_weights = sl.at("master_weights").get<bool>();
   } catch (const nlohmann::json::exception& e) {
-    throw Error(path + ": attribute 'source_layout' is malformed: " + e.what());
+    throw Error(path + ": attribute 'source_layout' is malformed: " + ckpt::JsonErrorText(e));
   }
   if (L.grid.tp < 1 || L.grid.pp < 1 || L.grid.dp < 1 || L.grid.tp > ckpt::kMaxRanks)
     throw Error(path + ": attribute 'source_layout' holds degrees below 1 or too large");
@@ -426,19 +469,23 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
   s->step_ = GetInt(file, "step", path);
   s->consumed_ = GetDouble(file, "consumed_samples", path);
   s->ordered_ = GetInt(file, "model_dict_ordered", path) != 0;
+  // What becomes a pickle in the output must be data, never a call.
   auto exact = [&](const std::string& text, const std::string& where) {
+    ckpt::Value v;
     try {
-      return ckpt::ValueFromJson(ParseJson(text, where));
+      v = ckpt::ValueFromJson(ParseJson(text, where));
     } catch (const Error& e) {
       throw Error(where + ": " + e.what());
     }
+    ckpt::RequirePlainData(v, where);
+    return v;
   };
   try {
     for (const auto& b : ParseJson(GetString(file, "buffers", path), path + ": attribute 'buffers'"))
       s->buffers_.push_back({b.at("name").get<std::string>(), b.at("after").get<std::string>(), b.at("layer").get<int>(),
                              exact(b.at("value").dump(), path + ": attribute 'buffers'")});
   } catch (const nlohmann::json::exception& e) {
-    throw Error(path + ": attribute 'buffers' is malformed: " + e.what());
+    throw Error(path + ": attribute 'buffers' is malformed: " + ckpt::JsonErrorText(e));
   }
   for (const char* f : {ckpt::kSchedulerFile, ckpt::kUserContentFile})
     if (H5Aexists(file, f) > 0) s->tag_files_[f] = exact(GetString(file, f, path), path + ": attribute '" + f + "'");
@@ -450,6 +497,7 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
                                        }});
   }
   if (L.has_optimizer && !s->param_groups_.is_seq()) throw Error(path + ": attribute 'param_groups' is not a list");
+  if (L.has_optimizer) ckpt::RequirePlainData(s->param_groups_, path + ": attribute 'param_groups'");
 
   // Every tensor the model format has, each of the shape the rules give it.
   s->params_ = ckpt::LogicalParameters(L.format, L.grid.tp);
@@ -466,6 +514,7 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
       Tensor t;
       const Hid ds(H5Dopen2(file, dpath.c_str(), H5P_DEFAULT), H5Dclose);
       if (!ds.ok()) throw Error(where + ": is not a dataset");
+      RequireDataInFile(ds, where);
       t.dataset = dpath;
       const std::string stored = GetString(ds, "dtype", where);
       const auto sd = ckpt::DTypeFromName(stored);
@@ -497,6 +546,7 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
           H5Oexists_by_name(file, ppath.c_str(), H5P_DEFAULT) > 0) {
         const Hid pds(H5Dopen2(file, ppath.c_str(), H5P_DEFAULT), H5Dclose);
         if (!pds.ok()) throw Error(path + ": " + ppath + ": is not a dataset");
+        RequireDataInFile(pds, path + ": " + ppath);
         const Hid pt(H5Dget_type(pds), H5Tclose);
         if (H5Tequal(pt, ftype) <= 0) throw Error(path + ": " + ppath + ": its HDF5 type differs from " + dpath + "'s");
         t.padding = ppath;
@@ -514,7 +564,16 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
       const std::string g = "/optim/" + p.name;
       const Hid grp(H5Gopen2(file, g.c_str(), H5P_DEFAULT), H5Gclose);
       if (!grp.ok()) throw Error(path + ": " + g + ": missing");
-      s->steps_[p.name] = exact(GetString(grp, "step", path + ": " + g), path + ": " + g + " attribute 'step'");
+      const std::string where = path + ": " + g + " attribute 'step'";
+      s->steps_[p.name] = exact(GetString(grp, "step", path + ": " + g), where);
+      double step = 0;
+      try {
+        step = ckpt::AsScalar(s->steps_[p.name]);
+      } catch (const Error&) {
+        throw Error(where + ": is " + s->steps_[p.name].kind_name() + ", not AdamW's step count (a number)");
+      }
+      if (!(step >= 0 && step <= 1e15) || step != static_cast<double>(static_cast<int64_t>(step)))
+        throw Error(where + ": " + std::to_string(step) + " is not a step count (a whole number from 0)");
     }
   }
   return s;

@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "ckpt/error.h"
+#include "ckpt/input_guard.h"
+#include "ckpt/value_json.h"
 #include "ckpt/pt_file.h"
 
 namespace tools {
@@ -15,7 +18,7 @@ using ckpt::Error;
 
 nlohmann::json ReadJson(ckpt::Env* env, const std::string& path) {
   const auto m = env->MapFile(path);
-  nlohmann::json j = nlohmann::json::parse(m->data(), m->data() + m->size(), nullptr, false);
+  nlohmann::json j = ckpt::ParseJsonBounded(reinterpret_cast<const char*>(m->data()), reinterpret_cast<const char*>(m->data()) + m->size(), path);
   if (j.is_discarded() || !j.is_object()) throw Error(path + ": is not a JSON object");
   return j;
 }
@@ -38,19 +41,33 @@ std::optional<DType> SafetensorsType(const std::string& s) {
   return std::nullopt;
 }
 
-// The weights files a folder's index (or the single file) names.
-std::vector<std::string> WeightFiles(ckpt::Env* env, const std::string& dir, const std::string& single, const std::string& index) {
-  if (env->Exists(dir + "/" + single)) return {single};
-  if (!env->Exists(dir + "/" + index)) return {};
-  const nlohmann::json j = ReadJson(env, dir + "/" + index);
-  if (!j.contains("weight_map") || !j["weight_map"].is_object()) throw Error(dir + "/" + index + ": has no 'weight_map' object");
+// The weights files a folder's index (or the single file) names, and the
+// index's weight_map (empty for a single file): which file holds each tensor.
+struct WeightFiles {
   std::vector<std::string> files;
-  for (const auto& [k, v] : j["weight_map"].items()) {
-    if (!v.is_string() || v.get<std::string>().find('/') != std::string::npos)
-      throw Error(dir + "/" + index + ": weight_map['" + k + "'] is not a file name in the folder");
-    if (std::find(files.begin(), files.end(), v.get<std::string>()) == files.end()) files.push_back(v.get<std::string>());
+  std::map<std::string, std::string> weight_map;
+  std::string index;  // the index's path, for messages
+};
+
+WeightFiles FindWeightFiles(ckpt::Env* env, const std::string& dir, const std::string& single, const std::string& index) {
+  WeightFiles w;
+  if (env->Exists(dir + "/" + single)) {
+    w.files = {single};
+    return w;
   }
-  return files;
+  if (!env->Exists(dir + "/" + index)) return w;
+  w.index = dir + "/" + index;
+  ckpt::RequireInside(dir, w.index);
+  const nlohmann::json j = ReadJson(env, w.index);
+  if (!j.contains("weight_map") || !j["weight_map"].is_object()) throw Error(w.index + ": has no 'weight_map' object");
+  for (const auto& [k, v] : j["weight_map"].items()) {
+    if (!v.is_string() || v.get<std::string>().empty() || v.get<std::string>().find('/') != std::string::npos ||
+        v.get<std::string>() == "." || v.get<std::string>() == "..")
+      throw Error(w.index + ": weight_map['" + k + "'] is not a file name in the folder");
+    w.weight_map[k] = v.get<std::string>();
+    if (std::find(w.files.begin(), w.files.end(), v.get<std::string>()) == w.files.end()) w.files.push_back(v.get<std::string>());
+  }
+  return w;
 }
 
 }  // namespace
@@ -61,7 +78,7 @@ std::map<std::string, SafetensorsEntry> ParseSafetensors(std::span<const uint8_t
   uint64_t n = 0;
   for (int b = 0; b < 8; ++b) n |= static_cast<uint64_t>(p[b]) << (8 * b);
   if (n > file.size() - 8) throw Error(path + ": header length " + std::to_string(n) + " runs past the file");
-  const nlohmann::json h = nlohmann::json::parse(p + 8, p + 8 + n, nullptr, false);
+  const nlohmann::json h = ckpt::ParseJsonBounded(reinterpret_cast<const char*>(p + 8), reinterpret_cast<const char*>(p + 8 + n), path);
   if (h.is_discarded() || !h.is_object()) throw Error(path + ": the header is not a JSON object");
   const uint64_t body = 8 + n, avail = file.size() - body;
   std::map<std::string, SafetensorsEntry> out;
@@ -88,6 +105,14 @@ std::map<std::string, SafetensorsEntry> ParseSafetensors(std::span<const uint8_t
     entry.begin = body + b, entry.end = body + t;
     out.emplace(k, std::move(entry));
   }
+  // Each tensor owns its bytes: overlapping entries would import one tensor's data as another's.
+  std::vector<std::pair<const std::string*, const SafetensorsEntry*>> by_offset;
+  for (const auto& [k, e] : out)
+    if (e.end > e.begin) by_offset.push_back({&k, &e});
+  std::sort(by_offset.begin(), by_offset.end(), [](const auto& a, const auto& b) { return a.second->begin < b.second->begin; });
+  for (size_t i = 1; i < by_offset.size(); ++i)
+    if (by_offset[i].second->begin < by_offset[i - 1].second->end)
+      throw Error(path + ": tensors '" + *by_offset[i - 1].first + "' and '" + *by_offset[i].first + "' overlap in the file (data_offsets)");
   return out;
 }
 
@@ -96,6 +121,7 @@ std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, i
   s->dir_ = dir;
   const std::string cpath = dir + "/config.json";
   if (!env->IsDirectory(dir) || !env->Exists(cpath)) throw Error(dir + ": is not a Hugging Face model folder (no config.json)");
+  ckpt::RequireInside(dir, cpath);
   const nlohmann::json c = ReadJson(env, cpath);
   const std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty() &&
                                    c["architectures"][0].is_string()
@@ -126,20 +152,37 @@ std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, i
     throw Error(cpath + ": architecture '" + arch + "' is not one this import knows (LlamaForCausalLM, GPT2LMHeadModel)");
   }
   if (f.hidden % f.heads || f.heads % f.kv_heads) throw Error(cpath + ": the head counts do not divide the hidden size");
+  if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(cpath + ": " + why);
   f.make_vocab_size_divisible_by = divisible;
 
-  // The weights: safetensors when present, else torch's .bin.
-  std::vector<std::string> files = WeightFiles(env, dir, "model.safetensors", "model.safetensors.index.json");
-  const bool safetensors = !files.empty();
-  if (!safetensors) files = WeightFiles(env, dir, "pytorch_model.bin", "pytorch_model.bin.index.json");
-  if (files.empty()) throw Error(dir + ": holds no model.safetensors, pytorch_model.bin or their index");
-  for (const std::string& name : files) {
+  // The weights: safetensors when present, else torch's .bin. With an index, each tensor
+  // comes from the file its weight_map names, as transformers loads it; a name
+  // two files hold, or one the index does not place, is refused rather than
+  // letting the last file read win.
+  WeightFiles w = FindWeightFiles(env, dir, "model.safetensors", "model.safetensors.index.json");
+  const bool safetensors = !w.files.empty();
+  if (!safetensors) w = FindWeightFiles(env, dir, "pytorch_model.bin", "pytorch_model.bin.index.json");
+  if (w.files.empty()) throw Error(dir + ": holds no model.safetensors, pytorch_model.bin or their index");
+  std::map<std::string, std::string> held_by;
+  auto take = [&](const std::string& name, const std::string& file, Source src) {
+    if (const auto it = held_by.find(name); it != held_by.end())
+      throw Error(dir + ": tensor '" + name + "' is in both " + it->second + " and " + file + "; refusing to pick one");
+    if (!w.index.empty()) {
+      const auto mapped = w.weight_map.find(name);
+      if (mapped == w.weight_map.end()) throw Error(dir + "/" + file + ": tensor '" + name + "' is not in " + w.index + "'s weight_map");
+      if (mapped->second != file)
+        throw Error(dir + "/" + file + ": holds tensor '" + name + "', which " + w.index + " places in " + mapped->second);
+    }
+    held_by[name] = file;
+    s->sources_[name] = std::move(src);
+  };
+  for (const std::string& name : w.files) {
     const std::string path = dir + "/" + name;
     if (!env->Exists(path)) throw Error(path + ": missing (named by the folder's index)");
+    ckpt::RequireInside(dir, path);
     if (safetensors) {
       auto m = env->MapFile(path);
-      for (auto& [k, e] : ParseSafetensors({m->data(), m->size()}, path))
-        s->sources_[k] = Source{m->data() + e.begin, m.get(), std::move(e.shape), e.dtype};
+      for (auto& [k, e] : ParseSafetensors({m->data(), m->size()}, path)) take(k, name, Source{m->data() + e.begin, m.get(), std::move(e.shape), e.dtype});
       s->files_.push_back(std::move(m));
     } else {
       ckpt::Value sd = ckpt::LoadPt(path, {}, env);
@@ -148,11 +191,13 @@ std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, i
         if (!k.is_str() || !v.is_tensor()) continue;
         const ckpt::Tensor& t = v.as_tensor();
         if (!t.is_contiguous()) throw Error(path + ": tensor '" + k.as_str() + "' is not contiguous");
-        s->sources_[k.as_str()] = Source{t.data(), nullptr, t.shape(), t.dtype()};
+        take(k.as_str(), name, Source{t.data(), nullptr, t.shape(), t.dtype()});
       }
       s->loaded_.push_back(std::move(sd));
     }
   }
+  for (const auto& [k, file] : w.weight_map)
+    if (!held_by.count(k)) throw Error(dir + "/" + file + ": has no tensor '" + k + "', which " + w.index + " places there");
 
   // Every tensor the mapping names, of its shape and one float type.
   const auto emb = s->sources_.find(f.gelu ? "transformer.wte.weight" : "model.embed_tokens.weight");

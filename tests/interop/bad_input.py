@@ -25,6 +25,10 @@ from canon import BIN, CONFIG, INSPECT, TOKENIZE, TRAIN, VERIFY, TempDirTest, ru
 from nnm_fixture import make_hf_converted, make_nnm
 
 CONVERT = os.path.join(BIN, "convert", "nnm2nxdt-ckpt")
+RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
+EXPORT = os.path.join(BIN, "tools", "ckpt-export")
+IMPORT = os.path.join(BIN, "tools", "ckpt-import")
+HF_LLAMA = dict(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=32)
 CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf", "tiny_llama.yaml")
 TEXT = "/usr/share/common-licenses/GPL-3"
 MEMORY = 4 << 30  # bytes of address space per command: ulimit -v
@@ -33,6 +37,63 @@ LLAMA = dict(hidden=16, ffn=24, heads=4, kv_heads=4, layers=4, vocab=32, seq=8, 
 RANK_FILE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"
 
 TALLY = collections.OrderedDict()  # command -> [cases, behaved well]
+
+
+def good_groups(h5):
+    """The names under /optim of an export (parameter names)."""
+    import h5py
+    with h5py.File(h5, "r") as f:
+        return list(f["optim"].keys())
+
+
+def hf_tensors(cfg, seed=0):
+    """A LlamaForCausalLM state dict of `cfg`'s sizes, float32."""
+    g = torch.Generator().manual_seed(seed)
+    H, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = H // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    sd = {"model.embed_tokens.weight": (V, H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd.update({p + "input_layernorm.weight": (H,), p + "self_attn.q_proj.weight": (H, H), p + "self_attn.k_proj.weight": (kv, H),
+                   p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, H), p + "post_attention_layernorm.weight": (H,),
+                   p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H), p + "mlp.down_proj.weight": (H, F)})
+    sd.update({"model.norm.weight": (H,), "lm_head.weight": (V, H)})
+    return {k: torch.randn(shape, generator=g) for k, shape in sd.items()}
+
+
+def write_safetensors(path, tensors, header_edit=None):
+    """safetensors by hand (8-byte little-endian header length, JSON header, data)."""
+    header, blobs, at = {}, [], 0
+    for k, t in tensors.items():
+        b = t.contiguous().numpy().tobytes()
+        header[k] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [at, at + len(b)]}
+        blobs.append(b)
+        at += len(b)
+    if header_edit:
+        header_edit(header)
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def make_hf(root, shards=1):
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "config.json"), "w") as f:
+        json.dump(dict(HF_LLAMA, architectures=["LlamaForCausalLM"]), f)
+    sd = hf_tensors(HF_LLAMA)
+    if shards == 1:
+        write_safetensors(os.path.join(root, "model.safetensors"), sd)
+        return root
+    names = list(sd)
+    weight_map = {}
+    for k in range(shards):
+        part = names[k::shards]
+        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        write_safetensors(os.path.join(root, fname), {n: sd[n] for n in part})
+        weight_map.update({n: fname for n in part})
+    with open(os.path.join(root, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return root
 
 
 def limited():
@@ -228,6 +289,303 @@ class BadInput(TempDirTest):
         self.expect(c, base + ["trainer.max_steps=30"], named + ["resume_past_damaged_checkpoints"], codes=(2,), changes_allowed=[metrics])
         self.expect(c, base + ["trainer.max_steps=30", f"exp_manager.resume_from_checkpoint={tags[0]}"],
                     [tags[0], "not a complete, intact checkpoint"], changes_allowed=[metrics])
+
+    def trained_tag(self, steps=10, every=10):
+        os.makedirs(os.path.join(self.dir, "data"), exist_ok=True)
+        run(TOKENIZE, TEXT, os.path.join(self.dir, "data", "text_document"))
+        subprocess.run([TRAIN, CONF, "exp_manager.explicit_log_dir=run", "exp_manager.async_checkpointing=False", f"trainer.max_steps={steps}",
+                        f"exp_manager.checkpoint_callback_params.every_n_train_steps={every}",
+                        "exp_manager.checkpoint_callback_params.save_top_k=-1"],
+                       cwd=self.dir, check=True, capture_output=True)
+        return sorted(glob.glob(os.path.join(self.dir, "run", "checkpoints", "*.ckpt")))
+
+    def test_resume_trusts_only_a_tag_that_verifies(self):
+        """The newest tag loses its manifest and 256 bytes of a model file (same size): resume
+        must not train on it, and retention must not delete the good tags before it."""
+        c = "shardkit-train resume"
+        tags = self.trained_tag(steps=30)
+        self.assertEqual(len(tags), 3)
+        newest = [t for t in tags if "step=30" in t][0]
+        os.remove(os.path.join(newest, "manifest.json"))
+        path = os.path.join(newest, "model", RANK_FILE)
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.seek(size // 2)
+            f.write(bytes(range(256)))
+        self.assertEqual(os.path.getsize(path), size)
+        base = [TRAIN, CONF, "exp_manager.explicit_log_dir=run", "exp_manager.async_checkpointing=False",
+                "exp_manager.checkpoint_callback_params.every_n_train_steps=10", "exp_manager.checkpoint_callback_params.save_top_k=2"]
+        TALLY.setdefault(c, [0, 0])[0] += 1
+        p = subprocess.run(base + ["trainer.max_steps=40"], cwd=self.dir, capture_output=True, text=True, timeout=SECONDS,
+                           preexec_fn=limited, stdin=subprocess.DEVNULL)
+        out = p.stdout + p.stderr
+        self.assertEqual(p.returncode, 0, out)
+        self.assertIn("skipping " + os.path.basename(newest), out)
+        self.assertIn("resumed from " + os.path.relpath(tags[1], self.dir), out)
+        # The damaged tag is kept as evidence (set aside, never deleted), and every tag that is
+        # there afterwards verifies.
+        aside = glob.glob(newest + ".damaged*")
+        self.assertEqual(len(aside), 1, os.listdir(os.path.dirname(newest)))
+        self.assertEqual(read(os.path.join(aside[0], "model", RANK_FILE))[size // 2:size // 2 + 256], bytes(range(256)))
+        TALLY[c][1] += 1
+
+        # Without a manifest but intact, a tag is resumed, checked by what its files say of
+        # themselves; the newest tag that verifies against its manifest outlives save_top_k.
+        c = "shardkit-train retention"
+        TALLY.setdefault(c, [0, 0])[0] += 1
+        tags = sorted(t for t in glob.glob(os.path.join(self.dir, "run", "checkpoints", "*.ckpt")))
+        at40 = [t for t in tags if "step=40" in t][0]
+        os.remove(os.path.join(at40, "manifest.json"))
+        p = subprocess.run(base + ["trainer.max_steps=60"], cwd=self.dir, capture_output=True, text=True, timeout=SECONDS,
+                           preexec_fn=limited, stdin=subprocess.DEVNULL)
+        out = p.stdout + p.stderr
+        self.assertEqual(p.returncode, 0, out)
+        self.assertIn("checked without one", out)
+        self.assertIn("resumed from " + os.path.relpath(at40, self.dir), out)
+        left = sorted(os.path.basename(t) for t in glob.glob(os.path.join(self.dir, "run", "checkpoints", "*.ckpt")))
+        # save_top_k=2 counts 60 and 50; 40 (no manifest) is neither counted nor deleted, and 30,
+        # the newest tag verified against its manifest before it, stays.
+        self.assertEqual([t.split("--")[1].split("-")[0] for t in left], ["step=30", "step=40", "step=50", "step=60"], left)
+        self.assertIn("kept", out)
+        TALLY[c][1] += 1
+
+    def test_resume_falls_back_past_a_truncated_tag(self):
+        """A truncated model file whose manifest entry was rewritten to match: the tag does not load,
+        so resume takes the older one instead of stopping."""
+        tags = self.trained_tag(steps=20)
+        newest = tags[-1]
+        path = os.path.join(newest, "model", RANK_FILE)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        manifest = os.path.join(newest, "manifest.json")
+        m = json.loads(read(manifest))
+        import zlib
+        data = read(path)
+        m["files"]["model/" + RANK_FILE] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        with open(manifest, "w") as f:
+            json.dump(m, f)
+        c = "shardkit-train truncated"
+        TALLY.setdefault(c, [0, 0])[0] += 1
+        p = subprocess.run([TRAIN, CONF, "exp_manager.explicit_log_dir=run", "exp_manager.async_checkpointing=False", "trainer.max_steps=25"],
+                           cwd=self.dir, capture_output=True, text=True, timeout=SECONDS, preexec_fn=limited, stdin=subprocess.DEVNULL)
+        out = p.stdout + p.stderr
+        self.assertEqual(p.returncode, 0, out)
+        self.assertIn("unreadable", out)
+        self.assertIn("resumed from " + os.path.relpath(tags[0], self.dir), out)
+        TALLY[c][1] += 1
+
+    # -- ckpt-import (HDF5) -----------------------------------------------
+    def test_ckpt_import_h5(self):
+        import h5py
+        import numpy as np
+        import pickle
+        c = "ckpt-import"
+        tag = self.trained_tag()[0]
+        good = os.path.join(self.dir, "good.h5")
+        run(EXPORT, tag, good)
+        out = os.path.join(self.dir, "out.ckpt")
+        pwned = os.path.join(self.dir, "PWNED")
+
+        def case(name, mutate, msg):
+            h5 = os.path.join(self.dir, name + ".h5")
+            shutil.copy(good, h5)
+            with h5py.File(h5, "r+") as f:
+                mutate(f)
+            self.expect(c, [IMPORT, h5, out, "--tp", 1, "--pp", 1], [h5] + msg, codes=(2,), absent=[out])
+            self.assertFalse(os.path.exists(pwned))
+
+        class Evil:
+            def __reduce__(self):
+                return (os.system, ("touch " + pwned,))
+
+        def set_attr(f, key, value):
+            del f.attrs[key]
+            f.attrs[key] = value
+
+        groups = pickle.dumps([{"params": [0], "lr": 0.1, "hook": Evil()}], protocol=2)
+        case("pickle", lambda f: set_attr(f, "param_groups", np.frombuffer(groups, dtype=np.uint8)), ["param_groups", "system", "not checkpoint data"])
+        call = {"t": "object", "module": "posix", "name": "system", "how": "reduce",
+                "args": {"t": "tuple", "items": [{"t": "str", "v": "touch " + pwned}]}, "state": None, "list_items": [], "dict_items": []}
+        for attr in ("user_content.pt", "scheduler.pt"):
+            case("json_call_" + attr[:4], lambda f: set_attr(f, attr, json.dumps({"t": "dict", "items": [[{"t": "str", "v": "x"}, call]]})),
+                 [attr, "posix.system", "not checkpoint data"])
+        case("global", lambda f: set_attr(f, "user_content.pt", json.dumps({"t": "global", "module": "os", "name": "system"})),
+             ["os.system"])
+        case("deep", lambda f: set_attr(f, "user_content.pt", "[" * 20000 + "]" * 20000), ["user_content.pt", "nested deeper"])
+        case("source_layout", lambda f: set_attr(f, "source_layout", "[1, 2]"), ["source_layout", "is array where an object"])
+
+        def model_attr(**kw):
+            def mutate(f):
+                m = json.loads(f.attrs["model"])
+                m.update(kw)
+                set_attr(f, "model", json.dumps(m))
+            return mutate
+
+        case("vocab", model_attr(vocab_size=2 ** 34), ["vocabulary", str(2 ** 34)])
+        case("layers", model_attr(num_layers=2 ** 20), ["layer count"])
+        first = [k for k in good_groups(good)][0]
+        case("step", lambda f: set_attr(f["optim"][first], "step", json.dumps({"t": "str", "v": "seven"})), ["step", "not AdamW's step"])
+        case("step_nan", lambda f: set_attr(f["optim"][first], "step", json.dumps({"t": "float", "bits": "7ff8000000000000"})), ["step"])
+
+        # Nothing outside the file: external links, external raw storage, virtual datasets.
+        other = os.path.join(self.dir, "other.h5")
+        with h5py.File(other, "w") as f:
+            f["data"] = np.zeros(4, dtype=np.float32)
+        case("elink", lambda f: f.__setitem__("/model/sneaky", h5py.ExternalLink(other, "/data")), ["external link"])
+
+        def replace_dataset(f, how):
+            path = "/model/" + first
+            src = f[path]
+            data, attrs = src[()], dict(src.attrs)
+            del f[path]
+            if how == "external":
+                raw = os.path.join(self.dir, "raw.bin")
+                data.tofile(raw)
+                ds = f.create_dataset(path, shape=data.shape, dtype=data.dtype, external=[(raw, 0, data.nbytes)])
+            else:
+                layout = h5py.VirtualLayout(shape=data.shape, dtype=data.dtype)
+                with h5py.File(other, "a") as o:
+                    if "v" in o:
+                        del o["v"]
+                    o["v"] = data
+                layout[...] = h5py.VirtualSource(other, "v", shape=data.shape)
+                ds = f.create_virtual_dataset(path, layout)
+            for k, v in attrs.items():
+                ds.attrs[k] = v
+
+        case("external", lambda f: replace_dataset(f, "external"), ["external files"])
+        case("virtual", lambda f: replace_dataset(f, "virtual"), ["virtual dataset"])
+        # A FIFO where the file is expected: refused at once, not waited on.
+        fifo = os.path.join(self.dir, "fifo.h5")
+        os.mkfifo(fifo)
+        self.expect(c, [IMPORT, fifo, out, "--tp", 1, "--pp", 1], [fifo, "not a regular file"], codes=(2,), absent=[out])
+
+    # -- ckpt-import --format hf ------------------------------------------
+    def test_ckpt_import_hf(self):
+        c = "ckpt-import --format hf"
+        out = os.path.join(self.dir, "out.ckpt")
+
+        def imp(src, msg, codes=(2,)):
+            self.expect(c, [IMPORT, "--format", "hf", src, out, "--tp", 1, "--pp", 1], msg, codes=codes, absent=[out])
+
+        # An in-folder link the index names, pointing outside: refused, the outside file never opened.
+        hf = make_hf(os.path.join(self.dir, "hf_link"), shards=2)
+        shard = os.path.join(hf, "model-00002-of-00002.safetensors")
+        outside = os.path.join(self.dir, "elsewhere", "w.safetensors")
+        os.makedirs(os.path.dirname(outside))
+        shutil.move(shard, outside)
+        os.symlink(outside, shard)
+        imp(hf, [shard, "outside"])
+        hf = make_hf(os.path.join(self.dir, "hf_config_link"))
+        shutil.move(os.path.join(hf, "config.json"), os.path.join(self.dir, "elsewhere", "config.json"))
+        os.symlink(os.path.join(self.dir, "elsewhere", "config.json"), os.path.join(hf, "config.json"))
+        imp(hf, ["config.json", "outside"])
+        # A Hugging Face cache snapshot links into its blobs/: that stays allowed.
+        cache = os.path.join(self.dir, "models--x--tiny")
+        snap = make_hf(os.path.join(cache, "snapshots", "abc"))
+        os.makedirs(os.path.join(cache, "blobs"))
+        for name in ("config.json", "model.safetensors"):
+            shutil.move(os.path.join(snap, name), os.path.join(cache, "blobs", name + ".blob"))
+            os.symlink(os.path.join("..", "..", "blobs", name + ".blob"), os.path.join(snap, name))
+        self.expect(c + " (cache)", [IMPORT, "--format", "hf", snap, out, "--tp", 1, "--pp", 1], [], codes=(0,))
+        shutil.rmtree(out)
+        # weight_map is followed: a stray shard holding every name (zeros) is refused, not imported.
+        hf = make_hf(os.path.join(self.dir, "hf_stray"), shards=2)
+        write_safetensors(os.path.join(hf, "model-00002-of-00002.safetensors"), {k: torch.zeros_like(v) for k, v in hf_tensors(HF_LLAMA).items()})
+        imp(hf, ["in both", "refusing to pick one"])
+        hf = make_hf(os.path.join(self.dir, "hf_moved"), shards=2)
+        idx = os.path.join(hf, "model.safetensors.index.json")
+        m = json.loads(read(idx))
+        k = sorted(m["weight_map"])[0]
+        m["weight_map"][k] = "model-00002-of-00002.safetensors" if m["weight_map"][k].startswith("model-00001") else "model-00001-of-00002.safetensors"
+        with open(idx, "w") as f:
+            json.dump(m, f)
+        imp(hf, [k, "places"])
+        # Safetensors headers that lie.
+        root = make_hf(os.path.join(self.dir, "hf_st"))
+        st = os.path.join(root, "model.safetensors")
+        sd = hf_tensors(HF_LLAMA)
+        q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+        for edit, msg in ((lambda h: h[o].update(data_offsets=h[q]["data_offsets"]), "overlap"),
+                          (lambda h: h[q].update(shape=[2 ** 40, 2 ** 40]), q),
+                          (lambda h: h[q].update(shape=[2 ** 62, 4]), q),
+                          (lambda h: h[q].update(data_offsets=[0, 2 ** 63]), q),
+                          (lambda h: h[q].update(dtype="I64"), "dtype")):
+            write_safetensors(st, sd, edit)
+            imp(root, [st, msg])
+        with open(st, "wb") as f:
+            f.write((2 ** 60).to_bytes(8, "little") + b"{}")
+        imp(root, [st, "header length"])
+        write_safetensors(st, sd)
+        # config.json with sizes past any model, or nested without end.
+        cfg = os.path.join(root, "config.json")
+        good_cfg = read(cfg)
+        for key, value, msg in (("num_hidden_layers", 2 ** 40, "layer count"), ("vocab_size", 2 ** 34, "vocabulary"),
+                                ("hidden_size", 2 ** 62, "hidden_size")):
+            with open(cfg, "w") as f:
+                json.dump(dict(json.loads(good_cfg), **{key: value}), f)
+            imp(root, [cfg, msg])
+        with open(cfg, "w") as f:
+            f.write('{"a": ' + "[" * 20000 + "]" * 20000 + "}")
+        imp(root, [cfg, "nested deeper"])
+        with open(cfg, "wb") as f:
+            f.write(good_cfg)
+        # A FIFO where a weights file is expected.
+        os.remove(st)
+        os.mkfifo(st)
+        imp(root, [st, "not a regular file"])
+
+    # -- ckpt-reshard, ckpt-export, ckpt-verify --against ---------------------
+    def test_ckpt_reshard_export_verify(self):
+        hf = make_hf(os.path.join(self.dir, "hf"))
+        tag = os.path.join(self.dir, "tags", "a.ckpt")
+        run(IMPORT, "--format", "hf", hf, tag, "--tp", 2, "--pp", 1)
+        out = os.path.join(self.dir, "out.ckpt")
+        c = "ckpt-reshard"
+        self.expect(c, [RESHARD, tag, out, "--tp", 1, "--pp", 1, "--dp", 1000000, "--zero1"], ["rank files"], codes=(2,), absent=[out])
+        # A rank file linked out of the tag is not read through the link.
+        victim = os.path.join(tag, "model", "dp_rank_00_tp_rank_01_pp_rank_00.pt")
+        moved = os.path.join(self.dir, "elsewhere.pt")
+        shutil.copy(victim, moved)
+        original = read(victim)
+        os.remove(victim)
+        os.symlink(moved, victim)
+        self.expect(c, [RESHARD, tag, out, "--tp", 1, "--pp", 1], ["dp_rank_00_tp_rank_01_pp_rank_00.pt", "outside"], codes=(2,), absent=[out])
+        self.expect("ckpt-export", [EXPORT, tag, os.path.join(self.dir, "x.h5")], ["outside"], codes=(2,),
+                    absent=[os.path.join(self.dir, "x.h5")])
+        os.remove(victim)
+        with open(victim, "wb") as f:
+            f.write(original)
+        # A FIFO for a rank file.
+        os.rename(victim, moved)
+        os.mkfifo(victim)
+        self.expect(c, [RESHARD, tag, out, "--tp", 1, "--pp", 1], ["dp_rank_00_tp_rank_01_pp_rank_00.pt", "not a regular file"], codes=(2,),
+                    absent=[out])
+        self.expect(c + " --no_verify", [RESHARD, tag, out, "--tp", 1, "--pp", 1, "--no_verify"], ["not a regular file"], codes=(2,),
+                    absent=[out])
+        os.remove(victim)
+        os.rename(moved, victim)
+        # ckpt-verify --against computes: rank files swapped and their checksums rewritten do not pass as "same".
+        other = os.path.join(self.dir, "tags", "b.ckpt")
+        shutil.copytree(tag, other)
+        a0, a1 = (os.path.join(other, "model", f"dp_rank_00_tp_rank_0{r}_pp_rank_00.pt") for r in (0, 1))
+        os.rename(a0, a0 + ".x")
+        os.rename(a1, a0)
+        os.rename(a0 + ".x", a1)
+        manifest = os.path.join(other, "manifest.json")
+        m = json.loads(read(manifest))
+        import zlib
+        for p in (a0, a1):
+            data = read(p)
+            m["files"][os.path.relpath(p, other)] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        with open(manifest, "w") as f:
+            json.dump(m, f)
+        got = self.expect("ckpt-verify --against", [VERIFY, tag, "--against", other], ["self_attention.query.weight", "records another fingerprint"], codes=(1,))
+        self.assertNotIn("same state", got)
+        # ckpt-export --format hf checks the recorded fingerprints too.
+        self.expect("ckpt-export --format hf", [EXPORT, other, os.path.join(self.dir, "hfout"), "--format", "hf"], ["fingerprint"], codes=(2,),
+                    absent=[os.path.join(self.dir, "hfout")])
+        self.expect("ckpt-verify --rtol", [VERIFY, tag, "--against", tag, "--rtol", "nan"], ["--rtol"], codes=(2,))
 
     # -- shardkit-tokenize ------------------------------------------------
     def test_shardkit_tokenize(self):
