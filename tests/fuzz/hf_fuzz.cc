@@ -1,6 +1,8 @@
 // libFuzzer target for the Hugging Face import's safetensors header parser
-// (tools/hf_state.h) and the fingerprint pieces a rank record carries
-// (ckpt/fingerprint.h). ckpt::Error is a correct rejection; a crash, UB, a
+// (tools/hf_state.h), the fingerprint pieces a rank record carries
+// (ckpt/fingerprint.h), and the path an HDF5 export's JSON attributes take on
+// import (the bounded parse, canonical JSON to a Value tree, the plain-data
+// check that keeps calls out of the output, the model format). ckpt::Error is a correct rejection; a crash, UB, a
 // leak or any other exception is a finding.
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -8,6 +10,9 @@
 
 #include "ckpt/error.h"
 #include "ckpt/fingerprint.h"
+#include "ckpt/partition.h"
+#include "ckpt/value.h"
+#include "ckpt/value_json.h"
 #include "tools/hf_state.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -17,8 +22,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } catch (const ckpt::Error&) {
   }
   try {
-    const nlohmann::json j = nlohmann::json::parse(data, data + size, nullptr, false);
+    const nlohmann::json j = ckpt::ParseJsonBounded(reinterpret_cast<const char*>(data), reinterpret_cast<const char*>(data) + size, "fuzz");
     if (!j.is_discarded()) {
+      try {
+        ckpt::RequirePlainData(ckpt::ValueFromJson(j), "fuzz/user_content.pt");
+      } catch (const ckpt::Error&) {
+      }
+      try {
+        ckpt::ModelFormat::FromJson(j, "fuzz/model");
+      } catch (const ckpt::Error&) {
+      }
       ckpt::FingerprintCollector c;
       c.MergeJson(j, "fuzz/rank_00000.json");
       c.Finish({{"w", ckpt::StateField::kParam, ckpt::DType::kFloat32, 16}});

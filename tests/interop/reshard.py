@@ -361,7 +361,8 @@ class Reshard(TempDirTest):
 
     def test_a_wrong_recorded_fingerprint_is_named(self):
         """ckpt-verify --fingerprints recomputes them from the data; --against
-        trusts them, finds the data equal, and says a manifest is wrong."""
+        computes them too, checks the recorded ones against them and names the
+        manifest that records a wrong one (the data are the same)."""
         _, a = self.check(GQA, L(1, 1), L(2, 1))
         b = os.path.join(self.out, "b")
         self.assertEqual(reshard(a, b, "--tp", 4, "--pp", 2).returncode, 0)
@@ -379,8 +380,8 @@ class Reshard(TempDirTest):
         v = subprocess.run([VERIFY, a, "--against", b, "--json"], capture_output=True, text=True)
         self.assertEqual(v.returncode, 1, v.stdout + v.stderr)
         d = json.loads(v.stdout)["differences"]
-        self.assertEqual(d, [{"tensor": name, "difference": "exp_avg: the data are the same but the fingerprints differ, "
-                                                              "so a manifest records a wrong one"}])
+        self.assertEqual(d, [{"tensor": name, "difference": f"exp_avg: {b}'s manifest records another fingerprint than its data have "
+                                                              "(files changed or swapped after the manifest was written)"}])
 
     def test_mpirun_ranks_split_the_files_and_write_what_one_process_writes(self):
         """Under mpirun -np 3 the ranks write their share of the files and rank 0
