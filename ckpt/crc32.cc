@@ -6,6 +6,8 @@
 
 #include <vector>
 
+#include "ckpt/env.h"
+
 namespace ckpt {
 uint32_t Crc32Combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
   // zlib's (since 1.2.12: x^(8·len2) mod P from a table of squares, a few
@@ -28,6 +30,18 @@ uint32_t Crc32(std::span<const uint8_t> data) {
   uint32_t crc = crcs[0];
   for (size_t i = 1; i < chunks; ++i)
     crc = Crc32Combine(crc, crcs[i], std::min(kChunk, data.size() - i * kChunk));
+  return crc;
+}
+
+uint32_t Crc32Mapped(const MappedFile& file, std::span<const uint8_t> range) {
+  constexpr size_t kWindow = 16 << 20;
+  uint32_t crc = 0;
+  for (size_t at = 0; at < range.size(); at += kWindow) {
+    const auto piece = range.subspan(at, std::min(kWindow, range.size() - at));
+    if (at + kWindow < range.size()) file.Prefetch(piece.data() + piece.size(), std::min(kWindow, range.size() - at - kWindow));
+    crc = Crc32Combine(crc, Crc32(piece), piece.size());
+    file.DropPages(piece.data(), piece.size());
+  }
   return crc;
 }
 

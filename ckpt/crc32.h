@@ -12,4 +12,10 @@ uint32_t Crc32(std::span<const uint8_t> data);
 // The CRC-32 of A followed by B, from crc(A), crc(B) and len(B).
 uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
+class MappedFile;
+// The CRC-32 of `range`, a part of mapped `file`, summed a window at a time:
+// each window is read ahead and released once summed, so checking a file
+// costs its page cache, never this process's memory.
+uint32_t Crc32Mapped(const MappedFile& file, std::span<const uint8_t> range);
+
 }  // namespace ckpt

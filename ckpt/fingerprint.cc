@@ -149,18 +149,23 @@ TensorFingerprints ComputeFingerprints(const LogicalState& tag, size_t chunk, st
   return out;
 }
 
+std::vector<FingerprintMismatch> RecordedMismatches(const TensorFingerprints& recorded, const TensorFingerprints& computed) {
+  std::vector<FingerprintMismatch> out;
+  for (const auto& [name, fields] : computed) {
+    const auto n = recorded.find(name);
+    if (n == recorded.end()) continue;
+    for (const auto& [field, got] : fields)
+      if (const auto f = n->second.find(field); f != n->second.end() && !(f->second == got)) out.push_back({name, field, f->second, got});
+  }
+  return out;
+}
+
 void CheckRecordedFingerprints(const LogicalState& tag, size_t chunk, std::optional<StateField> only) {
-  const auto& recorded = tag.recorded_fingerprints();
-  if (!recorded) return;
-  for (const auto& [name, fields] : ComputeFingerprints(tag, chunk, only))
-    for (const auto& [field, got] : fields) {
-      const auto n = recorded->find(name);
-      if (n == recorded->end()) continue;
-      const auto f = n->second.find(field);
-      if (f != n->second.end() && f->second.crc32 != got.crc32)
-        throw Error(tag.path() + ": " + name + " " + field + " reads with fingerprint " + CrcHex(got.crc32) + ", but its manifest records " +
-                    CrcHex(f->second.crc32) + ": its data changed since it was written");
-    }
+  if (!tag.recorded_fingerprints()) return;
+  const auto bad = RecordedMismatches(*tag.recorded_fingerprints(), ComputeFingerprints(tag, chunk, only));
+  if (!bad.empty())
+    throw Error(tag.path() + ": " + bad[0].tensor + " " + bad[0].field + " reads with fingerprint " + CrcHex(bad[0].computed.crc32) +
+                ", but its manifest records " + CrcHex(bad[0].recorded.crc32) + ": its data changed since it was written");
 }
 
 }  // namespace ckpt

@@ -69,6 +69,14 @@ class FingerprintCollector {
 // returns its fingerprints.
 TensorFingerprints ComputeFingerprints(const LogicalState& tag, size_t chunk = 4 << 20, std::optional<StateField> only = std::nullopt);
 
+// A field whose recorded fingerprint is not the one computed from its data.
+struct FingerprintMismatch {
+  std::string tensor, field;
+  TensorFingerprint recorded, computed;
+};
+// The fields both hold whose fingerprints differ (dtype, count or CRC-32), in name order.
+std::vector<FingerprintMismatch> RecordedMismatches(const TensorFingerprints& recorded, const TensorFingerprints& computed);
+
 // Throws ckpt::Error naming the tensor when `tag` records fingerprints and its
 // data (the parameters, or every field) no longer match them.
 void CheckRecordedFingerprints(const LogicalState& tag, size_t chunk, std::optional<StateField> only = std::nullopt);

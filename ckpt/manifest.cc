@@ -18,19 +18,8 @@ std::string CrcHex(uint32_t v) {
 }
 
 FileDigest DigestFile(Env* env, const std::string& path) {
-  // In chunks, each read ahead and released once summed: checking a file
-  // costs its page cache, never this process's memory.
-  constexpr size_t kChunk = 16 << 20;
   auto m = env->MapFile(path);
-  uint32_t crc = 0;
-  const auto all = m->bytes();
-  for (size_t at = 0; at < all.size(); at += kChunk) {
-    const auto piece = all.subspan(at, std::min(kChunk, all.size() - at));
-    if (at + kChunk < all.size()) m->Prefetch(piece.data() + piece.size(), std::min(kChunk, all.size() - at - kChunk));
-    crc = Crc32Combine(crc, Crc32(piece), piece.size());
-    m->DropPages(piece.data(), piece.size());
-  }
-  return {m->size(), crc};
+  return {m->size(), Crc32Mapped(*m, m->bytes())};
 }
 
 nlohmann::ordered_json Manifest::ToJson() const {

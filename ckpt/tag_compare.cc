@@ -52,19 +52,11 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b, const Co
   rep.recorded_b = b.recorded_fingerprints().has_value();
   const TensorFingerprints fpa = ComputeFingerprints(a, chunk);
   const TensorFingerprints fpb = ComputeFingerprints(b, chunk);
-  for (const LogicalState* s : {&a, &b}) {
-    if (!s->recorded_fingerprints()) continue;
-    const TensorFingerprints& computed = s == &a ? fpa : fpb;
-    for (const auto& [name, fields] : *s->recorded_fingerprints())
-      for (const auto& [field, rec] : fields) {
-        const auto n = computed.find(name);
-        if (n == computed.end()) continue;
-        const auto f = n->second.find(field);
-        if (f != n->second.end() && (f->second.crc32 != rec.crc32 || f->second.numel != rec.numel))
-          rep.differences.push_back({name, field + ": " + s->path() + "'s manifest records another fingerprint than its data "
-                                                   "have (files changed or swapped after the manifest was written)"});
-      }
-  }
+  for (const LogicalState* s : {&a, &b})
+    if (s->recorded_fingerprints())
+      for (const FingerprintMismatch& m : RecordedMismatches(*s->recorded_fingerprints(), s == &a ? fpa : fpb))
+        rep.differences.push_back({m.tensor, m.field + ": " + s->path() + "'s manifest records another fingerprint than its data "
+                                                       "have (files changed or swapped after the manifest was written)"});
   std::vector<uint8_t> ba(chunk), bb(chunk);
   // Streams `t` from both tags a chunk at a time into ba and bb; `each(at, n)` sees elements
   // [at, at + n) and returns true to stop.
@@ -114,12 +106,6 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b, const Co
     });
     return beyond;
   };
-  auto find = [](const TensorFingerprints& fp, const LogicalTensor& t) -> const TensorFingerprint* {
-    const auto n = fp.find(t.name);
-    if (n == fp.end()) return nullptr;
-    const auto f = n->second.find(FieldName(t.field));
-    return f == n->second.end() ? nullptr : &f->second;
-  };
   std::vector<StateField> fields{StateField::kParam};
   if (a.layout().has_optimizer && b.layout().has_optimizer) {
     fields.insert(fields.end(), {StateField::kExpAvg, StateField::kExpAvgSq});
@@ -127,24 +113,21 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b, const Co
   }
   for (const LogicalTensor& t : LogicalTensors(a)) {
     if (std::find(fields.begin(), fields.end(), t.field) == fields.end() || !b.Has(t.name, t.field)) continue;
+    // Both computed from the data over every logical tensor each tag holds, so both are there.
     const std::string field = FieldName(t.field);
-    const TensorFingerprint *x = find(fpa, t), *y = find(fpb, t);
-    if (!x || !y) {
-      rep.differences.push_back({t.name, field + ": the manifest of " + (x ? b.path() : a.path()) + " records no fingerprint of it"});
+    const TensorFingerprint &x = fpa.at(t.name).at(field), &y = fpb.at(t.name).at(field);
+    if (x.dtype != y.dtype) {
+      rep.differences.push_back({t.name, field + " is " + x.dtype + " in one tag, " + y.dtype + " in the other"});
       continue;
     }
-    if (x->dtype != y->dtype) {
-      rep.differences.push_back({t.name, field + " is " + x->dtype + " in one tag, " + y->dtype + " in the other"});
-      continue;
-    }
-    if (x->numel != t.numel || y->numel != t.numel) {
-      rep.differences.push_back({t.name, field + ": a fingerprint counts " + std::to_string(x->numel == t.numel ? y->numel : x->numel) +
-                                             " elements, the tensor has " + std::to_string(t.numel)});
+    if (x.numel != y.numel) {
+      rep.differences.push_back({t.name, field + " has " + std::to_string(x.numel) + " elements in one tag, " + std::to_string(y.numel) +
+                                             " in the other"});
       continue;
     }
     ++rep.tensors;
     rep.bytes += t.numel * ElementSize(t.dtype);
-    if (x->crc32 == y->crc32) continue;
+    if (x.crc32 == y.crc32) continue;
     if (tolerant && CanCast(t.dtype, DType::kFloat64)) {
       if (const auto at = first_beyond_tolerance(t))
         rep.differences.push_back({t.name, field + " differs beyond the tolerance first at element " + std::to_string(*at) + " of " +
@@ -153,10 +136,8 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b, const Co
         ++rep.inexact;
       continue;
     }
-    if (const auto at = first_difference(t))
+    if (const auto at = first_difference(t))  // fingerprints computed from equal data are equal, so one is found
       rep.differences.push_back({t.name, field + " differs first at element " + std::to_string(*at) + " of " + std::to_string(t.numel)});
-    else
-      rep.differences.push_back({t.name, field + ": the data are the same but the fingerprints differ, so a manifest records a wrong one"});
   }
   for (const ParamRule& p : a.params())
     if (a.layout().has_optimizer && b.layout().has_optimizer && !DeepEqual(a.Step(p.name), b.Step(p.name)))

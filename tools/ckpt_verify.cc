@@ -129,15 +129,14 @@ std::vector<ckpt::TagProblem> CheckFingerprints(ckpt::Env* env, const std::strin
   std::vector<ckpt::TagProblem> out;
   const ckpt::TensorFingerprints have = ckpt::ComputeFingerprints(*t), &want = *t->recorded_fingerprints();
   for (const auto& [name, fields] : have)
-    for (const auto& [field, f] : fields) {
-      const auto n = want.find(name);
-      const auto w = n == want.end() ? nullptr : (n->second.count(field) ? &n->second.at(field) : nullptr);
-      if (!w) out.push_back({ckpt::kManifestFile, "records no fingerprint of " + name + " " + field});
-      else if (!(*w == f))
-        out.push_back({ckpt::kManifestFile, "the fingerprint of " + name + " " + field + " is " + ckpt::CrcHex(w->crc32) + " (" +
-                                                std::to_string(w->numel) + " " + w->dtype + "), the data's is " + ckpt::CrcHex(f.crc32) + " (" +
-                                                std::to_string(f.numel) + " " + f.dtype + ")"});
-    }
+    for (const auto& [field, f] : fields)
+      if (!want.count(name) || !want.at(name).count(field)) out.push_back({ckpt::kManifestFile, "records no fingerprint of " + name + " " + field});
+  for (const ckpt::FingerprintMismatch& m : ckpt::RecordedMismatches(want, have)) {
+    const ckpt::TensorFingerprint &w = m.recorded, &f = m.computed;
+    out.push_back({ckpt::kManifestFile, "the fingerprint of " + m.tensor + " " + m.field + " is " + ckpt::CrcHex(w.crc32) + " (" +
+                                            std::to_string(w.numel) + " " + w.dtype + "), the data's is " + ckpt::CrcHex(f.crc32) + " (" +
+                                            std::to_string(f.numel) + " " + f.dtype + ")"});
+  }
   for (const auto& [name, fields] : want)
     for (const auto& [field, f] : fields)
       if (!have.count(name) || !have.at(name).count(field))

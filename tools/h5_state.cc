@@ -2,9 +2,6 @@
 
 #include <sys/stat.h>
 
-#include <cerrno>
-#include <cstring>
-
 #include <hdf5.h>
 
 #include <algorithm>
@@ -136,10 +133,14 @@ nlohmann::json ParseJson(const std::string& text, const std::string& where) {
 }
 
 // HDF5 opens the file itself, not through Env: a FIFO would block it forever.
-void RequireRegularFile(const std::string& path) {
+bool IsRegularFile(const std::string& path) {
   struct stat st;
-  if (::stat(path.c_str(), &st) != 0) throw Error(path + ": cannot open: " + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) throw Error(path + ": is not a regular file (a FIFO, socket, device or folder); refusing to read it");
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+void RequireRegularFile(const std::string& path) {
+  if (!IsRegularFile(path))
+    throw Error(path + ": is not a regular file (a FIFO, socket, device or folder), or cannot be read; refusing to read it");
 }
 
 // An export holds its data in itself. External links, external raw storage
@@ -421,9 +422,7 @@ ExportSummary WriteH5State(const ckpt::LogicalState& src, const std::string& tag
 bool IsH5State(const std::string& path) {
   std::lock_guard<std::mutex> lock(ckpt::Hdf5Lock());
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;  // a FIFO would block the open
-  if (H5Fis_hdf5(path.c_str()) <= 0) return false;
+  if (!IsRegularFile(path) || H5Fis_hdf5(path.c_str()) <= 0) return false;
   const Hid file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   if (!file.ok()) return false;
   try {
