@@ -24,12 +24,7 @@ TEST(ValueJson, RoundTripKeepsStorageSharingAndExactFloats) {
 
 TEST(ValueJson, ParseJsonBoundedRefusesDeepNestingAndKeepsTheRest) {
   const std::string deep = std::string(20000, '[') + std::string(20000, ']');
-  std::string e;
-  try {
-    ParseJsonBounded(deep, "attr");
-  } catch (const Error& err) {
-    e = err.what();
-  }
+  const std::string e = testing::ErrorOf([&] { ParseJsonBounded(deep, "attr"); });
   EXPECT_NE(e.find("attr: JSON nested deeper than 1000"), std::string::npos) << e;
   const std::string ok = std::string(900, '[') + std::string(900, ']');
   EXPECT_TRUE(ParseJsonBounded(ok, "attr").is_array());

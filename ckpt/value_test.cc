@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "ckpt/error.h"
+#include "ckpt/test_util.h"
 
 namespace ckpt {
 
@@ -69,12 +70,7 @@ TEST(Value, RequirePlainDataRefusesWhatTorchLoadWouldCall) {
   call->args = std::make_shared<Value>(Value::Tuple({Value("touch /tmp/pwned")}));
   Value bad = Value::List({Value(1), ok});
   bad.as_seq().items[1].as_dict().Set("hook", Value(call));
-  std::string e;
-  try {
-    RequirePlainData(bad, "user_content.pt");
-  } catch (const Error& err) {
-    e = err.what();
-  }
+  const std::string e = testing::ErrorOf([&] { RequirePlainData(bad, "user_content.pt"); });
   EXPECT_NE(e.find("user_content.pt at [1]['hook']"), std::string::npos) << e;
   EXPECT_NE(e.find("posix.system"), std::string::npos) << e;
   EXPECT_THROW(RequirePlainData(Value(Global{"os", "system"}), "x"), Error);
