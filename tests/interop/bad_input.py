@@ -16,6 +16,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
@@ -118,14 +119,15 @@ def snapshot(root):
 
 
 class BadInput(TempDirTest):
-    def expect(self, command, argv, names, codes=(1, 2), absent=(), cwd=None, changes_allowed=()):
+    def expect(self, command, argv, names, codes=(1, 2), absent=(), cwd=None, changes_allowed=(), memory=MEMORY):
         """Runs one case; `absent`: outputs that must not exist afterwards;
-        `changes_allowed`: files the command may rewrite (logs)."""
+        `changes_allowed`: files the command may rewrite (logs); `memory`: the
+        address-space limit (None: only for a case that maps a huge sparse input)."""
         TALLY.setdefault(command, [0, 0])[0] += 1
         before = snapshot(self.dir)
         t0 = time.time()
         p = subprocess.run([str(a) for a in argv], cwd=cwd or self.dir, capture_output=True, text=True, timeout=SECONDS,
-                           preexec_fn=limited, stdin=subprocess.DEVNULL)
+                           preexec_fn=limited if memory == MEMORY else None, stdin=subprocess.DEVNULL)
         took = time.time() - t0
         out = p.stderr + p.stdout
         what = f"{command} {' '.join(str(a) for a in argv[1:])}"
@@ -530,6 +532,32 @@ class BadInput(TempDirTest):
         imp(root, [cfg, "nested deeper"])
         with open(cfg, "wb") as f:
             f.write(good_cfg)
+        # A model within the size bounds whose output (2 TiB of embeddings) exceeds the free space:
+        # refused before anything is written. The input is a sparse file outside the snapshot folder.
+        with tempfile.TemporaryDirectory() as big:
+            cfg_big = dict(HF_LLAMA, hidden_size=1 << 14, intermediate_size=1 << 14, num_attention_heads=128, num_key_value_heads=128,
+                           num_hidden_layers=1, vocab_size=1 << 24, architectures=["LlamaForCausalLM"])
+            with open(os.path.join(big, "config.json"), "w") as f:
+                json.dump(cfg_big, f)
+            H, V = cfg_big["hidden_size"], cfg_big["vocab_size"]
+            shapes = {"model.embed_tokens.weight": [V, H], "model.layers.0.input_layernorm.weight": [H],
+                      "model.layers.0.post_attention_layernorm.weight": [H], "model.norm.weight": [H], "lm_head.weight": [V, H]}
+            for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                      "mlp.down_proj"):
+                shapes[f"model.layers.0.{n}.weight"] = [H, H]
+            header, at = {}, 0
+            for k, shape in shapes.items():
+                n = 4 * shape[0] * (shape[1] if len(shape) > 1 else 1)
+                header[k] = {"dtype": "F32", "shape": shape, "data_offsets": [at, at + n]}
+                at += n
+            text = json.dumps(header).encode()
+            big_st = os.path.join(big, "model.safetensors")
+            with open(big_st, "wb") as f:
+                f.write(len(text).to_bytes(8, "little") + text)
+                f.truncate(8 + len(text) + at)
+            self.assertGreater(at, 2 * shutil.disk_usage(self.dir).free)
+            self.expect(c, [IMPORT, "--format", "hf", big, out, "--tp", 1, "--pp", 1], ["the output needs", "free; nothing was written"],
+                        codes=(2,), absent=[out], memory=None)
         # A FIFO where a weights file is expected.
         os.remove(st)
         os.mkfifo(st)
