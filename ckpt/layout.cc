@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <regex>
 
+#include "ckpt/error.h"
+
 namespace ckpt {
 
 namespace {
@@ -21,8 +23,12 @@ std::string RankFileName(const RankCoord& r) {
 
 std::optional<RankCoord> ParseRankFileName(const std::string& name) {
   // At most 6 digits: longer numbers are no rank file (and would overflow int).
-  static const std::regex re(R"(dp_rank_(\d{1,6})(?:_ep_rank_\d{1,6})?_tp_rank_(\d{1,6})_pp_rank_(\d{1,6})\.pt)");
+  static const std::regex re(R"(dp_rank_(\d{1,6})_tp_rank_(\d{1,6})_pp_rank_(\d{1,6})\.pt)");
   std::smatch m;
+  static const std::regex ep(R"(dp_rank_\d{1,6}_ep_rank_\d{1,6}_tp_rank_\d{1,6}_pp_rank_\d{1,6}\.pt)");
+  // NxD trainer/checkpoint.py _get_path(..., ep=True) names expert-parallel files so.
+  if (std::regex_match(name, ep))
+    throw Error(name + ": an expert-parallel rank file (_ep_rank_); shardkit does not read expert-parallel (MoE) checkpoints yet");
   if (!std::regex_match(name, m, re)) return std::nullopt;
   return RankCoord{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3])};
 }

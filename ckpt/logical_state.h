@@ -92,6 +92,8 @@ class LogicalState {
   virtual const std::optional<TensorFingerprints>& recorded_fingerprints() const = 0;
   // A tag-level file the source carries (scheduler.pt, user_content.pt), if any.
   virtual std::optional<Value> TagFile(const std::string& name) const = 0;
+  // Whether the source's rank files are xser (a writer's default container).
+  virtual bool xser() const { return false; }
   // Memory reading may hold beyond what Read copies (caches), for budgets.
   virtual uint64_t ReadMemory() const { return 0; }
 };

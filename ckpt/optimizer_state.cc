@@ -83,4 +83,29 @@ Value ParamGroupsFor(const Value& source, const Grouping& to) {
   return out;
 }
 
+int64_t Zero1SavedAsOneShard(const Value& file) {
+  if (!file.is_dict()) return 0;
+  const Value* base = file.as_dict().Find("base_state");
+  const Value* shapes = file.as_dict().Find("shape_info");
+  if (!base || !shapes || !base->is_dict() || !shapes->is_dict()) return 0;
+  for (const auto& [id, entry] : base->as_dict().items) {
+    if (!id.is_int() || id.as_int() < 0) continue;
+    const Value* shape = EntryById(shapes->as_dict(), static_cast<size_t>(id.as_int()));
+    const Value* avg = entry.is_dict() ? entry.as_dict().Find("exp_avg") : nullptr;
+    if (!shape || !shape->is_seq() || shape->as_seq().items.empty() || !avg || !avg->is_tensor() || avg->as_tensor().shape().empty()) continue;
+    const Value& r = shape->as_seq().items[0];
+    if (!r.is_int()) continue;
+    const int64_t rows = r.as_int(), shard = avg->as_tensor().shape()[0];
+    if (shard > 0 && shard < rows) return (rows + shard - 1) / shard;
+  }
+  return 0;
+}
+
+std::string Zero1OneShardMessage(const std::string& where, int64_t dp) {
+  return where + ": NxDT saved a dp=" + std::to_string(dp) +
+         " ZeRO-1 optimizer as one shard; the other ranks' moments were never written (NxDT passes zero1_optimizer from "
+         "cfg.wrap_with_zero, which NxDT configs do not set). The model weights are complete: use --weights_only to take them "
+         "with a fresh optimizer";
+}
+
 }  // namespace ckpt

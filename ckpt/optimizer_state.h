@@ -32,6 +32,18 @@ struct OptimizerFile {
 // shape_info, sharded_master_weights); nullptr when absent.
 const Value* EntryById(const Dict& by_id, size_t id);
 
+// When `file` (a tag's only ZeRO-1 optimizer file of its tp/pp rank, no other
+// dp rank's beside it) holds shards with fewer rows than its shape_info says,
+// the dp degree it was sharded over (rows / shard rows); else 0. That is how
+// NxDT saves a ZeRO-1 optimizer at dp > 1: NxDT nlp_overrides.py
+// NLPCheckpointIO.save_checkpoint passes zero1_optimizer from the NNM key
+// cfg.wrap_with_zero, which no NxDT config sets, so NxD trainer/checkpoint.py
+// save_checkpoint writes dp rank 0's file only and the other ranks' moments
+// are lost; NxD load_checkpoint then hands that one shard to every rank.
+int64_t Zero1SavedAsOneShard(const Value& file);
+// The message for such a file.
+std::string Zero1OneShardMessage(const std::string& where, int64_t dp);
+
 // The sizes of the groups a `param_groups` list holds, after checking that
 // their ids run 0, 1, ... across the groups in order, as torch numbers them.
 // Throws ckpt::Error naming `where`.

@@ -7,6 +7,7 @@
 
 #include "ckpt/crc32.h"
 #include "ckpt/error.h"
+#include "ckpt/input_guard.h"
 #include "ckpt/pickle_reader.h"
 #include "ckpt/zip_reader.h"
 #include "ckpt/zip_writer.h"
@@ -180,6 +181,7 @@ Value LoadPtFromFile(std::shared_ptr<const MappedFile> file, const LoadOptions& 
 }
 
 Value LoadPt(const std::string& path, const LoadOptions& opts, Env* env) {
+  if (!opts.confine_to.empty()) RequireInside(opts.confine_to, path);
   return LoadPtFromFile(env->MapFile(path), opts);
 }
 

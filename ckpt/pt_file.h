@@ -22,6 +22,9 @@ namespace ckpt {
 struct LoadOptions {
   // Recompute every record's CRC-32 (touches every byte).
   bool verify_crc = false;
+  // When set, every file read (an xser file's tensor files too) must resolve
+  // inside this folder; one that does not is refused, never read.
+  std::string confine_to;
 };
 
 Value LoadPt(const std::string& path, const LoadOptions& opts = {}, Env* env = Env::Default());

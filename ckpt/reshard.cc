@@ -24,6 +24,7 @@
 #include "ckpt/pt_file.h"
 #include "ckpt/resume.h"
 #include "ckpt/tag_verify.h"
+#include "ckpt/xser.h"
 #include "ckpt/tag_writer.h"
 
 namespace ckpt {
@@ -226,12 +227,14 @@ std::string StagesString(const std::vector<int64_t>& b) {
 
 }  // namespace
 
-std::string ResolveSourceTag(const std::string& src_arg, bool verify, ckpt::Env* env, const LogFn& log, int rank) {
+std::string ResolveSourceTag(const std::string& src_arg, bool verify, ckpt::Env* env, const LogFn& log, int rank, bool weights_only) {
   const std::string src = ckpt::WithoutTrailingSeparators(src_arg);
   if (!env->IsDirectory(src)) throw Error(src + ": no such folder");
   std::string tag = src;
   if (env->IsDirectory(src + "/model")) {
-    if (!env->Exists(src + "/" + ckpt::kDoneMarker))
+    if (ckpt::IsModelOnlyFolder(env, src))
+      log(src + ": model/ alone (as NxD's checkpoint_converter.py writes it): read as a weights-only tag");
+    else if (!env->Exists(src + "/" + ckpt::kDoneMarker))
       throw Error(src + ": has no `done` marker, so its save never finished; refusing to read an incomplete tag");
   } else {
     const auto newest = ckpt::FindLatestCheckpoint(env, src, verify, log);
@@ -241,11 +244,11 @@ std::string ResolveSourceTag(const std::string& src_arg, bool verify, ckpt::Env*
   }
   if (verify && rank == 0) {
     const ckpt::TagReport rep = ckpt::VerifyTag(env, tag, {.checksums = true});
-    if (!rep.ok()) {
-      std::string what;
-      for (const auto& p : rep.problems) what += "\n  " + (p.file.empty() ? "" : p.file + ": ") + p.what;
-      throw Error(tag + ": fails verification, so it is not read (--no_verify skips this):" + what);
-    }
+    std::string what;
+    for (const auto& p : rep.problems)
+      if (weights_only && p.file.rfind("optim/", 0) == 0) log("note: " + p.file + ": " + p.what + " (not read: --weights_only)");
+      else what += "\n  " + (p.file.empty() ? "" : p.file + ": ") + p.what;
+    if (!what.empty()) throw Error(tag + ": fails verification, so it is not read (--no_verify skips this):" + what);
   }
   return tag;
 }
@@ -270,8 +273,9 @@ uint64_t PeakRss() {
 ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log) {
   const auto t0 = Clock::now();
   ReshardSummary sum;
-  sum.src_tag = ResolveSourceTag(a.src, a.verify_source, env, log, a.launch.rank);
-  const auto src = ckpt::ShardedTag::Open(env, sum.src_tag, a.hints);
+  sum.src_tag = ResolveSourceTag(a.src, a.verify_source, env, log, a.launch.rank, a.weights_only);
+  const auto src = ckpt::ShardedTag::Open(env, sum.src_tag, a.hints, {.weights_only = a.weights_only});
+  if (src->optimizer_skipped()) sum.notes.push_back("--weights_only: the source's optimizer state is not read; the target has none");
   sum.bytes_read = src->bytes();
   return WriteInLayout(*src, std::filesystem::path(sum.src_tag).filename().string(), a, env, log, t0, std::move(sum));
 }
@@ -311,7 +315,10 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     sum.notes.push_back("the vocabulary padding grows from " + std::to_string(sum.vocab_rows_from) + " to " +
                         std::to_string(sum.vocab_rows_to) + " rows: the new padding rows are zero");
   if (!L.format_from_manifest) sum.notes.push_back("model format (no manifest): " + L.format.Describe());
-  if (!L.has_optimizer) sum.notes.push_back("the source holds no optimizer state; the target has none either");
+  if (!L.has_optimizer && !a.weights_only) sum.notes.push_back("the source holds no optimizer state; the target has none either");
+  const bool xser = a.save_xser.value_or(src->xser());
+  sum.notes.push_back(std::string("container: ") + (xser ? "xser (X.pt, X.pt.tensors/tensor_<tid>.pt, X.pt.info.pt)" : "plain .pt") +
+                      (a.save_xser ? "" : ", as the source's"));
 
   // The output, named as the trainer names tags with --checkpoint_dir.
   if (a.dst.empty() == a.checkpoint_dir.empty()) throw Error("give exactly one of DST (the new tag folder) and --checkpoint_dir");
@@ -381,8 +388,19 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     std::vector<ckpt::FileToWrite> mine;
     std::vector<uint64_t> tensor_bytes;  // what the progress bar counts
     std::stable_sort(plan.begin(), plan.end(), [](const auto& x, const auto& y) { return x.bytes > y.bytes; });  // big first: balance
-    for (auto& f : plan)
-      if (ckpt::WritesUnit(f.unit, a.launch.rank, a.launch.world_size)) mine.push_back(f.file), tensor_bytes.push_back(f.bytes);
+    for (auto& f : plan) {
+      if (!ckpt::WritesUnit(f.unit, a.launch.rank, a.launch.world_size)) continue;
+      if (!xser || f.unit < 0) {  // tag-level files (scheduler, user content) are plain .pt in either container, as NxD writes them
+        mine.push_back(f.file), tensor_bytes.push_back(f.bytes);
+        continue;
+      }
+      for (auto& part : ckpt::SplitForXser(f.file.relpath, f.file.value)) {
+        const bool tensor = part.value.is_tensor();
+        ckpt::SaveOptions opts = f.file.options;
+        opts.weights_only &= tensor;  // X.pt holds TensorReference objects, info.pt torch dtypes
+        mine.push_back({part.path, std::move(part.value), opts}), tensor_bytes.push_back(tensor ? part.value.as_tensor().nbytes() : 0);
+      }
+    }
     sum.files = static_cast<int>(mine.size());
     sum.bytes_written = ckpt::WriteRankFilesReporting(env, staged.staging, a.launch.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0,
                                                       [&] { return fingerprints.ToJson(); });

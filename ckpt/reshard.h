@@ -40,6 +40,10 @@ struct ReshardArgs {
   uint64_t memory_budget = uint64_t{512} << 20;
   int threads = 1;
   bool dry_run = false, overwrite = false, verify_source = true;
+  // Read the source's model only (TagReadOptions::weights_only); the target has no optimizer.
+  bool weights_only = false;
+  // Write rank files as xser (NxD's use_xser) or plain .pt; default: the source's container.
+  std::optional<bool> save_xser;
   ckpt::FormatHints hints;
   ckpt::MpiLaunch launch;       // under mpirun the ranks split the output files
   bool progress_bar = false;
@@ -71,9 +75,13 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& src, const std::string& s
                              const LogFn& log, std::chrono::steady_clock::time_point t0, ReshardSummary sum);
 
 // The tag SRC names: itself (it must have `done`), or a checkpoint folder's
-// newest complete tag (announced through `log`). With `verify`, rank 0 checks
-// its files against its manifest first. Throws ckpt::Error naming the problem.
-std::string ResolveSourceTag(const std::string& src, bool verify, ckpt::Env* env, const LogFn& log, int rank = 0);
+// newest complete tag (announced through `log`). A folder holding model/ alone
+// (NxD's checkpoint_converter.py output) is read as a weights-only tag. With
+// `verify`, rank 0 checks its files against its manifest first; with
+// `weights_only`, problems of optim/ files are not the reader's (it does not
+// open them). Throws ckpt::Error naming the problem.
+std::string ResolveSourceTag(const std::string& src, bool verify, ckpt::Env* env, const LogFn& log, int rank = 0,
+                             bool weights_only = false);
 
 // Peak resident memory of this process so far, in bytes.
 uint64_t PeakRss();

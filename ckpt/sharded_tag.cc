@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <set>
 
 #include "ckpt/error.h"
@@ -13,6 +14,7 @@
 #include "ckpt/output_guard.h"
 #include "ckpt/pt_file.h"
 #include "ckpt/training_state.h"
+#include "ckpt/xser.h"
 
 namespace ckpt {
 
@@ -27,6 +29,7 @@ const char* FieldName(StateField f) {
 }
 
 void Touched::Add(const MappedFile* f, const uint8_t* p, size_t n) {
+  if (!f) return;  // bytes of no mapped file (a legacy .pt read into memory)
   for (Span& s : spans_)
     if (s.file == f) {
       s.lo = std::min(s.lo, p), s.hi = std::max(s.hi, p + n);
@@ -64,7 +67,8 @@ std::vector<size_t> NonEmpty(std::vector<size_t> sizes) {
 
 class ShardedTagBuilder {
  public:
-  ShardedTagBuilder(Env* env, const std::string& dir, const FormatHints& hints) : env_(env), hints_(hints) {
+  ShardedTagBuilder(Env* env, const std::string& dir, const FormatHints& hints, const TagReadOptions& opts)
+      : env_(env), hints_(hints), opts_(opts) {
     t_ = std::unique_ptr<ShardedTag>(new ShardedTag());
     t_->env_ = env_;
     t_->dir_ = dir;
@@ -107,6 +111,19 @@ class ShardedTagBuilder {
   }
 
   Value Load(const std::string& rel) {
+    if (t_->xser_) {
+      Value v = LoadTagFile(env_, t_->dir_, rel);
+      t_->bytes_ += env_->FileSize(Path(rel));
+      std::set<const MappedFile*> files;
+      ForEachTensor(v, [&](const Tensor& x) {
+        if (const StorageOrigin* o = x.storage() ? x.storage()->origin() : nullptr; o && files.insert(o->file).second) {
+          t_->bytes_ += o->file->size();
+          o->file->DropPages(o->file->data(), o->file->size());  // what parsing touched is not needed again
+        }
+      });
+      t_->held_.push_back(v);
+      return v;
+    }
     auto f = env_->MapFile(Path(rel));
     t_->bytes_ += f->size();
     Value v = LoadPtFromFile(f);
@@ -114,6 +131,47 @@ class ShardedTagBuilder {
     t_->files_.push_back(f);
     file_of_[rel] = f.get();
     return v;
+  }
+
+  static void ForEachTensor(const Value& v, const std::function<void(const Tensor&)>& f) {
+    if (v.is_tensor()) f(v.as_tensor());
+    else if (v.is_seq())
+      for (const Value& c : v.as_seq().items) ForEachTensor(c, f);
+    else if (v.is_dict())
+      for (const auto& [k, c] : v.as_dict().items) ForEachTensor(c, f);
+  }
+
+  // The mapped file a tensor's bytes lie in: its own tensor file under xser.
+  const MappedFile* FileOf(const Tensor& x, const std::string& rel) const {
+    if (const StorageOrigin* o = x.storage() ? x.storage()->origin() : nullptr) return o->file;
+    auto it = file_of_.find(rel);
+    return it == file_of_.end() ? nullptr : it->second;
+  }
+
+  // The rank files of model/ or optim/, and whether each is xser. A tensor
+  // folder without its X.pt, and a mix of containers in one tag, are refused.
+  std::map<std::string, bool> ListRankFiles(const std::string& sub) {
+    std::map<std::string, bool> out;
+    if (!env_->IsDirectory(Path(sub))) return out;
+    const auto names = env_->ListDir(Path(sub));
+    const std::set<std::string> present(names.begin(), names.end());
+    for (const auto& n : names) {
+      if (IsTempPath(n)) continue;
+      if (const std::string x = XserFileOfTensorDir(n); !x.empty() && !present.count(x))
+        throw Error(Path(sub + "/" + n) + ": an xser tensor folder with no " + x + " beside it");
+      try {
+        if (ParseRankFileName(n)) out[n] = present.count(XserTensorDir(n)) > 0;
+      } catch (const Error& e) {
+        throw Error(Path(sub) + "/" + e.what());
+      }
+    }
+    for (const auto& [n, x] : out) {
+      if (!container_) container_ = {n, x};
+      if (x != container_->second)
+        throw Error(Path(sub + "/" + n) + (x ? " is xser (it has a .tensors folder) but " : " is plain .pt but ") + container_->first +
+                    (x ? " is plain .pt" : " is xser") + "; a tag is one container or the other, as NxD's loader reads it");
+    }
+    return out;
   }
 
   const ParamRule& Rule(const std::string& name) const {
@@ -128,10 +186,11 @@ class ShardedTagBuilder {
     if (!env_->IsDirectory(Path("model"))) throw Error(t_->dir_ + ": holds no model/ folder; not a checkpoint tag");
     std::set<std::pair<int, int>> model;
     int tp = 0, pp = 0;
-    for (const auto& n : env_->ListDir(Path("model"))) {
-      if (IsTempPath(n)) continue;
+    const auto model_files = ListRankFiles("model");
+    const auto optim_files = ListRankFiles("optim");
+    t_->xser_ = container_ && container_->second;
+    for (const auto& [n, xser] : model_files) {
       auto r = ParseRankFileName(n);
-      if (!r) continue;
       if (r->dp != 0) throw Error(Path("model/" + n) + ": model files come from dp rank 0 only");
       model.insert({r->tp, r->pp});
       tp = std::max(tp, r->tp + 1), pp = std::max(pp, r->pp + 1);
@@ -151,12 +210,10 @@ class ShardedTagBuilder {
     // Optimizer files: ZeRO-1 when they hold base_state, one per dp rank.
     std::set<std::tuple<int, int, int>> optim;
     int dp = 0;
-    if (env_->IsDirectory(Path("optim")))
-      for (const auto& n : env_->ListDir(Path("optim"))) {
-        if (IsTempPath(n)) continue;
-        if (auto r = ParseRankFileName(n)) optim.insert({r->dp, r->tp, r->pp}), dp = std::max(dp, r->dp + 1);
-      }
-    L.has_optimizer = !optim.empty();
+    for (const auto& [n, xser] : optim_files)
+      if (auto r = ParseRankFileName(n)) optim.insert({r->dp, r->tp, r->pp}), dp = std::max(dp, r->dp + 1);
+    L.has_optimizer = !optim.empty() && !opts_.weights_only;
+    t_->optimizer_skipped_ = !optim.empty() && opts_.weights_only;
     if (!L.has_optimizer) {
       L.grid.dp = manifest_ ? manifest_->grid.dp : 1;
       return;
@@ -169,8 +226,10 @@ class ShardedTagBuilder {
                         " dp rank(s) of tp " + std::to_string(tp) + ", pp " + std::to_string(pp));
     // ZeRO-1 or plain is read from the files themselves (LoadOptimizerFiles).
     L.grid.dp = dp;
-    const Value first = LoadPt(Path(Rel("optim", {0, 0, 0})), {}, env_);
+    const Value first = LoadTagFile(env_, t_->dir_, Rel("optim", {0, 0, 0}));
     L.grid.zero1 = first.is_dict() && first.as_dict().Find("base_state") != nullptr;
+    if (L.grid.zero1 && dp == 1 && (!manifest_ || manifest_->grid.dp > 1))
+      if (const int64_t lost = Zero1SavedAsOneShard(first)) throw Error(Zero1OneShardMessage(Path(Rel("optim", {0, 0, 0})), lost));
     if (!L.grid.zero1) {
       if (dp > 1) throw Error(Path(Rel("optim", {1, 0, 0})) + ": a plain optimizer state dict comes from dp rank 0 only");
       L.grid.dp = manifest_ ? manifest_->grid.dp : 1;
@@ -287,18 +346,23 @@ class ShardedTagBuilder {
       for (int t = 0; t < L.grid.tp; ++t) {
         const std::string where = Path(Rel("model", {0, t, p}));
         const Dict& d = At(t, p).model.as_dict();
-        size_t next = 0;
+        std::map<std::string, size_t> place;  // the stage's parameters, by name: NxD loads by name, so any key order
+        for (size_t i = 0; i < stage.size(); ++i) place[stage[i].name] = i;
+        std::vector<bool> seen(stage.size());
         std::string prev;
         for (const auto& [k, v] : d.items) {
+          if (!k.is_str()) throw Error(where + ": holds a key that is not a string");
           const std::string& name = k.as_str();
-          if (next < stage.size() && stage[next].name == name) {
-            const StageParam& sp = stage[next++];
+          if (auto it = place.find(name); it != place.end()) {
+            if (seen[it->second]) throw Error(where + ": '" + name + "' appears twice");
+            seen[it->second] = true;
+            const StageParam& sp = stage[it->second];
             const Tensor& x = AsTensor(v, where + ": '" + name + "'");
             const auto want = LocalShape(*sp.rule, L.format, L.grid.tp, t);
             if (x.shape() != want)
               throw Error(where + ": '" + name + "' has shape " + ShapeOf(x) + " but " + L.format.Describe() + " at tp " +
                           std::to_string(L.grid.tp) + " gives tp rank " + std::to_string(t) + " " + ShapeString(want));
-            if (name != kTiedOutputCopy) AddRuns(*sp.rule, StateField::kParam, t, x.data(), file_of_.at(Rel("model", {0, t, p})), 0,
+            if (name != kTiedOutputCopy) AddRuns(*sp.rule, StateField::kParam, t, x.data(), FileOf(x, Rel("model", {0, t, p})), 0,
                                                  want[0], want[0], owner, x.dtype(), where + ": '" + name + "'");
             prev = name;
             continue;
@@ -306,15 +370,16 @@ class ShardedTagBuilder {
           const int layer = LayerOfName(name);
           const bool known = std::any_of(t_->params_.begin(), t_->params_.end(), [&](const ParamRule& r) { return r.name == name; });
           if (known || name == kTiedOutputCopy)
-            throw Error(where + ": '" + name + "' is out of place: stage " + std::to_string(p) + " holds layers " +
+            throw Error(where + ": '" + name + "' belongs to another pipeline stage: stage " + std::to_string(p) + " holds layers " +
                         std::to_string(L.stage_bounds[p]) + ".." + std::to_string(L.stage_bounds[p + 1] - 1) +
-                        " and its parameters in module order" + (next < stage.size() ? " ('" + stage[next].name + "' comes next)" : ""));
+                        (p == 0 ? " and the embedding" : "") + (p + 1 == L.grid.pp ? " and the final norm and output layer" : ""));
           if (layer < 0 || !(name.ends_with(".inv_freq") || name.ends_with("._extra_state")))
             throw Error(where + ": '" + name + "' is not a parameter of " + L.format.Describe() + " that ckpt-reshard knows how to split");
           if (t == 0) t_->buffers_.push_back({name, prev, layer, v});
           prev = name;
         }
-        if (next < stage.size()) throw Error(where + ": has no '" + stage[next].name + "'");
+        for (size_t i = 0; i < stage.size(); ++i)
+          if (!seen[i]) throw Error(where + ": has no '" + stage[i].name + "'");
       }
     }
   }
@@ -417,7 +482,7 @@ class ShardedTagBuilder {
               if (!val) throw Error(fat + " is missing");
               const Tensor& x = AsTensor(*val, fat);
               if (x.shape() != want) throw Error(fat + " has shape " + ShapeOf(x) + ", not " + ShapeString(want));
-              AddRuns(rule, field, t, x.data(), file_of_.at(rel), d * shard, (d + 1) * shard, rows, owner, x.dtype(), fat);
+              AddRuns(rule, field, t, x.data(), FileOf(x, rel), d * shard, (d + 1) * shard, rows, owner, x.dtype(), fat);
             }
           }
         }
@@ -455,7 +520,7 @@ class ShardedTagBuilder {
     if (env_->Exists(Path(kUserContentFile))) {
       // NxD saves whatever user content its caller passes: a dict without
       // NxDT's step entries only leaves the step unknown (0).
-      const Value v = LoadPt(Path(kUserContentFile), {}, env_);
+      const Value v = LoadTagFile(env_, t_->dir_, kUserContentFile);
       try {
         const UserContent uc = UserContent::FromValue(v, Path(kUserContentFile));
         t_->step_ = uc.global_step, t_->consumed_ = uc.consumed_samples;
@@ -466,21 +531,22 @@ class ShardedTagBuilder {
 
   Env* env_;
   FormatHints hints_;
+  TagReadOptions opts_;
+  std::optional<std::pair<std::string, bool>> container_;  // the first rank file seen, and whether it is xser
   std::unique_ptr<ShardedTag> t_;
   std::optional<Manifest> manifest_;
   std::vector<RankFiles> ranks_;
   std::map<std::string, const MappedFile*> file_of_;
 };
 
-std::unique_ptr<ShardedTag> ShardedTag::Open(Env* env, const std::string& tag_dir, const FormatHints& hints) {
-  return ShardedTagBuilder(env, WithoutTrailingSeparators(tag_dir), hints).Build();
+std::unique_ptr<ShardedTag> ShardedTag::Open(Env* env, const std::string& tag_dir, const FormatHints& hints, const TagReadOptions& opts) {
+  return ShardedTagBuilder(env, WithoutTrailingSeparators(tag_dir), hints, opts).Build();
 }
 
 std::optional<Value> ShardedTag::TagFile(const std::string& name) const {
   const std::string path = dir_ + "/" + name;
   if (!env_->Exists(path)) return std::nullopt;
-  RequireInside(dir_, path);
-  return LoadPt(path, {}, env_);
+  return LoadTagFile(env_, dir_, name);
 }
 
 DType ShardedTag::dtype(const std::string& name, StateField f) const {

@@ -30,11 +30,22 @@
 
 namespace ckpt {
 
+struct TagReadOptions {
+  // Read the model only; optimizer files are not opened (a fresh optimizer
+  // follows). The way past an optimizer that cannot be read, such as the
+  // one-shard ZeRO-1 state NxDT writes at dp > 1 (Zero1SavedAsOneShard).
+  bool weights_only = false;
+};
+
 class ShardedTag final : public LogicalState {
  public:
   // Throws ckpt::Error naming the file, key and problem for anything that is
-  // not a complete, consistent tag.
-  static std::unique_ptr<ShardedTag> Open(Env* env, const std::string& tag_dir, const FormatHints& hints = {});
+  // not a complete, consistent tag. Rank files are plain .pt or xser (the
+  // whole tag one or the other, as NxD's loader decides per tag:
+  // checkpoint_storage.py is_checkpoint_xser), each tensor file mapped;
+  // model files may list their entries in any order (names are the keys).
+  static std::unique_ptr<ShardedTag> Open(Env* env, const std::string& tag_dir, const FormatHints& hints = {},
+                                          const TagReadOptions& opts = {});
 
   const std::string& path() const override { return dir_; }
   const TagLayout& layout() const override { return layout_; }
@@ -53,8 +64,12 @@ class ShardedTag final : public LogicalState {
   using Buffer = StateBuffer;
   const std::vector<Buffer>& buffers() const override { return buffers_; }
   bool model_dict_ordered() const override { return ordered_; }
-  // Bytes of every rank file.
+  // Bytes of every rank file (with xser, of every tensor file too).
   uint64_t bytes() const { return bytes_; }
+  // Whether the rank files are xser (X.pt + X.pt.tensors/) rather than plain .pt.
+  bool xser() const override { return xser_; }
+  // The tag has optimizer files that were not read (TagReadOptions::weights_only).
+  bool optimizer_skipped() const { return optimizer_skipped_; }
   int64_t step() const override { return step_; }
   // The fingerprints the manifest records (ckpt/fingerprint.h), if any.
   const std::optional<TensorFingerprints>& recorded_fingerprints() const override { return recorded_; }
@@ -87,7 +102,9 @@ class ShardedTag final : public LogicalState {
   Value param_groups_;
   std::vector<Buffer> buffers_;
   std::vector<std::shared_ptr<const MappedFile>> files_;
+  std::vector<Value> held_;  // xser rank files: their tensors keep the tensor files mapped
   bool ordered_ = false;
+  bool xser_ = false, optimizer_skipped_ = false;
   uint64_t bytes_ = 0;
   int64_t step_ = 0;
   double consumed_ = 0;

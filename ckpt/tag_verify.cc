@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -12,6 +13,7 @@
 #include "ckpt/error.h"
 #include "ckpt/input_guard.h"
 #include "ckpt/manifest.h"
+#include "ckpt/optimizer_state.h"
 #include "ckpt/output_guard.h"
 #include "ckpt/xser.h"
 #include "ckpt/tag_writer.h"
@@ -35,7 +37,8 @@ bool IsOwnBookkeeping(const std::string& rel) {
 }
 
 // The grid implied by the rank files present (NxD tags have no manifest).
-std::optional<RankGrid> InferGrid(const std::vector<std::string>& files) {
+// Names that cannot be taken for a rank (expert-parallel ones) are problems.
+std::optional<RankGrid> InferGrid(const std::vector<std::string>& files, const std::function<void(std::string, std::string)>& problem) {
   RankGrid g{0, 0, 0, false};
   bool any = false;
   for (const auto& f : files) {
@@ -43,7 +46,12 @@ std::optional<RankGrid> InferGrid(const std::vector<std::string>& files) {
       if (f.rfind(sub, 0) != 0) continue;
       std::string name = f.substr(6);
       if (name.find('/') != std::string::npos) continue;  // xser tensors
-      auto rc = ParseRankFileName(name);
+      std::optional<RankCoord> rc;
+      try {
+        rc = ParseRankFileName(name);
+      } catch (const Error& e) {
+        problem(f, e.what());
+      }
       if (!rc) continue;
       any = true;
       g.tp = std::max(g.tp, rc->tp + 1);
@@ -68,7 +76,9 @@ bool IsDirectlyLoaded(const std::string& rel) {
 // writes. Returns the problem, or "".
 std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string& rel, bool crc) {
   try {
-    LoadPtOrXser(tag_dir + "/" + rel, {.verify_crc = crc}, env);
+    LoadOptions opts;
+    opts.verify_crc = crc;
+    LoadTagFile(env, tag_dir, rel, opts);
     return "";
   } catch (const Error& e) {
     return std::string("unreadable: ") + e.what();
@@ -90,7 +100,8 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
   const std::set<std::string> present(files.begin(), files.end());
   r.has_done = present.count(kDoneMarker);
   r.has_manifest = present.count(kManifestFile);
-  if (!r.has_done) problem(kDoneMarker, "missing: the save never completed");
+  r.model_only = IsModelOnlyFolder(env, tag_dir);
+  if (!r.has_done && !r.model_only) problem(kDoneMarker, "missing: the save never completed");
 
   for (const auto& f : files)
     if (IsTempPath(f)) problem(f, "leftover temporary file from an interrupted write");
@@ -156,7 +167,7 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
       if (!what.empty()) problem(rel, what);
     });
   } else {
-    r.grid = InferGrid(files);
+    r.grid = InferGrid(files, problem);
     if (!r.grid) problem("model/", "no rank files (model/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt)");
     // No manifest (NxD or NxDT wrote it, or ours lost it): what the files say of
     // themselves is checked instead. Every zip record's CRC-32, a parse of every
@@ -190,6 +201,35 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
                           " files present");
     r.grid.reset();
   }
+  // One container per tag (NxD checkpoint_storage.py is_checkpoint_xser decides per tag), and no
+  // tensor folder without its X.pt.
+  {
+    std::set<std::string> xser_files;
+    for (const auto& f : files)
+      if (auto at = f.find(".pt.tensors/"); at != std::string::npos) xser_files.insert(f.substr(0, at + 3));
+    for (const auto& x : xser_files)
+      if (!present.count(x)) problem(x + ".tensors", "an xser tensor folder with no " + x + " beside it");
+    std::optional<std::string> plain, xser;
+    for (const auto& f : files) {
+      if (!(f.rfind("model/", 0) == 0 || f.rfind("optim/", 0) == 0) || f.find('/', 6) != std::string::npos || !f.ends_with(".pt") ||
+          f.ends_with(".info.pt"))
+        continue;
+      (xser_files.count(f) ? xser : plain) = f;
+    }
+    if (plain && xser) problem(*plain, "is plain .pt but " + *xser + " is xser; a tag is one container or the other, as NxD's loader reads it");
+  }
+  // NxDT's ZeRO-1 at dp > 1: one optimizer file per stage whose shards hold a part of each tensor.
+  if (r.grid && r.grid->dp == 1 && !r.has_manifest) {
+    const std::string first = "optim/" + RankFileName({0, 0, 0});
+    if (present.count(first) && !outside.count(first)) {
+      try {
+        if (const int64_t dp = Zero1SavedAsOneShard(LoadTagFile(env, tag_dir, first)))
+          problem(first, Zero1OneShardMessage("damaged by design", dp));
+      } catch (const Error&) {
+        // an unreadable file is reported by the load above
+      }
+    }
+  }
   if (r.grid) {  // rank-grid completeness
     for (const auto& f : r.grid->ModelFiles())
       if (!present.count(f)) problem(f, "missing for the rank grid tp=" + std::to_string(r.grid->tp) + " pp=" + std::to_string(r.grid->pp));
@@ -205,6 +245,13 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
     return std::tie(a.file, a.what) < std::tie(b.file, b.what);
   });
   return r;
+}
+
+bool IsModelOnlyFolder(Env* env, const std::string& dir) {
+  if (!env->IsDirectory(dir + "/model")) return false;
+  for (const auto& n : env->ListDir(dir))
+    if (n != "model") return false;
+  return true;
 }
 
 std::vector<TagEntry> ListTags(Env* env, const std::string& checkpoint_dir) {

@@ -28,6 +28,10 @@ struct TagReport {
   // No manifest, so the files were checked by what they say of themselves:
   // zip CRC-32s, pickles and tensor bounds (with VerifyOptions::checksums).
   bool checked_without_manifest = false;
+  // model/ alone, no marker, manifest, optim/ or tag-level file: what NxD's
+  // scripts/checkpoint_converter.py writes (save_partial_xser/_no_xser). A
+  // weights-only tag, complete without `done`, since no save marks it.
+  bool model_only = false;
   std::optional<RankGrid> grid;
   uint64_t files_checked = 0, bytes_checked = 0;
   std::vector<TagProblem> problems;
@@ -39,6 +43,9 @@ struct VerifyOptions {
 };
 
 TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& opts = {});
+
+// Whether `dir` holds model/ and nothing a save writes besides (TagReport::model_only).
+bool IsModelOnlyFolder(Env* env, const std::string& dir);
 
 // One tag folder in a checkpoint directory, as found on disk.
 struct TagEntry {

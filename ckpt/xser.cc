@@ -1,10 +1,17 @@
 #include "ckpt/xser.h"
 
+#include <map>
+#include <set>
+
 #include "ckpt/error.h"
 
 namespace ckpt {
 
 std::string XserTensorDir(const std::string& path) { return path + ".tensors"; }
+
+std::string XserFileOfTensorDir(const std::string& name) {
+  return name.ends_with(".pt.tensors") ? name.substr(0, name.size() - std::string(".tensors").size()) : "";
+}
 
 bool IsXser(const std::string& path, Env* env) { return env->IsDirectory(XserTensorDir(path)); }
 
@@ -12,8 +19,19 @@ Value LoadPtOrXser(const std::string& path, const LoadOptions& opts, Env* env) {
   return IsXser(path, env) ? LoadXser(path, opts, env) : LoadPt(path, opts, env);
 }
 
+Value LoadTagFile(Env* env, const std::string& tag_dir, const std::string& rel, LoadOptions opts) {
+  opts.confine_to = tag_dir;
+  return LoadPtOrXser(tag_dir + "/" + rel, opts, env);
+}
+
+namespace {
+
+bool IsTensorReference(const Value& v) { return v.is_object() && v.as_object().cls.name == "TensorReference"; }
+
+}  // namespace
+
 int64_t TensorReferenceId(const Value& v) {
-  if (!v.is_object() || v.as_object().cls.name != "TensorReference") return -1;
+  if (!IsTensorReference(v)) return -1;
   const Object& o = v.as_object();
   if (o.state && o.state->is_dict())
     if (const Value* tid = o.state->as_dict().Find("tid"); tid && tid->is_int()) return tid->as_int();
@@ -24,39 +42,99 @@ int64_t TensorReferenceId(const Value& v) {
 
 namespace {
 
-void Resolve(Value& v, const std::string& dir, const LoadOptions& opts, Env* env) {
-  const int64_t tid = TensorReferenceId(v);
-  if (tid >= 0) {
-    const std::string file = dir + "/tensor_" + std::to_string(tid) + ".pt";
-    if (!env->Exists(file)) throw Error(file + ": missing xser tensor file for tid " + std::to_string(tid));
-    Value t = LoadPt(file, opts, env);
-    if (!t.is_tensor()) throw Error(file + ": xser tensor file holds a " + t.kind_name() + ", not a tensor");
-    // NNM's TensorReference also declares the shape (torch-xla's holds the tid alone).
-    const Object& ref = v.as_object();
-    if (const Value* shape = ref.state && ref.state->is_dict() ? ref.state->as_dict().Find("shape") : nullptr;
-        shape && shape->is_seq()) {
-      std::vector<int64_t> dims;
-      for (const Value& d : shape->as_seq().items) dims.push_back(AsInteger(d, file + ": declared shape"));
-      if (dims != t.as_tensor().shape())
-        throw Error(file + ": holds a tensor of shape " + ShapeString(t.as_tensor().shape()) + ", but its TensorReference (tid " +
-                    std::to_string(tid) + ") declares " + ShapeString(dims));
-    }
-    v = std::move(t);
-    return;
-  }
-  if (v.is_seq()) {
-    for (Value& c : v.as_seq().items) Resolve(c, dir, opts, env);
-  } else if (v.is_dict()) {
-    for (auto& [k, c] : v.as_dict().items) Resolve(c, dir, opts, env);
-  }
+std::vector<int64_t> Dims(const Value& shape, const std::string& where) {
+  if (!shape.is_seq()) throw Error(where + " is a " + shape.kind_name() + ", not a shape");
+  std::vector<int64_t> dims;
+  for (const Value& d : shape.as_seq().items) dims.push_back(AsInteger(d, where));
+  return dims;
 }
+
+// What NxD's info.pt declares of each tid (NxD trainer/checkpoint.py
+// _extract_tensor_info_and_update_state_dict; _xser_load_data allocates from it).
+struct Declared {
+  std::vector<int64_t> shape;
+  DType dtype;
+};
+
+std::map<int64_t, Declared> LoadInfo(const std::string& info_path, const LoadOptions& opts, Env* env) {
+  std::map<int64_t, Declared> out;
+  const Value info = LoadPt(info_path, opts, env);
+  if (!info.is_dict()) throw Error(info_path + ": xser info holds a " + info.kind_name() + ", not a dict of tid -> {dtype, shape}");
+  for (const auto& [k, v] : info.as_dict().items) {
+    if (!k.is_int()) throw Error(info_path + ": holds a key that is not a tid (an integer)");
+    const std::string where = info_path + ": tid " + std::to_string(k.as_int());
+    if (!v.is_dict()) throw Error(where + " is a " + v.kind_name() + ", not a dict");
+    const Value* dt = v.as_dict().Find("dtype");
+    const Value* sh = v.as_dict().Find("shape");
+    if (!dt || !sh) throw Error(where + " lacks its dtype or shape");
+    std::optional<DType> d;
+    if (dt->is_global() && dt->as_global().module == "torch") d = DTypeFromName(dt->as_global().name);
+    if (!d) throw Error(where + ": dtype is not a torch dtype shardkit knows");
+    out[k.as_int()] = {Dims(*sh, where + " shape"), *d};
+  }
+  return out;
+}
+
+struct Resolver {
+  std::string dir;
+  const LoadOptions& opts;
+  Env* env;
+  const std::map<int64_t, Declared>* info;  // null without info.pt
+  std::string info_path;
+  std::set<int64_t> seen;
+
+  void Resolve(Value& v) {
+    if (IsTensorReference(v)) {
+      const int64_t tid = TensorReferenceId(v);
+      if (tid < 0) throw Error(dir + ": a TensorReference has the negative tid " + std::to_string(tid));
+      if (!seen.insert(tid).second)
+        throw Error(dir + ": tid " + std::to_string(tid) + " is referenced twice; each tensor of an xser file has its own tid");
+      const Declared* declared = nullptr;
+      if (info) {
+        auto it = info->find(tid);
+        if (it == info->end())
+          throw Error(dir + ": tid " + std::to_string(tid) + " is out of range: " + info_path + " declares no such tensor");
+        declared = &it->second;
+      }
+      const std::string file = dir + "/tensor_" + std::to_string(tid) + ".pt";
+      if (!env->Exists(file)) throw Error(file + ": missing xser tensor file for tid " + std::to_string(tid));
+      Value t = LoadPt(file, opts, env);
+      if (!t.is_tensor()) throw Error(file + ": xser tensor file holds a " + t.kind_name() + ", not a tensor");
+      const Tensor& x = t.as_tensor();
+      // NNM's TensorReference also declares the shape (torch-xla's holds the tid alone).
+      const Object& ref = v.as_object();
+      if (const Value* shape = ref.state && ref.state->is_dict() ? ref.state->as_dict().Find("shape") : nullptr; shape && shape->is_seq()) {
+        const auto dims = Dims(*shape, file + ": declared shape");
+        if (dims != x.shape())
+          throw Error(file + ": holds a tensor of shape " + ShapeString(x.shape()) + ", but its TensorReference (tid " +
+                      std::to_string(tid) + ") declares " + ShapeString(dims));
+      }
+      if (declared && (declared->shape != x.shape() || declared->dtype != x.dtype()))
+        throw Error(file + ": holds a " + std::string(DTypeName(x.dtype())) + " tensor of shape " + ShapeString(x.shape()) + ", but " +
+                    info_path + " declares tid " + std::to_string(tid) + " " + std::string(DTypeName(declared->dtype)) + " " +
+                    ShapeString(declared->shape));
+      v = std::move(t);
+      return;
+    }
+    if (v.is_seq()) {
+      for (Value& c : v.as_seq().items) Resolve(c);
+    } else if (v.is_dict()) {
+      for (auto& [k, c] : v.as_dict().items) Resolve(c);
+    }
+  }
+};
 
 }  // namespace
 
 Value LoadXser(const std::string& path, const LoadOptions& opts, Env* env) {
   Value root = LoadPt(path, opts, env);
+  const std::string info_path = path + ".info.pt";
   try {
-    Resolve(root, XserTensorDir(path), opts, env);
+    std::map<int64_t, Declared> info;
+    const bool has_info = env->Exists(info_path);
+    if (has_info) info = LoadInfo(info_path, opts, env);
+    Resolver r{XserTensorDir(path), opts, env, has_info ? &info : nullptr, info_path, {}};
+    r.Resolve(root);
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + " (referenced from " + path + ")");
   }
@@ -87,6 +165,7 @@ Value Replace(const Value& v, std::vector<XserPart>& parts, Value& info, const s
     std::vector<Value> dims;
     for (int64_t d : t.shape()) dims.emplace_back(d);
     meta.as_dict().Set("shape", Value::NewSeq(SeqKind::kTorchSize, std::move(dims)));
+    meta.as_dict().Set("expert_model_parallel", Value(false));
     info.as_dict().items.emplace_back(Value(tid), meta);
     return MakeTensorReference(tid);
   }

@@ -19,11 +19,23 @@ bool IsXser(const std::string& path, Env* env = Env::Default());
 // The folder holding the tensors of xser file `path`.
 std::string XserTensorDir(const std::string& path);
 
-// Loads an xser file with every TensorReference replaced by its tensor.
-// Missing or malformed tensor files raise ckpt::Error naming them.
+// Loads an xser file with every TensorReference replaced by its tensor, each
+// tensor file memory-mapped (no bytes copied). Raises ckpt::Error naming the
+// file and tid for: a missing or non-tensor tensor file; a tid that is
+// negative, referenced twice, or absent from `path`.info.pt when that exists;
+// a tensor whose shape or dtype differs from what info.pt (NxD) or the
+// reference itself (NNM) declares.
 Value LoadXser(const std::string& path, const LoadOptions& opts = {}, Env* env = Env::Default());
 // LoadXser when `path` has its tensor folder beside it, else LoadPt.
 Value LoadPtOrXser(const std::string& path, const LoadOptions& opts = {}, Env* env = Env::Default());
+
+// The xser file an X.pt.tensors folder belongs to ("" if `name` is not one).
+std::string XserFileOfTensorDir(const std::string& name);
+
+// The one reader of a tag's files, for both containers: `rel` (relative to
+// `tag_dir`) as xser when its .tensors folder exists, else as plain .pt.
+// Every file read must resolve inside the tag (RequireInside).
+Value LoadTagFile(Env* env, const std::string& tag_dir, const std::string& rel, LoadOptions opts = {});
 
 // The tid of a TensorReference object, or -1 if `v` is not one.
 int64_t TensorReferenceId(const Value& v);
@@ -35,7 +47,9 @@ Value MakeTensorReference(int64_t tid);
 // itself (the tree with each tensor replaced by a
 // torch_xla.utils.serialization.TensorReference, tids numbered in
 // depth-first order), `path`.tensors/tensor_<tid>.pt (one plain tensor each)
-// and `path`.info.pt ({tid: {"dtype", "shape"}}, what NxD's loader reads).
+// and `path`.info.pt ({tid: {"dtype", "shape", "expert_model_parallel"}},
+// what NxD's loader reads; NxD trainer/checkpoint.py
+// _extract_tensor_info_and_update_state_dict).
 struct XserPart {
   std::string path;
   Value value;

@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
   bool weights_only = false, overwrite = false, no_verify = false, json = false;
   app.add_option("src", src, "a checkpoint tag, or a checkpoint folder (its newest complete tag is taken)")->required();
   app.add_option("out", out, "the .h5 file to write")->required();
-  app.add_flag("--weights_only", weights_only, "leave out the optimizer state, scheduler and user content");
+  app.add_flag("--weights_only", weights_only, "leave out the optimizer state, scheduler and user content (the optimizer files are not read)");
   app.add_option("--dtype", dtype, "keep: bfloat16 as uint16 bit patterns (dtype attribute); float32: widen 16-bit floats")
       ->check(CLI::IsMember({"keep", "float32"}));
   app.add_option("--compression", compression, "none, or gzip (with shuffle)")->check(CLI::IsMember({"none", "gzip"}));
@@ -79,8 +79,10 @@ int main(int argc, char** argv) {
   try {
     const auto t0 = std::chrono::steady_clock::now();
     out = ckpt::WithoutTrailingSeparators(out);
-    const std::string tag = ckpt::ResolveSourceTag(src, !no_verify, env, log);
     const bool hf = format == "hf";
+    // A Hugging Face folder holds weights alone, so the optimizer is never read for it.
+    const bool model_only = weights_only || hf;
+    const std::string tag = ckpt::ResolveSourceTag(src, !no_verify, env, log, 0, model_only);
     const uint64_t memory_budget = ckpt::ParseSize(budget, "--memory_budget");
     const uint64_t shard_size = ckpt::ParseSize(max_shard, "--max_shard_size");
     ckpt::CheckOutputs({{out, hf ? "OUT_DIR" : "OUT", hf}}, {{tag, "SRC"}});
@@ -89,7 +91,7 @@ int main(int argc, char** argv) {
       if (hf ? !IsHfExport(env, out) : !tools::IsH5State(out))
         throw ckpt::Error(out + ": --overwrite replaces only what ckpt-export --format " + format + " wrote, and this is not that");
     }
-    const auto state = ckpt::ShardedTag::Open(env, tag, hints.Hints());
+    const auto state = ckpt::ShardedTag::Open(env, tag, hints.Hints(), {.weights_only = model_only});
     // Memory: what is resident now (the source's index), then blocks: one
     // read, one widened (float32), and what HDF5 and the writer buffer.
     const uint64_t base = ckpt::CurrentRss(), min_block = 1 << 20;

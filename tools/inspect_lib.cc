@@ -43,7 +43,11 @@ InspectedFile InspectFile(const std::string& full, const std::string& rel, bool 
   InspectedFile f;
   f.file = rel;
   f.format = ckpt::IsXser(full, env) ? "xser" : "pt";
-  Value v = ckpt::LoadPtOrXser(full, {verify_crc}, env);
+  ckpt::LoadOptions opts;
+  opts.verify_crc = verify_crc;
+  // Inside a folder, nothing outside it is read (an xser file's tensor files included).
+  if (!rel.empty()) opts.confine_to = full.substr(0, full.size() - rel.size() - 1);
+  Value v = ckpt::LoadPtOrXser(full, opts, env);
   Flatten(v, "", &f.entries);
   return f;
 }

@@ -63,7 +63,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
                   : "Re-lay a checkpoint for other tensor, pipeline and data parallel degrees, optimizer state included"};
   ckpt::ReshardArgs a;
   int dp = 0;
-  bool zero1 = false, no_zero1 = false, json = false, no_verify = false;
+  bool zero1 = false, no_zero1 = false, json = false, no_verify = false, save_xser = false, no_save_xser = false;
   std::string budget = "512M", cuts;
   FormatHintOptions hints;
   a.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -79,12 +79,17 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   app.add_option("--memory_budget", budget, "peak memory to stay within (default 512M)");
   app.add_option("--threads", a.threads, "files written at once (default: every core)")->check(CLI::Range(1, 1024));
   app.add_flag("--dry_run", a.dry_run, "print the plan and write nothing");
+  app.add_flag("--save_xser", save_xser, "write rank files as xser, as NxD's use_xser does (X.pt, X.pt.tensors/, X.pt.info.pt)");
+  app.add_flag("--no_save_xser", no_save_xser, std::string("write plain .pt rank files") + (h5 ? " (the default)" : ""));
   app.add_flag("--overwrite", a.overwrite, "replace an existing target tag (kept until the new one is complete)");
   app.add_flag("--json", json, "print the summary as JSON on stdout");
   std::string format = "h5";
   int64_t divisible = 128;
   if (!h5) {  // an export records its model format and fingerprints
     app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
+    app.add_flag("--weights_only", a.weights_only,
+                 "read the model only and write no optimizer state (the way past an optimizer that cannot be read, such as "
+                 "the one-shard ZeRO-1 state NxDT saves at dp > 1)");
     hints.AddTo(app);
   } else {
     app.add_option("--format", format, "h5: a ckpt-export file; hf: a Hugging Face model folder (weights only)")
@@ -98,6 +103,11 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
     return 2;
   }
   if (zero1 || no_zero1) a.zero1 = zero1;
+  if (save_xser && no_save_xser) {
+    std::cerr << "error: --save_xser and --no_save_xser exclude each other\n";
+    return 2;
+  }
+  if (save_xser || no_save_xser) a.save_xser = save_xser;
   if (dp) a.dp = dp;
   a.hints = hints.Hints();
   a.verify_source = !no_verify;

@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
   const bool weights_only = argc > 4 && std::string(argv[4]) == "-w";
   try {
     if (cmd == "dump") {
-      std::cout << ckpt::ValueToJson(ckpt::LoadPt(argv[2], {.verify_crc = true}), {.tensor_bytes = true}).dump() << "\n";
+      std::cout << ckpt::ValueToJson(ckpt::LoadPt(argv[2], {.verify_crc = true, .confine_to = {}}), {.tensor_bytes = true}).dump() << "\n";
     } else if (cmd == "build" && argc >= 4) {
       std::ifstream in(argv[2]);
       ckpt::SavePt(argv[3], ckpt::ValueFromJson(nlohmann::json::parse(in)), {.weights_only = weights_only});
@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
       ckpt::SavePt(argv[2], root);
     } else if (cmd == "check-big" && argc >= 4) {
       const int64_t n = std::stoll(argv[3]) << 20;
-      ckpt::Value root = ckpt::LoadPt(argv[2], {.verify_crc = true});
+      ckpt::Value root = ckpt::LoadPt(argv[2], {.verify_crc = true, .confine_to = {}});
       const ckpt::Tensor& all = root.as_dict().At("all").as_tensor();
       if (all.numel() != n) throw ckpt::Error("size mismatch");
       const uint8_t* p = all.data();
