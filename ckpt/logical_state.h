@@ -88,6 +88,8 @@ class LogicalState {
   virtual bool model_dict_ordered() const = 0;
   virtual int64_t step() const = 0;
   virtual double consumed_samples() const = 0;
+  // False when the source records no consumed samples (NxD's own trainer's tags): then 0.
+  virtual bool consumed_samples_known() const { return true; }
   // Fingerprints the source records (ckpt/fingerprint.h), if any.
   virtual const std::optional<TensorFingerprints>& recorded_fingerprints() const = 0;
   // A tag-level file the source carries (scheduler.pt, user_content.pt), if any.

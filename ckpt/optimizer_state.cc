@@ -17,7 +17,9 @@ Value OptimizerFile::ToValue() const {
     state.as_dict().items.emplace_back(id, std::move(s));
     std::vector<Value> dims;
     for (int64_t d : p.shape) dims.emplace_back(d);
-    shapes.as_dict().items.emplace_back(id, Value::NewSeq(SeqKind::kTorchSize, dims));
+    // A list, not torch.Size: NxD saves through torch_xla's ToXlaTensorArena, which rewrites
+    // tuples and torch.Size into lists (NxD parallel_layers/utils.py move_all_tensor_to_cpu).
+    shapes.as_dict().items.emplace_back(id, Value::NewSeq(SeqKind::kList, dims));
     if (p.master) masters.as_dict().items.emplace_back(id, *p.master), any_master = true;
   }
   Value out = Value::NewDict();

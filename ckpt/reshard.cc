@@ -277,7 +277,9 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
   const auto src = ckpt::ShardedTag::Open(env, sum.src_tag, a.hints, {.weights_only = a.weights_only});
   if (src->optimizer_skipped()) sum.notes.push_back("--weights_only: the source's optimizer state is not read; the target has none");
   sum.bytes_read = src->bytes();
-  return WriteInLayout(*src, std::filesystem::path(sum.src_tag).filename().string(), a, env, log, t0, std::move(sum));
+  // Named before `sum` is moved into the call: argument evaluation order is unspecified.
+  const std::string name = std::filesystem::path(sum.src_tag).filename().string();
+  return WriteInLayout(*src, name, a, env, log, t0, std::move(sum));
 }
 
 ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string& source_tag_name, const ReshardArgs& a, ckpt::Env* env,
@@ -329,6 +331,8 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     const auto src_name = ckpt::ParseTagName(source_tag_name);
     tn.name = src_name ? src_name->name : "megatron";
     tn.step = src->step(), tn.consumed_samples = src->consumed_samples();
+    if (!src->consumed_samples_known())
+      sum.notes.push_back(source_tag_name + " records no consumed samples (NxD's own trainer keeps none); the new tag's name says 0");
     sum.dst_tag = a.checkpoint_dir + "/" + ckpt::FormatTagName(tn);
   }
   ckpt::CheckOutputs({{sum.dst_tag, a.dst.empty() ? "--checkpoint_dir" : "DST", true}}, {{sum.src_tag, "SRC"}});

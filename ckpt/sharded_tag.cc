@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <regex>
 #include <set>
 
 #include "ckpt/error.h"
@@ -519,14 +520,22 @@ class ShardedTagBuilder {
     }
     if (env_->Exists(Path(kUserContentFile))) {
       // NxD saves whatever user content its caller passes: a dict without
-      // NxDT's step entries only leaves the step unknown (0).
+      // NxDT's step entries leaves the step to the name below.
       const Value v = LoadTagFile(env_, t_->dir_, kUserContentFile);
       try {
         const UserContent uc = UserContent::FromValue(v, Path(kUserContentFile));
-        t_->step_ = uc.global_step, t_->consumed_ = uc.consumed_samples;
+        t_->step_ = uc.ResumeStep();
+        if (uc.consumed_samples) t_->consumed_ = *uc.consumed_samples;
+        else if (auto c = ConsumedSamplesFromTagPath(name)) t_->consumed_ = static_cast<double>(*c);
+        else t_->consumed_known_ = false;
+        return;
       } catch (const Error&) {
       }
     }
+    // NxD's llama example names its tags step_<N> (run_llama_nxd.py) and records no samples.
+    t_->consumed_known_ = false;
+    static const std::regex step_n(R"(step_(\d{1,18}))");
+    if (std::smatch m; std::regex_match(name, m, step_n)) t_->step_ = std::stoll(m[1]);
   }
 
   Env* env_;

@@ -74,6 +74,7 @@ class ShardedTag final : public LogicalState {
   // The fingerprints the manifest records (ckpt/fingerprint.h), if any.
   const std::optional<TensorFingerprints>& recorded_fingerprints() const override { return recorded_; }
   double consumed_samples() const override { return consumed_; }
+  bool consumed_samples_known() const override { return consumed_known_; }
   std::optional<Value> TagFile(const std::string& name) const override;
 
  private:
@@ -108,6 +109,7 @@ class ShardedTag final : public LogicalState {
   uint64_t bytes_ = 0;
   int64_t step_ = 0;
   double consumed_ = 0;
+  bool consumed_known_ = true;
   std::optional<TensorFingerprints> recorded_;
 
   friend class ShardedTagBuilder;

@@ -208,7 +208,8 @@ ckpt::Value AdamW::StateDict(double lr) const {
     ckpt::Value pg = ckpt::Value::NewDict();
     auto& d = pg.as_dict();
     d.Set("lr", ckpt::Value(lr));
-    d.Set("betas", ckpt::Value::Tuple({ckpt::Value(c_.beta1), ckpt::Value(c_.beta2)}));
+    // A list, as NxD's saves have it (torch_xla's container rewrite turns AdamW's tuple into one).
+    d.Set("betas", ckpt::Value::List({ckpt::Value(c_.beta1), ckpt::Value(c_.beta2)}));
     d.Set("eps", ckpt::Value(c_.eps));
     d.Set("weight_decay", ckpt::Value(g == 0 ? c_.weight_decay : 0.0));
     d.Set("amsgrad", ckpt::Value(false));

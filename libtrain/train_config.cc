@@ -134,6 +134,8 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   c.resume_reshard = r.Bool("exp_manager.resume_reshard", false);
   c.create_checkpoint_callback = r.Bool("exp_manager.create_checkpoint_callback", true);
   c.async_checkpointing = r.Bool("exp_manager.async_checkpointing", false);
+  c.save_xser = r.Bool("exp_manager.save_xser", false);
+  r.Bool("exp_manager.load_xser", false);  // checked, then read as NxD reads tags: each as it is
   c.save_top_k = r.Int("exp_manager.checkpoint_callback_params.save_top_k", -1, -1);
   c.every_n_train_steps = r.Int("exp_manager.checkpoint_callback_params.every_n_train_steps", 0, 0);
   c.log_parameter_norm = r.Bool("exp_manager.log_parameter_norm", true);
@@ -306,7 +308,6 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
 
   for (const char* k : {"compiler_flags", "compiler_cache_url", "aync_exec_max_inflight_requests", "bucket_size_collectives",
                         "neuron_rt_exec_timeout", "neuron_experimental_compress_rg", "model.fusions", "model.use_cpu_initialization",
-                        "exp_manager.save_xser", "exp_manager.load_xser",
                         "model.activations_checkpoint_recompute"})
     if (r.Has(k)) c.ignored.push_back(std::string(k) + " (a Neuron setting)");
   // Splits along the sequence what tensor parallelism replicates (norms, dropout, the residual stream).

@@ -29,6 +29,11 @@ struct TrainConfig {
   // shardkit's own: a tag cut for other degrees is resharded for this run and resumed from.
   bool resume_reshard = false;
   bool create_checkpoint_callback = true, async_checkpointing = false;
+  // Rank files as xser (NxD's use_xser), as NxDT's exp_manager.save_xser asks
+  // (nlp_overrides.py is_save_type_xser: absent means plain). load_xser has no
+  // effect in NxDT either: NxD's loader reads each tag as it finds it, and so
+  // does resume here.
+  bool save_xser = false;
   int64_t save_top_k = -1, every_n_train_steps = 0;
   bool log_parameter_norm = true, log_gradient_norm = true;
   // data

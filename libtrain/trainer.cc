@@ -16,6 +16,7 @@
 #include "ckpt/sharded_tag.h"
 #include "ckpt/pt_file.h"
 #include "ckpt/training_state.h"
+#include "ckpt/xser.h"
 #include "libtrain/comm.h"
 #include "libtrain/hdf5_dataset.h"
 #include "libtrain/indexed_dataset.h"
@@ -153,6 +154,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   const std::string run_dir = c.RunDir(), ckpt_dir = c.CheckpointDir();
   if (rank0) env->CreateDirs(run_dir);
   int64_t step = 0, consumed = 0;
+  std::optional<int64_t> schedule_step;  // where the LR schedule stands, when a tag says so (else at `step`)
   // Rank 0 chooses the tag and every rank takes its choice. Every byte of the tag is checked
   // against its manifest before it is loaded; a damaged tag is skipped for the next one that
   // verifies, and kept (retention neither counts nor deletes it).
@@ -210,20 +212,39 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     try {
       const std::string model_file = "model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp});
       const std::string optim_file = OptimFile(c.grid, pc.coord);
-      model.LoadStateDict(ckpt::LoadPt(*tag + "/" + model_file, {}, env));
+      // Each file as it is, plain .pt or xser, like NxD's load_checkpoint.
+      model.LoadStateDict(ckpt::LoadTagFile(env, *tag, model_file));
       adamw.ResetMasterWeights(model);
       if (!env->IsDirectory(*tag + "/optim"))  // weights only, e.g. converted from NNM's HF import
         log("info: " + *tag + " holds no optimizer state; the optimizer starts fresh");
       else if (!env->Exists(*tag + "/" + optim_file))
         throw ckpt::Error(optim_file + " is missing (this rank's optimizer state)");
-      else if (!adamw.LoadStateDict(ckpt::LoadPt(*tag + "/" + optim_file, {}, env)) && c.optim.master_weights)
+      else if (!adamw.LoadStateDict(ckpt::LoadTagFile(env, *tag, optim_file)) && c.optim.master_weights)
         log("info: the checkpoint holds no master weights (use_master_weights_in_ckpt was off); they restart from its "
             "bfloat16 parameters, as in NxDT");
       if (env->Exists(*tag + "/" + ckpt::kUserContentFile)) {
+        // As NxDT resumes: the step from Lightning's loops (else global_step), the schedule from
+        // lr_schedulers[0], consumed samples from the tag's name; our own tags agree on all three.
         const std::string path = *tag + "/" + ckpt::kUserContentFile;
-        const ckpt::UserContent uc = ckpt::UserContent::FromValue(ckpt::LoadPt(path, {}, env), path);
-        step = uc.global_step;
-        consumed = static_cast<int64_t>(uc.consumed_samples);
+        const ckpt::UserContent uc = ckpt::UserContent::FromValue(ckpt::LoadTagFile(env, *tag, ckpt::kUserContentFile), path);
+        step = uc.ResumeStep();
+        const std::string name = std::filesystem::path(*tag).filename().string();
+        if (const auto from_name = ckpt::ConsumedSamplesFromTagPath(name)) {
+          consumed = *from_name;
+        } else if (uc.consumed_samples) {
+          consumed = static_cast<int64_t>(*uc.consumed_samples);
+        } else {
+          log("warning: " + name + " names no consumed_samples=N.N and its user content records none; assuming 0, as NxDT does");
+        }
+        if (const auto at = uc.LrSchedulerStep()) {
+          schedule_step = *at;
+        } else if (env->Exists(*tag + "/" + ckpt::kSchedulerFile)) {  // shardkit's older tags, NxD's own trainer
+          schedule_step = ckpt::SchedulerState::FromValue(ckpt::LoadTagFile(env, *tag, ckpt::kSchedulerFile), *tag + "/" + ckpt::kSchedulerFile)
+                              .last_epoch;
+        } else {
+          schedule_step = 0;
+          log("warning: " + path + " holds no lr_schedulers; the LR schedule restarts from warmup, as NxDT's does");
+        }
       } else {
         log("info: " + *tag + " holds no " + ckpt::kUserContentFile + " (weights only); training starts at step 0");
       }
@@ -234,6 +255,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     log("resumed from " + *tag + " at step " + std::to_string(step) + ", " + std::to_string(consumed) + " samples consumed");
   }
   result.start_step = step;
+  int64_t sched_at = schedule_step.value_or(step);
+  if (sched_at != step) log("info: the LR schedule stands at step " + std::to_string(sched_at) + " (the tag's lr_schedulers), training at step " + std::to_string(step));
 
   std::unique_ptr<ckpt::CheckpointStore> store;
   auto pool = ckpt::SnapshotPool::Create();
@@ -251,7 +274,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   struct {
     double step = 0, collective = 0, recv_wait = 0, save = 0, collective_floats = 0, sent_floats = 0, steps = 0;
   } timing;
-  auto save = [&](int64_t global_step, double lr) {
+  auto save = [&](int64_t global_step, int64_t sched_step, double lr) {
     if (!store) return;
     struct Timer {
       double* total;
@@ -259,21 +282,32 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
       ~Timer() { *total += std::chrono::duration<double>(Clock::now() - start).count(); }
     } timer{&timing.save, Clock::now()};
     ckpt::SchedulerState sched;
-    sched.last_epoch = global_step;
+    sched.last_epoch = sched_step;
     sched.carried = {{"base_lrs", ckpt::Value::List({ckpt::Value(c.optim.lr)})},
                      {"_last_lr", ckpt::Value::List({ckpt::Value(lr)})},
                      {"name", ckpt::Value(c.sched.name)}};
-    const ckpt::UserContent user{.epoch = 0, .global_step = global_step, .consumed_samples = static_cast<double>(consumed), .carried = {}};
+    // What NxDT reads back (ckpt/training_state.h): global_step, epoch and lr_schedulers; the
+    // consumed samples also travel in the tag's name.
+    ckpt::UserContent user{.epoch = 0, .global_step = global_step, .consumed_samples = static_cast<double>(consumed), .carried = {}};
+    user.carried.emplace_back("lr_schedulers",
+                              ckpt::Value::List({ckpt::LrSchedulerEntry(c.optim.lr, sched_step, LrAt(c.sched, c.optim.lr, sched_step))}));
     ckpt::Snapshot snap;
     snap.tag = {c.name, global_step, static_cast<double>(consumed), false};
     snap.grid = c.grid;
     // Model files from dp rank 0 of each (tp, pp); optimizer files from every dp rank under
     // ZeRO-1, else dp rank 0; the tag's own files from rank 0.
+    auto add = [&](const std::string& rel, ckpt::Value v, bool weights_only) {
+      if (!c.save_xser) {
+        snap.files.push_back({rel, std::move(v), {.weights_only = weights_only}});
+        return;
+      }
+      for (auto& part : ckpt::SplitForXser(rel, v))  // X.pt holds TensorReference objects, info.pt torch dtypes
+        snap.files.push_back({part.path, part.value, {.weights_only = weights_only && part.value.is_tensor()}});
+    };
     if (pc.coord.dp == 0)
-      snap.files.push_back({"model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp}),
-                            ckpt::CopyForSnapshot(model.StateDict(), pool.get(), model.checkpoint_dtype()), {.weights_only = true}});
-    if (pc.coord.dp == 0 || c.grid.zero1)
-      snap.files.push_back({OptimFile(c.grid, pc.coord), ckpt::CopyForSnapshot(adamw.StateDict(lr), pool.get()), {}});
+      add("model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp}), ckpt::CopyForSnapshot(model.StateDict(), pool.get(), model.checkpoint_dtype()),
+          true);
+    if (pc.coord.dp == 0 || c.grid.zero1) add(OptimFile(c.grid, pc.coord), ckpt::CopyForSnapshot(adamw.StateDict(lr), pool.get()), false);
     if (rank0) {
       snap.files.push_back({ckpt::kSchedulerFile, sched.ToValue(), {}});
       snap.files.push_back({ckpt::kUserContentFile, user.ToValue(), {}});
@@ -315,10 +349,10 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     pc.dp->AllReduceSum(&loss, 1);
     // Summed over every rank's micro-batches, then the mean over them.
     const double grad_norm = adamw.ReduceAndClip(model, 1.0 / static_cast<double>(micro), c.gradient_clip_val);
-    lr = LrAt(c.sched, c.optim.lr, step);
+    lr = LrAt(c.sched, c.optim.lr, sched_at);
     adamw.Step(model, lr);
     consumed += c.global_batch_size;
-    ++step;
+    ++step, ++sched_at;
     result.losses.push_back(loss);
     const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     const CommStats& comm1 = Comm::Stats();
@@ -345,10 +379,10 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
       if (tty) std::fprintf(stderr, "\r%s %s", ckpt::ProgressBar(step, c.max_steps).c_str(), line), std::fflush(stderr);
       else log(line);
     }
-    if (c.every_n_train_steps > 0 && step % c.every_n_train_steps == 0) save(step, lr), last_saved = step;
+    if (c.every_n_train_steps > 0 && step % c.every_n_train_steps == 0) save(step, sched_at, lr), last_saved = step;
   }
   if (tty) std::fprintf(stderr, "\n");
-  if (last_saved != step) save(step, lr);
+  if (last_saved != step) save(step, sched_at, lr);
   if (store) {
     const auto f0 = Clock::now();
     store->Finalize();

@@ -194,7 +194,7 @@ int main(int argc, char** argv) {
       all_ok &= r.ok();
       nlohmann::ordered_json problems = nlohmann::ordered_json::array();
       for (const auto& p : r.problems) problems.push_back({{"file", p.file}, {"problem", p.what}});
-      nlohmann::ordered_json tj = {{"path", t}, {"ok", r.ok()}, {"done", r.has_done}, {"manifest", r.has_manifest},
+      nlohmann::ordered_json tj = {{"path", t}, {"ok", r.ok()}, {"done", r.has_done}, {"manifest", r.has_manifest}, {"model_only", r.model_only},
                                    {"files_checked", r.files_checked}, {"bytes_checked", r.bytes_checked}};
       if (r.grid) tj["grid"] = {{"tp", r.grid->tp}, {"pp", r.grid->pp}, {"dp", r.grid->dp}, {"zero1", r.grid->zero1}};
       tj["problems"] = problems;
@@ -202,6 +202,7 @@ int main(int argc, char** argv) {
       if (!json) {
         std::cout << (r.ok() ? "ok      " : "FAILED  ") << t;
         if (r.grid) std::cout << "  (tp=" << r.grid->tp << " pp=" << r.grid->pp << " dp=" << r.grid->dp << (r.grid->zero1 ? " zero1" : "") << ")";
+        if (r.model_only) std::cout << "  weights only: model/ alone, as NxD's checkpoint_converter.py writes it";
         std::cout << "\n";
         for (const auto& p : r.problems) std::cout << "  " << (p.file.empty() ? "(tag)" : p.file) << ": " << p.what << "\n";
       }

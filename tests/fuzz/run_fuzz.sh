@@ -4,6 +4,7 @@
 #   yaml_fuzz      YAML configs: migration, --check, training config, SECONDS
 #   manifest_fuzz  manifest.json and rank completion records, SECONDS / 2
 #   hf_fuzz        safetensors headers and fingerprint pieces, SECONDS / 2
+#   xser_fuzz      xser reference trees and their info.pt, SECONDS / 2
 # Usage: run_fuzz.sh BUILD_DIR SECONDS. Fails on any crash, leak, UB or timeout.
 # -entropic=0: entropic scheduling spends ~90% of the time in its own
 # bookkeeping on pt_fuzz's ~80k features (measured: 21 vs 765 exec/s).
@@ -14,7 +15,7 @@ root=$(cd "$here/../.." && pwd)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-mkdir -p "$tmp/seeds/pt" "$tmp/seeds/yaml" "$tmp/seeds/manifest" "$tmp/seeds/hf"
+mkdir -p "$tmp/seeds/pt" "$tmp/seeds/yaml" "$tmp/seeds/manifest" "$tmp/seeds/hf" "$tmp/seeds/xser"
 /usr/bin/python3 "$here/make_seeds.py" "$tmp/seeds/pt"
 cp "$root"/conf/*.yaml "$root"/tests/data/configs/*.yaml "$tmp/seeds/yaml/"
 printf 'model: &a {x: 1, y: [*a]}\n' >"$tmp/seeds/yaml/alias.yaml"
@@ -37,6 +38,25 @@ t = json.dumps(h).encode()
 t += b" " * (-len(t) % 8)
 open(sys.argv[1] + "/model.safetensors", "wb").write(struct.pack("<Q", len(t)) + t + bytes(22))
 open(sys.argv[1] + "/pieces.json", "w").write(json.dumps({"w": {"param": [[0, 32, "0a1b2c3d"], [32, 64, "00000000"]]}}))
+PY
+# xser: an X.pt of TensorReferences (pickled as torch_xla's) and its info.pt, as xser_fuzz takes them.
+/usr/bin/python3 - "$tmp/seeds/xser" <<'PY'
+import io, struct, sys, types, torch
+mod = types.ModuleType("torch_xla.utils.serialization")
+class TensorReference:
+    def __init__(self, tid):
+        self.tid = tid
+TensorReference.__module__ = mod.__name__
+mod.TensorReference = TensorReference
+sys.modules[mod.__name__] = mod
+def saved(obj):
+    b = io.BytesIO()
+    torch.save(obj, b)
+    return b.getvalue()
+x = saved({"w": TensorReference(0), "n": {"b": TensorReference(1), "l": [TensorReference(2)]}, "s": 3})
+info = saved({i: {"dtype": torch.float32, "shape": torch.Size([i + 1]), "expert_model_parallel": False} for i in range(3)})
+open(sys.argv[1] + "/with_info", "wb").write(struct.pack("<I", len(x)) + x + info)
+open(sys.argv[1] + "/without_info", "wb").write(struct.pack("<I", len(x)) + x)
 PY
 cat >"$tmp/seeds/manifest/tensors.json" <<'JSON'
 {"format": "shardkit-checkpoint-manifest", "version": 1, "step": 3, "consumed_samples": 24.0,
@@ -71,5 +91,6 @@ fuzz pt_fuzz "$seconds" 65536
 fuzz yaml_fuzz "$seconds" 8192
 fuzz manifest_fuzz $((seconds / 2)) 8192
 fuzz hf_fuzz $((seconds / 2)) 8192
+fuzz xser_fuzz $((seconds / 2)) 16384
 echo "fuzz: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -24,6 +24,7 @@ import torch
 
 from canon import BIN, CONFIG, INSPECT, TOKENIZE, TRAIN, VERIFY, TempDirTest, run
 from nnm_fixture import make_hf_converted, make_nnm
+from upstream_tags import NXD_PT, NXD_XSER, TensorReference
 
 CONVERT = os.path.join(BIN, "convert", "nnm2nxdt-ckpt")
 RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
@@ -614,6 +615,59 @@ class BadInput(TempDirTest):
         self.expect("ckpt-export --format hf", [EXPORT, other, os.path.join(self.dir, "hfout"), "--format", "hf"], ["fingerprint"], codes=(2,),
                     absent=[os.path.join(self.dir, "hfout")])
         self.expect("ckpt-verify --rtol", [VERIFY, tag, "--against", tag, "--rtol", "nan"], ["--rtol"], codes=(2,))
+
+    # -- xser tags (NxD's own, tests/data/upstream/nxd_tags) ------------------
+    def test_xser_tags(self):
+        tag = os.path.join(self.dir, "step_4")
+        model = os.path.join(tag, "model")
+        x01 = os.path.join(model, "dp_rank_00_tp_rank_01_pp_rank_00.pt")  # its tids 0..14 (README table)
+        out = os.path.join(self.dir, "out")
+        hostile = os.path.join(self.dir, "pwned")
+
+        class Hostile:
+            def __reduce__(self):
+                return (os.system, (f"touch {hostile}",))
+
+        def case(what, mutate, names, verify_names=None):
+            if os.path.exists(tag):
+                shutil.rmtree(tag)
+            shutil.copytree(NXD_XSER, tag)
+            mutate()
+            for c, argv in (("ckpt-reshard", [RESHARD, tag, out, "--tp", 1, "--pp", 1, "--heads", 4]),
+                            ("ckpt-reshard --no_verify", [RESHARD, tag, out, "--tp", 1, "--pp", 1, "--heads", 4, "--no_verify"]),
+                            ("ckpt-export", [EXPORT, tag, out + ".h5", "--heads", 4, "--no_verify"])):
+                self.expect(f"{c} ({what})", argv, names, codes=(2,), absent=[out, out + ".h5"])
+            self.expect(f"ckpt-verify ({what})", [VERIFY, tag], verify_names or names, codes=(1,))
+            self.assertFalse(os.path.exists(hostile))
+
+        def edit_info(edit):
+            info = torch.load(x01 + ".info.pt")
+            edit(info)
+            torch.save(info, x01 + ".info.pt")
+
+        def edit_refs(edit):
+            tree = torch.load(x01)
+            edit(tree)
+            torch.save(tree, x01)
+
+        case("missing tensor file", lambda: os.remove(os.path.join(x01 + ".tensors", "tensor_5.pt")), ["tensor_5.pt", "missing"])
+        case("info.pt shape", lambda: edit_info(lambda i: i[3].update(shape=torch.Size([99]))), ["tensor_3.pt", "declares tid 3", "[99]"])
+        case("info.pt dtype", lambda: edit_info(lambda i: i[2].update(dtype=torch.float32)), ["tensor_2.pt", "declares tid 2 float32"])
+        case("tid out of range", lambda: edit_info(lambda i: i.pop(7)), ["tid 7 is out of range", "info.pt"])
+        first = "language_model.embedding.word_embeddings.weight"
+        case("tid referenced twice", lambda: edit_refs(lambda t: t.update({first: TensorReference(1)})), ["tid 1 is referenced twice"])
+        case("negative tid", lambda: edit_refs(lambda t: t.update({first: TensorReference(-3)})), ["negative tid -3"])
+        case("tensor folder without X.pt", lambda: os.remove(x01), ["dp_rank_00_tp_rank_01_pp_rank_00.pt.tensors", "an xser tensor folder with no"])
+
+        def mix():
+            shutil.rmtree(x01 + ".tensors")
+            os.remove(x01 + ".info.pt")
+            shutil.copy(os.path.join(NXD_PT, "model", os.path.basename(x01)), x01)
+        case("plain and xser mixed", mix, ["dp_rank_00_tp_rank_01_pp_rank_00.pt", "is plain .pt but", "one container or the other"])
+        case("hostile info.pt", lambda: torch.save({0: Hostile()}, x01 + ".info.pt"), ["info.pt", "system"])
+        ep = os.path.join(model, "dp_rank_00_ep_rank_00_tp_rank_01_pp_rank_00.pt")
+        case("expert-parallel file", lambda: (os.rename(x01, ep), os.rename(x01 + ".tensors", ep + ".tensors")),
+             ["dp_rank_00_ep_rank_00_tp_rank_01_pp_rank_00.pt", "expert-parallel"])
 
     # -- shardkit-tokenize ------------------------------------------------
     def test_shardkit_tokenize(self):

@@ -9,8 +9,14 @@ What a layout writes (sources are NxD's, aws-neuron/neuronx-distributed):
     save begins, model/<_get_path("model")> from data-parallel rank 0 only
     (groups = the data-parallel group), optim/ likewise, or one file per dp
     rank when ZeRO-1 is on (_get_path("optim", dp=zero1_enabled)),
-    scheduler.pt and user_content.pt from rank 0, `done` ("1") last. File
-    names dp_rank_DD_tp_rank_TT_pp_rank_PP.pt. No manifest: that is shardkit's.
+    user_content.pt from rank 0, `done` ("1") last. File names
+    dp_rank_DD_tp_rank_TT_pp_rank_PP.pt. No manifest: that is shardkit's.
+  - Tag-level content as NxDT writes it, checked by running NxDT's
+    NLPCheckpointIO (tests/data/upstream/nxd_tags): no scheduler.pt (NxDT
+    passes no scheduler to NxD), user_content.pt is the Lightning dict minus
+    model and optimizer (no consumed_samples: NxDT takes it from the tag
+    name), and torch_xla's container rewrite turns shape_info's torch.Size
+    into lists.
   - Tensor parallelism: Megatron's partition (megatron_partition.py). With
     fewer KV heads than tp ranks, the fused `key_value` is replicated by
     shardkit's rule (ckpt/partition.h): each group over m = tp / kv_heads
@@ -245,16 +251,31 @@ def write_tag(parent, full, tp=1, pp=1, dp=1, zero1=False, cuts=None, master=Tru
                        "base_state": {i: {"step": torch.tensor(float(step)),
                                           "exp_avg": zero1_shard(local("exp_avg", n), dp, d),
                                           "exp_avg_sq": zero1_shard(local("exp_avg_sq", n), dp, d)} for i, n in per_id},
-                       "shape_info": {i: model[n].shape for i, n in per_id}}
+                       "shape_info": {i: list(model[n].shape) for i, n in per_id}}
                 if master and full["master"] is not None:
                     osd["sharded_master_weights"] = {i: zero1_shard(local("master", n), dp, d) for i, n in per_id}
                 torch.save(osd, os.path.join(path, "optim", rank_file(t, p, d)))
-    torch.save({"last_epoch": step, "base_lrs": [LR], "_last_lr": [LR * 0.5], "name": "CosineAnnealing"},
-               os.path.join(path, "scheduler.pt"))
-    torch.save({"epoch": 0, "global_step": step, "consumed_samples": full["consumed"]}, os.path.join(path, "user_content.pt"))
+    if style == "nxd":  # NxD's own llama example (run_llama_nxd.py): a scheduler, free-form user content
+        torch.save({"max_steps": 100, "warmup_steps": 2, "base_lrs": [LR], "last_epoch": step, "verbose": False,
+                    "_step_count": step + 1, "_get_lr_called_within_step": False, "_last_lr": [LR * 0.5]},
+                   os.path.join(path, "scheduler.pt"))
+        torch.save({"total_steps": step, "batch_idx": step - 1, "epoch": 0, "cli_args": {}}, os.path.join(path, "user_content.pt"))
+    else:
+        torch.save(nxdt_user_content(step), os.path.join(path, "user_content.pt"))
     with open(os.path.join(path, "done"), "w") as f:
         f.write("1")
     return path
+
+
+def nxdt_user_content(step):
+    """NxDT's user content, keys in Lightning 2.5.0's order (as in tests/data/upstream/nxd_tags)."""
+    progress = {"optimizer": {"step": {"total": {"ready": step, "completed": step}, "current": {"ready": step, "completed": step}}}}
+    return {"epoch": 0, "global_step": step, "pytorch-lightning_version": "2.5.0",
+            "loops": {"fit_loop": {"epoch_loop.automatic_optimization.optim_progress": progress}},
+            "callbacks": {}, "lr_schedulers": [{"max_steps": 100, "warmup_steps": 2, "min_lr": LR / 10, "base_lrs": [LR],
+                                                "last_epoch": step, "verbose": False, "_step_count": step + 1,
+                                                "_get_lr_called_within_step": False, "_last_lr": [LR * 0.5]}],
+            "hparams_name": "kwargs", "hyper_parameters": {"cfg": {"num_layers": 4}}}
 
 
 # Reading a tag back.
@@ -316,7 +337,7 @@ def read_full(tag, c):
             for i, (n, _) in enumerate(order):
                 if zero1:
                     shape = shards[0]["shape_info"][i]
-                    assert shape == model[n].shape, (n, shape, model[n].shape)
+                    assert list(shape) == list(model[n].shape), (n, shape, model[n].shape)
                     st = {}
                     keys = ["exp_avg", "exp_avg_sq"]
                     masters = ["sharded_master_weights" in sh for sh in shards]

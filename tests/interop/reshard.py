@@ -320,13 +320,20 @@ class Reshard(TempDirTest):
         self.assert_manifest(dst, b)
 
     def test_checkpoint_dir_creates_a_trainer_named_tag(self):
-        full, src = self.source(LLAMA, L(2, 1), style="nxd")
+        # NxDT's tag: the name carries step and consumed samples (its user content has no samples).
+        full, src = self.source(LLAMA, L(2, 1))
         r = reshard(src, "--checkpoint_dir", self.out, "--tp", 1, "--pp", 2, *format_args(LLAMA))
         self.assertEqual(r.returncode, 0, r.stderr)
         tags = os.listdir(self.out)
-        self.assertEqual(len(tags), 1, tags)
-        self.assertRegex(tags[0], r"--step=7-consumed_samples=56\.0\.ckpt$")
+        self.assertEqual(tags, ["megatron_llama--step=7-consumed_samples=56.0.ckpt"])
         self.assert_same_tag(os.path.join(self.out, tags[0]), L(1, 2).write(os.path.join(self.dir, "want"), full))
+        # NxD's own trainer names tags step_N and records no consumed samples anywhere: 0, and said so.
+        _, src = self.source(LLAMA, L(2, 1), name="nxd", style="nxd")
+        out = os.path.join(self.dir, "nxd_out")
+        r = reshard(src, "--checkpoint_dir", out, "--tp", 1, "--pp", 2, *format_args(LLAMA))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(os.listdir(out), ["megatron--step=7-consumed_samples=0.0.ckpt"])
+        self.assertIn("records no consumed samples", r.stderr)
 
     # 2. Round trips.
 

@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -11,7 +12,7 @@ import unittest
 
 import torch
 
-from canon import TOKENIZE, TRAIN, TempDirTest, run
+from canon import TOKENIZE, TRAIN, VERIFY, TempDirTest, run
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf")
 CONF = os.path.join(CONF_DIR, "tiny_llama.yaml")
@@ -100,6 +101,61 @@ class TrainAndResume(TempDirTest):
 
     def test_exact_resume_after_sigkill_sync_saves(self):
         self.check_exact_resume("False")
+
+    def test_exact_resume_after_sigkill_xser_saves(self):
+        # exp_manager.save_xser as NxDT's: X.pt, X.pt.tensors/, X.pt.info.pt; resume reads them.
+        xser = ["+exp_manager.save_xser=True"]
+        a, b, _ = self.kill_and_resume("True", xser)
+        self.assertEqual(a, b)
+        final = lambda run: os.path.dirname(os.path.dirname(self.final_file(run, "model")))
+        for sub in ("model", "optim"):
+            self.assertTrue(os.path.isdir(os.path.join(final("killed"), sub, RANK_FILE + ".tensors")))
+            for dirpath, _, names in os.walk(os.path.join(final("straight"), sub)):
+                for n in names:
+                    rel = os.path.relpath(os.path.join(dirpath, n), final("straight"))
+                    with open(os.path.join(final("straight"), rel), "rb") as f1, open(os.path.join(final("killed"), rel), "rb") as f2:
+                        self.assertEqual(f1.read(), f2.read(), f"{rel} differs")
+        self.assertEqual(run(VERIFY, final("killed")).returncode, 0)
+
+    def test_resumes_a_tag_with_nxdts_user_content(self):
+        # NxDT's user content (tests/data/upstream/nxd_tags): no consumed_samples (the tag name has
+        # it), the step in Lightning's loops, the schedule in lr_schedulers; no scheduler.pt, no manifest.
+        self.train("straight", "False", ["exp_manager.checkpoint_callback_params.save_top_k=-1"])  # keep step 40
+        src = self.tag("straight", 40)
+        resumed = os.path.join(self.dir, "nxdt")
+        dst = os.path.join(resumed, "checkpoints", os.path.basename(src))
+        shutil.copytree(src, dst)
+        for f in ("manifest.json", "scheduler.pt"):
+            os.remove(os.path.join(dst, f))
+        shutil.rmtree(os.path.join(dst, ".shardkit"))
+        ours = torch.load(os.path.join(dst, "user_content.pt"))
+        self.assertEqual(ours["lr_schedulers"][0]["last_epoch"], 40)  # what we write NxDT reads
+        self.assertEqual(sorted(ours["lr_schedulers"][0]), sorted(["base_lrs", "last_epoch", "verbose", "_step_count",
+                                                                    "_get_lr_called_within_step", "_last_lr"]))
+        progress = {"optimizer": {"step": {"total": {"ready": 40, "completed": 40}, "current": {"ready": 40, "completed": 40}}}}
+        nxdt = {"epoch": 0, "global_step": 39,  # Lightning's loops override it, as in NxDT
+                "pytorch-lightning_version": "2.5.0",
+                "loops": {"fit_loop": {"epoch_loop.automatic_optimization.optim_progress": progress}},
+                "callbacks": {}, "lr_schedulers": ours["lr_schedulers"], "hparams_name": "kwargs", "hyper_parameters": {"cfg": {}}}
+        torch.save(nxdt, os.path.join(dst, "user_content.pt"))
+        r = self.train("nxdt", "False")
+        self.assertRegex(r.stderr, r"resumed from .*step=40.* at step 40, 320 samples consumed")
+        a, b = losses(os.path.join(self.dir, "straight")), losses(resumed)
+        self.assertEqual(sorted(b), list(range(41, STEPS + 1)))
+        self.assertEqual({s: a[s] for s in b}, b)
+        for sub in ("model", "optim"):
+            with open(self.final_file("straight", sub), "rb") as f1, open(self.final_file("nxdt", sub), "rb") as f2:
+                self.assertEqual(f1.read(), f2.read(), f"{sub} files differ")
+        # Without lr_schedulers (and no scheduler.pt) NxDT restarts the schedule from warmup; so does this, and says so.
+        del nxdt["lr_schedulers"]
+        again = os.path.join(self.dir, "nowarm", "checkpoints", os.path.basename(src))
+        shutil.copytree(dst, again)
+        torch.save(nxdt, os.path.join(again, "user_content.pt"))
+        r = self.train("nowarm", "False", ["trainer.max_steps=42"])
+        self.assertIn("restarts from warmup", r.stderr)
+        nowarm = losses(os.path.join(self.dir, "nowarm"))
+        self.assertEqual(nowarm[41], a[41])  # the loss before the first update
+        self.assertNotEqual(nowarm[42], a[42])  # after an update at warmup LR
 
     def tag(self, run, step, name="tiny_llama"):
         return os.path.join(self.dir, run, "checkpoints", f"{name}--step={step}-consumed_samples={8.0 * step}.ckpt")

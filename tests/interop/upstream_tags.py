@@ -1,0 +1,245 @@
+"""shardkit against tags NxD's and NxDT's own save code wrote
+(tests/data/upstream/nxd_tags: NxD fbac349, NxDT 9169aa0, run on CPU; see its
+README). These files are the ground truth CI carries: nothing here is written
+from belief about the layout.
+
+  - an xser tag and the same tag in plain .pt read alike (byte-identical
+    reshards, ckpt-verify --against);
+  - what ckpt-reshard --save_xser writes is NxD's xser, file for file: the
+    same files, the same reference trees (tids in NxD's traversal order), the
+    same info.pt and the same tensors as NxD's own save of that state;
+  - resharded values equal the upstream shards, assembled here with torch;
+  - NxDT's one-shard ZeRO-1 optimizer (dp=2 saved as dp_rank_00 only) is
+    refused with what happened, and --weights_only takes the model;
+  - model files in any key order, model-only folders (NxD's converter
+    output) and NxDT's tag-level content carried through unchanged.
+
+The dev-time counterpart, NxD's own load_checkpoint reading what shardkit
+writes, is tests/data/upstream/nxd_tags/load_check.py (needs upstream source)."""
+import filecmp
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import types
+import unittest
+
+import torch
+
+from canon import BIN, VERIFY, TempDirTest, run
+
+RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
+EXPORT = os.path.join(BIN, "tools", "ckpt-export")
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "upstream", "nxd_tags")
+NXD_XSER = os.path.join(DATA, "nxd_xser", "step_4")
+NXD_PT = os.path.join(DATA, "nxd_pt", "step_4")
+NXDT_TAG = "megatron_llama--step=4-consumed_samples=32.0.ckpt"
+NXDT_XSER = os.path.join(DATA, "nxdt_xser", NXDT_TAG)
+NXDT_PT = os.path.join(DATA, "nxdt_pt", NXDT_TAG)
+HEADS = ["--heads", "4"]  # NxD writes no model format; the fixture's model has 4 heads (README)
+L = "language_model."
+LAYER = L + "encoder.layers.{}."
+
+
+class TensorReference:
+    """torch_xla.utils.serialization.TensorReference as pickled: NEWOBJ, then BUILD {'tid': n}."""
+
+    def __init__(self, tid=None):
+        if tid is not None:
+            self.tid = tid
+
+
+TensorReference.__module__ = "torch_xla.utils.serialization"  # so that it pickles as torch_xla's
+
+
+def _install_xla_stub():
+    # Only to unpickle X.pt here; shardkit itself never runs Python.
+    for name in ("torch_xla", "torch_xla.utils", "torch_xla.utils.serialization"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["torch_xla.utils.serialization"].TensorReference = TensorReference
+
+
+_install_xla_stub()
+
+
+def load(path):
+    return torch.load(path, map_location="cpu")
+
+
+def refs(tree):
+    """The tree with each TensorReference as ('tid', n) and containers as plain Python."""
+    if isinstance(tree, TensorReference):
+        return ("tid", tree.tid)
+    if isinstance(tree, dict):
+        return [(k, refs(v)) for k, v in tree.items()]  # order matters: tids follow it
+    if isinstance(tree, (list, tuple)):
+        return [refs(v) for v in tree]
+    if isinstance(tree, torch.Tensor):
+        return ("tensor", str(tree.dtype), list(tree.shape), tree.flatten().tolist())
+    return tree
+
+
+def files(root, skip=("manifest.json", "checkpoint", "done")):
+    out = set()
+    for dirpath, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != ".shardkit"]
+        for n in names:
+            rel = os.path.relpath(os.path.join(dirpath, n), root)
+            if rel not in skip:
+                out.add(rel)
+    return out
+
+
+def same_files(test, a, b, skip=()):
+    fa, fb = files(a) - set(skip), files(b) - set(skip)
+    test.assertEqual(fa, fb)
+    for rel in sorted(fa):
+        test.assertTrue(filecmp.cmp(os.path.join(a, rel), os.path.join(b, rel), shallow=False), rel)
+
+
+class UpstreamTags(TempDirTest):
+    def out(self, name):
+        return os.path.join(self.dir, name)
+
+    def test_xser_and_plain_tags_read_alike(self):
+        # The same training state, saved by NxD both ways, reshards to the same bytes.
+        a, b = self.out("from_xser"), self.out("from_pt")
+        for src, dst in ((NXD_XSER, a), (NXD_PT, b)):
+            p = run(RESHARD, src, dst, "--tp", 1, "--pp", 1, "--dp", 1, "--zero1", *HEADS, "--no_save_xser")
+            self.assertIn("model format (no manifest)", p.stderr)
+        # Each user content is its own run's (its cli_args name the container); each is carried as it was.
+        same_files(self, a, b, skip=["user_content.pt"])
+        for src, dst in ((NXD_XSER, a), (NXD_PT, b)):
+            self.assertEqual(refs(load(os.path.join(dst, "user_content.pt"))), refs(load(os.path.join(src, "user_content.pt"))))
+        self.assertTrue(os.path.isfile(os.path.join(a, "optim", "dp_rank_00_tp_rank_00_pp_rank_00.pt")))
+        p = run(VERIFY, NXD_XSER, "--against", NXD_PT, *HEADS)
+        self.assertIn("same", p.stdout)
+        # Default container: the source's.
+        c = self.out("default")
+        run(RESHARD, NXD_XSER, c, "--tp", 1, "--pp", 1, *HEADS)
+        self.assertTrue(os.path.isdir(os.path.join(c, "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors")))
+
+    def test_save_xser_writes_what_nxd_writes(self):
+        # NxD's plain tag, written back at its own layout as xser, is NxD's xser tag of that state.
+        ours = self.out("ours")
+        run(RESHARD, NXD_PT, ours, "--tp", 2, "--pp", 2, *HEADS, "--save_xser")
+        theirs = NXD_XSER
+        self.assertEqual(files(ours), files(theirs))
+        xfiles = sorted(f for f in files(theirs) if f.endswith(".pt") and ".pt.tensors/" not in f and f.startswith(("model/", "optim/"))
+                        and not f.endswith(".info.pt"))
+        self.assertEqual(len(xfiles), 4 + 8)  # model per tp/pp rank, optim per dp/tp/pp rank
+        for rel in xfiles:
+            self.assertEqual(refs(load(os.path.join(ours, rel))), refs(load(os.path.join(theirs, rel))), rel)
+            a, b = load(os.path.join(ours, rel + ".info.pt")), load(os.path.join(theirs, rel + ".info.pt"))
+            self.assertEqual(list(a.keys()), list(b.keys()), rel)
+            for tid in b:
+                self.assertEqual(a[tid], b[tid], f"{rel} info tid {tid}")
+                self.assertIsInstance(a[tid]["shape"], torch.Size)
+        for rel in sorted(f for f in files(theirs) if ".pt.tensors/" in f):
+            x, y = load(os.path.join(ours, rel)), load(os.path.join(theirs, rel))
+            self.assertEqual((x.dtype, x.shape), (y.dtype, y.shape), rel)
+            self.assertTrue(torch.equal(x, y), rel)
+
+    def test_resharded_values_are_the_upstream_shards(self):
+        out = self.out("tp1")
+        run(RESHARD, NXD_XSER, out, "--tp", 1, "--pp", 1, *HEADS, "--no_save_xser")
+        model = load(os.path.join(out, "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
+        shard = {(t, p): load(os.path.join(NXD_PT, "model", f"dp_rank_00_tp_rank_0{t}_pp_rank_0{p}.pt")) for t in (0, 1) for p in (0, 1)}
+        emb = L + "embedding.word_embeddings.weight"
+        self.assertTrue(torch.equal(model[emb], torch.cat([shard[0, 0][emb], shard[1, 0][emb]])))
+        out_w = L + "output_layer.weight"
+        self.assertTrue(torch.equal(model[out_w], torch.cat([shard[0, 1][out_w], shard[1, 1][out_w]])))
+        for layer, stage in ((0, 0), (3, 1)):
+            pre = LAYER.format(layer)
+            dense = pre + "self_attention.dense.weight"
+            self.assertTrue(torch.equal(model[dense], torch.cat([shard[0, stage][dense], shard[1, stage][dense]], dim=1)))
+            fc1 = pre + "mlp.dense_h_to_4h.weight"  # rank r holds [gate_r; up_r] (NxDT's swiglu)
+            gate = torch.cat([shard[t, stage][fc1].chunk(2)[0] for t in (0, 1)])
+            up = torch.cat([shard[t, stage][fc1].chunk(2)[1] for t in (0, 1)])
+            self.assertTrue(torch.equal(model[fc1], torch.cat([gate, up])))
+            norm = pre + "input_layernorm.weight"
+            self.assertTrue(torch.equal(model[norm], shard[0, stage][norm]))
+        self.assertEqual(model[emb].dtype, torch.bfloat16)
+        # The ZeRO-1 masters: dp shards of each tp-local tensor, concatenated and then across tp.
+        opt = load(os.path.join(out, "optim", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
+        src = [load(os.path.join(NXD_PT, "optim", f"dp_rank_0{d}_tp_rank_00_pp_rank_00.pt")) for d in (0, 1)]
+        # id 0 is the embedding in both (NxD's example grouping), at tp 1 only tp rank 0's half is this source's rows 0..31.
+        local = torch.cat([src[d]["sharded_master_weights"][0] for d in (0, 1)])
+        self.assertTrue(torch.equal(opt["sharded_master_weights"][0][: local.shape[0]], local))
+
+    def test_nxdt_one_shard_zero1_is_detected(self):
+        for tag in (NXDT_XSER, NXDT_PT):
+            p = run(VERIFY, tag, check=False)
+            self.assertEqual(p.returncode, 1, p.stdout)
+            self.assertIn("damaged by design", p.stdout)
+            self.assertIn("dp=2 ZeRO-1 optimizer as one shard", p.stdout)
+            out = self.out("x")
+            p = run(RESHARD, tag, out, "--tp", 1, "--pp", 1, *HEADS, check=False)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn("moments were never written", p.stderr)
+            self.assertFalse(os.path.exists(out))
+            p = run(RESHARD, tag, out, "--tp", 1, "--pp", 1, *HEADS, "--no_verify", check=False)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn("--weights_only", p.stderr)
+            self.assertFalse(os.path.exists(out))
+        a, b = self.out("w_xser"), self.out("w_pt")
+        run(RESHARD, NXDT_XSER, a, "--tp", 1, "--pp", 1, *HEADS, "--weights_only", "--no_save_xser")
+        run(RESHARD, NXDT_PT, b, "--tp", 1, "--pp", 1, *HEADS, "--weights_only")
+        same_files(self, a, b)
+        self.assertFalse(os.path.exists(os.path.join(a, "optim")))
+        self.assertFalse(os.path.exists(os.path.join(a, "scheduler.pt")))  # NxDT writes none
+        self.assertEqual(run(VERIFY, a).returncode, 0)
+        # NxDT's user content (the Lightning dict minus model and optimizer) is carried through as it was.
+        self.assertEqual(refs(load(os.path.join(a, "user_content.pt"))), refs(load(os.path.join(NXDT_XSER, "user_content.pt"))))
+        self.assertEqual(run(EXPORT, NXDT_XSER, self.out("w.h5"), *HEADS, "--weights_only").returncode, 0)
+
+    def test_model_files_in_any_key_order(self):
+        # HF -> NNM tools write keys in HF order; NxD loads by name, and so does shardkit.
+        shuffled = self.out("shuffled")
+        shutil.copytree(NXD_PT, shuffled)
+        for name in os.listdir(os.path.join(shuffled, "model")):
+            path = os.path.join(shuffled, "model", name)
+            sd = load(path)
+            torch.save(dict(reversed(list(sd.items()))), path)
+        a, b = self.out("a"), self.out("b")
+        run(RESHARD, NXD_PT, a, "--tp", 1, "--pp", 2, *HEADS)
+        run(RESHARD, shuffled, b, "--tp", 1, "--pp", 2, *HEADS, "--no_verify")  # no manifest to check; NxD wrote none
+        # The optimizer's ids follow module order, not the files' key order: the same bytes.
+        same_files(self, a, b, skip=[f"model/dp_rank_00_tp_rank_00_pp_rank_0{p}.pt" for p in (0, 1)])
+        for p in (0, 1):
+            rel = f"model/dp_rank_00_tp_rank_00_pp_rank_0{p}.pt"
+            x, y = load(os.path.join(a, rel)), load(os.path.join(b, rel))
+            self.assertEqual(sorted(x), sorted(y))
+            for k in x:
+                self.assertTrue(torch.equal(x[k], y[k]), k)
+            # Parameters are written in module order whatever order they were read in; only the
+            # inv_freq buffers keep their place beside the key they followed.
+            params = lambda d: [k for k in d if not k.endswith("inv_freq")]
+            self.assertEqual(params(x), params(y))
+
+    def test_model_only_folder(self):
+        # NxD's checkpoint_converter.py writes model/ alone: no marker, optim/ or user content.
+        conv = self.out("converted")
+        shutil.copytree(os.path.join(NXD_XSER, "model"), os.path.join(conv, "model"))
+        p = run(VERIFY, conv)
+        self.assertIn("weights only", p.stdout)
+        out = self.out("re")
+        p = run(RESHARD, conv, out, "--tp", 1, "--pp", 1, *HEADS)
+        self.assertIn("weights-only tag", p.stderr)
+        self.assertFalse(os.path.exists(os.path.join(out, "optim")))
+        ref = self.out("ref")
+        run(RESHARD, NXD_XSER, ref, "--tp", 1, "--pp", 1, *HEADS, "--weights_only")
+        self.assertEqual(files(out), files(ref) - {"scheduler.pt", "user_content.pt"})
+        for rel in files(out):
+            self.assertTrue(filecmp.cmp(os.path.join(out, rel), os.path.join(ref, rel), shallow=False), rel)
+        # Without `done`, a folder that is more than model/ stays incomplete.
+        with open(os.path.join(conv, "checkpoint"), "w") as f:
+            f.write("1")
+        p = run(RESHARD, conv, self.out("re2"), "--tp", 1, "--pp", 1, *HEADS, check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("done", p.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
