@@ -106,8 +106,8 @@ int64_t Zero1SavedAsOneShard(const Value& file) {
 std::string Zero1OneShardMessage(const std::string& where, int64_t dp) {
   return where + ": NxDT saved a dp=" + std::to_string(dp) +
          " ZeRO-1 optimizer as one shard; the other ranks' moments were never written (NxDT passes zero1_optimizer from "
-         "cfg.wrap_with_zero, which NxDT configs do not set). The model weights are complete: use --weights_only to take them "
-         "with a fresh optimizer";
+         "cfg.wrap_with_zero, which NxDT configs do not set). The model weights are complete: take them with a fresh optimizer "
+         "by --weights_only (ckpt-reshard, ckpt-export) or model.weight_init_only: True (shardkit-train, as NxDT)";
 }
 
 }  // namespace ckpt

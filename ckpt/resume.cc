@@ -14,10 +14,19 @@ std::string Describe(const TagReport& r) {
   return s;
 }
 
+// The optimizer files are not read: their problems are told, not counted.
+void DropOptimizerProblems(TagReport& r, const std::string& tag, const LogFn& log) {
+  std::erase_if(r.problems, [&](const TagProblem& p) {
+    if (p.file.rfind("optim/", 0) != 0) return false;
+    if (log) log("resume: " + tag + ": " + p.file + ": " + p.what + " (not read: weights only)");
+    return true;
+  });
+}
+
 }  // namespace
 
 std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& checkpoint_dir, bool verify_checksums,
-                                                const LogFn& log, std::vector<DamagedTag>* damaged) {
+                                                const LogFn& log, std::vector<DamagedTag>* damaged, bool weights_only) {
   if (!env->IsDirectory(checkpoint_dir)) return std::nullopt;
   for (const TagEntry& t : ListTags(env, checkpoint_dir)) {
     if (!t.has_done && !t.listed_in_newest) {
@@ -27,6 +36,7 @@ std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& che
     TagReport r = VerifyTag(env, t.path, {.checksums = verify_checksums});
     if (!r.has_done && t.listed_in_newest)  // NxD 2.16 marked completion with `newest`, not `done`
       std::erase_if(r.problems, [](const TagProblem& p) { return p.file == "done"; });
+    if (weights_only) DropOptimizerProblems(r, t.dir_name, log);
     if (!r.ok()) {
       if (log) log("resume: skipping " + t.dir_name + ": " + Describe(r) + " (kept as evidence)");
       if (damaged) damaged->push_back({t.path, Describe(r)});
@@ -48,12 +58,13 @@ std::optional<std::string> ResolveResume(Env* env, const std::string& checkpoint
     if (!env->IsDirectory(path) && env->IsDirectory(checkpoint_dir + "/" + path)) path = checkpoint_dir + "/" + path;
     if (!env->IsDirectory(path)) throw Error("resume_from_checkpoint: " + opts.resume_from_checkpoint + ": no such checkpoint");
     TagReport r = VerifyTag(env, path, {.checksums = opts.verify_checksums});
+    if (opts.weights_only) DropOptimizerProblems(r, path, log);
     if (!r.ok()) throw Error("resume_from_checkpoint: " + path + " is not a complete, intact checkpoint: " + Describe(r));
     return path;
   }
   if (!opts.resume_if_exists) return std::nullopt;
   std::vector<DamagedTag> found;
-  auto latest = FindLatestCheckpoint(env, checkpoint_dir, opts.verify_checksums, log, &found);
+  auto latest = FindLatestCheckpoint(env, checkpoint_dir, opts.verify_checksums, log, &found, opts.weights_only);
   if (damaged) damaged->insert(damaged->end(), found.begin(), found.end());
   if (latest) {
     if (log) log("resume: from " + *latest);

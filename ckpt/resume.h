@@ -36,7 +36,7 @@ class DamagedCheckpoints : public Error {
 // The newest tag under `checkpoint_dir` that verifies, or nullopt. Complete
 // tags that fail verification on the way are appended to `damaged`.
 std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& checkpoint_dir, bool verify_checksums,
-                                                const LogFn& log, std::vector<DamagedTag>* damaged = nullptr);
+                                                const LogFn& log, std::vector<DamagedTag>* damaged = nullptr, bool weights_only = false);
 
 struct ResumeOptions {
   bool resume_if_exists = false;
@@ -48,6 +48,9 @@ struct ResumeOptions {
   // With resume_if_exists, when complete tags exist but none verifies: start
   // from scratch (the damaged tags stay) instead of stopping.
   bool start_over_damaged = false;
+  // Only the model is read (NxDT's model.weight_init_only): problems of
+  // optim/ files do not make a tag damaged.
+  bool weights_only = false;
 };
 
 // The tag to resume from, or nullopt to start fresh. Throws ckpt::Error when

@@ -135,6 +135,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   c.create_checkpoint_callback = r.Bool("exp_manager.create_checkpoint_callback", true);
   c.async_checkpointing = r.Bool("exp_manager.async_checkpointing", false);
   c.save_xser = r.Bool("exp_manager.save_xser", false);
+  c.weight_init_only = r.Bool("model.weight_init_only", false);
   r.Bool("exp_manager.load_xser", false);  // checked, then read as NxD reads tags: each as it is
   c.save_top_k = r.Int("exp_manager.checkpoint_callback_params.save_top_k", -1, -1);
   c.every_n_train_steps = r.Int("exp_manager.checkpoint_callback_params.every_n_train_steps", 0, 0);

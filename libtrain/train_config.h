@@ -34,6 +34,10 @@ struct TrainConfig {
   // effect in NxDT either: NxD's loader reads each tag as it finds it, and so
   // does resume here.
   bool save_xser = false;
+  // NxDT's model.weight_init_only (examples/training.py -> NLPCheckpointIO):
+  // resume reads the model only and the optimizer starts fresh; also the way
+  // past the one-shard ZeRO-1 state NxDT saves at dp > 1.
+  bool weight_init_only = false;
   int64_t save_top_k = -1, every_n_train_steps = 0;
   bool log_parameter_norm = true, log_gradient_norm = true;
   // data

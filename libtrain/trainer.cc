@@ -68,6 +68,7 @@ ckpt::ReshardArgs ReshardFor(const std::string& tag, const TrainConfig& c) {
   a.pipeline_cuts = c.pipeline_cuts;
   a.hints = HintsOf(c);
   a.tool = "resume-reshard";
+  a.weights_only = c.weight_init_only;
   return a;
 }
 
@@ -84,7 +85,7 @@ std::string ReshardAdvice(const std::string& tag, const TrainConfig& c) {
 // degrees, or its pipeline stages' layers. A tag without optimizer files
 // (weights only) needs only tp and the stages to match.
 std::string LayoutMismatch(ckpt::Env* env, const std::string& tag, const TrainConfig& c) {
-  const auto t = ckpt::ShardedTag::Open(env, tag, HintsOf(c));
+  const auto t = ckpt::ShardedTag::Open(env, tag, HintsOf(c), {.weights_only = c.weight_init_only});
   const ckpt::TagLayout& L = t->layout();
   const ckpt::RankGrid &was = L.grid, &run = c.grid;
   // Optimizer files must be cut as this run cuts them: in dp ZeRO-1 shards, or whole (plain, or
@@ -166,7 +167,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
                                         .resume_ignore_no_checkpoint = c.resume_ignore_no_checkpoint,
                                         .resume_from_checkpoint = c.resume_from_checkpoint,
                                         .verify_checksums = true,
-                                        .start_over_damaged = c.resume_past_damaged_checkpoints},
+                                        .start_over_damaged = c.resume_past_damaged_checkpoints,
+                                        .weights_only = c.weight_init_only},
                                        log, &damaged);
     chosen = t.value_or("");
   }
@@ -215,7 +217,9 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
       // Each file as it is, plain .pt or xser, like NxD's load_checkpoint.
       model.LoadStateDict(ckpt::LoadTagFile(env, *tag, model_file));
       adamw.ResetMasterWeights(model);
-      if (!env->IsDirectory(*tag + "/optim"))  // weights only, e.g. converted from NNM's HF import
+      if (c.weight_init_only)
+        log("info: model.weight_init_only: " + *tag + "'s optimizer state is not read; the optimizer starts fresh, as in NxDT");
+      else if (!env->IsDirectory(*tag + "/optim"))  // weights only, e.g. converted from NNM's HF import
         log("info: " + *tag + " holds no optimizer state; the optimizer starts fresh");
       else if (!env->Exists(*tag + "/" + optim_file))
         throw ckpt::Error(optim_file + " is missing (this rank's optimizer state)");

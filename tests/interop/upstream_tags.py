@@ -27,7 +27,8 @@ import unittest
 
 import torch
 
-from canon import BIN, VERIFY, TempDirTest, run
+from canon import BIN, TRAIN, VERIFY, TempDirTest, run
+from indexed_dataset_interop import megatron_write
 
 RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
 EXPORT = os.path.join(BIN, "tools", "ckpt-export")
@@ -239,6 +240,41 @@ class UpstreamTags(TempDirTest):
         p = run(RESHARD, conv, self.out("re2"), "--tp", 1, "--pp", 1, *HEADS, check=False)
         self.assertEqual(p.returncode, 2)
         self.assertIn("done", p.stderr)
+
+    def test_trainer_resumes_nxdts_tag_as_nxdt_would(self):
+        # The NxDT tag at tp2 pp2 (one-shard ZeRO-1 optimizer) resumed by a one-process run: resharded
+        # for it (resume_reshard), the model only (NxDT's model.weight_init_only), the step from
+        # Lightning's loops, consumed samples from the tag's name and the LR schedule from lr_schedulers.
+        import numpy as np
+        os.makedirs(os.path.join(self.dir, "data"))
+        rng = np.random.default_rng(0)
+        megatron_write(os.path.join(self.dir, "data", "tok"), [rng.integers(0, 64, 300) for _ in range(20)], np.uint16)
+        conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf", "tiny_llama.yaml")
+        # The fixture's model and schedule (tests/data/upstream/nxd_tags/README.md, its user content's lr_schedulers).
+        model = ["model.num_layers=4", "model.hidden_size=16", "model.ffn_hidden_size=32", "model.num_attention_heads=4",
+                 "model.num_kv_heads=4", "model.encoder_seq_length=32", "+model.vocab_size=64", "model.optim.lr=3e-4",
+                 "model.optim.sched.warmup_steps=2", "+model.optim.sched.max_steps=10", "model.optim.sched.min_lr=3e-5"]
+        for tag in (NXDT_XSER, NXDT_PT):
+            run_dir = os.path.join(self.dir, os.path.basename(os.path.dirname(tag)))
+            ckpts = os.path.join(run_dir, "checkpoints")
+            shutil.copytree(tag, os.path.join(ckpts, NXDT_TAG))
+            argv = [TRAIN, conf, f"exp_manager.explicit_log_dir={run_dir}", "trainer.max_steps=6", "data.data_prefix=[1.0,data/tok]",
+                    "data.global_batch_size=8", "data.micro_batch_size=4", "+exp_manager.resume_reshard=True", *model]
+            # Without weight_init_only the lost moments are refused, naming what happened.
+            p = subprocess.run(argv, cwd=self.dir, capture_output=True, text=True)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn("moments were never written", p.stderr)
+            p = subprocess.run(argv + ["+model.weight_init_only=True"], cwd=self.dir, capture_output=True, text=True)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertIn("at step 4, 32 samples consumed", p.stderr)
+            self.assertIn("optimizer starts fresh", p.stderr)
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                metrics = [__import__("json").loads(line) for line in f]
+            self.assertEqual([m["step"] for m in metrics], [5, 6])
+            self.assertEqual([m["consumed_samples"] for m in metrics], [40, 48])
+            # NeMo's CosineAnnealing after last_epoch 4 gives the step-5 LR NxDT saved as _last_lr.
+            want = load(os.path.join(tag, "user_content.pt"))["lr_schedulers"][0]["_last_lr"][0]
+            self.assertAlmostEqual(metrics[0]["lr"], want, delta=1e-12)
 
 
 if __name__ == "__main__":
