@@ -109,7 +109,10 @@ struct FileContent {
   std::string path;
   std::function<void(WritableFile&)> fill;
 };
-void WriteFilesAtomically(Env* env, const std::vector<FileContent>& files);
+// `sync_dirs` false leaves the folders' fsync to the caller, who writes many
+// files into few folders and syncs each folder once after the last of them
+// (WriteRankFiles: an xser tag has a file per tensor).
+void WriteFilesAtomically(Env* env, const std::vector<FileContent>& files, bool sync_dirs = true);
 
 // The name of the temporary sibling WriteFileAtomically uses for `path`;
 // anything with this shape is debris from an interrupted write.

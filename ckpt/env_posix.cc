@@ -358,7 +358,7 @@ void WriteFileAtomically(Env* env, const std::string& path, const std::function<
   WriteFilesAtomically(env, {{path, fill}});
 }
 
-void WriteFilesAtomically(Env* env, const std::vector<FileContent>& files) {
+void WriteFilesAtomically(Env* env, const std::vector<FileContent>& files, bool sync_dirs) {
   std::vector<std::string> temps;
   size_t renamed = 0;
   try {
@@ -379,6 +379,7 @@ void WriteFilesAtomically(Env* env, const std::vector<FileContent>& files) {
     }
     throw;
   }
+  if (!sync_dirs) return;
   std::set<std::string> dirs;
   for (const auto& f : files) dirs.insert(fs::path(f.path).has_parent_path() ? fs::path(f.path).parent_path().string() : ".");
   for (const auto& d : dirs) env->SyncDir(d);

@@ -276,6 +276,7 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
   sum.src_tag = ResolveSourceTag(a.src, a.verify_source, env, log, a.launch.rank, a.weights_only);
   const auto src = ckpt::ShardedTag::Open(env, sum.src_tag, a.hints, {.weights_only = a.weights_only});
   if (src->optimizer_skipped()) sum.notes.push_back("--weights_only: the source's optimizer state is not read; the target has none");
+  for (const auto& n : src->format_notes()) sum.notes.push_back(n);
   sum.bytes_read = src->bytes();
   // Named before `sum` is moved into the call: argument evaluation order is unspecified.
   const std::string name = std::filesystem::path(sum.src_tag).filename().string();

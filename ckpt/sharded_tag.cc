@@ -307,6 +307,7 @@ class ShardedTagBuilder {
       f.bias = FindTensor("self_attention.dense.bias") != nullptr;
       if (const Tensor* pos = FindTensor("position_embeddings.weight")) f.learned_positions = true, f.max_positions = pos->shape()[0];
       f.tied_output = FindTensor("output_layer.weight") == nullptr;
+      TakeRecordedConfig();
       if (!hints_.heads) throw Error(why + "so give --heads (model.num_attention_heads)");
       f.heads = *hints_.heads;
       if (f.heads < 1 || f.hidden % f.heads) throw Error("--heads " + std::to_string(f.heads) + " does not divide the hidden size " + std::to_string(f.hidden));
@@ -507,6 +508,29 @@ class ShardedTagBuilder {
     return t_->layout_.one_group && fits_one ? one : split;
   }
 
+  // An NxDT tag records its job's whole config in user_content.pt
+  // (hyper_parameters.cfg, NxDT nlp_overrides.py save_checkpoint keeps
+  // Lightning's hyper_parameters): heads and KV heads come from there when
+  // no hint gives them, and a hint that contradicts it is refused.
+  void TakeRecordedConfig() {
+    if (!env_->Exists(Path(kUserContentFile))) return;
+    const Value uc = LoadTagFile(env_, t_->dir_, kUserContentFile);
+    const Value* hp = uc.is_dict() ? uc.as_dict().Find("hyper_parameters") : nullptr;
+    const Value* cfg = hp && hp->is_dict() ? hp->as_dict().Find("cfg") : nullptr;
+    if (!cfg || !cfg->is_dict()) return;
+    auto take = [&](const char* key, std::optional<int64_t>& hint, const char* flag) {
+      const Value* v = cfg->as_dict().Find(key);
+      if (!v || !v->is_int()) return;
+      if (hint && *hint != v->as_int())
+        throw Error(std::string(flag) + " " + std::to_string(*hint) + " contradicts " + Path(kUserContentFile) + ", whose job config " +
+                    "(hyper_parameters.cfg." + key + ") is " + std::to_string(v->as_int()));
+      if (!hint) t_->format_notes_.push_back(std::string(key) + " " + std::to_string(v->as_int()) + " from the job config in user_content.pt");
+      hint = v->as_int();
+    };
+    take("num_attention_heads", hints_.heads, "--heads");
+    take("num_kv_heads", hints_.kv_heads, "--kv_heads");
+  }
+
   void LearnStep() {
     if (manifest_) {
       t_->step_ = manifest_->step, t_->consumed_ = manifest_->consumed_samples;
@@ -575,6 +599,12 @@ void ShardedTag::Read(const std::string& name, StateField f, uint64_t begin, std
   const size_t es = ElementSize(idx.dtype);
   const uint64_t end = begin + out.size() / es;
   auto it = std::upper_bound(idx.extents.begin(), idx.extents.end(), begin, [](uint64_t b, const Extent& e) { return b < e.end; });
+  // Read-ahead for every run of the range before copying any: runs in many small files (xser
+  // has a file per tensor) are then read by the disk at once, not one fault after another.
+  for (auto p = it; p != idx.extents.end() && p->begin < end; ++p) {
+    const uint64_t lo = std::max(begin, p->begin), hi = std::min(end, p->end);
+    if (p->file && lo < hi) p->file->Prefetch(p->data + (lo - p->begin) * es, (hi - lo) * es);
+  }
   uint64_t at = begin;
   for (; at < end && it != idx.extents.end(); ++it) {
     const uint64_t lo = std::max(at, it->begin), hi = std::min(end, it->end);

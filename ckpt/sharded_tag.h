@@ -75,6 +75,8 @@ class ShardedTag final : public LogicalState {
   const std::optional<TensorFingerprints>& recorded_fingerprints() const override { return recorded_; }
   double consumed_samples() const override { return consumed_; }
   bool consumed_samples_known() const override { return consumed_known_; }
+  // What the model format was taken from besides tensor shapes (the job config an NxDT tag records).
+  const std::vector<std::string>& format_notes() const { return format_notes_; }
   std::optional<Value> TagFile(const std::string& name) const override;
 
  private:
@@ -110,6 +112,7 @@ class ShardedTag final : public LogicalState {
   int64_t step_ = 0;
   double consumed_ = 0;
   bool consumed_known_ = true;
+  std::vector<std::string> format_notes_;
   std::optional<TensorFingerprints> recorded_;
 
   friend class ShardedTagBuilder;

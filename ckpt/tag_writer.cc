@@ -124,10 +124,12 @@ std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& ta
   auto write = [&](size_t i) {
     const FileToWrite& f = files[i];
     const std::string path = tag_dir + "/" + f.relpath;
-    WriteFileAtomically(env, path, [&](WritableFile& out) {
-      const uint32_t crc = WritePt(out, ArchivePrefixFor(path), f.value, f.options);
-      written[i] = FileDigest{out.Size(), crc};
-    });
+    // Each folder is synced once, after all of its files (below), before the record that votes for them.
+    WriteFilesAtomically(env, {{path, [&](WritableFile& out) {
+                                  const uint32_t crc = WritePt(out, ArchivePrefixFor(path), f.value, f.options);
+                                  written[i] = FileDigest{out.Size(), crc};
+                                }}},
+                         /*sync_dirs=*/false);
     if (opts.on_file_written) opts.on_file_written(f, written[i]);
   };
   if (opts.parallel) {
@@ -137,8 +139,8 @@ std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& ta
   }
   std::map<std::string, FileDigest> digests;
   for (size_t i = 0; i < files.size(); ++i) digests[files[i].relpath] = written[i];
-  // WriteFileAtomically synced each file's folder; the folders' own entries
-  // in their parents need syncing too.
+  // Every file's folder, then the folders' own entries in their parents.
+  for (const auto& dir : dirs) env->SyncDir(dir);
   for (const auto& dir : dirs)
     if (dir != tag_dir) env->SyncDir(Parent(dir));
 

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "ckpt/error.h"
+#include "ckpt/input_guard.h"
 
 namespace ckpt {
 
@@ -82,6 +83,28 @@ struct Resolver {
   const std::map<int64_t, Declared>* info;  // null without info.pt
   std::string info_path;
   std::set<int64_t> seen;
+  std::map<int64_t, std::shared_ptr<const MappedFile>> mapped;  // tid -> its tensor file, mapped ahead
+
+  // Maps every referenced tensor file and asks for its head (zip directory, pickle) ahead of
+  // parsing, so a tag of many small files is read by the disk at once, not one file at a time.
+  void MapAll(const Value& v) {
+    if (IsTensorReference(v)) {
+      const int64_t tid = TensorReferenceId(v);
+      const std::string file = dir + "/tensor_" + std::to_string(tid) + ".pt";
+      if (tid < 0 || mapped.count(tid) || !env->Exists(file)) return;  // Resolve names the problem
+      if (!opts.confine_to.empty()) RequireInside(opts.confine_to, file);
+      auto f = env->MapFile(file);
+      f->Prefetch(f->data(), std::min<uint64_t>(f->size(), 64 << 10));
+      if (f->size() > (64 << 10)) f->Prefetch(f->data() + f->size() - 4096, 4096);  // the zip directory at the end
+      mapped.emplace(tid, std::move(f));
+      return;
+    }
+    if (v.is_seq()) {
+      for (const Value& c : v.as_seq().items) MapAll(c);
+    } else if (v.is_dict()) {
+      for (const auto& [k, c] : v.as_dict().items) MapAll(c);
+    }
+  }
 
   void Resolve(Value& v) {
     if (IsTensorReference(v)) {
@@ -97,8 +120,10 @@ struct Resolver {
         declared = &it->second;
       }
       const std::string file = dir + "/tensor_" + std::to_string(tid) + ".pt";
-      if (!env->Exists(file)) throw Error(file + ": missing xser tensor file for tid " + std::to_string(tid));
-      Value t = LoadPt(file, opts, env);
+      auto m = mapped.find(tid);
+      if (m == mapped.end()) throw Error(file + ": missing xser tensor file for tid " + std::to_string(tid));
+      Value t = LoadPtFromFile(std::move(m->second), opts);
+      mapped.erase(m);
       if (!t.is_tensor()) throw Error(file + ": xser tensor file holds a " + t.kind_name() + ", not a tensor");
       const Tensor& x = t.as_tensor();
       // NNM's TensorReference also declares the shape (torch-xla's holds the tid alone).
@@ -133,7 +158,8 @@ Value LoadXser(const std::string& path, const LoadOptions& opts, Env* env) {
     std::map<int64_t, Declared> info;
     const bool has_info = env->Exists(info_path);
     if (has_info) info = LoadInfo(info_path, opts, env);
-    Resolver r{XserTensorDir(path), opts, env, has_info ? &info : nullptr, info_path, {}};
+    Resolver r{XserTensorDir(path), opts, env, has_info ? &info : nullptr, info_path, {}, {}};
+    r.MapAll(root);
     r.Resolve(root);
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + " (referenced from " + path + ")");

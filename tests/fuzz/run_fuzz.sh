@@ -42,6 +42,8 @@ PY
 # xser: an X.pt of TensorReferences (pickled as torch_xla's) and its info.pt, as xser_fuzz takes them.
 /usr/bin/python3 - "$tmp/seeds/xser" <<'PY'
 import io, struct, sys, types, torch
+for name in ("torch_xla", "torch_xla.utils"):
+    sys.modules[name] = types.ModuleType(name)
 mod = types.ModuleType("torch_xla.utils.serialization")
 class TensorReference:
     def __init__(self, tid):

@@ -195,6 +195,21 @@ class UpstreamTags(TempDirTest):
         self.assertEqual(refs(load(os.path.join(a, "user_content.pt"))), refs(load(os.path.join(NXDT_XSER, "user_content.pt"))))
         self.assertEqual(run(EXPORT, NXDT_XSER, self.out("w.h5"), *HEADS, "--weights_only").returncode, 0)
 
+    def test_nxdt_tags_describe_their_model(self):
+        # NxDT records the job's config in user_content.pt (hyper_parameters.cfg): no --heads needed.
+        out = self.out("no_hints")
+        p = run(RESHARD, NXDT_XSER, out, "--tp", 1, "--pp", 1, "--weights_only")
+        self.assertIn("num_attention_heads 4 from the job config", p.stderr)
+        p = run(RESHARD, NXDT_XSER, self.out("bad"), "--tp", 1, "--pp", 1, "--weights_only", "--heads", 2, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--heads 2 contradicts", p.stderr)
+        self.assertIn("hyper_parameters.cfg.num_attention_heads) is 4", p.stderr)
+        self.assertFalse(os.path.exists(self.out("bad")))
+        # NxD's own trainer records no config: the hint is still asked for.
+        p = run(RESHARD, NXD_XSER, self.out("nxd"), "--tp", 1, "--pp", 1, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("give --heads", p.stderr)
+
     def test_model_files_in_any_key_order(self):
         # HF -> NNM tools write keys in HF order; NxD loads by name, and so does shardkit.
         shuffled = self.out("shuffled")
