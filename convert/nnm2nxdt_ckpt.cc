@@ -53,6 +53,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "worker threads (default: every core)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
   app.add_flag("--weights_only", a.weights_only, "convert the model weights only, as NxDT's converter does");
   app.add_flag("--save_xser", a.save_xser, "write the xser layout (X.pt, X.pt.tensors/, X.pt.info.pt)");
+  bool no_save_xser = false;
+  app.add_flag("--no_save_xser", no_save_xser, "write plain .pt files (the default)")->excludes("--save_xser");
   app.add_flag("--dry_run", a.dry_run, "print the plan (files, keys, renames, bytes) and write nothing");
   app.add_flag("--overwrite", a.overwrite, "replace a non-empty output tag (kept until the new one is complete)");
   app.add_flag("--require_optimizer", a.require_optimizer, "fail (exit 2) when the input holds no optimizer state");
