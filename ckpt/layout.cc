@@ -59,6 +59,13 @@ std::optional<TagName> ParseTagName(const std::string& dir_name) {
   return t;
 }
 
+std::optional<int64_t> ParseNxdStepTagName(const std::string& dir_name) {
+  static const std::regex re(R"(step_(\d{1,18}))");
+  std::smatch m;
+  if (!std::regex_match(dir_name, m, re)) return std::nullopt;
+  return std::stoll(m[1]);
+}
+
 bool IsSetAsideTagName(const std::string& name) {
   for (const std::string suffix : {kDamagedSuffix, kSupersededSuffix}) {
     const size_t at = name.rfind(suffix);

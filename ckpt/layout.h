@@ -40,6 +40,11 @@ inline constexpr const char* kDamagedSuffix = ".damaged";
 inline constexpr const char* kSupersededSuffix = ".superseded";
 bool IsSetAsideTagName(const std::string& dir_name);
 
+// The step of a tag NxD's own llama example names step_<N>
+// (examples/training/llama/tp_pp_llama_hf_pretrain/run_llama_nxd.py); its user
+// content is free-form, so the name is what tells the step.
+std::optional<int64_t> ParseNxdStepTagName(const std::string& dir_name);
+
 struct TagName {
   std::string name;         // e.g. "megatron_llama"
   int64_t step = 0;

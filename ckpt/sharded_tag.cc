@@ -558,8 +558,7 @@ class ShardedTagBuilder {
     }
     // NxD's llama example names its tags step_<N> (run_llama_nxd.py) and records no samples.
     t_->consumed_known_ = false;
-    static const std::regex step_n(R"(step_(\d{1,18}))");
-    if (std::smatch m; std::regex_match(name, m, step_n)) t_->step_ = std::stoll(m[1]);
+    if (auto n = ParseNxdStepTagName(name)) t_->step_ = *n;
   }
 
   Env* env_;

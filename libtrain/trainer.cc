@@ -230,9 +230,20 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
         // As NxDT resumes: the step from Lightning's loops (else global_step), the schedule from
         // lr_schedulers[0], consumed samples from the tag's name; our own tags agree on all three.
         const std::string path = *tag + "/" + ckpt::kUserContentFile;
-        const ckpt::UserContent uc = ckpt::UserContent::FromValue(ckpt::LoadTagFile(env, *tag, ckpt::kUserContentFile), path);
-        step = uc.ResumeStep();
         const std::string name = std::filesystem::path(*tag).filename().string();
+        ckpt::Value content = ckpt::LoadTagFile(env, *tag, ckpt::kUserContentFile);
+        // NxD's own trainer saves free-form user content (its llama example: total_steps, batch_idx,
+        // cli_args) and names tags step_<N>: the step comes from the name, the schedule from scheduler.pt.
+        const auto nxd_step = ckpt::ParseNxdStepTagName(name);
+        if (nxd_step && content.is_dict() && !content.as_dict().Find("global_step")) {
+          log("info: " + path + " is NxD's free-form user content (no global_step); the step is " + std::to_string(*nxd_step) +
+              ", from the tag's name");
+          ckpt::Value v = ckpt::Value::NewDict();
+          v.as_dict().Set("global_step", ckpt::Value(*nxd_step));
+          content = v;
+        }
+        const ckpt::UserContent uc = ckpt::UserContent::FromValue(content, path);
+        step = uc.ResumeStep();
         if (const auto from_name = ckpt::ConsumedSamplesFromTagPath(name)) {
           consumed = *from_name;
         } else if (uc.consumed_samples) {

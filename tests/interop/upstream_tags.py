@@ -290,6 +290,20 @@ class UpstreamTags(TempDirTest):
             # NeMo's CosineAnnealing after last_epoch 4 gives the step-5 LR NxDT saved as _last_lr.
             want = load(os.path.join(tag, "user_content.pt"))["lr_schedulers"][0]["_last_lr"][0]
             self.assertAlmostEqual(metrics[0]["lr"], want, delta=1e-12)
+        # NxD's own trainer's tag (bf16 model, ZeRO-1 with fp32 masters, free-form user content,
+        # named step_4): resumed with its optimizer state, the step from the name.
+        run_dir = os.path.join(self.dir, "nxd")
+        shutil.copytree(NXD_XSER, os.path.join(run_dir, "in", "step_4"))
+        argv = [TRAIN, conf, f"exp_manager.explicit_log_dir={run_dir}", "trainer.max_steps=6", "data.data_prefix=[1.0,data/tok]",
+                f"exp_manager.resume_from_checkpoint={os.path.join(run_dir, 'in', 'step_4')}", "+exp_manager.resume_reshard=True",
+                "precision.type=mixed_precision", "distributed_strategy.zero1=True",
+                "+exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=True", *model]
+        p = subprocess.run(argv, cwd=self.dir, capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("the step is 4, from the tag's name", p.stderr)
+        self.assertIn("at step 4, 0 samples consumed", p.stderr)
+        self.assertNotIn("starts fresh", p.stderr)
+        self.assertNotIn("holds no master weights", p.stderr)
 
 
 if __name__ == "__main__":
