@@ -29,6 +29,8 @@ const char* FieldName(StateField f);  // "param", "exp_avg", "exp_avg_sq", "mast
 
 struct FormatHints {
   std::optional<int64_t> heads, kv_heads, vocab_size, make_vocab_size_divisible_by;
+  // What the forward pass needs beyond the tensors (ModelFormat::rope_theta, ...).
+  std::optional<double> rope_theta, norm_eps, rotary_percentage;
 };
 
 struct TagLayout {

@@ -74,6 +74,9 @@ std::string ModelFormat::CheckSizes() const {
   if (ffn < 1 || ffn > (1 << 20)) return over("the FFN width", ffn, 1 << 20);
   if (vocab_size < 1 || vocab_size > (1 << 24)) return over("the vocabulary", vocab_size, 1 << 24);
   if (max_positions < 0 || max_positions > (1 << 24)) return over("max_position_embeddings", max_positions, 1 << 24);
+  if (!(rope_theta > 0 && rope_theta <= 1e12)) return "rope_theta " + std::to_string(rope_theta) + " is not in (0, 1e12]";
+  if (!(norm_eps > 0 && norm_eps < 1)) return "the norm epsilon " + std::to_string(norm_eps) + " is not in (0, 1)";
+  if (!(rotary_percentage > 0 && rotary_percentage <= 1)) return "rotary_percentage " + std::to_string(rotary_percentage) + " is not in (0, 1]";
   return "";
 }
 
@@ -90,7 +93,10 @@ nlohmann::ordered_json ModelFormat::ToJson() const {
           {"has_bias", bias},
           {"position_embedding_type", learned_positions ? "learned_absolute" : "rope"},
           {"max_position_embeddings", max_positions},
-          {"share_embeddings_and_output_weights", tied_output}};
+          {"share_embeddings_and_output_weights", tied_output},
+          {"rope_theta", rope_theta},
+          {"layernorm_epsilon", norm_eps},
+          {"rotary_percentage", rotary_percentage}};
 }
 
 ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& where) {
@@ -110,6 +116,15 @@ ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& wh
   f.learned_positions = FieldChoice(j, "position_embedding_type", {"rope", "learned_absolute"}, where) == "learned_absolute";
   f.max_positions = FieldInt(j, "max_position_embeddings", 0, kBig, where);
   f.tied_output = FieldBool(j, "share_embeddings_and_output_weights", where);
+  // Absent from manifests written before they were recorded: the values those were trained with.
+  auto number = [&](const char* key, double dflt) {
+    if (!j.contains(key)) return dflt;
+    if (!j.at(key).is_number()) throw Error(where + ": model format '" + key + "' is not a number");
+    return j.at(key).get<double>();
+  };
+  f.rope_theta = number("rope_theta", f.rope_theta);
+  f.norm_eps = number("layernorm_epsilon", f.norm_eps);
+  f.rotary_percentage = number("rotary_percentage", f.rotary_percentage);
   if (f.hidden % f.heads) throw Error(where + ": model format hidden_size " + std::to_string(f.hidden) + " is not a multiple of num_attention_heads");
   if (f.heads % f.kv_heads) throw Error(where + ": model format num_attention_heads is not a multiple of num_kv_heads");
   if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(where + ": model format: " + why);

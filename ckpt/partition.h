@@ -48,8 +48,18 @@ struct ModelFormat {
   bool gelu = false;               // activation: gelu (else swiglu, fused [gate; up])
   bool bias = false;               // has_bias: every linear layer has a bias
   bool learned_positions = false;  // position_embedding_type: learned_absolute (else rope)
-  int64_t max_positions = 0;       // rows of the learned position table
+  int64_t max_positions = 0;       // rows of the learned position table; with rope, the longest sequence
   bool tied_output = false;        // share_embeddings_and_output_weights
+  // What the forward pass depends on beyond the tensors, so that an export
+  // describes the model that was trained (HF's config.json): the rotary base
+  // (HF rope_theta; NxDT megatron and NNM call it position_freq_base), the
+  // norm epsilon (layernorm_epsilon; HF rms_norm_eps / layer_norm_epsilon)
+  // and the share of each head's dimensions rope rotates. Manifests written
+  // before these were recorded read as the defaults, the values they were
+  // trained with.
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  double rotary_percentage = 1.0;
 
   int64_t head_dim() const { return hidden / heads; }
   int64_t PaddedVocab(int tp) const;  // Megatron's _vocab_size_with_padding

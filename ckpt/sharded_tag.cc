@@ -330,6 +330,15 @@ class ShardedTagBuilder {
         f.vocab_size = padded;  // every row is kept as vocabulary
         f.make_vocab_size_divisible_by = hints_.make_vocab_size_divisible_by.value_or(1);
       }
+      // Not in the tensors: the job config an NxDT tag records, hints, else the defaults (said so).
+      if (!hints_.rope_theta || !hints_.norm_eps)
+        t_->format_notes_.push_back(std::string("rope_theta ") + (hints_.rope_theta ? "given" : "10000 assumed") + ", layernorm_epsilon " +
+                                    (hints_.norm_eps ? "given" : "1e-05 assumed") +
+                                    ": the tag does not record them (--rope_theta, --layernorm_epsilon give them)");
+      f.rope_theta = hints_.rope_theta.value_or(f.rope_theta);
+      f.norm_eps = hints_.norm_eps.value_or(f.norm_eps);
+      f.rotary_percentage = hints_.rotary_percentage.value_or(f.rotary_percentage);
+      if (const std::string bad = f.CheckSizes(); !bad.empty()) throw Error(t_->dir_ + ": " + bad);
       if (f.vocab_size < 1 || f.make_vocab_size_divisible_by < 1 || f.PaddedVocab(tp) != padded)
         throw Error(t_->dir_ + ": its word_embeddings hold " + std::to_string(padded) + " rows over tp " + std::to_string(tp) +
                     ", not vocab_size " + std::to_string(f.vocab_size) + " padded to a multiple of " +
@@ -529,6 +538,22 @@ class ShardedTagBuilder {
     };
     take("num_attention_heads", hints_.heads, "--heads");
     take("num_kv_heads", hints_.kv_heads, "--kv_heads");
+    auto take_number = [&](std::initializer_list<const char*> keys, std::optional<double>& hint, const char* flag) {
+      for (const char* key : keys) {
+        const Value* v = cfg->as_dict().Find(key);
+        if (!v || !(v->is_int() || v->is_float())) continue;
+        const double x = v->is_int() ? static_cast<double>(v->as_int()) : v->as_float();
+        if (hint && *hint != x)
+          throw Error(std::string(flag) + " " + std::to_string(*hint) + " contradicts " + Path(kUserContentFile) + ", whose job config " +
+                      "(hyper_parameters.cfg." + key + ") is " + std::to_string(x));
+        hint = x;
+        return;
+      }
+    };
+    // NxDT's megatron models name the rotary base position_freq_base (megatron_gpt_model.py).
+    take_number({"position_freq_base", "rope_theta"}, hints_.rope_theta, "--rope_theta");
+    take_number({"layernorm_epsilon"}, hints_.norm_eps, "--layernorm_epsilon");
+    take_number({"rotary_percentage"}, hints_.rotary_percentage, "--rotary_percentage");
   }
 
   void LearnStep() {

@@ -18,8 +18,14 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b, const Co
   const ModelFormat &fa = a.layout().format, &fb = b.layout().format;
   ModelFormat ua = fa, ub = fb;  // the padding rule is layout, not model
   ub.make_vocab_size_divisible_by = ua.make_vocab_size_divisible_by;
+  // With rope, max_position_embeddings is 0 where a tag does not record it: unknown, not different.
+  if (!ua.learned_positions && (ua.max_positions == 0 || ub.max_positions == 0)) ub.max_positions = ua.max_positions;
   if (!(ua == ub)) {
-    rep.differences.push_back({"", "the model formats differ: " + fa.Describe() + " vs " + fb.Describe()});
+    std::string fields;
+    const auto ja = ua.ToJson(), jb = ub.ToJson();
+    for (const auto& [k, v] : ja.items())
+      if (jb.at(k) != v) fields += (fields.empty() ? "" : ", ") + k + " " + v.dump() + " vs " + jb.at(k).dump();
+    rep.differences.push_back({"", "the model formats differ (" + fields + "): " + fa.Describe() + " vs " + fb.Describe()});
     return rep;
   }
   if (a.layout().has_optimizer != b.layout().has_optimizer)

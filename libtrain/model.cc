@@ -1,5 +1,8 @@
 #include "libtrain/model.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
@@ -26,6 +29,12 @@ std::string LayerName(int l, const std::string& rest) {
 }
 }  // namespace
 
+double ModelConfig::norm_eps() const {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.7g", static_cast<double>(eps));  // a float holds 7 significant digits
+  return std::strtod(text, nullptr);
+}
+
 ckpt::ModelFormat ModelConfig::format(int tp) const {
   ckpt::ModelFormat f;
   f.hidden = hidden, f.ffn = ffn, f.heads = heads, f.kv_heads = kv_heads, f.layers = layers;
@@ -34,6 +43,7 @@ ckpt::ModelFormat ModelConfig::format(int tp) const {
   if (f.PaddedVocab(tp) != vocab) f.vocab_size = vocab, f.make_vocab_size_divisible_by = 1;  // vocab set directly (tests)
   f.layernorm = layernorm, f.gelu = gelu, f.bias = bias, f.learned_positions = learned_positions;
   f.max_positions = max_positions, f.tied_output = tied_output;
+  f.rope_theta = rope_theta, f.norm_eps = norm_eps(), f.rotary_percentage = rotary_percentage;
   return f;
 }
 

@@ -55,6 +55,7 @@ struct ModelConfig {
   int64_t make_vocab_size_divisible_by = 1;
   int64_t hidden = 64, ffn = 172, heads = 4, kv_heads = 4, layers = 2;
   float eps = 1e-5f;
+  double norm_eps() const;  // eps as the config wrote it (1e-5, not 9.99999974737875e-06)
   double rope_theta = 10000.0;
   double rotary_percentage = 1.0;
   bool layernorm = false;          // normalization: layernorm (else rmsnorm)

@@ -185,7 +185,12 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   if (m.hidden % m.heads) r.Fail("model.hidden_size", "must be divisible by num_attention_heads (" + std::to_string(m.heads) + ")");
   if (m.heads % m.kv_heads) r.Fail("model.num_kv_heads", "must divide num_attention_heads (" + std::to_string(m.heads) + ")");
   m.eps = static_cast<float>(r.Number("model.layernorm_epsilon", 1e-5));
-  m.rope_theta = r.Number("model.rope_theta", 10000.0);
+  // NxDT's megatron models and NNM call the rotary base position_freq_base (NxDT
+  // megatron_gpt_model.py; NNM transformer.py), HF models rope_theta; either is taken.
+  m.rope_theta = r.Number("model.rope_theta", r.Number("model.position_freq_base", 10000.0));
+  if (r.Has("model.rope_theta") && r.Has("model.position_freq_base") &&
+      r.Number("model.rope_theta", 0) != r.Number("model.position_freq_base", 0))
+    r.Fail("model.position_freq_base", "differs from model.rope_theta; they name the same rotary base");
   m.rotary_percentage = r.Number("model.rotary_percentage", 1.0);
   m.init_std = static_cast<float>(r.Number("model.init_method_std", 0.02));
   m.scaled_init = r.Bool("model.use_scaled_init_method", true);

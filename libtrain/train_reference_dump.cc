@@ -49,6 +49,8 @@ int main(int argc, char** argv) {
   app.add_option("dir", dir)->required();
   app.add_option("--kv-heads", c.kv_heads);
   app.add_option("--rotary", c.rotary_percentage);
+  app.add_option("--rope-theta", c.rope_theta);
+  app.add_option("--eps", c.eps);
   app.add_option("--steps", steps);
   app.add_option("--clip", clip);
   app.add_option("--sched", sched.name);

@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
         throw ckpt::Error(out + ": --overwrite replaces only what ckpt-export --format " + format + " wrote, and this is not that");
     }
     const auto state = ckpt::ShardedTag::Open(env, tag, hints.Hints(), {.weights_only = model_only});
+    for (const auto& n : state->format_notes()) log("note: " + n);
     // Memory: what is resident now (the source's index), then blocks: one
     // read, one widened (float32), and what HDF5 and the writer buffer.
     const uint64_t base = ckpt::CurrentRss(), min_block = 1 << 20;

@@ -180,6 +180,10 @@ std::vector<HfTensorSpec> HfTensorsFor(const ckpt::ModelFormat& f, DType dtype) 
 std::string HfUnsupported(const ckpt::ModelFormat& f) {
   const bool llama = !f.layernorm && !f.gelu && !f.bias && !f.learned_positions;
   const bool gpt2 = f.layernorm && f.gelu && f.bias && f.learned_positions && f.kv_heads == f.heads;
+  // transformers' LlamaForCausalLM rotates every dimension of a head (LlamaRotaryEmbedding).
+  if (llama && f.rotary_percentage != 1.0)
+    return "rotary_percentage is " + std::to_string(f.rotary_percentage) +
+           ": only part of each head is rotated, which LlamaForCausalLM cannot express (it rotates the whole head)";
   if (llama || gpt2) return "";
   return "the model format (" + f.Describe() +
          ") is neither llama-style (RMSNorm, SwiGLU, RoPE, no biases: LlamaForCausalLM) nor GPT-2-style (LayerNorm, GeLU, biases, "
@@ -263,15 +267,17 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
     config = {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"}, {"vocab_size", f.vocab_size},
               {"n_positions", f.max_positions}, {"n_ctx", f.max_positions}, {"n_embd", f.hidden}, {"n_layer", f.layers},
               {"n_head", f.heads}, {"n_inner", f.ffn}, {"activation_function", "gelu"},  // the training core's GeLU is erf's
-              {"layer_norm_epsilon", 1e-5}, {"scale_attn_weights", true}, {"tie_word_embeddings", f.tied_output},
+              {"layer_norm_epsilon", f.norm_eps}, {"scale_attn_weights", true}, {"tie_word_embeddings", f.tied_output},
               {"torch_dtype", torch_dtype}};
   } else {
     config = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"vocab_size", f.vocab_size},
               {"hidden_size", f.hidden}, {"intermediate_size", f.ffn}, {"num_hidden_layers", f.layers},
               {"num_attention_heads", f.heads}, {"num_key_value_heads", f.kv_heads}, {"hidden_act", "silu"},
-              {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0}, {"attention_bias", false},
+              {"rms_norm_eps", f.norm_eps}, {"rope_theta", f.rope_theta}, {"attention_bias", false},
               {"tie_word_embeddings", f.tied_output}, {"torch_dtype", torch_dtype}};
   }
+  // The longest sequence the model was trained for, when the tag records it (else transformers' default).
+  if (!gpt2 && f.max_positions > 0) config["max_position_embeddings"] = f.max_positions;
   // Where it came from; also how --overwrite knows the folder is an export.
   config["shardkit_export"] = {{"source", src.path()}, {"step", src.step()}, {"model", f.ToJson()}};
   WriteText(env, dir + "/config.json", config.dump(2) + "\n");

@@ -19,8 +19,10 @@
 //     (the same converter concatenates gate_proj and up_proj per tp rank).
 //     No row permutation for RoPE: that converter copies q and k rows as
 //     they are, and the training core rotates halves (rotate_half) as HF's
-//     Llama does. config.json's rms_norm_eps (1e-5) and rope_theta (10000)
-//     are the training core's; a checkpoint does not record them.
+//     Llama does. config.json's rms_norm_eps, rope_theta and
+//     max_position_embeddings are the tag's (ModelFormat, recorded in its
+//     manifest); partial rotary, which LlamaForCausalLM cannot express, is
+//     refused.
 //   - GPT-2: Conv1D weights are [in, out], so every linear weight is
 //     transposed; c_attn is [q; k; v] over all heads (de-interleaved).
 //   - Vocab padding rows are dropped; a tied output layer is HF's tie

@@ -33,6 +33,13 @@ int64_t Int(const nlohmann::json& j, const char* key, const std::string& where, 
   return j[key].get<int64_t>();
 }
 
+// A positive number config.json may leave out (`fallback`: transformers' default).
+double Number(const nlohmann::json& j, const char* key, const std::string& where, double fallback) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  if (!j[key].is_number() || !(j[key].get<double>() > 0)) throw Error(where + ": '" + key + "' is " + j[key].dump() + ", not a positive number");
+  return j[key].get<double>();
+}
+
 std::optional<DType> SafetensorsType(const std::string& s) {
   if (s == "F32") return DType::kFloat32;
   if (s == "BF16") return DType::kBFloat16;
@@ -139,12 +146,17 @@ std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, i
     f.layers = Int(c, "num_hidden_layers", cpath), f.vocab_size = Int(c, "vocab_size", cpath);
     f.tied_output = flag("tie_word_embeddings", false);
     if (flag("attention_bias", false) || flag("mlp_bias", false)) throw Error(cpath + ": a Llama with biases, which NxDT's Llama has not");
+    f.rope_theta = Number(c, "rope_theta", cpath, 10000.0), f.norm_eps = Number(c, "rms_norm_eps", cpath, 1e-6);
+    f.max_positions = Int(c, "max_position_embeddings", cpath, 2048);  // transformers' LlamaConfig defaults
+    if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
+      throw Error(cpath + ": rope_scaling is set; the training core's rope has no scaling, so this model would compute otherwise");
   } else if (arch == "GPT2LMHeadModel") {
     f.hidden = Int(c, "n_embd", cpath), f.heads = Int(c, "n_head", cpath), f.kv_heads = f.heads;
     f.ffn = Int(c, "n_inner", cpath, 4 * f.hidden), f.layers = Int(c, "n_layer", cpath);
     f.vocab_size = Int(c, "vocab_size", cpath), f.max_positions = Int(c, "n_positions", cpath);
     f.tied_output = flag("tie_word_embeddings", true);
     f.layernorm = f.gelu = f.bias = f.learned_positions = true;
+    f.norm_eps = Number(c, "layer_norm_epsilon", cpath, 1e-5);  // GPT2Config's default
     const std::string act = c.value("activation_function", std::string("gelu_new"));
     if (act != "gelu")
       throw Error(cpath + ": activation_function '" + act + "': the training core's GeLU is erf's ('gelu'), so this model would compute otherwise");

@@ -27,7 +27,7 @@ import unittest
 import numpy as np
 import torch
 
-from canon import BIN, TRAIN_DUMP, TempDirTest
+from canon import BIN, TOKENIZE, TRAIN, TRAIN_DUMP, TempDirTest
 
 EXPORT = os.path.join(BIN, "tools", "ckpt-export")
 IMPORT = os.path.join(BIN, "tools", "ckpt-import")
@@ -177,6 +177,45 @@ class HfExport(TempDirTest):
     def test_llama_gqa_logits(self):
         _, _, sd = self.check_logits(["--kv-heads", "2"], llama_logits, "LlamaForCausalLM")
         self.assertEqual(tuple(sd["model.layers.0.self_attn.k_proj.weight"].shape), (16, 32))
+
+    def test_llama_rope_theta_and_eps_are_the_trained_models(self):
+        # Llama-3's rope base and another epsilon: config.json says what the model was trained with.
+        tag, result, fmt = self.dump_tag("--rope-theta", "500000", "--eps", "1e-6")
+        out, cfg = self.export(tag, fmt + ["--rope_theta", "500000", "--layernorm_epsilon", "1e-6"])
+        self.assertEqual((cfg["rope_theta"], cfg["rms_norm_eps"]), (500000.0, 1e-6))
+        sd = {k: v.float() for k, v in torch.load(os.path.join(out, "pytorch_model.bin")).items()}
+        tokens = result["tokens"].long()
+        err = (llama_logits(sd, cfg, tokens) - result["logits"]).abs().max().item()
+        self.assertLess(err, 1e-5)
+        # The defaults would describe another model: the difference the test guards is far above its tolerance.
+        wrong = dict(cfg, rope_theta=10000.0, rms_norm_eps=1e-5)
+        self.assertGreater((llama_logits(sd, wrong, tokens) - result["logits"]).abs().max().item(), 1e-4)
+        # Without the hints a tag that records neither says what it assumed.
+        shutil.rmtree(out)
+        r = subprocess.run([EXPORT, tag, out, "--format", "hf", *fmt], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("rope_theta 10000 assumed", r.stderr)
+
+    def test_a_trained_tag_records_what_the_export_needs(self):
+        # shardkit-train records the rotary base (NxDT megatron's position_freq_base), the epsilon and
+        # the sequence length in the manifest; the export takes them from there.
+        os.makedirs(os.path.join(self.dir, "data"))
+        subprocess.run([TOKENIZE, "/usr/share/common-licenses/GPL-3", os.path.join(self.dir, "data", "text_document")], check=True,
+                       capture_output=True)
+        conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf", "tiny_llama.yaml")
+        subprocess.run([TRAIN, conf, "exp_manager.explicit_log_dir=run", "trainer.max_steps=1", "+model.position_freq_base=500000",
+                        "model.layernorm_epsilon=1e-6"], cwd=self.dir, check=True, capture_output=True)
+        tag = os.path.join(self.dir, "run", "checkpoints")
+        out, cfg = self.export(tag, [])
+        self.assertEqual((cfg["rope_theta"], cfg["rms_norm_eps"], cfg["max_position_embeddings"]), (500000.0, 1e-6, 64))
+
+    def test_partial_rotary_is_refused(self):
+        tag, _, fmt = self.dump_tag("--rotary", "0.5")
+        out = os.path.join(self.dir, "hf")
+        r = subprocess.run([EXPORT, tag, out, "--format", "hf", *fmt, "--rotary_percentage", "0.5"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("rotary_percentage is 0.5", r.stderr)
+        self.assertFalse(os.path.exists(out))
 
     def test_gpt2_logits(self):
         self.check_logits(["--gpt"], gpt2_logits, "GPT2LMHeadModel")
