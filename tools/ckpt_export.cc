@@ -3,7 +3,7 @@
 // writes a checkpoint tag (or a folder's newest complete tag) as one
 // layout-free HDF5 file (tools/h5_state.h), streaming: memory holds one
 // block.
-// ckpt-export SRC OUT_DIR --format hf [--max_shard_size 10G] writes its
+// ckpt-export SRC OUT_DIR --format hf [--max_shard_size 10G] [--bin] writes its
 // weights as a Hugging Face model folder (tools/hf_export.h).
 // The output is written beside OUT under a temporary name, made durable and
 // only then renamed to OUT, so OUT is never partial; an existing OUT is
@@ -66,6 +66,8 @@ int main(int argc, char** argv) {
   app.add_option("--format", format, "h5: the whole state in one HDF5 file; hf: the weights as a Hugging Face model folder")
       ->check(CLI::IsMember({"h5", "hf"}));
   app.add_option("--max_shard_size", max_shard, "with --format hf: bytes per weights file (default 10G)");
+  bool bin = false;
+  app.add_flag("--bin", bin, "with --format hf: also write torch's pytorch_model*.bin (default: model*.safetensors only, as transformers saves)");
   app.add_option("--memory_budget", budget, "peak memory to stay within (default 256M; one logical tensor more for GPT-2's transposes)");
   app.add_flag("--overwrite", overwrite, "replace an existing export");
   app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
@@ -110,7 +112,7 @@ int main(int argc, char** argv) {
       // As the HDF5 export and reshard do: a source must still hold what its manifest recorded.
       ckpt::CheckRecordedFingerprints(*state, block, ckpt::StateField::kParam);
       env->CreateDirs(partial);
-      const tools::HfExportSummary s = tools::WriteHfFolder(*state, partial, {.max_shard_size = shard_size, .chunk = block}, env);
+      const tools::HfExportSummary s = tools::WriteHfFolder(*state, partial, {.max_shard_size = shard_size, .chunk = block, .bin = bin}, env);
       env->SyncDir(partial);
       const std::string old = dir + "/." + p.filename().string() + ".ckpt-export-old";
       if (env->Exists(out)) env->RenameFile(out, old);

@@ -224,7 +224,7 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
       sd.as_dict().Set(t.name, ckpt::Value(ckpt::Tensor(t.dtype, t.shape, strides, 0, storage)));
       bin_map[t.name] = bin, st_map[t.name] = st;
     }
-    ckpt::SavePt(dir + "/" + bin, sd, {.weights_only = true, .stream_chunk = o.chunk}, env);
+    if (o.bin) ckpt::SavePt(dir + "/" + bin, sd, {.weights_only = true, .stream_chunk = o.chunk}, env);
     // safetensors: u64 header length, the JSON header (8-byte aligned), the data.
     nlohmann::ordered_json header = nlohmann::ordered_json::object();
     uint64_t at = 0;
@@ -255,8 +255,9 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
     });
   }
   if (n > 1) {
-    WriteText(env, dir + "/pytorch_model.bin.index.json",
-              nlohmann::ordered_json{{"metadata", {{"total_size", sum.bytes}}}, {"weight_map", bin_map}}.dump(2) + "\n");
+    if (o.bin)
+      WriteText(env, dir + "/pytorch_model.bin.index.json",
+                nlohmann::ordered_json{{"metadata", {{"total_size", sum.bytes}}}, {"weight_map", bin_map}}.dump(2) + "\n");
     WriteText(env, dir + "/model.safetensors.index.json",
               nlohmann::ordered_json{{"metadata", {{"total_size", sum.bytes}}}, {"weight_map", st_map}}.dump(2) + "\n");
   }

@@ -65,6 +65,9 @@ std::vector<HfTensorSpec> HfTensorsFor(const ckpt::ModelFormat& f, ckpt::DType d
 struct HfExportOptions {
   uint64_t max_shard_size = uint64_t{10} << 30;  // bytes per weights file
   size_t chunk = size_t{16} << 20;               // streaming granularity
+  // Also write torch's pytorch_model*.bin beside model*.safetensors (which
+  // transformers prefers, and which alone is written by default).
+  bool bin = false;
 };
 
 struct HfExportSummary {

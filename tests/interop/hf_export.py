@@ -154,7 +154,7 @@ class HfExport(TempDirTest):
 
     def check_logits(self, flags, forward, arch):
         tag, result, fmt = self.dump_tag(*flags)
-        out, cfg = self.export(tag, fmt)
+        out, cfg = self.export(tag, fmt, "--bin")
         self.assertEqual(cfg["architectures"], [arch])
         sd = torch.load(os.path.join(out, "pytorch_model.bin"))
         got = forward({k: v.float() for k, v in sd.items()}, cfg, result["tokens"].long())
@@ -181,7 +181,7 @@ class HfExport(TempDirTest):
     def test_llama_rope_theta_and_eps_are_the_trained_models(self):
         # Llama-3's rope base and another epsilon: config.json says what the model was trained with.
         tag, result, fmt = self.dump_tag("--rope-theta", "500000", "--eps", "1e-6")
-        out, cfg = self.export(tag, fmt + ["--rope_theta", "500000", "--layernorm_epsilon", "1e-6"])
+        out, cfg = self.export(tag, fmt + ["--rope_theta", "500000", "--layernorm_epsilon", "1e-6"], "--bin")
         self.assertEqual((cfg["rope_theta"], cfg["rms_norm_eps"]), (500000.0, 1e-6))
         sd = {k: v.float() for k, v in torch.load(os.path.join(out, "pytorch_model.bin")).items()}
         tokens = result["tokens"].long()
@@ -217,16 +217,22 @@ class HfExport(TempDirTest):
         self.assertIn("rotary_percentage is 0.5", r.stderr)
         self.assertFalse(os.path.exists(out))
 
+    def test_safetensors_only_by_default(self):
+        # As transformers saves: no second copy of the weights unless --bin asks for torch's format.
+        tag, _, fmt = self.dump_tag()
+        out, _ = self.export(tag, fmt)
+        self.assertEqual(sorted(os.listdir(out)), ["config.json", "model.safetensors"])
+
     def test_gpt2_logits(self):
         self.check_logits(["--gpt"], gpt2_logits, "GPT2LMHeadModel")
 
     def test_bf16_shards_and_index(self):
         tag, result, fmt = self.dump_tag("--mixed")
-        whole, _ = self.export(tag, fmt)
+        whole, _ = self.export(tag, fmt, "--bin")
         one = torch.load(os.path.join(whole, "pytorch_model.bin"))
         self.assertEqual(one["model.norm.weight"].dtype, torch.bfloat16)
         shards = os.path.join(self.dir, "sharded")
-        r = subprocess.run([EXPORT, tag, shards, "--format", "hf", *fmt, "--max_shard_size", "20K"], capture_output=True, text=True)
+        r = subprocess.run([EXPORT, tag, shards, "--format", "hf", *fmt, "--max_shard_size", "20K", "--bin"], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stderr)
         for index, stem, load in (("pytorch_model.bin.index.json", "pytorch_model-", torch.load),
                                   ("model.safetensors.index.json", "model-", lambda p: read_safetensors(p)[0])):
@@ -249,7 +255,7 @@ class HfExport(TempDirTest):
     def import_back(self, flags, layout, drop):
         """Export to HF, drop one weights format, import at `layout`: the same logical weights."""
         tag, _, fmt = self.dump_tag(*flags)
-        out, _ = self.export(tag, fmt)
+        out, _ = self.export(tag, fmt, "--bin")
         for name in os.listdir(out):
             if name.startswith(drop):
                 os.remove(os.path.join(out, name))
