@@ -203,7 +203,7 @@ std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, i
         if (!k.is_str() || !v.is_tensor()) continue;
         const ckpt::Tensor& t = v.as_tensor();
         if (!t.is_contiguous()) throw Error(path + ": tensor '" + k.as_str() + "' is not contiguous");
-        take(k.as_str(), name, Source{t.data(), nullptr, t.shape(), t.dtype()});
+        take(k.as_str(), name, Source{t.data(), t.storage() && t.storage()->origin() ? t.storage()->origin()->file : nullptr, t.shape(), t.dtype()});
       }
       s->loaded_.push_back(std::move(sd));
     }
@@ -266,7 +266,7 @@ const uint8_t* HfState::Matrix(const HfTensorSpec& spec) const {
   return transposed_.data();
 }
 
-void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, std::span<uint8_t> out, ckpt::Touched*) const {
+void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, std::span<uint8_t> out, ckpt::Touched* touched) const {
   if (f != ckpt::StateField::kParam) throw Error(dir_ + ": a Hugging Face folder holds no optimizer state");
   const size_t es = ckpt::ElementSize(dtype_);
   const auto& ps = pieces_.at(name);
@@ -278,8 +278,11 @@ void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, 
                    hi = std::min(end, static_cast<uint64_t>(p.row + p.rows) * width);
     if (lo >= hi) continue;
     const uint8_t* m = Matrix(*p.spec);
-    std::memcpy(out.data() + (lo - begin) * es, m + (static_cast<uint64_t>(p.from) * width + (lo - static_cast<uint64_t>(p.row) * width)) * es,
-                (hi - lo) * es);
+    const uint8_t* from = m + (static_cast<uint64_t>(p.from) * width + (lo - static_cast<uint64_t>(p.row) * width)) * es;
+    std::memcpy(out.data() + (lo - begin) * es, from, (hi - lo) * es);
+    // The mapped input's pages are released once the chunk is written, so memory holds chunks,
+    // not the model (a transposed GPT-2 matrix is this state's own copy).
+    if (const Source& src = sources_.at(p.spec->name); touched && !p.spec->transpose && src.file) touched->Add(src.file, from, (hi - lo) * es);
   }
 }
 

@@ -277,6 +277,28 @@ class HfExport(TempDirTest):
     def test_hf_import_gpt2_from_bin_at_tp2(self):
         self.import_back(["--gpt"], ["--tp", "2", "--pp", "1"], "model.safetensors")
 
+    def test_hf_import_memory_does_not_grow_with_the_model(self):
+        # 192 MiB of float32 weights imported with peak RSS under half of that: the mapped input's
+        # pages are released as each chunk is written (before, the whole model stayed resident).
+        from bad_input import hf_tensors, write_safetensors
+        cfg = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=16, num_hidden_layers=4,
+                   vocab_size=8000)
+        src = os.path.join(self.dir, "hfmodel")
+        os.makedirs(src)
+        tensors = hf_tensors(cfg)
+        size = sum(t.numel() * 4 for t in tensors.values())
+        write_safetensors(os.path.join(src, "model.safetensors"), tensors)
+        del tensors
+        with open(os.path.join(src, "config.json"), "w") as f:
+            json.dump(dict(cfg, architectures=["LlamaForCausalLM"], model_type="llama"), f)
+        # The tool's own VmHWM (--json): a child's ru_maxrss would carry over this torch-holding process's.
+        r = subprocess.run([IMPORT, "--format", "hf", src, os.path.join(self.dir, "t"), "--tp", "2", "--pp", "2", "--memory_budget", "64M",
+                            "--json"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        peak = json.loads(r.stdout)["peak_rss"]
+        self.assertGreater(size, 190 << 20)
+        self.assertLess(peak, size / 2, f"peak RSS {peak >> 20} MiB for {size >> 20} MiB of weights")
+
     def test_hf_import_refuses_what_it_cannot_hold(self):
         tag, _, fmt = self.dump_tag()
         out, cfg = self.export(tag, fmt)
