@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "ckpt/cli.h"
+#include "ckpt/error.h"
 #include "ckpt/layout.h"
 #include "ckpt/progress.h"
 #include "convert/converter.h"
@@ -95,7 +96,10 @@ int main(int argc, char** argv) {
   } catch (const convert::MissingOptimizerState& e) {
     std::cerr << "error: " << e.what() << "\n";
     return 2;
-  } catch (const std::exception& e) {  // ckpt::Error names the file and key
+  } catch (const ckpt::Error& e) {  // bad input: names the file and key
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {  // anything unexpected (a library's own error)
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <set>
@@ -51,6 +52,44 @@ std::vector<Chunk> ModelChunks(const RankInput& in) {
 }
 
 std::string StripModelPrefix(const std::string& k) { return k.starts_with("model.") ? k.substr(6) : k; }
+
+// Old NNM Llama checkpoints keep SwiGLU unmerged: dense_h_to_4h is the gate
+// and dense_h_to_4h_2 the up projection (old NNM transformer.py computes
+// act(dense_h_to_4h(x)) * dense_h_to_4h_2(x)). For `name` = ...dense_h_to_4h_2.X,
+// the merged parameter's name (...dense_h_to_4h.X); else "".
+std::string UnmergedSwigluGate(const std::string& name) {
+  static const std::string kUp = ".mlp.dense_h_to_4h_2.";
+  const size_t at = name.find(kUp);
+  if (at == std::string::npos) return "";
+  return name.substr(0, at) + ".mlp.dense_h_to_4h." + name.substr(at + kUp.size());
+}
+
+// [gate; up] along dim 0, as NNM's chkpt_merge_mlp_weights.py merges each tp
+// rank's file (torch.concat([dense_h_to_4h, dense_h_to_4h_2], dim=0)): NxDT's
+// fused dense_h_to_4h per rank. Produced as it is written, from the mapped inputs.
+Value ConcatRows(const Value& gate, const Value& up, const std::string& where) {
+  const ckpt::Tensor &g = gate.as_tensor(), &u = up.as_tensor();
+  if (g.dtype() != u.dtype() || g.shape().empty() || g.shape().size() != u.shape().size() ||
+      !std::equal(g.shape().begin() + 1, g.shape().end(), u.shape().begin() + 1) || !g.is_contiguous() || !u.is_contiguous())
+    throw Error(where + ": the unmerged SwiGLU halves (" + ckpt::ShapeString(g.shape()) + " and " + ckpt::ShapeString(u.shape()) +
+                ") cannot be stacked into one dense_h_to_4h");
+  std::vector<int64_t> shape = g.shape();
+  shape[0] += u.shape()[0];
+  const uint64_t a = g.nbytes(), b = u.nbytes();
+  auto storage = ckpt::Storage::Generated(a + b, [g, u, a](uint64_t off, std::span<uint8_t> out) {
+    for (size_t done = 0; done < out.size();) {
+      const uint64_t at = off + done;
+      const bool first = at < a;
+      const uint8_t* src = first ? g.data() + at : u.data() + (at - a);
+      const size_t n = std::min<uint64_t>(out.size() - done, first ? a - at : u.nbytes() - (at - a));
+      std::memcpy(out.data() + done, src, n);
+      done += n;
+    }
+  });
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int d = static_cast<int>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
+  return Value(ckpt::Tensor(g.dtype(), shape, strides, 0, storage));
+}
 
 // Distinct local layer indices of a chunk; they must run 0..n-1.
 int LayerCount(const Chunk& c) {
@@ -321,6 +360,7 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
 
   plan.renames.resize(pp);
   std::set<std::string> dropped;
+  bool unmerged_swiglu = false;
   std::vector<RankOptimizer> ranks;
   std::vector<std::string> without_optimizer;
   for (int p = 0; p < pp; ++p)
@@ -339,6 +379,16 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
           std::string name;
           int local;
           ShiftLayerIndex(StripModelPrefix(k.as_str()), offset[c][p], &name, &local);
+          if (const std::string gate = UnmergedSwigluGate(name); !gate.empty()) {
+            Value* g = model.as_dict().Find(gate);
+            if (!g) throw Error(chunks[unit][c].where + ": '" + k.as_str() + "' (the SwiGLU up projection) comes before or without its gate " + gate);
+            *g = ConcatRows(*g, v, chunks[unit][c].where + ": '" + k.as_str() + "'");
+            for (auto& pi : params)
+              if (pi.name == gate) pi.shape = g->as_tensor().shape();
+            unmerged_swiglu = true;
+            if (t == 0) plan.renames[p].push_back({k.as_str(), gate + " (rows after the gate's)"});
+            continue;
+          }
           if (model.as_dict().Find(name)) throw Error(chunks[unit][c].where + ": two entries become " + name);
           if (t == 0) plan.renames[p].push_back({k.as_str(), name});
           model.as_dict().items.emplace_back(Value(name), v);
@@ -365,6 +415,10 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
         }
         ro.sources.push_back(std::move(so));
       }
+      if (unmerged_swiglu)
+        throw Error(in.path + ": holds NNM's unmerged SwiGLU (dense_h_to_4h and dense_h_to_4h_2). Its weights merge as NNM's "
+                    "chkpt_merge_mlp_weights.py merges them, but its optimizer state keeps the halves apart (that tool leaves it as it "
+                    "is too), so it has no place in NxDT's fused layout: convert with --weights_only");
       for (const auto& so : ro.sources) {
         ckpt::Grouping g = FindSourceGrouping(params, so);
         if (!ro.from.order.empty() && !g.SameTies(ro.from))
@@ -388,6 +442,9 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
   if (opts.weights_only) plan.optimizer = false;
 
   for (const auto& d : dropped) plan.notes.push_back("dropped " + d + ": not a tensor, so not model state");
+  if (unmerged_swiglu)
+    plan.notes.push_back("merged NNM's unmerged SwiGLU: each tp rank's dense_h_to_4h_2 (up) stacked under its dense_h_to_4h (gate), "
+                         "as NNM's chkpt_merge_mlp_weights.py does");
 
   if (!opts.weights_only) {  // step and schedule, also for an input without optimizer state
     const Dict& top = inputs[0].checkpoint.as_dict();

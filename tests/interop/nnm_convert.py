@@ -6,6 +6,7 @@ tied to parameters by the identity of the tensors torch's AdamW stepped."""
 import copy
 import glob
 import json
+import shutil
 import os
 import random
 import signal
@@ -355,6 +356,57 @@ class NnmToNxdt(TempDirTest):
         self.assertIn("no optimizer state", p.stderr)
         self.assertFalse(os.path.exists(refused))
 
+    def test_old_unmerged_swiglu_converts_to_what_the_merged_files_convert_to(self):
+        """Old NNM Llama files keep dense_h_to_4h (gate) and dense_h_to_4h_2 (up) apart; NNM's
+        chkpt_merge_mlp_weights.py stacks them per tp rank. Splitting merged files back into that
+        old form must convert to the very same tag (weights), and the optimizer, which the old form
+        keeps apart, is refused rather than written wrong."""
+        merged, old = os.path.join(self.dir, "merged"), os.path.join(self.dir, "old")
+        c = dict(LLAMA, layers=4)
+        make_hf_converted(merged, c, tp=2, pp=2)
+        shutil.copytree(merged, old)
+        split = 0
+        for path in glob.glob(os.path.join(old, "*", "*.ckpt")):
+            ck = torch.load(path)
+            sd = {}
+            for k, v in ck["state_dict"].items():
+                if k.endswith("mlp.dense_h_to_4h.weight"):
+                    gate, up = v.chunk(2)  # each tp rank holds [gate_r; up_r]
+                    sd[k], sd[k.replace("dense_h_to_4h", "dense_h_to_4h_2")] = gate.clone(), up.clone()
+                    split += 1
+                else:
+                    sd[k] = v
+            ck["state_dict"] = sd
+            torch.save(ck, path)
+        self.assertEqual(split, 4 * 2)  # 4 layers, 2 tp ranks
+        a, b = os.path.join(self.dir, "a.ckpt"), os.path.join(self.dir, "b.ckpt")
+        self.convert("--tp", 2, "--pp", 2, "--nnm_ckpt_path", merged, "--nxdt_ckpt_path", a)
+        p = self.convert("--tp", 2, "--pp", 2, "--nnm_ckpt_path", old, "--nxdt_ckpt_path", b)
+        self.assertIn("merged NNM's unmerged SwiGLU", p.stderr)
+        for t in (0, 1):
+            for pp in (0, 1):
+                rel = os.path.join("model", rank_file(t, pp))
+                with open(os.path.join(a, rel), "rb") as f1, open(os.path.join(b, rel), "rb") as f2:
+                    self.assertEqual(f1.read(), f2.read(), rel)
+        # With optimizer state in the old form: exit 2, naming it, nothing written.
+        nnm, refused = os.path.join(self.dir, "nnm"), os.path.join(self.dir, "refused.ckpt")
+        make_nnm(nnm, c, tp=1, pp=1)
+        for path in glob.glob(os.path.join(nnm, "**", "*.ckpt"), recursive=True):
+            ck = torch.load(path)
+            sd = {}
+            for k, v in ck["state_dict"].items():
+                if k.endswith("mlp.dense_h_to_4h.weight"):
+                    sd[k], sd[k.replace("dense_h_to_4h", "dense_h_to_4h_2")] = (x.clone() for x in v.chunk(2))
+                else:
+                    sd[k] = v
+            ck["state_dict"] = sd
+            torch.save(ck, path)
+        p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", refused, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("unmerged SwiGLU", p.stderr)
+        self.assertIn("--weights_only", p.stderr)
+        self.assertFalse(os.path.exists(refused))
+
     def test_weights_only_input_resumes_in_the_training_core(self):
         os.makedirs(os.path.join(self.dir, "data"))
         run(TOKENIZE, "/usr/share/common-licenses/GPL-3", os.path.join(self.dir, "data", "text_document"))
@@ -382,7 +434,7 @@ class NnmToNxdt(TempDirTest):
         victim = glob.glob(os.path.join(nnm, "tp_rank_00_pp_rank_001", "optim", "dp_rank_001", "*.ckpt"))[0]
         torch.save(torch.load(victim)[0], victim)  # the bare ZeRO-1 dict
         p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, check=False)
-        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertEqual(p.returncode, 2, p.stderr)
         self.assertIn(victim, p.stderr)
         self.assertIn("optimizer_states' list", p.stderr)
         self.assertFalse(os.path.exists(out))
@@ -406,7 +458,7 @@ class NnmToNxdt(TempDirTest):
     def test_two_groupings_that_fit_with_different_ties_are_refused(self):
         nnm, out = self.hand_made(moments=False), os.path.join(self.dir, "out.ckpt")
         p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, check=False)
-        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertEqual(p.returncode, 2, p.stderr)
         self.assertIn("groupings nnm-layernorm and name-based both fit", p.stderr)
         self.assertIn("id 1 is x_norm.weight under nnm-layernorm, ln_a.weight under name-based", p.stderr)
         self.assertNotIn("FORMATS", p.stderr)
@@ -416,7 +468,7 @@ class NnmToNxdt(TempDirTest):
         nnm, out = self.hand_made(moments=True), os.path.join(self.dir, "out.ckpt")
         # NNM decayed x_norm and not ln_a: neither trainer setting keeps that.
         p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, check=False)
-        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertEqual(p.returncode, 2, p.stderr)
         self.assertIn("neither keeps what NNM decayed", p.stderr)
         self.assertIn("--optimizer_groups nxdt", p.stderr)
         self.assertFalse(os.path.exists(out))
@@ -436,7 +488,7 @@ class NnmToNxdt(TempDirTest):
         g[1]["params"], g[0]["params"] = g[0]["params"][-2:], g[0]["params"][:-2]  # sizes NNM never writes
         torch.save(ck, victim)
         p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, check=False)
-        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertEqual(p.returncode, 2, p.stderr)
         for candidate in ("nnm-rmsnorm", "nnm-layernorm", "one-group", "name-based"):
             self.assertIn(candidate, p.stderr)
         self.assertNotIn("FORMATS", p.stderr)
@@ -479,7 +531,7 @@ class NnmToNxdt(TempDirTest):
         victim = glob.glob(os.path.join(nnm, "tp_rank_01_pp_rank_001", "*.ckpt"))[0]
         good = read_bytes(victim)
 
-        def fails(*extra, code=1):
+        def fails(*extra, code=2):  # bad input: exit 2
             p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, *extra, check=False)
             self.assertEqual(p.returncode, code, p.stderr)
             self.assertFalse(os.path.exists(os.path.join(out, "done")))
@@ -487,7 +539,7 @@ class NnmToNxdt(TempDirTest):
 
         self.assertIn("--tp 4 --pp 2 was given", fails("--tp", 4, "--pp", 2))
         self.assertIn("--n_layers is 3 but the checkpoint holds 2 layers", fails("--n_layers", 3))
-        self.assertIn("not a boolean", fails("--enable_parallel_processing", "maybe", code=2))
+        self.assertIn("not a boolean", fails("--enable_parallel_processing", "maybe"))
         with open(victim, "wb") as f:  # truncated
             f.write(good[: len(good) // 2])
         self.assertIn(victim, fails())
@@ -533,7 +585,7 @@ class NnmToNxdt(TempDirTest):
         # An output that is the input, or lies inside it, is refused before anything is touched.
         for target in (nnm, os.path.join(nnm, "tp_rank_00_pp_rank_000", "out.ckpt"), self.dir):
             p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", target, "--overwrite", check=False)
-            self.assertEqual(p.returncode, 1, p.stderr)
+            self.assertEqual(p.returncode, 2, p.stderr)
             self.assertIn("the input --nnm_ckpt_path", p.stderr)
         self.assertEqual(sorted(os.listdir(os.path.join(nnm, "tp_rank_00_pp_rank_000"))), [os.path.basename(victim)])
 
