@@ -169,6 +169,9 @@ const std::vector<SchemaKey>& NxdtSchema() {
       {"model.position_embedding_type", T::kString, false},
       {"model.rotary_percentage", T::kNumber, false},
       {"model.rope_theta", T::kNumber, false},
+      // In no reference config, but read by NxDT's megatron models as the rotary base
+      // (NxDT models/megatron/megatron_gpt_model.py); NNM has the same key (transformer.py).
+      {"model.position_freq_base", T::kNumber, false},
       {"model.activation", T::kString, false},
       {"model.transformer_block_type", T::kString, false},
       {"model.has_bias", T::kBool, false},
