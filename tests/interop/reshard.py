@@ -570,10 +570,19 @@ class Reshard(TempDirTest):
             r = reshard(src, os.path.join(self.out, "dst"), *L(1, 3, 2, True).args(), "--dry_run", *extra, *format_args(GPT))
             self.assertEqual(r.returncode, 0, r.stderr)
             self.assertEqual(tree_hash(self.dir), before, f"--dry_run {extra} wrote")
+            # The plan names every file it would write: 3 stages x (a model file and 2 ZeRO-1 optimizer
+            # files), and NxDT's user content (NxDT writes no scheduler.pt).
+            would = sorted(line.split()[2] for line in r.stderr.splitlines() if line.startswith("would write "))
+            self.assertEqual(would, sorted([f"model/{rank_file(0, p)}" for p in range(3)] +
+                                           [f"optim/{rank_file(0, p, d)}" for p in range(3) for d in range(2)] + ["user_content.pt"]))
             if extra:
                 j = json.loads(r.stdout)
-                self.assertIsInstance(j, dict)
-                self.assertTrue("grid" in json.dumps(j) or "tp" in json.dumps(j), r.stdout)
+                self.assertEqual(j["dry_run"], True)
+                self.assertEqual(j["from"], {"tp": 2, "pp": 2, "dp": 2, "zero1": True, "pipeline_cuts": [2]})  # 5 layers: 2 + 3 (NxD: remainder last)
+                self.assertEqual(j["to"], {"tp": 1, "pp": 3, "dp": 2, "zero1": True, "pipeline_cuts": [1, 3]})  # 1 + 2 + 2
+                self.assertEqual(j["files"], len(would))
+                self.assertEqual((j["model"]["num_layers"], j["model"]["num_attention_heads"], j["model"]["vocab_size"]),
+                                 (GPT["layers"], GPT["heads"], GPT["vocab"]))
 
     def test_json_prints_one_object(self):
         full, src = self.source(LLAMA, L(2, 1))
@@ -581,9 +590,16 @@ class Reshard(TempDirTest):
         r = reshard(src, dst, *L(1, 2).args(), "--json", *format_args(LLAMA))
         self.assertEqual(r.returncode, 0, r.stderr)
         j = json.loads(r.stdout)
-        self.assertIsInstance(j, dict)
-        text = json.dumps(j)
-        self.assertTrue("grid" in j or "target" in j or "tp" in text, r.stdout)
+        self.assertEqual((j["source"], j["target"], j["dry_run"]), (src, dst, False))
+        self.assertEqual(j["from"], {"tp": 2, "pp": 1, "dp": 1, "zero1": False, "pipeline_cuts": []})
+        self.assertEqual(j["to"], {"tp": 1, "pp": 2, "dp": 1, "zero1": False, "pipeline_cuts": [2]})
+        written = [os.path.join(d, f) for d, _, fs in os.walk(dst) if ".shardkit" not in d for f in fs
+                   if f not in ("manifest.json", "done", "checkpoint")]
+        self.assertEqual(j["files"], len(written))
+        self.assertEqual(j["bytes_written"], sum(os.path.getsize(f) for f in written))
+        self.assertEqual(j["bytes_read"], sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs
+                                               if d != src))  # the rank files
+        self.assertLessEqual(j["peak_rss"], j["memory_budget"])
         self.assert_same_tag(dst, L(1, 2).write(os.path.join(self.dir, "want"), full, tag="dst"))
 
 
