@@ -541,17 +541,28 @@ class Reshard(TempDirTest):
         """The smallest budget the tool accepts (what its refusal of 1K says to
         give, plus 4 MiB) bounds its peak resident memory, and the output is
         the same bytes as with the default budget and thread count."""
-        _, src = self.source(BIG, L(1, 1, 2, True))
-        args = [*L(4, 1, 2, True).args(), *format_args(BIG)]
-        r = reshard(src, os.path.join(self.out, "default"), *args)
+        self.check_minimum_budget(BIG, threads=1)
+
+    def test_minimum_budget_with_four_threads_over_a_16_mib_tensor(self):
+        """Four writing threads at the smallest budget (plus 4 MiB): each takes a chunk of under 1 MiB,
+        so the 16 MiB embedding (8192 x 512 float32) spans more than 16 chunks, written by several threads."""
+        wide = dict(gpt=False, hidden=512, ffn=512, heads=8, kv_heads=8, layers=1, vocab=8192, divisible=8, seq=16)
+        j = self.check_minimum_budget(wide, threads=4)
+        self.assertLessEqual(j["stream_chunk"], 1 << 20)
+        self.assertGreater(8192 * 512 * 4 // j["stream_chunk"], 16)
+
+    def check_minimum_budget(self, c, threads):
+        _, src = self.source(c, L(1, 1, 2, True))
+        args = [*L(4, 1, 2, True).args(), *format_args(c)]
+        r = reshard(src, os.path.join(self.out, "default"), *args, "--threads", 1)
         self.assertEqual(r.returncode, 0, r.stderr)
-        r = reshard(src, os.path.join(self.out, "tiny"), *args, "--memory_budget", "1K", "--threads", 1)
+        r = reshard(src, os.path.join(self.out, "tiny"), *args, "--memory_budget", "1K", "--threads", threads)
         self.assertEqual(r.returncode, 2, r.stderr)
         m = re.search(r"give at least ([\d.]+) (KiB|MiB|GiB)", r.stderr)
         self.assertTrue(m, r.stderr)
         budget = int(float(m.group(1)) * {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[m.group(2)]) + (4 << 20)
         dst = os.path.join(self.out, "budget")
-        p = run_measured(RESHARD, src, dst, *args, "--memory_budget", f"{budget >> 10}K", "--threads", 1)
+        p = run_measured(RESHARD, src, dst, *args, "--memory_budget", f"{budget >> 10}K", "--threads", threads, "--json")
         self.assertEqual(p.returncode, 0, p.stderr)
         tool_says = next((l for l in p.stderr.splitlines() if "peak memory" in l), "")
         self.assertLessEqual(p.peak, budget, f"peak RSS {p.peak / (1 << 20):.1f} MiB over a budget of "
@@ -560,6 +571,7 @@ class Reshard(TempDirTest):
         self.assertEqual(sorted(a), sorted(b))
         for rel in a:
             self.assertEqual(a[rel], b[rel], rel)
+        return json.loads(p.stdout)
 
     # 5. --dry_run and --json.
 
