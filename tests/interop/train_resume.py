@@ -32,13 +32,13 @@ def args(log_dir, async_save, extra=(), conf=CONF):
             f"exp_manager.async_checkpointing={async_save}", "+model.optim.sched.max_steps=120", *extra]
 
 
-def losses(log_dir):
-    """The last logged loss of every step (a resumed run logs some steps twice)."""
+def losses(log_dir, key="loss"):
+    """The last logged loss (or `key`: grad_norm, lr) of every step (a resumed run logs some steps twice)."""
     out = {}
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         for line in f:
             m = json.loads(line)
-            out[m["step"]] = m["loss"]
+            out[m["step"]] = m[key]
     return out
 
 
