@@ -187,11 +187,11 @@ class DataParallel(TempDirTest):
         self.assertEqual(sorted(os.listdir(model)), sorted(f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt" for p in range(pp) for t in range(tp)))
         return [torch.load(os.path.join(model, f)) for f in sorted(os.listdir(model))]
 
-    def assert_merges_to_one_process(self, name, tp, dp, zero1, rtol):
+    def assert_merges_to_one_process(self, name, tp, dp, zero1, rtol, pp=1):
         """The tag merged into one rank by an independent Python statement of Megatron's partition
         rules (megatron_partition.py) holds the one process's weights and moments."""
         merged = os.path.join(self.dir, "merged")
-        merge_tag(self.tag("many", STEPS, name), merged, {"gpt": name == "tiny_gpt"}, tp, 1, dp, zero1)
+        merge_tag(self.tag("many", STEPS, name), merged, {"gpt": name == "tiny_gpt"}, tp, pp, dp, zero1)
         mine = torch.load(os.path.join(merged, "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
         one = torch.load(os.path.join(self.tag("one", STEPS, name), "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
         self.assertEqual(list(mine), list(one))
@@ -256,6 +256,7 @@ class DataParallel(TempDirTest):
         self.check_tensor_parallel(CONF, "tiny_llama", ["model.num_layers=3", "distributed_strategy.zero1=True", *DROPOUT],
                                    1, 1, 1e-3, pp=2)
         self.assertEqual(self.stage_layers("many", 2), [[0], [1, 2]])
+        self.assert_merges_to_one_process("tiny_llama", 1, 1, True, 1e-3, pp=2)
 
     def test_llama_pp2_with_pipeline_cuts_matches_one_process(self):
         self.check_tensor_parallel(CONF, "tiny_llama", ["model.num_layers=3", *DROPOUT], 1, 1, 1e-3, pp=2,
@@ -264,6 +265,7 @@ class DataParallel(TempDirTest):
 
     def test_llama_tp2_pp2_matches_one_process(self):
         self.check_tensor_parallel(CONF, "tiny_llama", ["distributed_strategy.zero1=False", *DROPOUT], 2, 1, 1e-3, pp=2)
+        self.assert_merges_to_one_process("tiny_llama", 2, 1, False, 1e-3, pp=2)
 
     def test_recompute_under_tp2_pp2_matches_one_process(self):
         # Full recompute reruns each layer's forward, collectives included, inside backward.
@@ -280,6 +282,7 @@ class DataParallel(TempDirTest):
         self.check_tensor_parallel(CONF, "tiny_llama", ["distributed_strategy.zero1=True", *DROPOUT], 2, 2, 1e-3, pp=2)
         optim = os.listdir(os.path.join(self.tag("many", STEPS), "optim"))
         self.assertEqual(len(optim), 8)
+        self.assert_merges_to_one_process("tiny_llama", 2, 2, True, 1e-3, pp=2)
 
     def test_gpt_pp2_tied_embedding_matches_one_process(self):
         # The last stage's output layer is `word_embeddings.weight`, a copy of the first stage's embedding
