@@ -37,6 +37,7 @@ STEPS = 20
 # (tiny_gpt.yaml has them already.)
 DROPOUT = ["+model.hidden_dropout=0.1", "+model.attention_dropout=0.1", "+model.ffn_dropout=0.1"]
 LOSS_RTOL = 1e-5
+MASTER_ATOL = 3e-5  # below a tenth of one AdamW step at the LR's floor (3e-4)
 GRAD_NORM_RTOL = 1e-4  # ZeRO-1 dp 3 with the ranks' sums of squares not all-reduced: 4.3e-1 (measured once)
 
 
@@ -170,6 +171,19 @@ class DataParallel(TempDirTest):
         s = torch.load(os.path.join(self.tag("two", STEPS, "tiny_gpt"), "optim", "dp_rank_01_tp_rank_00_pp_rank_00.pt"))
         self.assertIn("sharded_master_weights", s)
         self.assertEqual(s["sharded_master_weights"][0].dtype, torch.float32)
+        # The masters per field, tighter than one step's update: AdamW moves a weight by about the LR
+        # (3e-4 at the schedule's floor), so a missed update of any tensor (a LayerNorm weight's, say)
+        # is 10x past MASTER_ATOL, which the dp all-reduce's other summation order stays far below.
+        one = torch.load(os.path.join(self.tag("one", STEPS, "tiny_gpt"), "optim", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
+        two = [torch.load(os.path.join(self.tag("two", STEPS, "tiny_gpt"), "optim", f"dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt"))
+               for d in range(2)]
+        worst = 0.0
+        for i, shape in one["shape_info"].items():
+            whole = torch.cat([t["sharded_master_weights"][i] for t in two])[: shape[0]]
+            d = (whole - one["sharded_master_weights"][i]).abs().max().item()
+            worst = max(worst, d)
+            self.assertLess(d, MASTER_ATOL, f"master weight {i} {list(shape)} differs by {d:.2e}")
+        print(f"\n  worst master weight difference {worst:.2e} (tolerance {MASTER_ATOL:.0e})", file=sys.stderr)
 
     def test_gpt_fp32_plain_matches_one_process(self):
         self.check_equivalence(GPT_CONF, ["precision.type=fp32", "distributed_strategy.zero1=False"], "tiny_gpt", 1e-3)
