@@ -9,6 +9,7 @@ PACKAGES=(
   libeigen3-dev libopenmpi-dev openmpi-bin libcli11-dev libxxhash-dev libdeflate-dev zlib1g-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-torch python3-numpy python3-omegaconf python3-h5py
+  procps  # pgrep and pkill: the kill tests find and kill one rank of an mpirun job
   libopenblas0-pthread  # the BLAS torch uses in benchmarks (Debian otherwise gives it reference BLAS)
 )
 
