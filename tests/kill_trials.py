@@ -59,7 +59,6 @@ def ranks_of(pid, name):
 
 class Job:
     """A command, its uninterrupted run's reference output, and the checks after a kill."""
-    adapt = True
 
     def __init__(self, name, build, work):
         self.name, self.build, self.work = name, build, work
@@ -106,7 +105,9 @@ class Reshard(Job):
 
     def rerun(self, trial):
         out = self.out(trial)
+        t0 = time.time()
         p = subprocess.run(self.command(out) + (["--overwrite"] if os.path.exists(out) else []), capture_output=True, text=True)
+        self.seconds = 0.7 * self.seconds + 0.3 * (time.time() - t0)  # a whole run: kill times follow the machine's load
         if p.returncode != 0:
             return f"the rerun failed ({p.returncode}): {p.stderr[-400:]}"
         if tree(out) != self.ref:
@@ -141,7 +142,6 @@ class Convert(Reshard):
 class Train(Job):
     binary = "shardkit-train"
     steps = 30
-    adapt = False  # a rerun resumes: shorter than a whole run
 
     def prepare(self):
         os.makedirs(os.path.join(self.work, "data"))
@@ -232,12 +232,7 @@ def trial(job, n, rng):
     if waited > END_WITHIN:
         return victim, delay, f"the job took {waited:.1f} s to end after the kill"
     subprocess.run(["pkill", "-9", "-s", str(p.pid)], capture_output=True)  # strays of the session, if any
-    why = job.after_kill(n)
-    if not why:
-        t1 = time.time()
-        why = job.rerun(n)
-        if job.adapt:  # a rerun is a whole run: kill times follow the machine's load
-            job.seconds = 0.7 * job.seconds + 0.3 * (time.time() - t1)
+    why = job.after_kill(n) or job.rerun(n)
     return victim, delay, why
 
 
