@@ -204,11 +204,14 @@ def trial(job, n, rng):
     log = open(os.path.join(job.work, f"trial{n}.log"), "w+")
     p = subprocess.Popen(cmd, cwd=job.work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     delay = rng.uniform(0.05, max(0.1, job.seconds * 0.95))
-    time.sleep(delay)
+    start = time.time()
+    while time.time() - start < delay and p.poll() is None:
+        time.sleep(0.005)
     ranks = ranks_of(p.pid, job.binary)
     victim = "mpirun"
     if p.poll() is not None:
         victim = "none (ended first)"
+        job.seconds = 0.7 * job.seconds + 0.3 * (time.time() - start)  # a whole run, timed: later kills land inside runs
         if p.returncode != 0:
             log.seek(0)
             return victim, delay, f"the job failed before any kill ({p.returncode}): {log.read()[-600:]}"
