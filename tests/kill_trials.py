@@ -79,6 +79,10 @@ class Reshard(Job):
                        check=True)
         self.src = os.path.join(src, "step_100")
         self.hints = ["--heads", "16", "--kv_heads", "16", "--vocab_size", "32000", "--make_vocab_size_divisible_by", "128"]
+        self.run_reference()
+
+    def run_reference(self):
+        """The uninterrupted run: its output and how long a whole run takes."""
         ref = os.path.join(self.work, "ref")
         t0 = time.time()
         subprocess.run(self.command(ref), check=True, capture_output=True)
@@ -128,11 +132,7 @@ class Convert(Reshard):
                % (os.path.join(HERE, "interop"), nnm))
         subprocess.run([PY, "-c", gen], check=True)
         self.nnm = nnm
-        ref = os.path.join(self.work, "ref")
-        t0 = time.time()
-        subprocess.run(self.command(ref), check=True, capture_output=True)
-        self.seconds = time.time() - t0
-        self.ref = tree(ref)
+        self.run_reference()
 
     def command(self, out):
         return [*MPI, "-np", "2", self.bin("convert", "nnm2nxdt-ckpt"), "--tp", "2", "--pp", "2", "--nnm_ckpt_path", self.nnm,
