@@ -24,7 +24,6 @@
 #include "ckpt/pt_file.h"
 #include "ckpt/resume.h"
 #include "ckpt/tag_verify.h"
-#include "ckpt/xser.h"
 #include "ckpt/tag_writer.h"
 
 namespace ckpt {
@@ -399,11 +398,9 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
         mine.push_back(f.file), tensor_bytes.push_back(f.bytes);
         continue;
       }
-      for (auto& part : ckpt::SplitForXser(f.file.relpath, f.file.value)) {
-        const bool tensor = part.value.is_tensor();
-        ckpt::SaveOptions opts = f.file.options;
-        opts.weights_only &= tensor;  // X.pt holds TensorReference objects, info.pt torch dtypes
-        mine.push_back({part.path, std::move(part.value), opts}), tensor_bytes.push_back(tensor ? part.value.as_tensor().nbytes() : 0);
+      for (auto& part : ckpt::XserFiles(f.file)) {
+        tensor_bytes.push_back(part.value.is_tensor() ? part.value.as_tensor().nbytes() : 0);
+        mine.push_back(std::move(part));
       }
     }
     sum.files = static_cast<int>(mine.size());

@@ -14,6 +14,7 @@
 #include "ckpt/error.h"
 #include "ckpt/value_json.h"
 #include "ckpt/progress.h"
+#include "ckpt/xser.h"
 
 namespace ckpt {
 namespace {
@@ -110,6 +111,16 @@ void WaitForBegin(Env* env, const std::string& tag_dir, const std::string& save_
     }
   }, timeout);
   if (!ok) throw Error(tag_dir + ": rank 0 did not begin save " + save_id + " within " + std::to_string(timeout.count()) + " ms");
+}
+
+std::vector<FileToWrite> XserFiles(const FileToWrite& file) {
+  std::vector<FileToWrite> out;
+  for (auto& part : SplitForXser(file.relpath, file.value)) {
+    SaveOptions opts = file.options;
+    opts.weights_only &= part.value.is_tensor();
+    out.push_back({std::move(part.path), std::move(part.value), opts});
+  }
+  return out;
 }
 
 std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& tag_dir, int rank,

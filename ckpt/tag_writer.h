@@ -38,6 +38,11 @@ struct FileToWrite {
   SaveOptions options;
 };
 
+// `file` as NxD's xser writes it (SplitForXser: X.pt, X.pt.tensors/tensor_<tid>.pt,
+// X.pt.info.pt), each part with `file`'s options, except that only the tensor
+// files keep weights_only: X.pt holds TensorReference objects, info.pt torch dtypes.
+std::vector<FileToWrite> XserFiles(const FileToWrite& file);
+
 inline constexpr const char* kRankRecordDir = ".shardkit";
 std::string RankRecordPath(const std::string& tag_dir, int rank);
 

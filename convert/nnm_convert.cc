@@ -10,7 +10,6 @@
 #include "ckpt/error.h"
 #include "ckpt/optimizer_groups.h"
 #include "ckpt/training_state.h"
-#include "ckpt/xser.h"
 #include "convert/nnm_optimizer.h"
 
 namespace convert {
@@ -122,15 +121,13 @@ void CountTensors(const Value& v, std::set<const ckpt::Storage*>& seen, int64_t*
 
 void AddFile(ConvertPlan& plan, const std::string& relpath, Value value, bool weights_only, bool xser,
              const std::string& source, int unit) {
-  std::vector<ckpt::XserPart> parts;
-  if (xser) parts = ckpt::SplitForXser(relpath, value);
-  else parts.push_back({relpath, std::move(value)});
+  ckpt::FileToWrite file{relpath, std::move(value), {.weights_only = weights_only, .drop_source_pages = true}};
+  std::vector<ckpt::FileToWrite> parts;
+  if (xser) parts = ckpt::XserFiles(file);
+  else parts.push_back(std::move(file));
   for (auto& part : parts) {
     PlannedFile f;
-    // xser reference trees hold TensorReference objects: never weights-only.
-    const bool refs = xser && !part.value.is_tensor() && part.path == relpath;
-    f.file = {part.path, std::move(part.value), {.weights_only = weights_only && !refs && !part.path.ends_with(".info.pt"),
-                                                 .drop_source_pages = true}};
+    f.file = std::move(part);
     f.source = source;
     f.unit = unit;
     std::set<const ckpt::Storage*> seen;

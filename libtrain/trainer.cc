@@ -313,12 +313,9 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     // Model files from dp rank 0 of each (tp, pp); optimizer files from every dp rank under
     // ZeRO-1, else dp rank 0; the tag's own files from rank 0.
     auto add = [&](const std::string& rel, ckpt::Value v, bool weights_only) {
-      if (!c.save_xser) {
-        snap.files.push_back({rel, std::move(v), {.weights_only = weights_only}});
-        return;
-      }
-      for (auto& part : ckpt::SplitForXser(rel, v))  // X.pt holds TensorReference objects, info.pt torch dtypes
-        snap.files.push_back({part.path, part.value, {.weights_only = weights_only && part.value.is_tensor()}});
+      ckpt::FileToWrite f{rel, std::move(v), {.weights_only = weights_only}};
+      if (!c.save_xser) snap.files.push_back(std::move(f));
+      else for (auto& part : ckpt::XserFiles(f)) snap.files.push_back(std::move(part));
     };
     if (pc.coord.dp == 0)
       add("model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp}), ckpt::CopyForSnapshot(model.StateDict(), pool.get(), model.checkpoint_dtype()),
