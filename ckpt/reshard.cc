@@ -242,11 +242,11 @@ std::string ResolveSourceTag(const std::string& src_arg, bool verify, ckpt::Env*
     tag = *newest;
   }
   if (verify && rank == 0) {
-    const ckpt::TagReport rep = ckpt::VerifyTag(env, tag, {.checksums = true});
+    ckpt::TagReport rep = ckpt::VerifyTag(env, tag, {.checksums = true});
+    if (weights_only)
+      ckpt::DropOptimizerProblems(rep, [&](const ckpt::TagProblem& p) { log("note: " + p.file + ": " + p.what + " (not read: --weights_only)"); });
     std::string what;
-    for (const auto& p : rep.problems)
-      if (weights_only && p.file.rfind("optim/", 0) == 0) log("note: " + p.file + ": " + p.what + " (not read: --weights_only)");
-      else what += "\n  " + (p.file.empty() ? "" : p.file + ": ") + p.what;
+    for (const auto& p : rep.problems) what += "\n  " + (p.file.empty() ? "" : p.file + ": ") + p.what;
     if (!what.empty()) throw Error(tag + ": fails verification, so it is not read (--no_verify skips this):" + what);
   }
   return tag;

@@ -16,10 +16,8 @@ std::string Describe(const TagReport& r) {
 
 // The optimizer files are not read: their problems are told, not counted.
 void DropOptimizerProblems(TagReport& r, const std::string& tag, const LogFn& log) {
-  std::erase_if(r.problems, [&](const TagProblem& p) {
-    if (p.file.rfind("optim/", 0) != 0) return false;
+  DropOptimizerProblems(r, [&](const TagProblem& p) {
     if (log) log("resume: " + tag + ": " + p.file + ": " + p.what + " (not read: weights only)");
-    return true;
   });
 }
 

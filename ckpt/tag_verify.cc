@@ -247,6 +247,14 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
   return r;
 }
 
+void DropOptimizerProblems(TagReport& r, const std::function<void(const TagProblem&)>& told) {
+  std::erase_if(r.problems, [&](const TagProblem& p) {
+    if (p.file.rfind("optim/", 0) != 0) return false;
+    told(p);
+    return true;
+  });
+}
+
 bool IsModelOnlyFolder(Env* env, const std::string& dir) {
   if (!env->IsDirectory(dir + "/model")) return false;
   for (const auto& n : env->ListDir(dir))

@@ -8,6 +8,7 @@
 // links) are problems, never read.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -43,6 +44,10 @@ struct VerifyOptions {
 };
 
 TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& opts = {});
+
+// For a reader of the model alone (--weights_only, model.weight_init_only): removes
+// the problems of optim/ files, which it does not open, handing each to `told`.
+void DropOptimizerProblems(TagReport& r, const std::function<void(const TagProblem&)>& told);
 
 // Whether `dir` holds model/ and nothing a save writes besides (TagReport::model_only).
 bool IsModelOnlyFolder(Env* env, const std::string& dir);
