@@ -149,28 +149,18 @@ class ShardedTagBuilder {
     return it == file_of_.end() ? nullptr : it->second;
   }
 
-  // The rank files of model/ or optim/, and whether each is xser. A tensor
-  // folder without its X.pt, and a mix of containers in one tag, are refused.
-  std::map<std::string, bool> ListRankFiles(const std::string& sub) {
-    std::map<std::string, bool> out;
+  // The rank files of model/ or optim/ (names); what the folder holds is added to `entries`.
+  std::vector<std::string> ListRankFiles(const std::string& sub, std::set<std::string>& entries) {
+    std::vector<std::string> out;
     if (!env_->IsDirectory(Path(sub))) return out;
-    const auto names = env_->ListDir(Path(sub));
-    const std::set<std::string> present(names.begin(), names.end());
-    for (const auto& n : names) {
+    for (const auto& n : env_->ListDir(Path(sub))) {
       if (IsTempPath(n)) continue;
-      if (const std::string x = XserFileOfTensorDir(n); !x.empty() && !present.count(x))
-        throw Error(Path(sub + "/" + n) + ": an xser tensor folder with no " + x + " beside it");
+      entries.insert(sub + "/" + n);
       try {
-        if (ParseRankFileName(n)) out[n] = present.count(XserTensorDir(n)) > 0;
+        if (ParseRankFileName(n)) out.push_back(n);
       } catch (const Error& e) {
         throw Error(Path(sub) + "/" + e.what());
       }
-    }
-    for (const auto& [n, x] : out) {
-      if (!container_) container_ = {n, x};
-      if (x != container_->second)
-        throw Error(Path(sub + "/" + n) + (x ? " is xser (it has a .tensors folder) but " : " is plain .pt but ") + container_->first +
-                    (x ? " is plain .pt" : " is xser") + "; a tag is one container or the other, as NxD's loader reads it");
     }
     return out;
   }
@@ -187,10 +177,13 @@ class ShardedTagBuilder {
     if (!env_->IsDirectory(Path("model"))) throw Error(t_->dir_ + ": holds no model/ folder; not a checkpoint tag");
     std::set<std::pair<int, int>> model;
     int tp = 0, pp = 0;
-    const auto model_files = ListRankFiles("model");
-    const auto optim_files = ListRankFiles("optim");
-    t_->xser_ = container_ && container_->second;
-    for (const auto& [n, xser] : model_files) {
+    // One container per tag, as NxD's loader reads it: a mix, or a tensor folder without its X.pt, is refused.
+    std::set<std::string> entries;
+    const auto model_files = ListRankFiles("model", entries);
+    const auto optim_files = ListRankFiles("optim", entries);
+    if (const auto bad = XserContainerProblems(entries); !bad.empty()) throw Error(Path(bad[0].entry) + ": " + bad[0].what);
+    t_->xser_ = std::any_of(model_files.begin(), model_files.end(), [&](const std::string& n) { return entries.count("model/" + XserTensorDir(n)); });
+    for (const auto& n : model_files) {
       auto r = ParseRankFileName(n);
       if (r->dp != 0) throw Error(Path("model/" + n) + ": model files come from dp rank 0 only");
       model.insert({r->tp, r->pp});
@@ -211,7 +204,7 @@ class ShardedTagBuilder {
     // Optimizer files: ZeRO-1 when they hold base_state, one per dp rank.
     std::set<std::tuple<int, int, int>> optim;
     int dp = 0;
-    for (const auto& [n, xser] : optim_files)
+    for (const auto& n : optim_files)
       if (auto r = ParseRankFileName(n)) optim.insert({r->dp, r->tp, r->pp}), dp = std::max(dp, r->dp + 1);
     L.has_optimizer = !optim.empty() && !opts_.weights_only;
     t_->optimizer_skipped_ = !optim.empty() && opts_.weights_only;
@@ -589,7 +582,6 @@ class ShardedTagBuilder {
   Env* env_;
   FormatHints hints_;
   TagReadOptions opts_;
-  std::optional<std::pair<std::string, bool>> container_;  // the first rank file seen, and whether it is xser
   std::unique_ptr<ShardedTag> t_;
   std::optional<Manifest> manifest_;
   std::vector<RankFiles> ranks_;

@@ -204,19 +204,10 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
   // One container per tag (NxD checkpoint_storage.py is_checkpoint_xser decides per tag), and no
   // tensor folder without its X.pt.
   {
-    std::set<std::string> xser_files;
+    std::set<std::string> entries;  // what model/ and optim/ hold, one level down
     for (const auto& f : files)
-      if (auto at = f.find(".pt.tensors/"); at != std::string::npos) xser_files.insert(f.substr(0, at + 3));
-    for (const auto& x : xser_files)
-      if (!present.count(x)) problem(x + ".tensors", "an xser tensor folder with no " + x + " beside it");
-    std::optional<std::string> plain, xser;
-    for (const auto& f : files) {
-      if (!(f.rfind("model/", 0) == 0 || f.rfind("optim/", 0) == 0) || f.find('/', 6) != std::string::npos || !f.ends_with(".pt") ||
-          f.ends_with(".info.pt"))
-        continue;
-      (xser_files.count(f) ? xser : plain) = f;
-    }
-    if (plain && xser) problem(*plain, "is plain .pt but " + *xser + " is xser; a tag is one container or the other, as NxD's loader reads it");
+      if (f.rfind("model/", 0) == 0 || f.rfind("optim/", 0) == 0) entries.insert(f.substr(0, f.find('/', 6)));
+    for (const auto& p : XserContainerProblems(entries)) problem(p.entry, p.what);
   }
   // NxDT's ZeRO-1 at dp > 1: one optimizer file per stage whose shards hold a part of each tensor.
   if (r.grid && r.grid->dp == 1 && !r.has_manifest) {

@@ -1,6 +1,7 @@
 #include "ckpt/xser.h"
 
 #include <map>
+#include <optional>
 #include <set>
 
 #include "ckpt/error.h"
@@ -18,6 +19,20 @@ bool IsXser(const std::string& path, Env* env) { return env->IsDirectory(XserTen
 
 Value LoadPtOrXser(const std::string& path, const LoadOptions& opts, Env* env) {
   return IsXser(path, env) ? LoadXser(path, opts, env) : LoadPt(path, opts, env);
+}
+
+std::vector<ContainerProblem> XserContainerProblems(const std::set<std::string>& entries) {
+  std::vector<ContainerProblem> out;
+  std::optional<std::string> plain, xser;
+  for (const auto& e : entries) {
+    if (const std::string x = XserFileOfTensorDir(e); !x.empty()) {
+      if (!entries.count(x)) out.push_back({e, "an xser tensor folder with no " + x + " beside it"});
+    } else if (e.ends_with(".pt") && !e.ends_with(".info.pt")) {
+      (entries.count(XserTensorDir(e)) ? xser : plain) = e;
+    }
+  }
+  if (plain && xser) out.push_back({*plain, "is plain .pt but " + *xser + " is xser; a tag is one container or the other, as NxD's loader reads it"});
+  return out;
 }
 
 Value LoadTagFile(Env* env, const std::string& tag_dir, const std::string& rel, LoadOptions opts) {

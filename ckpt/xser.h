@@ -4,6 +4,7 @@
 // X.pt.tensors/tensor_<tid>.pt holds each tensor as a plain .pt file.
 #pragma once
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,16 @@ std::string XserFileOfTensorDir(const std::string& name);
 // `tag_dir`) as xser when its .tensors folder exists, else as plain .pt.
 // Every file read must resolve inside the tag (RequireInside).
 Value LoadTagFile(Env* env, const std::string& tag_dir, const std::string& rel, LoadOptions opts = {});
+
+// NxD's container rule for a tag, whose loader picks xser or plain .pt per tag
+// (NxD checkpoint_storage.py is_checkpoint_xser): every X.pt.tensors folder has
+// its X.pt beside it, and the tag's .pt files are all xser or all plain.
+// `entries`: what model/ and optim/ hold, relative to the tag ("model/X.pt",
+// "model/X.pt.tensors", ...). Returns {entry, problem} pairs, none when it holds.
+struct ContainerProblem {
+  std::string entry, what;
+};
+std::vector<ContainerProblem> XserContainerProblems(const std::set<std::string>& entries);
 
 // The tid of a TensorReference object, or -1 if `v` is not one.
 int64_t TensorReferenceId(const Value& v);
