@@ -6,6 +6,7 @@
 #include <functional>
 #include <regex>
 #include <set>
+#include <type_traits>
 
 #include "ckpt/error.h"
 #include "ckpt/input_guard.h"
@@ -515,38 +516,39 @@ class ShardedTagBuilder {
   // Lightning's hyper_parameters): heads and KV heads come from there when
   // no hint gives them, and a hint that contradicts it is refused.
   void TakeRecordedConfig() {
-    if (!env_->Exists(Path(kUserContentFile))) return;
-    const Value uc = LoadTagFile(env_, t_->dir_, kUserContentFile);
-    const Value* hp = uc.is_dict() ? uc.as_dict().Find("hyper_parameters") : nullptr;
+    const Value* uc = UserContentFile();
+    const Value* hp = uc && uc->is_dict() ? uc->as_dict().Find("hyper_parameters") : nullptr;
     const Value* cfg = hp && hp->is_dict() ? hp->as_dict().Find("cfg") : nullptr;
     if (!cfg || !cfg->is_dict()) return;
-    auto take = [&](const char* key, std::optional<int64_t>& hint, const char* flag) {
-      const Value* v = cfg->as_dict().Find(key);
-      if (!v || !v->is_int()) return;
-      if (hint && *hint != v->as_int())
-        throw Error(std::string(flag) + " " + std::to_string(*hint) + " contradicts " + Path(kUserContentFile) + ", whose job config " +
-                    "(hyper_parameters.cfg." + key + ") is " + std::to_string(v->as_int()));
-      if (!hint) t_->format_notes_.push_back(std::string(key) + " " + std::to_string(v->as_int()) + " from the job config in user_content.pt");
-      hint = v->as_int();
-    };
-    take("num_attention_heads", hints_.heads, "--heads");
-    take("num_kv_heads", hints_.kv_heads, "--kv_heads");
-    auto take_number = [&](std::initializer_list<const char*> keys, std::optional<double>& hint, const char* flag) {
+    // The first of `keys` the config holds as a number gives `hint` (an int hint takes integers only).
+    auto take = [&]<typename T>(std::initializer_list<const char*> keys, std::optional<T>& hint, const char* flag, bool note) {
       for (const char* key : keys) {
         const Value* v = cfg->as_dict().Find(key);
-        if (!v || !(v->is_int() || v->is_float())) continue;
-        const double x = v->is_int() ? static_cast<double>(v->as_int()) : v->as_float();
+        if (!v || !(v->is_int() || (std::is_floating_point_v<T> && v->is_float()))) continue;
+        const T x = v->is_int() ? static_cast<T>(v->as_int()) : static_cast<T>(v->as_float());
         if (hint && *hint != x)
           throw Error(std::string(flag) + " " + std::to_string(*hint) + " contradicts " + Path(kUserContentFile) + ", whose job config " +
                       "(hyper_parameters.cfg." + key + ") is " + std::to_string(x));
+        if (!hint && note) t_->format_notes_.push_back(std::string(key) + " " + std::to_string(x) + " from the job config in user_content.pt");
         hint = x;
         return;
       }
     };
+    take({"num_attention_heads"}, hints_.heads, "--heads", true);
+    take({"num_kv_heads"}, hints_.kv_heads, "--kv_heads", true);
     // NxDT's megatron models name the rotary base position_freq_base (megatron_gpt_model.py).
-    take_number({"position_freq_base", "rope_theta"}, hints_.rope_theta, "--rope_theta");
-    take_number({"layernorm_epsilon"}, hints_.norm_eps, "--layernorm_epsilon");
-    take_number({"rotary_percentage"}, hints_.rotary_percentage, "--rotary_percentage");
+    take({"position_freq_base", "rope_theta"}, hints_.rope_theta, "--rope_theta", false);
+    take({"layernorm_epsilon"}, hints_.norm_eps, "--layernorm_epsilon", false);
+    take({"rotary_percentage"}, hints_.rotary_percentage, "--rotary_percentage", false);
+  }
+
+  // user_content.pt, loaded once (the model format and the step both read it), or null.
+  const Value* UserContentFile() {
+    if (!user_content_loaded_) {
+      user_content_loaded_ = true;
+      if (env_->Exists(Path(kUserContentFile))) user_content_ = LoadTagFile(env_, t_->dir_, kUserContentFile);
+    }
+    return user_content_ ? &*user_content_ : nullptr;
   }
 
   void LearnStep() {
@@ -560,12 +562,11 @@ class ShardedTagBuilder {
       t_->step_ = tn->step, t_->consumed_ = tn->consumed_samples;
       return;
     }
-    if (env_->Exists(Path(kUserContentFile))) {
+    if (const Value* v = UserContentFile()) {
       // NxD saves whatever user content its caller passes: a dict without
       // NxDT's step entries leaves the step to the name below.
-      const Value v = LoadTagFile(env_, t_->dir_, kUserContentFile);
       try {
-        const UserContent uc = UserContent::FromValue(v, Path(kUserContentFile));
+        const UserContent uc = UserContent::FromValue(*v, Path(kUserContentFile));
         t_->step_ = uc.ResumeStep();
         if (uc.consumed_samples) t_->consumed_ = *uc.consumed_samples;
         else if (auto c = ConsumedSamplesFromTagPath(name)) t_->consumed_ = static_cast<double>(*c);
@@ -582,6 +583,8 @@ class ShardedTagBuilder {
   Env* env_;
   FormatHints hints_;
   TagReadOptions opts_;
+  std::optional<Value> user_content_;
+  bool user_content_loaded_ = false;
   std::unique_ptr<ShardedTag> t_;
   std::optional<Manifest> manifest_;
   std::vector<RankFiles> ranks_;
