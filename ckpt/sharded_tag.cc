@@ -135,14 +135,6 @@ class ShardedTagBuilder {
     return v;
   }
 
-  static void ForEachTensor(const Value& v, const std::function<void(const Tensor&)>& f) {
-    if (v.is_tensor()) f(v.as_tensor());
-    else if (v.is_seq())
-      for (const Value& c : v.as_seq().items) ForEachTensor(c, f);
-    else if (v.is_dict())
-      for (const auto& [k, c] : v.as_dict().items) ForEachTensor(c, f);
-  }
-
   // The mapped file a tensor's bytes lie in: its own tensor file under xser.
   const MappedFile* FileOf(const Tensor& x, const std::string& rel) const {
     if (const StorageOrigin* o = x.storage() ? x.storage()->origin() : nullptr) return o->file;

@@ -244,4 +244,14 @@ void RequirePlainAt(const Value& v, const std::string& where, const std::string&
 
 void RequirePlainData(const Value& v, const std::string& where) { RequirePlainAt(v, where, ""); }
 
+void ForEachTensor(const Value& v, const std::function<void(const Tensor&)>& f) {
+  if (v.is_tensor()) {
+    f(v.as_tensor());
+  } else if (v.is_seq()) {
+    for (const Value& c : v.as_seq().items) ForEachTensor(c, f);
+  } else if (v.is_dict()) {
+    for (const auto& [k, c] : v.as_dict().items) ForEachTensor(c, f);
+  }
+}
+
 }  // namespace ckpt

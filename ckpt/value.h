@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -155,6 +156,9 @@ class Value {
 // Deep structural equality: tensors compare by dtype, shape and element
 // bytes (not strides or sharing); floats compare bitwise.
 bool DeepEqual(const Value& a, const Value& b);
+
+// Calls `f` on every tensor in `v`, depth first (dict values, sequence items), in order.
+void ForEachTensor(const Value& v, const std::function<void(const Tensor&)>& f);
 
 // A number held as a Python int or float, or as a one-element float32 or
 // int64 tensor (torch >= 1.12 keeps optimizer `step` that way). Throws

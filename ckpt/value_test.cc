@@ -7,6 +7,16 @@
 
 namespace ckpt {
 
+TEST(Value, ForEachTensorVisitsDictsAndSequencesDepthFirst) {
+  Value root = Value::NewDict();
+  root.as_dict().Set("a", Value(testing::Arange({1})));
+  root.as_dict().Set("b", Value::List({Value(int64_t{7}), Value(testing::Arange({2})), Value::List({Value(testing::Arange({3}))})}));
+  root.as_dict().Set("c", Value(testing::Arange({4})));
+  std::vector<int64_t> seen;
+  ForEachTensor(root, [&](const Tensor& t) { seen.push_back(t.shape()[0]); });
+  EXPECT_EQ(seen, (std::vector<int64_t>{1, 2, 3, 4}));
+}
+
 TEST(Value, DictEditsKeepOrderAndShareTensors) {
   Value d = Value::NewDict();
   Tensor t = Tensor::Zeros(DType::kFloat32, {4});

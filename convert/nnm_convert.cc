@@ -109,14 +109,10 @@ int LayerCount(const Chunk& c) {
 }
 
 void CountTensors(const Value& v, std::set<const ckpt::Storage*>& seen, int64_t* tensors, uint64_t* bytes) {
-  if (v.is_tensor()) {
+  ckpt::ForEachTensor(v, [&](const ckpt::Tensor& t) {
     ++*tensors;
-    if (seen.insert(v.as_tensor().storage().get()).second) *bytes += v.as_tensor().storage()->nbytes();
-  } else if (v.is_seq()) {
-    for (const auto& c : v.as_seq().items) CountTensors(c, seen, tensors, bytes);
-  } else if (v.is_dict()) {
-    for (const auto& [k, c] : v.as_dict().items) CountTensors(c, seen, tensors, bytes);
-  }
+    if (seen.insert(t.storage().get()).second) *bytes += t.storage()->nbytes();
+  });
 }
 
 void AddFile(ConvertPlan& plan, const std::string& relpath, Value value, bool weights_only, bool xser,
