@@ -31,6 +31,11 @@ struct FormatHints {
   std::optional<int64_t> heads, kv_heads, vocab_size, make_vocab_size_divisible_by;
   // What the forward pass needs beyond the tensors (ModelFormat::rope_theta, ...).
   std::optional<double> rope_theta, norm_eps, rotary_percentage;
+  // The HF-style family's (ckpt/model_family.h): what the data may not tell,
+  // and sizes an HF config.json states, checked against the tensors.
+  std::optional<int64_t> kv_size_multiplier;
+  std::optional<HwBackend> hw_backend;
+  std::optional<int64_t> hidden, ffn, layers, max_positions;
 };
 
 struct TagLayout {

@@ -4,6 +4,7 @@
 #include "ckpt/layout.h"
 #include <algorithm>
 
+#include "ckpt/model_family.h"
 #include "ckpt/optimizer_groups.h"
 
 namespace ckpt {
@@ -47,9 +48,10 @@ int64_t ModelFormat::PaddedVocab(int tp) const {
 }
 
 std::string ModelFormat::Describe() const {
-  std::string s = std::string(layernorm ? "gpt" : "llama") + "-style, " + std::to_string(layers) + " layers, hidden " +
+  std::string s = std::string(family == ModelFamily::kHfLlama ? "HF-style llama" : layernorm ? "gpt-style" : "llama-style") + ", " + std::to_string(layers) + " layers, hidden " +
                   std::to_string(hidden) + ", ffn " + std::to_string(ffn) + ", " + std::to_string(heads) + " heads";
   if (kv_heads != heads) s += " (" + std::to_string(kv_heads) + " KV)";
+  if (kv_size_multiplier > 1) s += std::string(", KV replicated x") + std::to_string(kv_size_multiplier) + " (" + BackendName(hw_backend) + ")";
   return s + ", vocab " + std::to_string(vocab_size);
 }
 
@@ -59,6 +61,13 @@ std::string ModelFormat::CheckTensorParallel(int tp) const {
   };
   if (tp < 1 || tp > kMaxRanks) return "tensor parallel degree " + std::to_string(tp) + " is out of range";
   if (heads % tp) return no("attention heads", heads);
+  if (family == ModelFamily::kHfLlama) {
+    if (ffn % tp) return no("FFN width", ffn);
+    // NxD's ParallelEmbedding and the converter split the vocabulary evenly, with no padding.
+    if (vocab_size % tp) return no("vocabulary", vocab_size) + " (the HF-style family does not pad it)";
+    if (tied_output) return "the HF-style family with tied embeddings (no lm_head.weight) is not supported";
+    return KvReplicationProblem(*this, tp);
+  }
   if (kv_heads % tp && tp % kv_heads)
     return no("KV heads", kv_heads) + ", and is not a multiple of them (NxD replicates KV heads only by a whole kv_size_multiplier)";
   if (ffn % tp) return no("FFN width", ffn);
@@ -96,7 +105,12 @@ nlohmann::ordered_json ModelFormat::ToJson() const {
           {"share_embeddings_and_output_weights", tied_output},
           {"rope_theta", rope_theta},
           {"layernorm_epsilon", norm_eps},
-          {"rotary_percentage", rotary_percentage}};
+          {"rotary_percentage", rotary_percentage},
+          {"model_family", FamilyName(family)},
+          {"fuse_qkv", fuse_qkv},
+          {"qkv_linear", qkv_linear},
+          {"kv_size_multiplier", kv_size_multiplier},
+          {"hw_backend", BackendName(hw_backend)}};
 }
 
 ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& where) {
@@ -125,6 +139,16 @@ ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& wh
   f.rope_theta = number("rope_theta", f.rope_theta);
   f.norm_eps = number("layernorm_epsilon", f.norm_eps);
   f.rotary_percentage = number("rotary_percentage", f.rotary_percentage);
+  // Absent from manifests written before families were recorded: Megatron-style.
+  if (j.contains("model_family")) {
+    const std::string fam = FieldChoice(j, "model_family", {"megatron", "hf_llama"}, where);
+    f.family = *ParseFamily(fam);
+    f.fuse_qkv = FieldBool(j, "fuse_qkv", where);
+    f.qkv_linear = FieldBool(j, "qkv_linear", where);
+    f.kv_size_multiplier = FieldInt(j, "kv_size_multiplier", 1, 1 << 20, where);
+    const std::string hw = FieldChoice(j, "hw_backend", {"trn1", "trn2", "unknown"}, where);
+    f.hw_backend = ParseBackend(hw).value_or(HwBackend::kUnknown);
+  }
   if (f.hidden % f.heads) throw Error(where + ": model format hidden_size " + std::to_string(f.hidden) + " is not a multiple of num_attention_heads");
   if (f.heads % f.kv_heads) throw Error(where + ": model format num_attention_heads is not a multiple of num_kv_heads");
   if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(where + ": model format: " + why);
@@ -132,6 +156,7 @@ ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& wh
 }
 
 std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
+  if (f.family == ModelFamily::kHfLlama) return HfLlamaParameters(f, tp);
   const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), V = f.PaddedVocab(tp);
   std::vector<ParamRule> p;
   int layer = -1;
@@ -157,7 +182,11 @@ std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
   };
   add("language_model.embedding.word_embeddings.weight", {V, H}, SplitDim::kRows);
   p.back().vocab = true;
-  if (f.learned_positions) add("language_model.embedding.position_embeddings.weight", {f.max_positions, H}, SplitDim::kReplicated);
+  p.back().place = StagePlace::kFirst;
+  if (f.learned_positions) {
+    add("language_model.embedding.position_embeddings.weight", {f.max_positions, H}, SplitDim::kReplicated);
+    p.back().place = StagePlace::kFirst;
+  }
   for (layer = 0; layer < f.layers; ++layer) {
     norm(LayerName(layer, "input_layernorm"));
     if (f.kv_heads != f.heads) {
@@ -172,16 +201,19 @@ std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
     row(LayerName(layer, "mlp.dense_4h_to_h"), F);
   }
   layer = -1;
+  const size_t last = p.size();
   norm("language_model.encoder.final_layernorm");
   if (!f.tied_output) {
     add("language_model.output_layer.weight", {V, H}, SplitDim::kRows);
     p.back().vocab = true;
   }
+  for (size_t i = last; i < p.size(); ++i) p[i].place = StagePlace::kLast;
   return p;
 }
 
 std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank) {
   if (p.split == SplitDim::kReplicated) return {{0, 0, p.shape.at(0)}};
+  if (p.fused == FusedRows::kQueryHeads || p.fused == FusedRows::kKvHeads || p.fused == FusedRows::kQkvHeads) return HeadRuns(p, f, tp, rank);
   const int64_t extent = p.shape.at(p.split == SplitDim::kRows ? 0 : 1);
   if (p.fused == FusedRows::kGateUp) {
     const int64_t half = extent / 2 / tp;
@@ -242,18 +274,17 @@ std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, c
   const int last = static_cast<int>(bounds.size()) - 2;
   std::vector<StageParam> out;
   const ParamRule* embedding = nullptr;
+  bool output = false;
   for (const ParamRule& p : logical) {
-    if (p.vocab && p.name.find(".embedding.") != std::string::npos) embedding = &p;
+    if (p.vocab && p.place == StagePlace::kFirst) embedding = &p;
+    if (p.vocab && p.place == StagePlace::kLast) output = true;
     bool mine;
-    if (p.layer >= 0) mine = p.layer >= bounds[stage] && p.layer < bounds[stage + 1];
-    else if (p.name.find(".embedding.") != std::string::npos) mine = stage == 0;
-    else mine = stage == last;  // final norm, output layer
+    if (p.place == StagePlace::kLayer) mine = p.layer >= bounds[stage] && p.layer < bounds[stage + 1];
+    else mine = stage == (p.place == StagePlace::kFirst ? 0 : last);
     if (mine) out.push_back({p.name, &p});
   }
-  const bool tied = embedding && std::none_of(logical.begin(), logical.end(), [](const ParamRule& p) {
-    return p.vocab && p.name.find(".embedding.") == std::string::npos;
-  });
-  if (tied && last > 0 && stage == last) out.push_back({kTiedOutputCopy, embedding});
+  // Megatron's tied output copy on the last stage; the HF-style family is never tied here.
+  if (embedding && !output && last > 0 && stage == last) out.push_back({kTiedOutputCopy, embedding});
   return out;
 }
 

@@ -37,6 +37,16 @@
 
 namespace ckpt {
 
+// The model family a checkpoint's names and partitioning follow
+// (ckpt/model_family.h states each): Megatron-style
+// (`language_model.encoder.layers.N...`, NNM and NxDT's megatron models) or
+// HF-style Llama (`model.layers.N...`, NxDT's `model_source: hf`).
+enum class ModelFamily { kMegatron, kHfLlama };
+// NxD's hardware backend, which decides how KV heads are replicated over tp
+// ranks (ckpt/model_family.h); kUnknown when the data cannot tell and it does
+// not matter for the layout at hand.
+enum class HwBackend { kUnknown, kTrn1, kTrn2 };
+
 // What describes a checkpoint's model format, as NxDT's model config names
 // it; nothing about training (dropout, recompute, seeds). A manifest carries
 // it, so a tag can be resharded without its training config.
@@ -60,6 +70,14 @@ struct ModelFormat {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   double rotary_percentage = 1.0;
+  // The family, and what only the HF-style family varies: NxDT's
+  // model.fuse_qkv and model.qkv_linear (which attention tensors exist) and
+  // distributed_strategy.kv_replicator with the backend (how KV heads are
+  // replicated over tp ranks). Megatron-style tags keep the defaults.
+  ModelFamily family = ModelFamily::kMegatron;
+  bool fuse_qkv = true, qkv_linear = false;
+  int64_t kv_size_multiplier = 1;
+  HwBackend hw_backend = HwBackend::kUnknown;
 
   int64_t head_dim() const { return hidden / heads; }
   int64_t PaddedVocab(int tp) const;  // Megatron's _vocab_size_with_padding
@@ -81,7 +99,13 @@ struct ModelFormat {
 };
 
 enum class SplitDim { kReplicated, kRows, kColumns };
-enum class FusedRows { kPlain, kPerHeadQkv, kPerGroupKv, kGateUp };
+// kQueryHeads, kKvHeads and kQkvHeads are the HF-style family's, whose head
+// placement over tp ranks follows NxD's KV replication (ckpt/model_family.h):
+// head blocks of head_dim rows (o_proj: columns) of the query, of K or V, or of
+// the logical [Q; K; V] (rank r holds [its q heads; its k heads; its v heads]).
+enum class FusedRows { kPlain, kPerHeadQkv, kPerGroupKv, kGateUp, kQueryHeads, kKvHeads, kQkvHeads };
+// Which pipeline stage holds a parameter outside the decoder layers.
+enum class StagePlace { kLayer, kFirst, kLast };
 
 // One logical parameter.
 struct ParamRule {
@@ -91,6 +115,7 @@ struct ParamRule {
   FusedRows fused = FusedRows::kPlain;
   bool vocab = false;           // rows are the (padded) vocabulary
   int layer = -1;               // the decoder layer it belongs to; -1 for embeddings, final norm, output
+  StagePlace place = StagePlace::kLayer;  // embeddings: the first stage; final norm and output: the last
   bool no_decay = false;        // NxDT's split (IsNoWeightDecay): norms and biases
 };
 

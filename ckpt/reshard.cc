@@ -1,5 +1,8 @@
 #include "ckpt/reshard.h"
 
+#include "ckpt/model_family.h"
+#include "ckpt/renamed_state.h"
+
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -72,9 +75,12 @@ struct TargetSlice {
         std::memset(o, 0, n * es);
         break;
       }
-      if (split == ckpt::SplitDim::kColumns) {
-        take = std::min<uint64_t>(n, inner - c);
-        flat = static_cast<uint64_t>(r * logical_width + runs[0].logical + c);
+      if (split == ckpt::SplitDim::kColumns) {  // the run holding local column c, to its end or the row's
+        for (size_t i = 0; i < runs.size(); ++i)
+          if (c >= runs[i].local && c < runs[i].local + runs[i].count) run_index = i;
+        const Run* run = &runs[run_index];
+        take = std::min<uint64_t>(n, static_cast<uint64_t>(run->local + run->count - c));
+        flat = static_cast<uint64_t>(r * logical_width + run->logical + (c - run->local));
       } else {
         for (size_t i = 0; i < runs.size(); ++i)
           if (r >= runs[i].local && r < runs[i].local + runs[i].count) run_index = i;
@@ -108,9 +114,10 @@ struct PlannedFile {
 
 class Planner {
  public:
-  Planner(const ckpt::LogicalState& src, ckpt::RankGrid to, std::vector<int64_t> bounds, size_t chunk, ckpt::FingerprintCollector* fp)
-      : src_(src), to_(to), bounds_(std::move(bounds)), chunk_(chunk), fp_(fp) {
-    rules_ = ckpt::LogicalParameters(src.layout().format, to.tp);
+  Planner(const ckpt::LogicalState& src, const ckpt::ModelFormat& format, ckpt::RankGrid to, std::vector<int64_t> bounds, size_t chunk,
+          ckpt::FingerprintCollector* fp)
+      : src_(src), fmt_(format), to_(to), bounds_(std::move(bounds)), chunk_(chunk), fp_(fp) {
+    rules_ = ckpt::LogicalParameters(fmt_, to.tp);
     for (const auto& t : ckpt::LogicalTensors(src)) logical_numel_[t.name] = t.numel;
   }
 
@@ -136,8 +143,8 @@ class Planner {
     s->name = rule.name;
     s->field = f;
     s->split = rule.split;
-    s->runs = ckpt::LocalRuns(rule, src_.layout().format, to_.tp, t);
-    s->local = ckpt::LocalShape(rule, src_.layout().format, to_.tp, t);
+    s->runs = ckpt::LocalRuns(rule, fmt_, to_.tp, t);
+    s->local = ckpt::LocalShape(rule, fmt_, to_.tp, t);
     s->row_lo = row_lo;
     s->rows = rows < 0 ? s->local[0] : rows;
     s->logical_width = rule.shape.size() > 1 ? rule.shape[1] : 1;
@@ -188,7 +195,7 @@ class Planner {
     of.param_groups = ckpt::ParamGroupsFor(src_.ParamGroups(), g);
     for (const auto& slot : g.order) {
       const ckpt::StageParam& sp = stage[std::find(names.begin(), names.end(), slot.name) - names.begin()];
-      const auto local = ckpt::LocalShape(*sp.rule, src_.layout().format, to_.tp, t);
+      const auto local = ckpt::LocalShape(*sp.rule, fmt_, to_.tp, t);
       const int64_t shard = to_.zero1 ? ckpt::Zero1ShardRows(local[0], to_.dp) : local[0];
       ckpt::ParamState ps;
       ps.step = src_.Step(sp.rule->name);
@@ -209,6 +216,7 @@ class Planner {
   }
 
   const ckpt::LogicalState& src_;
+  const ckpt::ModelFormat& fmt_;  // the target's
   ckpt::RankGrid to_;
   std::vector<int64_t> bounds_;
   size_t chunk_;
@@ -217,6 +225,20 @@ class Planner {
   std::map<std::string, uint64_t> logical_numel_;
   std::map<std::tuple<std::string, StateField, int64_t>, std::pair<int, int>> first_holder_;
 };
+
+// The target's model format: the source's, with the HF-style family's attention options applied.
+ckpt::ModelFormat TargetFormat(const ckpt::ModelFormat& from, const ReshardArgs& a) {
+  ckpt::ModelFormat to = from;
+  const bool asked = a.out_kv_size_multiplier || a.out_hw_backend || a.out_fuse_qkv || a.out_qkv_linear;
+  if (!asked) return to;
+  if (from.family != ckpt::ModelFamily::kHfLlama)
+    throw Error("--out_kv_size_multiplier, --out_hw_backend, --out_fuse_qkv and --out_qkv_linear apply to HF-style tags (model_source: hf) only");
+  if (a.out_fuse_qkv) to.fuse_qkv = *a.out_fuse_qkv;
+  if (a.out_qkv_linear) to.qkv_linear = *a.out_qkv_linear;
+  if (a.out_kv_size_multiplier) to.kv_size_multiplier = *a.out_kv_size_multiplier;
+  if (a.out_hw_backend) to.hw_backend = *a.out_hw_backend;
+  return to;
+}
 
 std::string StagesString(const std::vector<int64_t>& b) {
   std::string s;
@@ -273,7 +295,7 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
   const auto t0 = Clock::now();
   ReshardSummary sum;
   sum.src_tag = ResolveSourceTag(a.src, a.verify_source, env, log, a.launch.rank, a.weights_only);
-  const auto src = ckpt::ShardedTag::Open(env, sum.src_tag, a.hints, {.weights_only = a.weights_only});
+  const auto src = ckpt::ShardedTag::Open(env, sum.src_tag, a.hints, {.weights_only = a.weights_only, .trust_first_replica = a.trust_first_replica});
   if (src->optimizer_skipped()) sum.notes.push_back("--weights_only: the source's optimizer state is not read; the target has none");
   for (const auto& n : src->format_notes()) sum.notes.push_back(n);
   sum.bytes_read = src->bytes();
@@ -302,14 +324,30 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     throw Error("the target grid tp=" + std::to_string(to.tp) + " pp=" + std::to_string(to.pp) + " dp=" + std::to_string(to.dp) +
                 (to.zero1 ? " with ZeRO-1" : "") + " needs " + std::to_string(files) + " rank files; one pass writes at most " +
                 std::to_string(kMaxRankFiles));
-  if (const std::string why = L.format.CheckTensorParallel(to.tp); !why.empty()) throw Error("--tp " + std::to_string(to.tp) + ": " + why);
+  const ckpt::ModelFormat to_format = TargetFormat(L.format, a);
+  if (const std::string why = to_format.CheckTensorParallel(to.tp); !why.empty()) throw Error("--tp " + std::to_string(to.tp) + ": " + why);
+  if (ckpt::BackendMatters(to_format, to.tp) && to_format.hw_backend == ckpt::HwBackend::kUnknown)
+    throw Error("--tp " + std::to_string(to.tp) + " with kv_size_multiplier " + std::to_string(to_format.kv_size_multiplier) +
+                " lays KV heads out by the backend, which the source's data cannot tell; give --out_hw_backend trn1 or trn2");
+  if (to_format.family == ckpt::ModelFamily::kHfLlama &&
+      (to_format.kv_size_multiplier != L.format.kv_size_multiplier || (to_format.hw_backend != L.format.hw_backend && ckpt::BackendMatters(to_format, to.tp))))
+    sum.notes.push_back(std::string("KV replication: kv_size_multiplier ") + std::to_string(L.format.kv_size_multiplier) + " (" +
+                        ckpt::BackendName(L.format.hw_backend) + ") -> " + std::to_string(to_format.kv_size_multiplier) + " (" +
+                        ckpt::BackendName(to_format.hw_backend) + ")");
+  sum.format = to_format;
+  std::optional<ckpt::RenamedState> renamed;
+  if (to_format.family == ckpt::ModelFamily::kHfLlama &&
+      (to_format.fuse_qkv != L.format.fuse_qkv || to_format.qkv_linear != L.format.qkv_linear)) {
+    renamed.emplace(*src, to_format);
+    src = &*renamed;
+  }
   sum.to = to;
   sum.to_bounds = ckpt::StageBounds(L.format.layers, to.pp, a.pipeline_cuts);
   if (L.master_weights && !to.zero1)
     throw Error(sum.src_tag + ": holds fp32 master weights (ZeRO-1 sharded_master_weights), which a plain optimizer file cannot hold; "
                 "keep --zero1 (any --dp, 1 included)");
   sum.vocab_rows_from = L.format.PaddedVocab(L.grid.tp);
-  sum.vocab_rows_to = L.format.PaddedVocab(to.tp);
+  sum.vocab_rows_to = to_format.PaddedVocab(to.tp);
   if (sum.vocab_rows_to < sum.vocab_rows_from)
     sum.notes.push_back("the vocabulary padding shrinks from " + std::to_string(sum.vocab_rows_from) + " to " +
                         std::to_string(sum.vocab_rows_to) + " rows: the padding rows past it are dropped (no token uses them)");
@@ -350,7 +388,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   sum.stream_chunk = std::clamp<uint64_t>((usable / a.threads - slack) / 2 / 4096 * 4096, min_chunk, uint64_t{64} << 20);
 
   ckpt::FingerprintCollector fingerprints;
-  Planner planner(*src, to, sum.to_bounds, sum.stream_chunk, &fingerprints);
+  Planner planner(*src, to_format, to, sum.to_bounds, sum.stream_chunk, &fingerprints);
   std::vector<PlannedFile> plan = planner.Plan();
   for (const char* f : {ckpt::kSchedulerFile, ckpt::kUserContentFile})
     if (auto v = src->TagFile(f)) plan.push_back({{f, std::move(*v), {}}, 0, -1});
@@ -413,7 +451,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
       ci.consumed_samples = src->consumed_samples();
       ci.grid = to;
       ci.world_size = a.launch.world_size;
-      ci.model = L.format;
+      ci.model = to_format;
       ci.complete_manifest = [&](const std::vector<ckpt::RankRecord>& records, ckpt::Manifest& m) {
         ckpt::FingerprintCollector all;
         for (size_t r = 0; r < records.size(); ++r)

@@ -45,6 +45,13 @@ struct ReshardArgs {
   // Write rank files as xser (NxD's use_xser) or plain .pt; default: the source's container.
   std::optional<bool> save_xser;
   ckpt::FormatHints hints;
+  // The HF-style family's target attention layout (ckpt/model_family.h);
+  // default: the source's. A kv_size_multiplier the target tp cannot take is
+  // refused with the one it can.
+  std::optional<int64_t> out_kv_size_multiplier;
+  std::optional<ckpt::HwBackend> out_hw_backend;
+  std::optional<bool> out_fuse_qkv, out_qkv_linear;
+  bool trust_first_replica = false;  // TagReadOptions::trust_first_replica
   ckpt::MpiLaunch launch;       // under mpirun the ranks split the output files
   bool progress_bar = false;
   std::string tool = "reshard";  // names the staging folder (.<dst>.<tool>-partial)

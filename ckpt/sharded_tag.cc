@@ -11,6 +11,7 @@
 #include "ckpt/error.h"
 #include "ckpt/input_guard.h"
 #include "ckpt/manifest.h"
+#include "ckpt/model_family.h"
 #include "ckpt/optimizer_groups.h"
 #include "ckpt/optimizer_state.h"
 #include "ckpt/output_guard.h"
@@ -54,7 +55,9 @@ const Dict& AsDict(const Value& v, const std::string& where) {
 
 const Tensor& AsTensor(const Value& v, const std::string& where) {
   if (!v.is_tensor()) throw Error(where + " is a " + v.kind_name() + ", not a tensor");
-  if (!v.as_tensor().is_contiguous()) throw Error(where + " is a strided view; ckpt-reshard reads contiguous tensors only");
+  // NxD's converter saves o_proj transposed (a clone of a transpose keeps its strides): 1-D and 2-D views of any strides are read.
+  if (!v.as_tensor().is_contiguous() && v.as_tensor().dim() > 2)
+    throw Error(where + " is a strided view of " + std::to_string(v.as_tensor().dim()) + " dimensions; only 1-D and 2-D ones are read");
   return v.as_tensor();
 }
 
@@ -96,6 +99,7 @@ class ShardedTagBuilder {
         throw Error(t_->dir_ + ": " + key.name + " (" + FieldName(key.field) + "): the rank files hold " + std::to_string(at) + " of its " +
                     std::to_string(ShapeNumel(Rule(key.name).shape)) + " elements");
     }
+    if (!opts_.trust_first_replica) CompareReplicas();
     return std::move(t_);
   }
 
@@ -275,6 +279,8 @@ class ShardedTagBuilder {
     if (manifest_ && manifest_->model) {
       L.format = *manifest_->model;
       L.format_from_manifest = true;
+    } else if (FamilyOfNames(ModelNames(), Path("model")) == ModelFamily::kHfLlama) {
+      LearnHfFormat();
     } else {
       const std::string why = t_->dir_ + " has no manifest recording its model format (NxD writes none), ";
       ModelFormat& f = L.format;
@@ -359,7 +365,7 @@ class ShardedTagBuilder {
             if (x.shape() != want)
               throw Error(where + ": '" + name + "' has shape " + ShapeOf(x) + " but " + L.format.Describe() + " at tp " +
                           std::to_string(L.grid.tp) + " gives tp rank " + std::to_string(t) + " " + ShapeString(want));
-            if (name != kTiedOutputCopy) AddRuns(*sp.rule, StateField::kParam, t, x.data(), FileOf(x, Rel("model", {0, t, p})), 0,
+            if (name != kTiedOutputCopy) AddRuns(*sp.rule, StateField::kParam, t, x, FileOf(x, Rel("model", {0, t, p})), 0,
                                                  want[0], want[0], owner, x.dtype(), where + ": '" + name + "'");
             prev = name;
             continue;
@@ -381,11 +387,12 @@ class ShardedTagBuilder {
     }
   }
 
-  // Indexes a local tensor's rows [row_lo, row_hi) held at `data` (ZeRO-1:
-  // one dp shard of them); `rows` is the local tensor's dim 0.
-  void AddRuns(const ParamRule& rule, StateField field, int t, const uint8_t* data, const MappedFile* file, int64_t row_lo,
-               int64_t row_hi, int64_t rows, std::map<std::tuple<std::string, StateField, int64_t>, int>& owner, DType dtype,
-               const std::string& where) {
+  // Indexes a local tensor's rows [row_lo, row_hi) held by `x` (ZeRO-1: one
+  // dp shard of them, whose row 0 is row_lo); `rows` is the local tensor's dim 0.
+  // A strided `x` (a transposed o_proj) is indexed a row at a time, each
+  // extent stepping through storage by its column stride.
+  void AddRuns(const ParamRule& rule, StateField field, int t, const Tensor& x, const MappedFile* file, int64_t row_lo, int64_t row_hi,
+               int64_t rows, std::map<std::tuple<std::string, StateField, int64_t>, int>& owner, DType dtype, const std::string& where) {
     const TagLayout& L = t_->layout_;
     auto& idx = t_->index_[{rule.name, field}];
     if (!idx.typed) idx.dtype = dtype, idx.typed = true;
@@ -395,20 +402,67 @@ class ShardedTagBuilder {
     const auto local = LocalShape(rule, L.format, L.grid.tp, t);
     const int64_t inner = ShapeNumel(local) / local[0];
     const size_t es = ElementSize(dtype);
+    const uint8_t* data = x.data();
+    const bool dense = x.is_contiguous();
+    const int64_t s0 = x.dim() > 0 ? x.strides()[0] : 1, s1 = x.dim() > 1 ? x.strides()[1] : 1;  // strided x only
     for (const Run& run : LocalRuns(rule, L.format, L.grid.tp, t)) {
-      // Replicas (norms on every tp rank, KV groups NxD repeats) are read from their first holder only.
-      if (owner.try_emplace({rule.name, field, run.logical}, t).first->second != t) continue;
-      if (rule.split == SplitDim::kColumns) {
+      // Replicas (norms on every tp rank, KV heads NxD repeats) are read from
+      // their first holder; the other copies are compared with it (CompareReplicas).
+      const int holder = owner.try_emplace({rule.name, field, run.logical}, t).first->second;
+      auto add = [&](const ShardedTag::Extent& e) {
+        if (holder == t) idx.extents.push_back(e);
+        else replicas_.push_back({rule.name, field, e, holder, t});
+      };
+      // Local row r's elements [c, c + n) hold logical elements from `logical`.
+      auto add_row = [&](int64_t r, int64_t c, int64_t n, int64_t logical) {
+        const int64_t at = dense ? (r - row_lo) * inner + c : (r - row_lo) * s0 + c * s1;
+        add({static_cast<uint64_t>(logical), static_cast<uint64_t>(logical + n), data + at * es, file, dense ? 1 : s1});
+      };
+      if (rule.split == SplitDim::kColumns) {  // each local row holds `run.count` columns from local column run.local
         const int64_t width = rule.shape[1];
-        for (int64_t r = row_lo; r < row_hi; ++r)
-          idx.extents.push_back({static_cast<uint64_t>(r * width + run.logical), static_cast<uint64_t>(r * width + run.logical + inner),
-                                 data + (r - row_lo) * inner * es, file});
+        for (int64_t r = row_lo; r < row_hi; ++r) add_row(r, run.local, run.count, r * width + run.logical);
         continue;
       }
       const int64_t lo = std::max(row_lo, run.local), hi = std::min(row_hi, run.local + run.count);
       if (lo >= hi) continue;
       const int64_t g = run.logical + (lo - run.local);
-      idx.extents.push_back({static_cast<uint64_t>(g * inner), static_cast<uint64_t>((g + hi - lo) * inner), data + (lo - row_lo) * inner * es, file});
+      if (dense) {
+        add({static_cast<uint64_t>(g * inner), static_cast<uint64_t>((g + hi - lo) * inner), data + (lo - row_lo) * inner * es, file, 1});
+        continue;
+      }
+      for (int64_t r = lo; r < hi; ++r) add_row(r, 0, inner, (g + r - lo) * inner);
+    }
+  }
+
+  // Every replica equals its first holder's copy, byte for byte: NxD keeps
+  // replicated tensors equal (tp all-reduces their gradients; KV groups sum
+  // theirs, parallel_state.py arrange_kv_groups), so a difference is damage or
+  // a layout read under the wrong rule, and reading one copy would hide it.
+  void CompareReplicas() {
+    std::vector<uint8_t> want, got;
+    for (const Replica& r : replicas_) {
+      const size_t es = ElementSize(t_->index_.at({r.name, r.field}).dtype);
+      const uint64_t n = r.extent.end - r.extent.begin;
+      for (uint64_t at = 0; at < n;) {
+        const uint64_t take = std::min<uint64_t>(n - at, (uint64_t{1} << 20) / es);
+        want.resize(take * es);
+        Touched touched;
+        t_->Read(r.name, r.field, r.extent.begin + at, want, &touched);
+        got.resize(take * es);
+        ShardedTag::CopyOut(r.extent, at, take, es, got.data(), &touched);
+        const bool same = want == got;
+        if (!same) {
+          const auto& f = t_->layout_.format;
+          const std::string rule = f.kv_size_multiplier > 1 ? std::string(" under kv_size_multiplier ") + std::to_string(f.kv_size_multiplier) +
+                                                                  " (" + BackendName(f.hw_backend) + ")"
+                                                            : "";
+          throw Error(t_->dir_ + ": '" + r.name + "' (" + FieldName(r.field) + "): tp ranks " + std::to_string(r.holder) + " and " +
+                      std::to_string(r.rank) + " hold different copies of logical elements " + std::to_string(r.extent.begin) + ".." +
+                      std::to_string(r.extent.end - 1) + ", which both replicate" + rule +
+                      " (NxD keeps replicas equal); --trust_first_replica reads tp rank " + std::to_string(r.holder) + "'s");
+        }
+        at += take;
+      }
     }
   }
 
@@ -479,7 +533,7 @@ class ShardedTagBuilder {
               if (!val) throw Error(fat + " is missing");
               const Tensor& x = AsTensor(*val, fat);
               if (x.shape() != want) throw Error(fat + " has shape " + ShapeOf(x) + ", not " + ShapeString(want));
-              AddRuns(rule, field, t, x.data(), FileOf(x, rel), d * shard, (d + 1) * shard, rows, owner, x.dtype(), fat);
+              AddRuns(rule, field, t, x, FileOf(x, rel), d * shard, (d + 1) * shard, rows, owner, x.dtype(), fat);
             }
           }
         }
@@ -502,6 +556,127 @@ class ShardedTagBuilder {
       throw Error(where + ": groups its parameters differently from the first optimizer file");
     return t_->layout_.one_group && fits_one ? one : split;
   }
+
+  // Every key of tp rank 0's model files, over the stages.
+  std::vector<std::string> ModelNames() {
+    std::vector<std::string> names;
+    for (int p = 0; p < t_->layout_.grid.pp; ++p)
+      for (const auto& [k, v] : At(0, p).model.as_dict().items)
+        if (k.is_str()) names.push_back(k.as_str());
+    return names;
+  }
+
+  // An HF-style tag without a manifest (what NxD's checkpoint_converter.py
+  // and NxDT's HF models write): sizes from shapes, the attention layout from
+  // the names (LlamaAttention.__init__), heads from a hint, and NxD's KV
+  // replication from the data: ranks holding equal KV rows (InferKvReplication).
+  void LearnHfFormat() {
+    TagLayout& L = t_->layout_;
+    const int tp = L.grid.tp;
+    const std::string why = t_->dir_ + " has no manifest recording its model format (NxD writes none), ";
+    ModelFormat& f = L.format;
+    f.family = ModelFamily::kHfLlama;
+    const Tensor* norm = FindTensor("model.norm.weight");
+    const Tensor* emb = FindTensor("model.embed_tokens.weight");
+    const Tensor* down = FindTensor(".mlp.down_proj.weight");
+    if (!norm || !emb || !down || norm->shape().size() != 1 || emb->shape().size() != 2 || down->shape().size() != 2)
+      throw Error(why + "and its model files do not hold an HF-style Llama's model.embed_tokens, model.norm and mlp.down_proj weights");
+    f.hidden = norm->shape()[0];
+    f.layers = L.stage_bounds.back();
+    f.ffn = down->shape()[1] * tp;
+    f.vocab_size = emb->shape()[0] * tp;
+    f.make_vocab_size_divisible_by = 1;
+    f.tied_output = FindTensor("lm_head.weight") == nullptr;
+    // The attention tensors name the layout (NxDT's model.qkv_linear and model.fuse_qkv).
+    const char* kv_name;
+    if (FindTensor(".qkv_proj.weight_qkv")) f.qkv_linear = true, f.fuse_qkv = true, kv_name = ".self_attn.qkv_proj.weight_qkv";
+    else if (FindTensor(".qkv_proj.weight_k")) f.qkv_linear = true, f.fuse_qkv = false, kv_name = ".self_attn.qkv_proj.weight_k";
+    else if (FindTensor(".qkv_proj.weight")) f.qkv_linear = false, f.fuse_qkv = true, kv_name = ".self_attn.qkv_proj.weight";
+    else if (FindTensor(".self_attn.k_proj.weight")) f.qkv_linear = false, f.fuse_qkv = false, kv_name = ".self_attn.k_proj.weight";
+    else throw Error(why + "and its model files hold no attention weights of NxDT's HF-style Llama (qkv_proj.weight_qkv, qkv_proj.weight_q/_k/_v, qkv_proj.weight or q_proj/k_proj/v_proj)");
+    auto against = [&](const std::optional<int64_t>& hint, int64_t seen, const char* what) {
+      if (hint && *hint != seen)
+        throw Error(t_->dir_ + ": the given " + what + " is " + std::to_string(*hint) + ", but the tensors give " + std::to_string(seen));
+    };
+    against(hints_.hidden, f.hidden, "hidden size");
+    against(hints_.ffn, f.ffn, "FFN width (intermediate_size)");
+    against(hints_.layers, f.layers, "layer count");
+    against(hints_.vocab_size, f.vocab_size, "vocabulary (the HF-style family does not pad it)");
+    if (!hints_.heads) throw Error(why + "so give --heads, or --model_config with the model's HF config.json");
+    f.heads = *hints_.heads;
+    if (f.heads < 1 || f.hidden % f.heads) throw Error("--heads " + std::to_string(f.heads) + " does not divide the hidden size " + std::to_string(f.hidden));
+    if (f.heads % tp) throw Error(t_->dir_ + ": tp " + std::to_string(tp) + " does not divide the " + std::to_string(f.heads) + " heads");
+    const int64_t hd = f.head_dim(), qn = f.heads / tp;
+    // KV heads per rank, from the local rows of K.
+    const Tensor* kv = FindTensor(kv_name);
+    const int64_t rows = kv->shape().at(0);
+    int64_t n = 0, k_row = 0;  // KV heads per rank; K's first local row
+    if (f.qkv_linear && f.fuse_qkv) n = (rows / hd - qn) / 2, k_row = qn * hd;
+    else if (f.fuse_qkv) n = qn, k_row = qn * hd;
+    else n = rows / hd;
+    const int64_t want_rows = f.fuse_qkv ? (qn + 2 * n) * hd : n * hd;
+    if (n < 1 || rows != want_rows)
+      throw Error(t_->dir_ + ": '" + std::string(kv_name).substr(1) + "' has " + std::to_string(rows) + " rows per tp rank, which no whole " +
+                  "number of KV heads of head_dim " + std::to_string(hd) + " gives with " + std::to_string(qn) + " query heads per rank");
+    if (f.qkv_linear) {
+      // Tp ranks whose K and V rows of the first layer are equal (rank 0's files hold layer 0).
+      const std::string first = "model.layers." + std::to_string(L.stage_bounds[0]) + "." + std::string(kv_name).substr(1);
+      auto kv_bytes = [&](int t, const char* which) -> std::span<const uint8_t> {
+        const Value* v = At(t, 0).model.as_dict().Find(which == std::string("k") || f.fuse_qkv ? first : RenameLast(first, "weight_v"));
+        if (!v || !v->is_tensor() || v->as_tensor().shape() != kv->shape()) return {};
+        const Tensor& x = v->as_tensor();
+        const size_t row = static_cast<size_t>(x.shape()[1]) * ElementSize(x.dtype());
+        const int64_t from = f.fuse_qkv ? k_row + (which == std::string("k") ? 0 : n * hd) : 0;
+        return {x.data() + from * row, static_cast<size_t>(n * hd) * row};
+      };
+      const KvReplicationSeen seen = InferKvReplication(tp, [&](int a, int b) {
+        for (const char* which : {"k", "v"}) {
+          const auto x = kv_bytes(a, which), y = kv_bytes(b, which);
+          if (x.empty() || y.empty() || x.size() != y.size() || std::memcmp(x.data(), y.data(), x.size()) != 0) return false;
+        }
+        return true;
+      });
+      const std::string data = "the tp ranks holding equal KV rows form the groups " + seen.groups;
+      if (hints_.kv_size_multiplier && *hints_.kv_size_multiplier != seen.multiplier)
+        throw Error(t_->dir_ + ": --kv_size_multiplier " + std::to_string(*hints_.kv_size_multiplier) + " contradicts the data: " + data +
+                    ", so kv_size_multiplier is " + std::to_string(seen.multiplier));
+      f.kv_size_multiplier = seen.multiplier;
+      f.hw_backend = seen.backend;
+      if (hints_.hw_backend) {
+        if (seen.backend != HwBackend::kUnknown && *hints_.hw_backend != seen.backend)
+          throw Error(t_->dir_ + ": --hw_backend " + BackendName(*hints_.hw_backend) + " contradicts the data: " + data + ", which is " +
+                      BackendName(seen.backend) + "'s " + (seen.backend == HwBackend::kTrn1 ? "interleaved" : "consecutive") +
+                      " KV replication" +
+                      (*hints_.hw_backend == HwBackend::kTrn2
+                           ? ". NxD's checkpoint_converter.py writes Trn2 tags with the Trn1 rule (its K/V branch has no hw_backend check), "
+                             "so such a tag pairs some ranks' queries with the wrong KV head; convert it again from the full state"
+                           : ""));
+        f.hw_backend = *hints_.hw_backend;
+      }
+      t_->format_notes_.push_back("kv_size_multiplier " + std::to_string(seen.multiplier) + (seen.multiplier > 1 && seen.multiplier < tp ? std::string(" and ") + BackendName(seen.backend) : "") +
+                                  " inferred from the data: " + data +
+                                  (seen.backend == HwBackend::kUnknown && !hints_.hw_backend ? " (the backend does not matter for this layout)" : ""));
+    } else if (hints_.kv_size_multiplier && *hints_.kv_size_multiplier != 1) {
+      throw Error(t_->dir_ + ": --kv_size_multiplier " + std::to_string(*hints_.kv_size_multiplier) + " contradicts the tag: it has no qkv_linear " +
+                  "attention (qkv_proj.weight_*), so NxD replicates no KV heads");
+    } else if (hints_.hw_backend) {
+      f.hw_backend = *hints_.hw_backend;
+    }
+    if ((n * tp) % f.kv_size_multiplier) throw Error(t_->dir_ + ": " + std::to_string(n) + " KV heads per tp rank do not fit kv_size_multiplier " + std::to_string(f.kv_size_multiplier));
+    f.kv_heads = n * tp / f.kv_size_multiplier;
+    against(hints_.kv_heads, f.kv_heads, "number of KV heads");
+    if (f.heads % f.kv_heads) throw Error(t_->dir_ + ": the " + std::to_string(f.kv_heads) + " KV heads do not divide the " + std::to_string(f.heads) + " heads");
+    f.max_positions = hints_.max_positions.value_or(0);
+    if (!hints_.rope_theta || !hints_.norm_eps)
+      t_->format_notes_.push_back(std::string("rope_theta ") + (hints_.rope_theta ? "given" : "10000 assumed") + ", rms_norm_eps " +
+                                  (hints_.norm_eps ? "given" : "1e-05 assumed") +
+                                  ": the tag does not record them (--model_config, or --rope_theta and --layernorm_epsilon, give them)");
+    f.rope_theta = hints_.rope_theta.value_or(f.rope_theta);
+    f.norm_eps = hints_.norm_eps.value_or(f.norm_eps);
+    if (const std::string bad = f.CheckSizes(); !bad.empty()) throw Error(t_->dir_ + ": " + bad);
+  }
+
+  static std::string RenameLast(const std::string& name, const std::string& leaf) { return name.substr(0, name.rfind('.') + 1) + leaf; }
 
   // An NxDT tag records its job's whole config in user_content.pt
   // (hyper_parameters.cfg, NxDT nlp_overrides.py save_checkpoint keeps
@@ -581,6 +756,13 @@ class ShardedTagBuilder {
   std::optional<Manifest> manifest_;
   std::vector<RankFiles> ranks_;
   std::map<std::string, const MappedFile*> file_of_;
+  struct Replica {
+    std::string name;
+    StateField field;
+    ShardedTag::Extent extent;
+    int holder, rank;
+  };
+  std::vector<Replica> replicas_;
 };
 
 std::unique_ptr<ShardedTag> ShardedTag::Open(Env* env, const std::string& tag_dir, const FormatHints& hints, const TagReadOptions& opts) {
@@ -591,6 +773,16 @@ std::optional<Value> ShardedTag::TagFile(const std::string& name) const {
   const std::string path = dir_ + "/" + name;
   if (!env_->Exists(path)) return std::nullopt;
   return LoadTagFile(env_, dir_, name);
+}
+
+void ShardedTag::CopyOut(const Extent& e, uint64_t from, uint64_t n, size_t es, uint8_t* out, Touched* touched) {
+  const uint8_t* src = e.data + from * e.stride * es;
+  if (e.stride == 1) {
+    std::memcpy(out, src, n * es);
+  } else {
+    for (uint64_t i = 0; i < n; ++i) std::memcpy(out + i * es, src + i * e.stride * es, es);
+  }
+  if (touched && n) touched->Add(e.file, src, ((n - 1) * e.stride + 1) * es);
 }
 
 DType ShardedTag::dtype(const std::string& name, StateField f) const {
@@ -614,16 +806,14 @@ void ShardedTag::Read(const std::string& name, StateField f, uint64_t begin, std
   // has a file per tensor) are then read by the disk at once, not one fault after another.
   for (auto p = it; p != idx.extents.end() && p->begin < end; ++p) {
     const uint64_t lo = std::max(begin, p->begin), hi = std::min(end, p->end);
-    if (p->file && lo < hi) p->file->Prefetch(p->data + (lo - p->begin) * es, (hi - lo) * es);
+    if (p->file && lo < hi) p->file->Prefetch(p->data + (lo - p->begin) * p->stride * es, ((hi - lo - 1) * p->stride + 1) * es);
   }
   uint64_t at = begin;
   for (; at < end && it != idx.extents.end(); ++it) {
     const uint64_t lo = std::max(at, it->begin), hi = std::min(end, it->end);
     if (lo >= hi) break;
     if (lo > at) std::memset(out.data() + (at - begin) * es, 0, (lo - at) * es);
-    const uint8_t* src = it->data + (lo - it->begin) * es;
-    std::memcpy(out.data() + (lo - begin) * es, src, (hi - lo) * es);
-    if (touched) touched->Add(it->file, src, (hi - lo) * es);
+    CopyOut(*it, lo - it->begin, hi - lo, es, out.data() + (lo - begin) * es, touched);
     at = hi;
   }
   if (at < end) std::memset(out.data() + (at - begin) * es, 0, (end - at) * es);

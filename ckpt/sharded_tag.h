@@ -35,6 +35,10 @@ struct TagReadOptions {
   // follows). The way past an optimizer that cannot be read, such as the
   // one-shard ZeRO-1 state NxDT writes at dp > 1 (Zero1SavedAsOneShard).
   bool weights_only = false;
+  // Replicated tensors (norms on every tp rank, KV heads NxD replicates) are
+  // compared across their holders, and a difference is refused; with this,
+  // the first holder's copy is read and the others are not compared.
+  bool trust_first_replica = false;
 };
 
 class ShardedTag final : public LogicalState {
@@ -84,7 +88,10 @@ class ShardedTag final : public LogicalState {
     uint64_t begin, end;  // logical elements
     const uint8_t* data;  // element `begin`
     const MappedFile* file;
+    int64_t stride = 1;  // elements between consecutive logical elements in storage (a transposed tensor's rows)
   };
+  // Copies `n` elements of `e` from its element `from` into `out`.
+  static void CopyOut(const Extent& e, uint64_t from, uint64_t n, size_t es, uint8_t* out, Touched* touched);
   struct Index {
     DType dtype = DType::kFloat32;
     bool typed = false;

@@ -9,15 +9,25 @@
 
 #include "ckpt/dtype_cast.h"
 #include "ckpt/fingerprint.h"
+#include "ckpt/renamed_state.h"
 
 namespace ckpt {
 
-CompareReport CompareTags(const LogicalState& a, const LogicalState& b, const CompareOptions& opts) {
+CompareReport CompareTags(const LogicalState& a, const LogicalState& b_as_given, const CompareOptions& opts) {
   CompareReport rep;
   const size_t chunk = opts.chunk;
-  const ModelFormat &fa = a.layout().format, &fb = b.layout().format;
-  ModelFormat ua = fa, ub = fb;  // the padding rule is layout, not model
+  const ModelFormat &fa = a.layout().format, &fb = b_as_given.layout().format;
+  // The HF-style family's attention tensors may be fused in one tag and not in the other: b is read under a's names.
+  std::optional<RenamedState> renamed;
+  if (fa.family == ModelFamily::kHfLlama && fb.family == fa.family && (fa.fuse_qkv != fb.fuse_qkv || fa.qkv_linear != fb.qkv_linear)) {
+    ModelFormat as_a = fb;
+    as_a.fuse_qkv = fa.fuse_qkv, as_a.qkv_linear = fa.qkv_linear;
+    renamed.emplace(b_as_given, as_a);
+  }
+  const LogicalState& b = renamed ? static_cast<const LogicalState&>(*renamed) : b_as_given;
+  ModelFormat ua = fa, ub = fb;  // the padding rule, KV replication and attention tensors are layout, not model
   ub.make_vocab_size_divisible_by = ua.make_vocab_size_divisible_by;
+  ub.kv_size_multiplier = ua.kv_size_multiplier, ub.hw_backend = ua.hw_backend, ub.fuse_qkv = ua.fuse_qkv, ub.qkv_linear = ua.qkv_linear;
   // With rope, max_position_embeddings is 0 where a tag does not record it: unknown, not different.
   if (!ua.learned_positions && (ua.max_positions == 0 || ub.max_positions == 0)) ub.max_positions = ua.max_positions;
   if (!(ua == ub)) {

@@ -56,8 +56,11 @@ std::string ReshardTarget(const std::string& tag, const TrainConfig& c) {
 // What this run's config says of the model format, for a tag whose manifest
 // does not (NxD's, and nnm2nxdt-ckpt's).
 ckpt::FormatHints HintsOf(const TrainConfig& c) {
-  return {c.model.heads,         c.model.kv_heads,   c.model.vocab_size > 0 ? c.model.vocab_size : c.model.vocab,
-          c.model.make_vocab_size_divisible_by, c.model.rope_theta, c.model.norm_eps(), c.model.rotary_percentage};
+  ckpt::FormatHints h;
+  h.heads = c.model.heads, h.kv_heads = c.model.kv_heads, h.vocab_size = c.model.vocab_size > 0 ? c.model.vocab_size : c.model.vocab;
+  h.make_vocab_size_divisible_by = c.model.make_vocab_size_divisible_by;
+  h.rope_theta = c.model.rope_theta, h.norm_eps = c.model.norm_eps(), h.rotary_percentage = c.model.rotary_percentage;
+  return h;
 }
 
 // The ckpt-reshard arguments that make `tag` a tag this run can resume from.

@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
     partial = dir + "/." + p.filename().string() + ".ckpt-export-partial";
     if (env->Exists(partial)) env->RemoveAll(partial);  // an interrupted earlier export's
     if (hf) {
-      if (const std::string why = tools::HfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
+      if (const std::string why = ckpt::HfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
       // As the HDF5 export and reshard do: a source must still hold what its manifest recorded.
       ckpt::CheckRecordedFingerprints(*state, block, ckpt::StateField::kParam);
       env->CreateDirs(partial);

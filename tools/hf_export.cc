@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/error.h"
+#include "ckpt/model_family.h"
 #include "ckpt/pt_file.h"
 #include "ckpt/storage.h"
 #include "ckpt/tensor.h"
@@ -19,8 +20,8 @@ namespace {
 using ckpt::DType;
 using ckpt::Error;
 
-using HfTensor = HfTensorSpec;
-using RowBlock = HfRowBlock;
+using HfTensor = ckpt::HfTensorSpec;
+using RowBlock = ckpt::HfRowBlock;
 
 // Produces an HfTensor's bytes in order, a chunk at a time. A transposed one
 // reads its whole logical matrix at the first chunk and frees it after the last.
@@ -74,80 +75,6 @@ class Producer {
   std::vector<uint8_t> whole_;
 };
 
-std::string L(int64_t layer, const std::string& rest) { return "language_model.encoder.layers." + std::to_string(layer) + "." + rest; }
-
-std::vector<HfTensor> LlamaTensors(const ckpt::ModelFormat& f, DType dt) {
-  const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), nh = f.heads, G = f.kv_heads, V = f.vocab_size;
-  std::vector<HfTensor> out;
-  auto add = [&](std::string name, std::vector<int64_t> shape, std::vector<RowBlock> blocks) {
-    const int64_t width = shape.size() > 1 ? shape[1] : 1;
-    out.push_back({std::move(name), std::move(shape), dt, std::move(blocks), width, false});
-  };
-  add("model.embed_tokens.weight", {V, H}, {{"language_model.embedding.word_embeddings.weight", 0, V}});
-  for (int64_t i = 0; i < f.layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    add(p + "input_layernorm.weight", {H}, {{L(i, "input_layernorm.weight"), 0, H}});
-    std::vector<RowBlock> q, k, v;
-    if (G == nh) {  // per head [q_h; k_h; v_h]
-      const std::string qkv = L(i, "self_attention.query_key_value.weight");
-      for (int64_t h = 0; h < nh; ++h)
-        q.push_back({qkv, h * 3 * hd, hd}), k.push_back({qkv, h * 3 * hd + hd, hd}), v.push_back({qkv, h * 3 * hd + 2 * hd, hd});
-    } else {  // query, and per group [k_g; v_g]
-      q.push_back({L(i, "self_attention.query.weight"), 0, H});
-      const std::string kv = L(i, "self_attention.key_value.weight");
-      for (int64_t g = 0; g < G; ++g) k.push_back({kv, g * 2 * hd, hd}), v.push_back({kv, g * 2 * hd + hd, hd});
-    }
-    add(p + "self_attn.q_proj.weight", {H, H}, q);
-    add(p + "self_attn.k_proj.weight", {G * hd, H}, k);
-    add(p + "self_attn.v_proj.weight", {G * hd, H}, v);
-    add(p + "self_attn.o_proj.weight", {H, H}, {{L(i, "self_attention.dense.weight"), 0, H}});
-    add(p + "post_attention_layernorm.weight", {H}, {{L(i, "post_attention_layernorm.weight"), 0, H}});
-    const std::string fc = L(i, "mlp.dense_h_to_4h.weight");
-    add(p + "mlp.gate_proj.weight", {F, H}, {{fc, 0, F}});
-    add(p + "mlp.up_proj.weight", {F, H}, {{fc, F, F}});
-    add(p + "mlp.down_proj.weight", {H, F}, {{L(i, "mlp.dense_4h_to_h.weight"), 0, H}});
-  }
-  add("model.norm.weight", {H}, {{"language_model.encoder.final_layernorm.weight", 0, H}});
-  if (!f.tied_output) add("lm_head.weight", {V, H}, {{"language_model.output_layer.weight", 0, V}});
-  return out;
-}
-
-std::vector<HfTensor> Gpt2Tensors(const ckpt::ModelFormat& f, DType dt) {
-  const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), nh = f.heads, V = f.vocab_size;
-  std::vector<HfTensor> out;
-  // `shape` is HF's; a transposed tensor's blocks have rows of shape[0] elements.
-  auto add = [&](std::string name, std::vector<int64_t> shape, std::vector<RowBlock> blocks, bool transpose = false) {
-    const int64_t width = transpose ? shape[0] : (shape.size() > 1 ? shape[1] : 1);
-    out.push_back({std::move(name), std::move(shape), dt, std::move(blocks), width, transpose});
-  };
-  auto one = [](const std::string& name, int64_t rows) { return std::vector<RowBlock>{{name, 0, rows}}; };
-  add("transformer.wte.weight", {V, H}, one("language_model.embedding.word_embeddings.weight", V));
-  add("transformer.wpe.weight", {f.max_positions, H}, one("language_model.embedding.position_embeddings.weight", f.max_positions));
-  for (int64_t i = 0; i < f.layers; ++i) {
-    const std::string p = "transformer.h." + std::to_string(i) + ".";
-    for (const char* part : {"weight", "bias"}) add(p + "ln_1." + part, {H}, one(L(i, std::string("input_layernorm.") + part), H));
-    // c_attn: [q; k; v] over all heads, from per-head [q_h; k_h; v_h].
-    for (const char* part : {"weight", "bias"}) {
-      const std::string qkv = L(i, std::string("self_attention.query_key_value.") + part);
-      std::vector<RowBlock> b;
-      for (int64_t which = 0; which < 3; ++which)
-        for (int64_t h = 0; h < nh; ++h) b.push_back({qkv, h * 3 * hd + which * hd, hd});
-      if (std::string(part) == "weight") add(p + "attn.c_attn.weight", {H, 3 * H}, b, true);
-      else add(p + "attn.c_attn.bias", {3 * H}, b);
-    }
-    add(p + "attn.c_proj.weight", {H, H}, one(L(i, "self_attention.dense.weight"), H), true);
-    add(p + "attn.c_proj.bias", {H}, one(L(i, "self_attention.dense.bias"), H));
-    for (const char* part : {"weight", "bias"}) add(p + "ln_2." + part, {H}, one(L(i, std::string("post_attention_layernorm.") + part), H));
-    add(p + "mlp.c_fc.weight", {H, F}, one(L(i, "mlp.dense_h_to_4h.weight"), F), true);
-    add(p + "mlp.c_fc.bias", {F}, one(L(i, "mlp.dense_h_to_4h.bias"), F));
-    add(p + "mlp.c_proj.weight", {F, H}, one(L(i, "mlp.dense_4h_to_h.weight"), H), true);
-    add(p + "mlp.c_proj.bias", {H}, one(L(i, "mlp.dense_4h_to_h.bias"), H));
-  }
-  for (const char* part : {"weight", "bias"}) add(std::string("transformer.ln_f.") + part, {H}, one(std::string("language_model.encoder.final_layernorm.") + part, H));
-  if (!f.tied_output) add("lm_head.weight", {V, H}, one("language_model.output_layer.weight", V));
-  return out;
-}
-
 const char* SafetensorsDtype(DType d) {
   switch (d) {
     case DType::kFloat32: return "F32";
@@ -173,29 +100,12 @@ void WriteText(ckpt::Env* env, const std::string& path, const std::string& text)
 
 }  // namespace
 
-std::vector<HfTensorSpec> HfTensorsFor(const ckpt::ModelFormat& f, DType dtype) {
-  return f.gelu ? Gpt2Tensors(f, dtype) : LlamaTensors(f, dtype);
-}
-
-std::string HfUnsupported(const ckpt::ModelFormat& f) {
-  const bool llama = !f.layernorm && !f.gelu && !f.bias && !f.learned_positions;
-  const bool gpt2 = f.layernorm && f.gelu && f.bias && f.learned_positions && f.kv_heads == f.heads;
-  // transformers' LlamaForCausalLM rotates every dimension of a head (LlamaRotaryEmbedding).
-  if (llama && f.rotary_percentage != 1.0)
-    return "rotary_percentage is " + std::to_string(f.rotary_percentage) +
-           ": only part of each head is rotated, which LlamaForCausalLM cannot express (it rotates the whole head)";
-  if (llama || gpt2) return "";
-  return "the model format (" + f.Describe() +
-         ") is neither llama-style (RMSNorm, SwiGLU, RoPE, no biases: LlamaForCausalLM) nor GPT-2-style (LayerNorm, GeLU, biases, "
-         "learned positions, no GQA: GPT2LMHeadModel), so no Hugging Face architecture takes its weights";
-}
-
 HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env) {
   const ckpt::ModelFormat& f = src.layout().format;
-  if (const std::string why = HfUnsupported(f); !why.empty()) throw Error(src.path() + ": " + why);
+  if (const std::string why = ckpt::HfUnsupported(f); !why.empty()) throw Error(src.path() + ": " + why);
   const bool gpt2 = f.gelu;
   std::vector<HfTensor> tensors =
-      HfTensorsFor(f, src.dtype("language_model.embedding.word_embeddings.weight", ckpt::StateField::kParam));
+      ckpt::HfTensorsFor(f, src.dtype(src.params().front().name, ckpt::StateField::kParam));  // the embedding's, first in every family
   HfExportSummary sum;
   sum.architecture = gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
 

@@ -37,30 +37,12 @@
 
 #include "ckpt/env.h"
 #include "ckpt/logical_state.h"
+#include "ckpt/model_family.h"
 
 namespace tools {
 
-// Where an HF tensor's rows come from: `rows` rows of logical tensor `name`
-// from `row`, concatenated in order; `transpose`: the concatenation is
-// transposed (GPT-2's Conv1D stores [in, out]). The one mapping both
-// directions use (export here, import in tools/hf_state.h).
-struct HfRowBlock {
-  std::string name;
-  int64_t row, rows;
-};
-struct HfTensorSpec {
-  std::string name;
-  std::vector<int64_t> shape;  // HF's
-  ckpt::DType dtype = ckpt::DType::kFloat32;
-  std::vector<HfRowBlock> blocks;
-  int64_t width = 1;  // elements per logical row
-  bool transpose = false;
-
-  uint64_t numel() const { return static_cast<uint64_t>(ckpt::ShapeNumel(shape)); }
-  uint64_t bytes() const { return numel() * ckpt::ElementSize(dtype); }
-};
-// The HF tensors of a supported format (HfUnsupported empty), in HF's order.
-std::vector<HfTensorSpec> HfTensorsFor(const ckpt::ModelFormat& f, ckpt::DType dtype);
+using ckpt::HfRowBlock;
+using ckpt::HfTensorSpec;
 
 struct HfExportOptions {
   uint64_t max_shard_size = uint64_t{10} << 30;  // bytes per weights file
@@ -75,9 +57,6 @@ struct HfExportSummary {
   int shards = 0;
   uint64_t tensors = 0, bytes = 0;
 };
-
-// Why the format has no Hugging Face architecture here ("" when it has one).
-std::string HfUnsupported(const ckpt::ModelFormat& f);
 
 // Writes the folder's files into `dir` (an existing, empty folder the caller
 // publishes). Throws ckpt::Error.

@@ -11,17 +11,19 @@
 #include "ckpt/pt_file.h"
 
 namespace tools {
+
+nlohmann::json ReadJson(ckpt::Env* env, const std::string& path) {
+  const auto m = env->MapFile(path);
+  nlohmann::json j = ckpt::ParseJsonBounded(reinterpret_cast<const char*>(m->data()), reinterpret_cast<const char*>(m->data()) + m->size(), path);
+  if (j.is_discarded() || !j.is_object()) throw ckpt::Error(path + ": is not a JSON object");
+  return j;
+}
+
 namespace {
 
 using ckpt::DType;
 using ckpt::Error;
 
-nlohmann::json ReadJson(ckpt::Env* env, const std::string& path) {
-  const auto m = env->MapFile(path);
-  nlohmann::json j = ckpt::ParseJsonBounded(reinterpret_cast<const char*>(m->data()), reinterpret_cast<const char*>(m->data()) + m->size(), path);
-  if (j.is_discarded() || !j.is_object()) throw Error(path + ": is not a JSON object");
-  return j;
-}
 
 int64_t Int(const nlohmann::json& j, const char* key, const std::string& where, std::optional<int64_t> fallback = std::nullopt) {
   if (!j.contains(key) || j[key].is_null()) {
@@ -123,18 +125,12 @@ std::map<std::string, SafetensorsEntry> ParseSafetensors(std::span<const uint8_t
   return out;
 }
 
-std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, int64_t divisible) {
-  std::unique_ptr<HfState> s(new HfState());
-  s->dir_ = dir;
-  const std::string cpath = dir + "/config.json";
-  if (!env->IsDirectory(dir) || !env->Exists(cpath)) throw Error(dir + ": is not a Hugging Face model folder (no config.json)");
-  ckpt::RequireInside(dir, cpath);
-  const nlohmann::json c = ReadJson(env, cpath);
+ckpt::ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) {
   const std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty() &&
                                    c["architectures"][0].is_string()
                                ? c["architectures"][0].get<std::string>()
                                : "";
-  ckpt::ModelFormat& f = s->layout_.format;
+  ckpt::ModelFormat f;
   auto flag = [&](const char* key, bool fallback) {
     if (!c.contains(key)) return fallback;
     if (!c[key].is_boolean()) throw Error(cpath + ": '" + key + "' is not true or false");
@@ -165,6 +161,18 @@ std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, i
   }
   if (f.hidden % f.heads || f.heads % f.kv_heads) throw Error(cpath + ": the head counts do not divide the hidden size");
   if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(cpath + ": " + why);
+  return f;
+}
+
+std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, int64_t divisible) {
+  std::unique_ptr<HfState> s(new HfState());
+  s->dir_ = dir;
+  const std::string cpath = dir + "/config.json";
+  if (!env->IsDirectory(dir) || !env->Exists(cpath)) throw Error(dir + ": is not a Hugging Face model folder (no config.json)");
+  ckpt::RequireInside(dir, cpath);
+  const nlohmann::json c = ReadJson(env, cpath);
+  ckpt::ModelFormat& f = s->layout_.format;
+  f = FormatOfHfConfig(c, cpath);
   f.make_vocab_size_divisible_by = divisible;
 
   // The weights: safetensors when present, else torch's .bin. With an index, each tensor
@@ -220,7 +228,7 @@ std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, i
   s->specs_ = HfTensorsFor(f, s->dtype_);
   for (const HfTensorSpec& spec : s->specs_) {
     const auto it = s->sources_.find(spec.name);
-    if (it == s->sources_.end()) throw Error(dir + ": tensor '" + spec.name + "' missing (" + arch + " with this config has it)");
+    if (it == s->sources_.end()) throw Error(dir + ": tensor '" + spec.name + "' missing (" + std::string(f.gelu ? "GPT2LMHeadModel" : "LlamaForCausalLM") + " with this config has it)");
     if (it->second.shape != spec.shape || it->second.dtype != s->dtype_)
       throw Error(dir + ": tensor '" + spec.name + "' is " + std::string(ckpt::DTypeName(it->second.dtype)) + " " +
                   ckpt::ShapeString(it->second.shape) + ", expected " + std::string(ckpt::DTypeName(s->dtype_)) + " " +

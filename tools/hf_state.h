@@ -9,11 +9,13 @@
 // model.safetensors (or its sharded index) when present, else from
 // pytorch_model.bin (or its index); both are mapped, not read whole.
 // Logical tensors are rebuilt by inverting ckpt-export's mapping
-// (HfTensorsFor in tools/hf_export.h): q/k/v back into per-head [q;k;v]
+// (ckpt::HfTensorsFor in ckpt/model_family.h): q/k/v back into per-head [q;k;v]
 // (or query and per-group [k;v]), gate/up into [gate; up], GPT-2's Conv1D
 // transposed back (one tensor held at a time). Vocab rows past vocab_size
 // read as zero padding. No optimizer state: the tag is weights only.
 #pragma once
+
+#include <nlohmann/json.hpp>
 
 #include <map>
 #include <memory>
@@ -27,6 +29,13 @@
 #include "tools/hf_export.h"
 
 namespace tools {
+
+// The model format an HF config.json describes (LlamaForCausalLM or
+// GPT2LMHeadModel; transformers' defaults for what it leaves out), the
+// vocabulary unpadded. Throws ckpt::Error naming `cpath` and the key.
+ckpt::ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath);
+// A JSON file read through `env`. Throws ckpt::Error naming it.
+nlohmann::json ReadJson(ckpt::Env* env, const std::string& path);
 
 // One tensor of a safetensors file: its dtype, shape and byte range in the
 // file (past the header).

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "ckpt/cli.h"
@@ -22,6 +23,7 @@
 #include "ckpt/rank_grid.h"
 #include "ckpt/output_guard.h"
 #include "ckpt/progress.h"
+#include "ckpt/model_family.h"
 #include "tools/format_hints_cli.h"
 #include "tools/h5_state.h"
 #include "tools/hf_state.h"
@@ -66,6 +68,9 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   bool zero1 = false, no_zero1 = false, json = false, no_verify = false, save_xser = false, no_save_xser = false;
   std::string budget = "512M", cuts;
   FormatHintOptions hints;
+  int64_t out_kv = 0;
+  std::string out_backend;
+  std::optional<bool> out_fuse, out_qkv_linear;
   a.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   app.add_option("src", a.src, h5 ? "a file ckpt-export wrote" : "a checkpoint tag, or a checkpoint folder (its newest complete tag is taken)")->required();
   app.add_option("dst", a.dst, "the new tag folder");
@@ -91,6 +96,14 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
                  "read the model only and write no optimizer state (the way past an optimizer that cannot be read, such as "
                  "the one-shard ZeRO-1 state NxDT saves at dp > 1)");
     hints.AddTo(app);
+    app.add_option("--out_kv_size_multiplier", out_kv, "HF-style tags: the target's kv_size_multiplier (default: the source's)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+    app.add_option("--out_hw_backend", out_backend, "HF-style tags: the target's KV replication rule (default: the source's)")
+        ->check(CLI::IsMember({"trn1", "trn2"}));
+    app.add_option("--out_fuse_qkv", out_fuse, "HF-style tags: true or false, NxDT's model.fuse_qkv for the target (default: the source's)");
+    app.add_option("--out_qkv_linear", out_qkv_linear, "HF-style tags: true or false, NxDT's model.qkv_linear for the target (default: the source's)");
+    app.add_flag("--trust_first_replica", a.trust_first_replica,
+                 "read replicated tensors (norms, replicated KV heads) from their first holder without comparing the other copies");
   } else {
     app.add_option("--format", format, "h5: a ckpt-export file; hf: a Hugging Face model folder (weights only)")
         ->check(CLI::IsMember({"h5", "hf"}));
@@ -109,12 +122,15 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   }
   if (save_xser || no_save_xser) a.save_xser = save_xser;
   if (dp) a.dp = dp;
-  a.hints = hints.Hints();
+  if (out_kv) a.out_kv_size_multiplier = out_kv;
+  if (!out_backend.empty()) a.out_hw_backend = ckpt::ParseBackend(out_backend);
+  a.out_fuse_qkv = out_fuse, a.out_qkv_linear = out_qkv_linear;
   a.verify_source = !no_verify;
   a.launch = ckpt::ReadMpiLaunch();  // under mpirun the ranks split the files
   a.progress_bar = ::isatty(2) && a.launch.rank == 0 && !json;
   auto log = [](const std::string& s) { std::cerr << s << std::endl; };
   try {
+    a.hints = hints.Hints();
     a.memory_budget = ckpt::ParseSize(budget, "--memory_budget");
     for (size_t at = 0; !cuts.empty() && at <= cuts.size();) {
       const size_t comma = std::min(cuts.find(',', at), cuts.size());

@@ -1,0 +1,118 @@
+// Model families: the one place that knows a family's parameter names, how
+// each is partitioned (ckpt/partition.h's rules are built from here), how KV
+// heads are replicated over tensor-parallel ranks, and how its tensors map to
+// Hugging Face's. Tools and the trainer ask these functions; no other file
+// matches parameter-name substrings to decide a layout.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckpt/dtype.h"
+#include "ckpt/tensor.h"
+#include "ckpt/partition.h"
+
+namespace ckpt {
+
+const char* FamilyName(ModelFamily f);  // "megatron", "hf_llama" (as manifests record it)
+std::optional<ModelFamily> ParseFamily(const std::string& s);
+const char* BackendName(HwBackend b);   // "trn1", "trn2", "unknown"
+std::optional<HwBackend> ParseBackend(const std::string& s);  // "trn1", "trn2"
+
+// The family model-file keys belong to: Megatron-style names start with
+// `language_model.`, HF-style ones with `model.` or `lm_head.`; other keys
+// (buffers) say nothing. Throws ckpt::Error naming `where` and one key of each
+// family when they mix, or when no key tells.
+ModelFamily FamilyOfNames(const std::vector<std::string>& names, const std::string& where);
+
+// Every logical parameter of the HF-style Llama family (NxDT
+// models/hf_models/modeling_llama.py LlamaForCausalLM), in named_parameters
+// order, for `tp` (the vocabulary is not padded: tp must divide it).
+// Attention follows LlamaAttention.__init__:
+//   - qkv_linear (NxD GQAQKVColumnParallelLinear, modules/qkv_linear.py):
+//     `qkv_proj.weight_qkv` with fuse_qkv, else `weight_q`/`weight_k`/`weight_v`;
+//   - fuse_qkv without qkv_linear, with as many KV heads as heads: the
+//     stride-3 `qkv_proj.weight`;
+//   - otherwise `q_proj`/`k_proj`/`v_proj`.
+// Fused attention is one logical tensor [Q; K; V] (HF's q_proj, k_proj,
+// v_proj rows concatenated); rank r holds [its q heads; its k heads; its v
+// heads]. Layer numbers are global under pipeline parallelism (NxD
+// NxDPPModel.local_state_dict keeps the original names).
+std::vector<ParamRule> HfLlamaParameters(const ModelFormat& f, int tp);
+
+// NxD's KV replication (HF-style family). With m = kv_size_multiplier, KV
+// heads are repeated m times and split over tp ranks, n = kv_heads * m / tp
+// per rank (qkv_linear.py _initialize_affine_weight):
+//   - Trn1 (every backend but Trn2): master.repeat(m, 1), so rank r holds KV
+//     head r % kv_heads (n = 1) and ranks r, r + kv_heads, ... share it
+//     (parallel_state.py arrange_kv_groups). Queries are permuted to match:
+//     rank r holds query block (r % kv_heads) * m + r / kv_heads
+//     (scripts/checkpoint_converter.py convert_full_state_to_tp, the
+//     `weights[indicies + i]` reordering); o_proj's columns alike.
+//   - Trn2: repeat_interleave, so rank r holds KV head r / m, consecutive
+//     ranks share it, and queries keep their order. (The runtime repeats rows,
+//     not heads, and the converter writes Trn2 with the Trn1 rule; both are
+//     NxD bugs, see tests/data/upstream/hf_llama/README.md. This is the
+//     head-level rule the runtime's comment, arrange_kv_groups' Trn2 groups
+//     and the converter's Trn2 query order all state.)
+//   - m = 1: rank r holds KV heads [r n, r n + n) and query heads in order.
+// Why f cannot be laid out at tp ("" when it can).
+std::string KvReplicationProblem(const ModelFormat& f, int tp);
+// Whether the backend changes the layout at tp (1 < m < tp).
+bool BackendMatters(const ModelFormat& f, int tp);
+// The KV heads and query heads tp rank `rank` holds, in local order.
+std::vector<int64_t> KvHeadsOfRank(const ModelFormat& f, int tp, int rank);
+std::vector<int64_t> QueryHeadsOfRank(const ModelFormat& f, int tp, int rank);
+// The runs (ckpt/partition.h) of a kQueryHeads, kKvHeads or kQkvHeads rule.
+std::vector<Run> HeadRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank);
+
+// What the data of an HF-style tag says about its KV replication: the tp
+// ranks holding equal KV rows (`same(a, b)`) form NxD's KV groups; their size
+// is m, interleaved groups mean Trn1, consecutive ones Trn2. `backend` is
+// kUnknown when the groups fit both (m = 1 or m = tp). Throws ckpt::Error,
+// naming the groups, when they fit neither rule.
+struct KvReplicationSeen {
+  int64_t multiplier = 1;
+  HwBackend backend = HwBackend::kUnknown;
+  std::string groups;  // "[[0, 2], [1, 3]]"
+};
+KvReplicationSeen InferKvReplication(int tp, const std::function<bool(int, int)>& same);
+
+// Where an HF tensor's rows come from: `rows` rows of logical tensor `name`
+// from `row`, concatenated in order; `transpose`: the concatenation is
+// transposed (GPT-2's Conv1D stores [in, out]). The one mapping both
+// directions use (export in tools/hf_export.h, import in tools/hf_state.h).
+struct HfRowBlock {
+  std::string name;
+  int64_t row, rows;
+};
+struct HfTensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;  // HF's
+  DType dtype = DType::kFloat32;
+  std::vector<HfRowBlock> blocks;
+  int64_t width = 1;  // elements per logical row
+  bool transpose = false;
+
+  uint64_t numel() const { return static_cast<uint64_t>(ShapeNumel(shape)); }
+  uint64_t bytes() const { return numel() * ElementSize(dtype); }
+};
+// The HF tensors of a supported format (HfUnsupported empty), in HF's order.
+std::vector<HfTensorSpec> HfTensorsFor(const ModelFormat& f, DType dtype);
+
+// Where each logical tensor of layout `to` lies in those of `from`, for two
+// layouts of one HF-style model whose attention tensors differ (fused or
+// separate, with or without qkv_linear): row blocks of `from`'s logical
+// tensors, concatenated in order, through the HF tensors both map to.
+// Every logical tensor of `to` has an entry. Throws ckpt::Error when the
+// formats are of different models or families.
+std::map<std::string, std::vector<HfRowBlock>> LogicalRowsIn(const ModelFormat& from, const ModelFormat& to);
+
+// Why the format has no Hugging Face architecture here ("" when it has one).
+std::string HfUnsupported(const ModelFormat& f);
+
+}  // namespace ckpt

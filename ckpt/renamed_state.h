@@ -1,0 +1,49 @@
+// A LogicalState read under another layout's logical names.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckpt/logical_state.h"
+#include "ckpt/model_family.h"
+
+namespace ckpt {
+
+// A source read under the target's logical names, when the two name their
+// attention differently (fused or separate q/k/v): each target tensor is row
+// blocks of the source's (LogicalRowsIn).
+class RenamedState final : public LogicalState {
+ public:
+  RenamedState(const LogicalState& src, const ModelFormat& to);
+  const std::string& path() const override { return src_.path(); }
+  const TagLayout& layout() const override { return layout_; }
+  const std::vector<ParamRule>& params() const override { return params_; }
+  bool Has(const std::string& name, StateField f) const override { return src_.Has(First(name), f); }
+  DType dtype(const std::string& name, StateField f) const override { return src_.dtype(First(name), f); }
+  void Read(const std::string& name, StateField f, uint64_t begin, std::span<uint8_t> out, Touched* touched) const override;
+  const Value& Step(const std::string& name) const override { return src_.Step(First(name)); }
+  const Value& ParamGroups() const override { return src_.ParamGroups(); }
+  const std::vector<StateBuffer>& buffers() const override { return src_.buffers(); }
+  bool model_dict_ordered() const override { return src_.model_dict_ordered(); }
+  int64_t step() const override { return src_.step(); }
+  double consumed_samples() const override { return src_.consumed_samples(); }
+  bool consumed_samples_known() const override { return src_.consumed_samples_known(); }
+  // Recorded under the source's names: the renamed tensors are checked through their parts' reads.
+  const std::optional<TensorFingerprints>& recorded_fingerprints() const override { return none_; }
+  std::optional<Value> TagFile(const std::string& name) const override { return src_.TagFile(name); }
+  bool xser() const override { return src_.xser(); }
+  uint64_t ReadMemory() const override { return src_.ReadMemory(); }
+
+ private:
+  const std::string& First(const std::string& name) const { return blocks_.at(name).front().name; }
+  const LogicalState& src_;
+  TagLayout layout_;
+  std::vector<ParamRule> params_;
+  std::map<std::string, std::vector<HfRowBlock>> blocks_;
+  std::map<std::string, int64_t> width_;
+  std::optional<TensorFingerprints> none_;
+};
+
+}  // namespace ckpt

@@ -1,0 +1,178 @@
+"""HF-style Llama tags (NxDT's model_source: hf) against what NxD itself writes.
+
+The fixtures in tests/data/upstream/hf_llama were written by NxD's own
+checkpoint_converter.py (--convert_from_full_state) from full_gqa/ and
+full_mha/ (see that folder's README). Every check here compares tensors with
+those files, bit for bit: exports with the full state dict the converter was
+given, re-laid tags with the tags the converter wrote for that layout.
+"""
+import glob
+import json
+import os
+import shutil
+import subprocess
+import unittest
+
+import torch
+
+from canon import BIN, TempDirTest
+from hf_export import read_safetensors
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "upstream", "hf_llama")
+TAGS = os.path.join(HERE, "tags")
+RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
+EXPORT = os.path.join(BIN, "tools", "ckpt-export")
+VERIFY = os.path.join(BIN, "tools", "ckpt-verify")
+GQA_CONFIG = os.path.join(HERE, "full_gqa", "config.json")
+MHA_CONFIG = os.path.join(HERE, "full_mha", "config.json")
+
+
+def full_state(which):
+    return torch.load(os.path.join(HERE, "full_" + which, "checkpoint.pt"))
+
+
+def rank_files(tag):
+    """{(tp, pp): {name: tensor}} of a tag's model/ folder (plain .pt)."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(tag, "model", "dp_rank_*_tp_rank_*_pp_rank_*.pt"))):
+        stem = os.path.basename(path)[:-3].split("_")
+        out[(int(stem[5]), int(stem[8]))] = torch.load(path)
+    return out
+
+
+class HfLlamaTags(TempDirTest):
+    def run_tool(self, *argv, code=0):
+        p = subprocess.run([str(a) for a in argv], capture_output=True, text=True)
+        self.assertEqual(p.returncode, code, p.stdout + p.stderr)
+        return p
+
+    def assert_same_files(self, ours, theirs):
+        """Every rank file of `ours` holds exactly `theirs`' tensors, by name, bit for bit."""
+        a, b = rank_files(ours), rank_files(theirs)
+        self.assertEqual(sorted(a), sorted(b))
+        for rank in b:
+            self.assertEqual(sorted(a[rank]), sorted(b[rank]), rank)
+            for name, t in b[rank].items():
+                self.assertEqual(a[rank][name].dtype, t.dtype, (rank, name))
+                self.assertTrue(torch.equal(a[rank][name], t), (rank, name))
+
+    def export_equals_full(self, tag, which, *flags):
+        out = os.path.join(self.dir, "hf_" + os.path.basename(tag))
+        p = self.run_tool(EXPORT, tag, out, "--format", "hf", "--model_config",
+                          GQA_CONFIG if which == "gqa" else MHA_CONFIG, *flags)
+        got, _ = read_safetensors(os.path.join(out, "model.safetensors"))
+        want = full_state(which)
+        self.assertEqual(sorted(got), sorted(want))
+        for name, t in want.items():
+            self.assertTrue(torch.equal(got[name], t), name)
+        config = json.load(open(os.path.join(out, "config.json")))
+        self.assertEqual(config["num_key_value_heads"], json.load(open(GQA_CONFIG if which == "gqa" else MHA_CONFIG))["num_key_value_heads"])
+        return p.stderr
+
+    def test_every_upstream_layout_exports_the_state_it_was_made_from(self):
+        err = self.export_equals_full(os.path.join(TAGS, "trn1_tp8_pp2_kv4_fused"), "gqa")
+        self.assertIn("kv_size_multiplier 4 and trn1 inferred from the data", err)
+        self.assertIn("[[0, 2, 4, 6], [1, 3, 5, 7]]", err)
+        self.export_equals_full(os.path.join(TAGS, "trn1_tp8_pp2_kv4_split"), "gqa")
+        self.export_equals_full(os.path.join(TAGS, "trn1_tp4_pp1_kv2_fused"), "gqa")
+        err = self.export_equals_full(os.path.join(TAGS, "trn2_tp4_pp1_kv2_fused_runtime_rule_shardkit"), "gqa")
+        self.assertIn("kv_size_multiplier 2 and trn2 inferred", err)
+        self.export_equals_full(os.path.join(TAGS, "mha_tp4_pp2_stride3"), "mha")
+
+    def test_reshard_writes_what_the_converter_writes_for_that_layout(self):
+        src = os.path.join(TAGS, "trn1_tp8_pp2_kv4_fused")
+        cases = [
+            (["--tp", "4", "--pp", "1", "--out_kv_size_multiplier", "2"], "trn1_tp4_pp1_kv2_fused"),
+            (["--tp", "4", "--pp", "1", "--out_kv_size_multiplier", "2", "--out_hw_backend", "trn2"],
+             "trn2_tp4_pp1_kv2_fused_runtime_rule_shardkit"),
+            (["--tp", "8", "--pp", "2", "--out_fuse_qkv", "false"], "trn1_tp8_pp2_kv4_split"),
+        ]
+        for flags, want in cases:
+            out = os.path.join(self.dir, want)
+            self.run_tool(RESHARD, src, out, "--model_config", GQA_CONFIG, *flags)
+            self.assert_same_files(out, os.path.join(TAGS, want))
+            # The manifest records what no tensor shows, so the next tool needs no hints.
+            model = json.load(open(os.path.join(out, "manifest.json")))["model"]
+            self.assertEqual(model["model_family"], "hf_llama")
+            self.assertEqual(model["kv_size_multiplier"], 4 if "tp8" in want else 2)
+            self.export_equals_full(out, "gqa")
+        # And back: separate q/k/v into the fused tp 8 layout.
+        out = os.path.join(self.dir, "fused_again")
+        self.run_tool(RESHARD, os.path.join(TAGS, "trn1_tp8_pp2_kv4_split"), out, "--model_config", GQA_CONFIG, "--tp", "8",
+                      "--pp", "2", "--out_fuse_qkv", "true")
+        self.assert_same_files(out, src)
+
+    def test_mha_stride3_reshards_and_exports(self):
+        out = os.path.join(self.dir, "mha_tp2")
+        self.run_tool(RESHARD, os.path.join(TAGS, "mha_tp4_pp2_stride3"), out, "--model_config", MHA_CONFIG, "--tp", "2", "--pp", "1")
+        files = rank_files(out)
+        self.assertEqual(files[(0, 0)]["model.layers.1.self_attn.qkv_proj.weight"].shape, (96, 64))
+        self.export_equals_full(out, "mha")
+
+    def test_verify_against_compares_across_kv_layouts(self):
+        p = self.run_tool(VERIFY, os.path.join(TAGS, "trn1_tp8_pp2_kv4_fused"), "--against", os.path.join(TAGS, "trn1_tp4_pp1_kv2_fused"),
+                          "--model_config", GQA_CONFIG)
+        self.assertIn("same     ", p.stdout)
+        self.assertIn("27 logical tensors", p.stdout)
+        self.run_tool(VERIFY, os.path.join(TAGS, "trn1_tp8_pp2_kv4_split"), "--against", os.path.join(TAGS, "trn1_tp4_pp1_kv2_fused"),
+                      "--model_config", GQA_CONFIG)
+        # The converter's Trn2 tag pairs queries with other KV heads: read as Trn1 (what its data says), it is a different model.
+        p = self.run_tool(VERIFY, os.path.join(TAGS, "trn2_tp4_pp1_kv2_fused_converter"), "--against",
+                          os.path.join(TAGS, "trn1_tp4_pp1_kv2_fused"), "--model_config", GQA_CONFIG, code=1)
+        self.assertIn("model.layers.0.self_attn.qkv_proj.weight_qkv", p.stdout)
+
+    def test_the_converters_trn2_tag_is_read_as_trn1_and_refused_as_trn2(self):
+        tag = os.path.join(TAGS, "trn2_tp4_pp1_kv2_fused_converter")
+        out = os.path.join(self.dir, "x")
+        p = self.run_tool(RESHARD, tag, out, "--model_config", GQA_CONFIG, "--tp", "4", "--pp", "1", "--dry_run")
+        self.assertIn("kv_size_multiplier 2 and trn1 inferred from the data", p.stderr)
+        p = self.run_tool(RESHARD, tag, out, "--model_config", GQA_CONFIG, "--tp", "4", "--pp", "1", "--hw_backend", "trn2", code=2)
+        self.assertIn("--hw_backend trn2 contradicts the data", p.stderr)
+        self.assertIn("writes Trn2 tags with the Trn1 rule", p.stderr)
+        self.assertFalse(os.path.exists(out))
+
+    def copy_tag(self, name, as_name):
+        dst = os.path.join(self.dir, as_name)
+        shutil.copytree(os.path.join(TAGS, name), dst)
+        return dst
+
+    def test_replicas_are_compared_not_trusted(self):
+        for tensor, rank, what in [("model.layers.3.self_attn.qkv_proj.weight_qkv", 2, "tp ranks 0 and 2"),
+                                   ("model.layers.1.post_attention_layernorm.weight", 3, "tp ranks 0 and 3")]:
+            tag = self.copy_tag("trn1_tp4_pp1_kv2_fused", "copy_" + str(rank))
+            path = os.path.join(tag, "model", "dp_rank_00_tp_rank_%02d_pp_rank_00.pt" % rank)
+            sd = torch.load(path)
+            t = sd[tensor]
+            t.view(-1)[t.numel() - 1] += 1  # a KV row (the last row is V's) or a norm weight
+            torch.save(sd, path)
+            out = os.path.join(self.dir, "out")
+            p = self.run_tool(RESHARD, tag, out, "--model_config", GQA_CONFIG, "--tp", "2", "--pp", "1", "--out_kv_size_multiplier", "1",
+                              code=2)
+            self.assertIn("'" + tensor + "' (param): " + what + " hold different copies", p.stderr)
+            self.assertFalse(os.path.exists(out))
+            self.run_tool(RESHARD, tag, out, "--model_config", GQA_CONFIG, "--tp", "2", "--pp", "1", "--out_kv_size_multiplier", "1",
+                          "--trust_first_replica")
+            shutil.rmtree(out)
+
+    def test_hints_that_contradict_the_data_are_refused(self):
+        tag = os.path.join(TAGS, "trn1_tp4_pp1_kv2_fused")
+        out = os.path.join(self.dir, "out")
+        p = self.run_tool(RESHARD, tag, out, "--model_config", GQA_CONFIG, "--kv_size_multiplier", "4", "--tp", "2", "--pp", "1", code=2)
+        self.assertIn("--kv_size_multiplier 4 contradicts the data", p.stderr)
+        self.assertIn("[[0, 2], [1, 3]]", p.stderr)
+        config = json.load(open(GQA_CONFIG))
+        config["intermediate_size"] = 128
+        bad = os.path.join(self.dir, "config.json")
+        json.dump(config, open(bad, "w"))
+        p = self.run_tool(RESHARD, tag, out, "--model_config", bad, "--tp", "2", "--pp", "1", code=2)
+        self.assertIn("FFN width (intermediate_size) is 128, but the tensors give 96", p.stderr)
+        p = self.run_tool(RESHARD, tag, out, "--tp", "2", "--pp", "1", code=2)
+        self.assertIn("give --heads, or --model_config", p.stderr)
+        # m 2 at tp 2 is one KV head per rank too, but tp 8 with m 2 is not whole heads: refused with the multiplier that fits.
+        p = self.run_tool(RESHARD, tag, out, "--model_config", GQA_CONFIG, "--tp", "8", "--pp", "1", code=2)
+        self.assertIn("kv_size_multiplier 4 fits", p.stderr)
+        self.assertFalse(os.path.exists(out))
+
+
+if __name__ == "__main__":
+    unittest.main()
