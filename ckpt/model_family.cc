@@ -28,8 +28,8 @@ std::vector<HfTensorSpec> HfLlamaTensors(const ModelFormat& f, DType dt) {
   };
   auto same = [&](const std::string& name, std::vector<int64_t> shape) { add(name, shape, {{name, 0, shape[0]}}); };
   same("model.embed_tokens.weight", {V, H});
+  // transformers' LlamaDecoderLayer module order: self_attn, mlp, input_layernorm, post_attention_layernorm.
   for (int64_t i = 0; i < f.layers; ++i) {
-    same(HfLayer(i, "input_layernorm.weight"), {H});
     const std::string q = HfLayer(i, "self_attn.q_proj.weight"), k = HfLayer(i, "self_attn.k_proj.weight"), v = HfLayer(i, "self_attn.v_proj.weight");
     switch (AttentionOf(f)) {
       case HfAttention::kQkvFused:
@@ -46,11 +46,12 @@ std::vector<HfTensorSpec> HfLlamaTensors(const ModelFormat& f, DType dt) {
       case HfAttention::kPlain: same(q, {Q, H}), same(k, {K, H}), same(v, {K, H}); break;
     }
     same(HfLayer(i, "self_attn.o_proj.weight"), {H, Q});
-    same(HfLayer(i, "post_attention_layernorm.weight"), {H});
     const std::string gu = HfLayer(i, "mlp.gate_up_proj.weight");
     add(HfLayer(i, "mlp.gate_proj.weight"), {F, H}, {{gu, 0, F}});
     add(HfLayer(i, "mlp.up_proj.weight"), {F, H}, {{gu, F, F}});
     same(HfLayer(i, "mlp.down_proj.weight"), {H, F});
+    same(HfLayer(i, "input_layernorm.weight"), {H});
+    same(HfLayer(i, "post_attention_layernorm.weight"), {H});
   }
   same("model.norm.weight", {H});
   if (!f.tied_output) same("lm_head.weight", {V, H});

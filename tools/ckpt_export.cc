@@ -4,7 +4,8 @@
 // layout-free HDF5 file (tools/h5_state.h), streaming: memory holds one
 // block.
 // ckpt-export SRC OUT_DIR --format hf [--max_shard_size 10G] [--bin] writes its
-// weights as a Hugging Face model folder (tools/hf_export.h).
+// weights as a Hugging Face model folder (tools/hf_export.h); --format
+// full_state as NxD's converter's OUT_DIR/checkpoint.pt.
 // The output is written beside OUT under a temporary name, made durable and
 // only then renamed to OUT, so OUT is never partial; an existing OUT is
 // replaced only with --overwrite and only when it is such an export.
@@ -63,8 +64,10 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "keep: bfloat16 as uint16 bit patterns (dtype attribute); float32: widen 16-bit floats")
       ->check(CLI::IsMember({"keep", "float32"}));
   app.add_option("--compression", compression, "none, or gzip (with shuffle)")->check(CLI::IsMember({"none", "gzip"}));
-  app.add_option("--format", format, "h5: the whole state in one HDF5 file; hf: the weights as a Hugging Face model folder")
-      ->check(CLI::IsMember({"h5", "hf"}));
+  app.add_option("--format", format,
+                 "h5: the whole state in one HDF5 file; hf: the weights as a Hugging Face model folder; full_state: OUT/checkpoint.pt "
+                 "(HF names, one torch file) and config.json, as NxD's checkpoint_converter.py --convert_to_full_state writes it")
+      ->check(CLI::IsMember({"h5", "hf", "full_state"}));
   app.add_option("--max_shard_size", max_shard, "with --format hf: bytes per weights file (default 10G)");
   bool bin = false;
   app.add_flag("--bin", bin, "with --format hf: also write torch's pytorch_model*.bin (default: model*.safetensors only, as transformers saves)");
@@ -81,7 +84,7 @@ int main(int argc, char** argv) {
   try {
     const auto t0 = std::chrono::steady_clock::now();
     out = ckpt::WithoutTrailingSeparators(out);
-    const bool hf = format == "hf";
+    const bool hf = format == "hf" || format == "full_state";
     // A Hugging Face folder holds weights alone, so the optimizer is never read for it.
     const bool model_only = weights_only || hf;
     const std::string tag = ckpt::ResolveSourceTag(src, !no_verify, env, log, 0, model_only);
@@ -112,7 +115,7 @@ int main(int argc, char** argv) {
       // As the HDF5 export and reshard do: a source must still hold what its manifest recorded.
       ckpt::CheckRecordedFingerprints(*state, block, ckpt::StateField::kParam);
       env->CreateDirs(partial);
-      const tools::HfExportSummary s = tools::WriteHfFolder(*state, partial, {.max_shard_size = shard_size, .chunk = block, .bin = bin}, env);
+      const tools::HfExportSummary s = tools::WriteHfFolder(*state, partial, {.max_shard_size = shard_size, .chunk = block, .bin = bin, .full_state = format == "full_state"}, env);
       env->SyncDir(partial);
       const std::string old = dir + "/." + p.filename().string() + ".ckpt-export-old";
       if (env->Exists(out)) env->RenameFile(out, old);
@@ -127,7 +130,7 @@ int main(int argc, char** argv) {
                          .dump(1)
                   << std::endl;
       log("exported " + std::to_string(s.tensors) + " tensors (" + ckpt::HumanBytes(s.bytes) + ") of " + tag + " as " + s.architecture + " to " +
-          out + " (" + std::to_string(s.shards) + " shard(s), .bin and .safetensors); peak memory " + ckpt::HumanBytes(ckpt::PeakRss()));
+          out + " (" + (format == "full_state" ? std::string("checkpoint.pt") : std::to_string(s.shards) + " shard(s)") + "); peak memory " + ckpt::HumanBytes(ckpt::PeakRss()));
       return 0;
     }
     tools::ExportOptions o;

@@ -109,11 +109,11 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
   HfExportSummary sum;
   sum.architecture = gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
 
-  // Shards: tensors in order, a new file when the next would pass the limit.
+  // Shards: tensors in order, a new file when the next would pass the limit (a full state is one file).
   std::vector<std::vector<size_t>> shards(1);
   uint64_t in_shard = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    if (in_shard > 0 && in_shard + tensors[i].bytes() > o.max_shard_size) shards.emplace_back(), in_shard = 0;
+    if (!o.full_state && in_shard > 0 && in_shard + tensors[i].bytes() > o.max_shard_size) shards.emplace_back(), in_shard = 0;
     shards.back().push_back(i);
     in_shard += tensors[i].bytes();
     sum.bytes += tensors[i].bytes();
@@ -133,6 +133,10 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
       for (int d = static_cast<int>(t.shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * t.shape[d + 1];
       sd.as_dict().Set(t.name, ckpt::Value(ckpt::Tensor(t.dtype, t.shape, strides, 0, storage)));
       bin_map[t.name] = bin, st_map[t.name] = st;
+    }
+    if (o.full_state) {
+      ckpt::SavePt(dir + "/checkpoint.pt", sd, {.weights_only = true, .stream_chunk = o.chunk}, env);
+      break;
     }
     if (o.bin) ckpt::SavePt(dir + "/" + bin, sd, {.weights_only = true, .stream_chunk = o.chunk}, env);
     // safetensors: u64 header length, the JSON header (8-byte aligned), the data.
@@ -164,7 +168,7 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
       }
     });
   }
-  if (n > 1) {
+  if (n > 1 && !o.full_state) {
     if (o.bin)
       WriteText(env, dir + "/pytorch_model.bin.index.json",
                 nlohmann::ordered_json{{"metadata", {{"total_size", sum.bytes}}}, {"weight_map", bin_map}}.dump(2) + "\n");

@@ -50,6 +50,10 @@ struct HfExportOptions {
   // Also write torch's pytorch_model*.bin beside model*.safetensors (which
   // transformers prefers, and which alone is written by default).
   bool bin = false;
+  // Instead of the weights files: one torch state dict, checkpoint.pt, HF's
+  // names and order, as NxD's checkpoint_converter.py --convert_to_full_state
+  // writes it (save_full), with config.json beside it for its --config.
+  bool full_state = false;
 };
 
 struct HfExportSummary {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -164,24 +165,40 @@ ckpt::ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& c
   return f;
 }
 
-std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& dir, int64_t divisible) {
+std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& src, const HfImportOptions& o) {
   std::unique_ptr<HfState> s(new HfState());
-  s->dir_ = dir;
-  const std::string cpath = dir + "/config.json";
-  if (!env->IsDirectory(dir) || !env->Exists(cpath)) throw Error(dir + ": is not a Hugging Face model folder (no config.json)");
-  ckpt::RequireInside(dir, cpath);
+  s->dir_ = src;
+  const bool one_file = env->Exists(src) && !env->IsDirectory(src);
+  // One weights file is read with the config.json given for it; a folder's files all lie inside it.
+  const std::string dir = one_file ? std::filesystem::path(src).parent_path().string() : src;
+  const std::string cpath = o.model_config.empty() ? dir + "/config.json" : o.model_config;
+  if (one_file && o.model_config.empty()) throw Error(src + ": a single weights file needs --model_config (its config.json)");
+  if (!env->IsDirectory(dir) || !env->Exists(cpath)) throw Error(src + ": is not a Hugging Face model folder (no config.json)");
+  if (o.model_config.empty()) ckpt::RequireInside(dir, cpath);
   const nlohmann::json c = ReadJson(env, cpath);
   ckpt::ModelFormat& f = s->layout_.format;
   f = FormatOfHfConfig(c, cpath);
-  f.make_vocab_size_divisible_by = divisible;
+  f.make_vocab_size_divisible_by = o.make_vocab_size_divisible_by;
+  if (o.family == ckpt::ModelFamily::kHfLlama) {
+    if (f.gelu) throw Error(cpath + ": --model_source hf takes a LlamaForCausalLM (NxDT's HF-style models are Llama)");
+    f.family = o.family, f.fuse_qkv = o.fuse_qkv, f.qkv_linear = o.qkv_linear;
+    f.make_vocab_size_divisible_by = 1;  // NxD's ParallelEmbedding does not pad
+  }
 
   // The weights: safetensors when present, else torch's .bin. With an index, each tensor
   // comes from the file its weight_map names, as transformers loads it; a name
   // two files hold, or one the index does not place, is refused rather than
   // letting the last file read win.
-  WeightFiles w = FindWeightFiles(env, dir, "model.safetensors", "model.safetensors.index.json");
-  const bool safetensors = !w.files.empty();
-  if (!safetensors) w = FindWeightFiles(env, dir, "pytorch_model.bin", "pytorch_model.bin.index.json");
+  WeightFiles w;
+  bool safetensors;
+  if (one_file) {
+    w.files = {std::filesystem::path(src).filename().string()};
+    safetensors = src.ends_with(".safetensors");
+  } else {
+    w = FindWeightFiles(env, dir, "model.safetensors", "model.safetensors.index.json");
+    safetensors = !w.files.empty();
+    if (!safetensors) w = FindWeightFiles(env, dir, "pytorch_model.bin", "pytorch_model.bin.index.json");
+  }
   if (w.files.empty()) throw Error(dir + ": holds no model.safetensors, pytorch_model.bin or their index");
   std::map<std::string, std::string> held_by;
   auto take = [&](const std::string& name, const std::string& file, Source src) {

@@ -49,10 +49,25 @@ struct SafetensorsEntry {
 // `where` and the tensor.
 std::map<std::string, SafetensorsEntry> ParseSafetensors(std::span<const uint8_t> file, const std::string& where);
 
+// How an HF model is imported: into the Megatron-style family (NNM's and
+// NxDT's megatron models, vocabulary padded) or the HF-style one (NxDT's
+// model_source: hf, whose attention tensors NxDT's model.fuse_qkv and
+// model.qkv_linear name; no padding).
+struct HfImportOptions {
+  int64_t make_vocab_size_divisible_by = 128;
+  ckpt::ModelFamily family = ckpt::ModelFamily::kMegatron;
+  bool fuse_qkv = true, qkv_linear = false;
+  // config.json for a single weights file (NxD's checkpoint.pt, a pytorch_model.bin); default: the folder's.
+  std::string model_config;
+};
+
 class HfState final : public ckpt::LogicalState {
  public:
-  // Throws ckpt::Error naming the file, the key or tensor and what is wrong.
-  static std::unique_ptr<HfState> Open(ckpt::Env* env, const std::string& dir, int64_t make_vocab_size_divisible_by);
+  // `src`: an HF model folder, or one weights file (a torch state dict, as
+  // NxD's checkpoint_converter.py --convert_to_full_state writes it, or
+  // safetensors) with o.model_config. Throws ckpt::Error naming the file,
+  // the key or tensor and what is wrong.
+  static std::unique_ptr<HfState> Open(ckpt::Env* env, const std::string& src, const HfImportOptions& o);
 
   const std::string& path() const override { return dir_; }
   const ckpt::TagLayout& layout() const override { return layout_; }

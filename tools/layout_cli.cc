@@ -41,16 +41,18 @@ nlohmann::ordered_json GridJson(const ckpt::RankGrid& g, const std::vector<int64
 
 namespace tools {
 
-ckpt::ReshardSummary RunImport(const ckpt::ReshardArgs& args, bool hf, int64_t divisible, ckpt::Env* env, const ckpt::LogFn& log) {
+ckpt::ReshardSummary RunImport(const ckpt::ReshardArgs& args, bool hf, const HfImportOptions& o, ckpt::Env* env, const ckpt::LogFn& log) {
   const auto t0 = std::chrono::steady_clock::now();
   ckpt::ReshardArgs a = args;
   a.tool = "import";
   ckpt::ReshardSummary sum;
   sum.src_tag = ckpt::WithoutTrailingSeparators(a.src);
   if (hf) {
-    const auto src = HfState::Open(env, sum.src_tag, divisible);
-    for (const auto& name : env->ListDir(sum.src_tag))
-      if (!env->IsDirectory(sum.src_tag + "/" + name)) sum.bytes_read += env->FileSize(sum.src_tag + "/" + name);
+    const auto src = HfState::Open(env, sum.src_tag, o);
+    if (!env->IsDirectory(sum.src_tag)) sum.bytes_read = env->FileSize(sum.src_tag);
+    else
+      for (const auto& name : env->ListDir(sum.src_tag))
+        if (!env->IsDirectory(sum.src_tag + "/" + name)) sum.bytes_read += env->FileSize(sum.src_tag + "/" + name);
     return ckpt::WriteInLayout(*src, "", a, env, log, t0, std::move(sum));
   }
   if (!env->Exists(a.src) || env->IsDirectory(a.src)) throw ckpt::Error(a.src + ": no such file (IN is a ckpt-export .h5 file)");
@@ -90,6 +92,8 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   app.add_flag("--json", json, "print the summary as JSON on stdout");
   std::string format = "h5";
   int64_t divisible = 128;
+  std::string model_source = "megatron";
+  HfImportOptions import;
   if (!h5) {  // an export records its model format and fingerprints
     app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
     app.add_flag("--weights_only", a.weights_only,
@@ -109,6 +113,16 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
         ->check(CLI::IsMember({"h5", "hf"}));
     app.add_option("--make_vocab_size_divisible_by", divisible, "with --format hf: the vocabulary padding rule (NxDT's default 128)")
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+    // The HF-style family: what NxD's checkpoint_converter.py --convert_from_full_state writes, named as NxDT's config names it.
+    app.add_option("--model_source", model_source, "with --format hf: megatron (NNM/NxDT megatron names, the default) or hf (NxDT's model_source: hf)")
+        ->check(CLI::IsMember({"megatron", "hf"}));
+    app.add_option("--model_config", import.model_config, "with --format hf: the config.json of a single weights file SRC (checkpoint.pt, pytorch_model.bin)");
+    app.add_option("--fuse_qkv", import.fuse_qkv, "--model_source hf: NxDT's model.fuse_qkv, true or false (default true)");
+    app.add_option("--qkv_linear", import.qkv_linear, "--model_source hf: NxDT's model.qkv_linear, true or false (default false)");
+    app.add_option("--kv_size_multiplier", out_kv, "--model_source hf: NxDT's distributed_strategy.kv_replicator (default 1)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+    app.add_option("--hw_backend", out_backend, "--model_source hf: trn1 (the default) or trn2, which replicate KV heads differently")
+        ->check(CLI::IsMember({"trn1", "trn2"}));
   }
   SHARDKIT_PARSE(app, argc, argv);
   if (zero1 && no_zero1) {
@@ -124,6 +138,18 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   if (dp) a.dp = dp;
   if (out_kv) a.out_kv_size_multiplier = out_kv;
   if (!out_backend.empty()) a.out_hw_backend = ckpt::ParseBackend(out_backend);
+  import.make_vocab_size_divisible_by = divisible;
+  if (model_source == "hf") {
+    if (format != "hf") {
+      std::cerr << "error: --model_source hf needs --format hf\n";
+      return 2;
+    }
+    import.family = ckpt::ModelFamily::kHfLlama;
+    if (!a.out_hw_backend) a.out_hw_backend = ckpt::HwBackend::kTrn1;  // NxD's rule for every backend but Trn2
+  } else if (h5 && (out_kv || !out_backend.empty())) {
+    std::cerr << "error: --kv_size_multiplier and --hw_backend apply to --model_source hf\n";
+    return 2;
+  }
   a.out_fuse_qkv = out_fuse, a.out_qkv_linear = out_qkv_linear;
   a.verify_source = !no_verify;
   a.launch = ckpt::ReadMpiLaunch();  // under mpirun the ranks split the files
@@ -142,7 +168,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
     }
     tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(a.threads));
     const ckpt::ReshardSummary s =
-        h5 ? RunImport(a, format == "hf", divisible, ckpt::Env::Default(), log) : ckpt::RunReshard(a, ckpt::Env::Default(), log);
+        h5 ? RunImport(a, format == "hf", import, ckpt::Env::Default(), log) : ckpt::RunReshard(a, ckpt::Env::Default(), log);
     const double rate = static_cast<double>(s.bytes_written) / std::max(s.seconds, 1e-9);
     if (json && a.launch.rank == 0) {
       nlohmann::ordered_json j = {{"source", s.src_tag},

@@ -23,6 +23,7 @@ TAGS = os.path.join(HERE, "tags")
 RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
 EXPORT = os.path.join(BIN, "tools", "ckpt-export")
 VERIFY = os.path.join(BIN, "tools", "ckpt-verify")
+IMPORT = os.path.join(BIN, "tools", "ckpt-import")
 GQA_CONFIG = os.path.join(HERE, "full_gqa", "config.json")
 MHA_CONFIG = os.path.join(HERE, "full_mha", "config.json")
 
@@ -130,6 +131,45 @@ class HfLlamaTags(TempDirTest):
         self.assertIn("--hw_backend trn2 contradicts the data", p.stderr)
         self.assertIn("writes Trn2 tags with the Trn1 rule", p.stderr)
         self.assertFalse(os.path.exists(out))
+
+    def test_import_writes_what_the_converter_writes(self):
+        """ckpt-import --model_source hf, given the converter's arguments, writes its files: same names, tensors, bytes."""
+        gqa = os.path.join(HERE, "full_gqa", "checkpoint.pt")
+        cases = [
+            (gqa, GQA_CONFIG, ["--tp", "8", "--pp", "2", "--qkv_linear", "true", "--fuse_qkv", "true", "--kv_size_multiplier", "4"],
+             "trn1_tp8_pp2_kv4_fused"),
+            (gqa, GQA_CONFIG, ["--tp", "8", "--pp", "2", "--qkv_linear", "true", "--fuse_qkv", "false", "--kv_size_multiplier", "4"],
+             "trn1_tp8_pp2_kv4_split"),
+            (gqa, GQA_CONFIG, ["--tp", "4", "--pp", "1", "--qkv_linear", "true", "--kv_size_multiplier", "2", "--hw_backend", "trn2"],
+             "trn2_tp4_pp1_kv2_fused_runtime_rule_shardkit"),
+            (os.path.join(HERE, "full_mha", "checkpoint.pt"), MHA_CONFIG, ["--tp", "4", "--pp", "2"], "mha_tp4_pp2_stride3"),
+        ]
+        for src, config, flags, want in cases:
+            out = os.path.join(self.dir, "imported_" + want)
+            self.run_tool(IMPORT, src, out, "--format", "hf", "--model_source", "hf", "--model_config", config, *flags)
+            self.assert_same_files(out, os.path.join(TAGS, want))
+        # From an HF folder (our own export of the full state) too.
+        folder = os.path.join(self.dir, "hf_folder")
+        self.run_tool(EXPORT, os.path.join(TAGS, "trn1_tp4_pp1_kv2_fused"), folder, "--format", "hf", "--model_config", GQA_CONFIG)
+        out = os.path.join(self.dir, "from_folder")
+        self.run_tool(IMPORT, folder, out, "--format", "hf", "--model_source", "hf", "--tp", "4", "--pp", "1", "--qkv_linear", "true",
+                      "--kv_size_multiplier", "2")
+        self.assert_same_files(out, os.path.join(TAGS, "trn1_tp4_pp1_kv2_fused"))
+        # A single file needs its config.
+        p = self.run_tool(IMPORT, gqa, os.path.join(self.dir, "no_config"), "--format", "hf", "--model_source", "hf", "--tp", "1", "--pp", "1",
+                          code=2)
+        self.assertIn("needs --model_config", p.stderr)
+
+    def test_full_state_export_is_the_converters_input(self):
+        for tag, which in [("trn1_tp8_pp2_kv4_fused", "gqa"), ("mha_tp4_pp2_stride3", "mha")]:
+            out = os.path.join(self.dir, "full_" + tag)
+            self.run_tool(EXPORT, os.path.join(TAGS, tag), out, "--format", "full_state", "--model_config",
+                          GQA_CONFIG if which == "gqa" else MHA_CONFIG)
+            got, want = torch.load(os.path.join(out, "checkpoint.pt")), full_state(which)
+            self.assertEqual(list(got), list(want))  # HF's names in HF's order
+            for name, t in want.items():
+                self.assertTrue(torch.equal(got[name], t), name)
+            self.assertEqual(sorted(os.listdir(out)), ["checkpoint.pt", "config.json"])
 
     def copy_tag(self, name, as_name):
         dst = os.path.join(self.dir, as_name)
