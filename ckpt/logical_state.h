@@ -44,7 +44,7 @@ struct TagLayout {
   ModelFormat format;
   bool format_from_manifest = false;
   bool has_optimizer = false;
-  bool one_group = false;       // one optimizer group (do_layer_norm_weight_decay)
+  bool one_group = false;       // norm weights decay (ckpt::FamilyGrouping): Megatron do_layer_norm_weight_decay, one group
   bool master_weights = false;  // ZeRO-1 sharded_master_weights
 };
 

@@ -166,6 +166,10 @@ std::string HfUnsupported(const ModelFormat& f) {
          "learned positions, no GQA: GPT2LMHeadModel), so no Hugging Face architecture takes its weights";
 }
 
+Grouping FamilyGrouping(const ModelFormat& f, const std::vector<std::string>& params, bool norms_decay) {
+  return f.family == ModelFamily::kHfLlama ? NxdtHfGrouping(params, !norms_decay) : NxdtGrouping(params, norms_decay);
+}
+
 const char* FamilyName(ModelFamily f) { return f == ModelFamily::kHfLlama ? "hf_llama" : "megatron"; }
 
 std::optional<ModelFamily> ParseFamily(const std::string& s) {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ckpt/dtype.h"
+#include "ckpt/optimizer_groups.h"
 #include "ckpt/tensor.h"
 #include "ckpt/partition.h"
 
@@ -81,6 +82,12 @@ struct KvReplicationSeen {
   std::string groups;  // "[[0, 2], [1, 3]]"
 };
 KvReplicationSeen InferKvReplication(int tp, const std::function<bool(int, int)>& same);
+
+// The optimizer grouping NxDT builds for the family: NxdtGrouping for
+// Megatron-style models, NxdtHfGrouping for HF-style ones. `norms_decay` is
+// what TagLayout::one_group records: norm weights in the decaying group
+// (Megatron: do_layer_norm_weight_decay True; HF-style: False).
+Grouping FamilyGrouping(const ModelFormat& f, const std::vector<std::string>& params, bool norms_decay);
 
 // Where an HF tensor's rows come from: `rows` rows of logical tensor `name`
 // from `row`, concatenated in order; `transpose`: the concatenation is

@@ -94,4 +94,18 @@ Grouping NxdtGrouping(const std::vector<std::string>& params, bool do_layer_norm
                    params, [&](size_t i) { return IsNoWeightDecay(params[i]); });
 }
 
+Grouping NxdtHfGrouping(const std::vector<std::string>& params, bool do_layer_norm_weight_decay) {
+  // model_utils.py: no_decay = ["bias"] (+ ["LayerNorm", "norm"]), matched as substrings of the name.
+  auto apart = [&](size_t i) {
+    const std::string& n = params[i];
+    return n.find("bias") != std::string::npos ||
+           (do_layer_norm_weight_decay && (n.find("LayerNorm") != std::string::npos || n.find("norm") != std::string::npos));
+  };
+  Grouping g = TwoGroups("nxdt-hf", std::string("NxDT's HF-style models: two groups, ") +
+                                        (do_layer_norm_weight_decay ? "norms and biases in group 1 (do_layer_norm_weight_decay: True)"
+                                                                    : "only biases in group 1 (do_layer_norm_weight_decay: False)"),
+                         params, apart);
+  return g;  // two groups, an empty one too
+}
+
 }  // namespace ckpt

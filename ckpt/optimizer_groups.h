@@ -77,4 +77,13 @@ std::vector<Grouping> NnmGroupingCandidates(const std::vector<ParamInfo>& params
 // name-based) or, with do_layer_norm_weight_decay, "nxdt-one-group".
 Grouping NxdtGrouping(const std::vector<std::string>& params, bool do_layer_norm_weight_decay);
 
+// What NxDT builds for its HF-style models ("nxdt-hf"; NxDT
+// lightning_modules/model/hf_models/base_model.py
+// setup_optimizer_param_groups, utils/model_utils.py
+// get_param_groups_by_weight_decay, run on CPU: tests/data/upstream/hf_llama/
+// optimizer_groups.json): always two groups, empty ones kept; group 1 holds
+// every name containing "bias", and with do_layer_norm_weight_decay also
+// "LayerNorm" or "norm" (so True keeps norms *out* of decay).
+Grouping NxdtHfGrouping(const std::vector<std::string>& params, bool do_layer_norm_weight_decay);
+
 }  // namespace ckpt

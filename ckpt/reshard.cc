@@ -189,7 +189,7 @@ class Planner {
     PlannedFile pf;
     std::vector<std::string> names;
     for (const auto& sp : stage) names.push_back(sp.name);
-    const ckpt::Grouping g = ckpt::NxdtGrouping(names, src_.layout().one_group);
+    const ckpt::Grouping g = ckpt::FamilyGrouping(fmt_, names, src_.layout().one_group);
     ckpt::OptimizerFile of;
     of.zero1 = to_.zero1;
     of.param_groups = ckpt::ParamGroupsFor(src_.ParamGroups(), g);

@@ -545,11 +545,12 @@ class ShardedTagBuilder {
   // file's param_groups list (ids numbered 0, 1, ... across groups, as torch does).
   Grouping Ids(const Value& groups, const std::vector<std::string>& names, const std::string& where, bool first) {
     const std::vector<size_t> sizes = ParamGroupSizes(groups, where + ": param_groups");
-    const Grouping split = NxdtGrouping(names, false), one = NxdtGrouping(names, true);
+    const ModelFormat& f = t_->layout_.format;
+    const Grouping split = FamilyGrouping(f, names, false), one = FamilyGrouping(f, names, true);
     const bool fits_split = NonEmpty(split.GroupSizes()) == sizes, fits_one = NonEmpty(one.GroupSizes()) == sizes;
     if (!fits_split && !fits_one)
-      throw Error(where + ": its param_groups hold groups of sizes that fit neither NxDT grouping of the stage's " +
-                  std::to_string(names.size()) + " parameters (norms and biases apart, or one group)");
+      throw Error(where + ": its param_groups hold groups of sizes that fit neither NxDT grouping (" + split.id + ": " + split.description +
+                  "; or " + one.description + ") of the stage's " + std::to_string(names.size()) + " parameters");
     const bool one_group = fits_one && !fits_split;
     if (first) t_->layout_.one_group = one_group;
     else if (fits_split != fits_one && one_group != t_->layout_.one_group)

@@ -11,6 +11,7 @@
 #include "ckpt/crc32.h"
 #include "ckpt/dtype_cast.h"
 #include "ckpt/error.h"
+#include "ckpt/model_family.h"
 #include "ckpt/fingerprint.h"
 #include "ckpt/hdf5_lock.h"
 #include "ckpt/optimizer_groups.h"
@@ -290,7 +291,7 @@ ExportSummary WriteH5State(const ckpt::LogicalState& src, const std::string& tag
     if (auto v = src.TagFile(f); v && !o.weights_only) SetString(file, f, ckpt::ValueToJson(*v, exact).dump(), path);
   std::vector<std::string> names;
   for (const auto& p : src.params()) names.push_back(p.name);
-  const ckpt::Grouping grouping = ckpt::NxdtGrouping(names, L.one_group);
+  const ckpt::Grouping grouping = ckpt::FamilyGrouping(L.format, names, L.one_group);
   if (optimizer) {
     // As a pickle, which keeps what the groups share (torch's groups share
     // their defaults' objects, and the file shows it): an import writes it

@@ -171,6 +171,76 @@ class HfLlamaTags(TempDirTest):
                 self.assertTrue(torch.equal(got[name], t), name)
             self.assertEqual(sorted(os.listdir(out)), ["checkpoint.pt", "config.json"])
 
+    def with_zero1_optimizer(self, name, dp):
+        """A copy of fixture `name` (pp 1) with ZeRO-1 optimizer files as NxD's NeuronZero1Optimizer saves them, grouped as NxDT
+        grouped this model's parameters when run (optimizer_groups.json, do_layer_norm_weight_decay True: norms in group 1, group 0's
+        weight_decay 0.01). Moments and masters are functions of the weight (exp_avg = w/2, exp_avg_sq = w^2, master = w), so
+        every re-laid id can be checked against the weight it must belong to."""
+        tag = self.copy_tag(name, "zero1_" + name)
+        groups = json.load(open(os.path.join(HERE, "optimizer_groups.json")))["variants"]["gqa_qkv_linear_fused_tp8_kv4"]["pp1"][
+            "do_layer_norm_weight_decay=true"]
+        order = [n for g in groups for n in g["params"]]
+        ids, at = [], 0
+        for g in groups:
+            ids.append(list(range(at, at + len(g["params"]))))
+            at += len(g["params"])
+        dummies = [{"params": [torch.nn.Parameter(torch.zeros(1))], "weight_decay": g["weight_decay"]} for g in groups]
+        hyper = torch.optim.AdamW(dummies, lr=3e-4, betas=(0.9, 0.95), eps=1e-8).state_dict()["param_groups"]
+        param_groups = [dict(h, params=i) for h, i in zip(hyper, ids)]
+
+        def shard(x, d):
+            pad = (-x.shape[0]) % dp
+            x = torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))]) if pad else x
+            return x.chunk(dp)[d].clone()
+
+        os.makedirs(os.path.join(tag, "optim"))
+        for (t, p), model in rank_files(tag).items():
+            w = {n: model[n].float().contiguous() for n in order}
+            for d in range(dp):
+                osd = {"state": {}, "param_groups": param_groups,
+                       "base_state": {i: {"step": torch.tensor(5.0), "exp_avg": shard(w[n] / 2, d), "exp_avg_sq": shard(w[n] ** 2, d)}
+                                      for i, n in enumerate(order)},
+                       "shape_info": {i: list(model[n].shape) for i, n in enumerate(order)},
+                       "sharded_master_weights": {i: shard(w[n], d) for i, n in enumerate(order)}}
+                torch.save(osd, os.path.join(tag, "optim", "dp_rank_%02d_tp_rank_%02d_pp_rank_%02d.pt" % (d, t, p)))
+        open(os.path.join(tag, "done"), "w").close()  # NxD's save_checkpoint marks a finished tag so (trainer/checkpoint.py)
+        return tag
+
+    def test_zero1_optimizer_state_is_relaid_with_nxdts_hf_grouping(self):
+        src = self.with_zero1_optimizer("trn1_tp4_pp1_kv2_fused", dp=2)
+        out = os.path.join(self.dir, "tp8_pp2")
+        self.run_tool(RESHARD, src, out, "--model_config", GQA_CONFIG, "--tp", "8", "--pp", "2", "--dp", "1",
+                      "--out_kv_size_multiplier", "4")
+        want_groups = json.load(open(os.path.join(HERE, "optimizer_groups.json")))["variants"]["gqa_qkv_linear_fused_tp8_kv4"]["pp2"]
+        models = rank_files(out)
+        for (t, p), model in models.items():
+            osd = torch.load(os.path.join(out, "optim", "dp_rank_00_tp_rank_%02d_pp_rank_%02d.pt" % (t, p)))
+            groups = want_groups["pp_rank_%d" % p]["do_layer_norm_weight_decay=true"]
+            self.assertEqual([g["weight_decay"] for g in osd["param_groups"]], [g["weight_decay"] for g in groups])
+            names = [n for g in groups for n in g["params"]]
+            self.assertEqual([len(g["params"]) for g in osd["param_groups"]], [len(g["params"]) for g in groups])
+            for i, n in enumerate(names):
+                w = model[n].float()
+                state = osd["base_state"][i]
+                self.assertTrue(torch.equal(state["exp_avg"], w / 2), (t, p, i, n))
+                self.assertTrue(torch.equal(state["exp_avg_sq"], w ** 2), (t, p, i, n))
+                self.assertTrue(torch.equal(osd["sharded_master_weights"][i], w), (t, p, i, n))
+                self.assertEqual(list(osd["shape_info"][i]), list(model[n].shape))
+        # The weights are the converter's tp 8 pp 2 tag's.
+        self.assert_same_files(out, os.path.join(TAGS, "trn1_tp8_pp2_kv4_fused"))
+
+    def test_optimizer_grouped_otherwise_is_refused(self):
+        src = self.with_zero1_optimizer("trn1_tp4_pp1_kv2_fused", dp=1)
+        path = os.path.join(src, "optim", "dp_rank_00_tp_rank_01_pp_rank_00.pt")
+        osd = torch.load(path)
+        g0, g1 = osd["param_groups"]
+        g0["params"], g1["params"] = g0["params"] + g1["params"][:1], g1["params"][1:]  # one norm moved into the decaying group
+        torch.save(osd, path)
+        p = self.run_tool(RESHARD, src, os.path.join(self.dir, "out"), "--model_config", GQA_CONFIG, "--tp", "2", "--pp", "1",
+                          "--out_kv_size_multiplier", "1", code=2)
+        self.assertIn("dp_rank_00_tp_rank_01_pp_rank_00.pt: its param_groups hold groups of sizes that fit neither NxDT grouping (nxdt-hf",
+                      p.stderr)
+
     def copy_tag(self, name, as_name):
         dst = os.path.join(self.dir, as_name)
         shutil.copytree(os.path.join(TAGS, name), dst)
