@@ -304,37 +304,33 @@ std::vector<Run> HeadRuns(const ParamRule& p, const ModelFormat& f, int tp, int 
   return runs;
 }
 
-std::map<std::string, std::vector<HfRowBlock>> LogicalRowsIn(const ModelFormat& from, const ModelFormat& to) {
-  if (from.family != ModelFamily::kHfLlama || to.family != ModelFamily::kHfLlama)
-    throw Error("re-laying attention tensors under other names needs the HF-style family on both sides");
+std::map<std::string, std::vector<RowsFrom>> LogicalRowsIn(const ModelFormat& from, const ModelFormat& to) {
+  if (from.gelu || to.gelu) throw Error("re-laying GPT-style tensors under other names is not supported (their HF tensors are transposed)");
+  ModelFormat a = from, b = to;  // the same model, whatever the layout
+  for (ModelFormat* f : {&a, &b}) {
+    f->family = ModelFamily::kMegatron, f->fuse_qkv = true, f->qkv_linear = false, f->kv_size_multiplier = 1;
+    f->hw_backend = HwBackend::kUnknown, f->make_vocab_size_divisible_by = 1;
+  }
+  if (!(a == b)) throw Error("the two layouts are of different models: " + from.Describe() + " and " + to.Describe());
   std::map<std::string, const HfTensorSpec*> hf_from;
   const auto specs_from = HfTensorsFor(from, DType::kFloat32), specs_to = HfTensorsFor(to, DType::kFloat32);
   for (const auto& s : specs_from) hf_from[s.name] = &s;
-  // Each logical tensor of `to` as (its first row, HF tensor, HF row, rows), sorted by its row.
-  std::map<std::string, std::map<int64_t, std::pair<const HfTensorSpec*, HfRowBlock>>> pieces;
+  std::map<std::string, std::vector<RowsFrom>> out;
   for (const auto& s : specs_to) {
-    auto it = hf_from.find(s.name);
-    if (it == hf_from.end() || it->second->shape != s.shape) throw Error("the two layouts are of different models: " + s.name);
+    const HfTensorSpec* src = hf_from.at(s.name);
     int64_t hf_row = 0;
     for (const HfRowBlock& b : s.blocks) {
-      pieces[b.name][b.row] = {it->second, {s.name, hf_row, b.rows}};
+      // HF rows [hf_row, hf_row + b.rows) of the tensor, through its blocks in `from`.
+      int64_t at = 0;
+      for (const HfRowBlock& f : src->blocks) {
+        const int64_t lo = std::max(at, hf_row), hi = std::min(at + f.rows, hf_row + b.rows);
+        if (lo < hi) out[b.name].push_back({b.row + (lo - hf_row), {f.name, f.row + (lo - at), hi - lo}});
+        at += f.rows;
+      }
       hf_row += b.rows;
     }
   }
-  std::map<std::string, std::vector<HfRowBlock>> out;
-  for (const auto& [name, rows] : pieces) {
-    auto& blocks = out[name];
-    for (const auto& [row, piece] : rows) {
-      const auto& [spec, hf] = piece;
-      // HF rows [hf.row, hf.row + hf.rows) of `spec`, through its blocks in `from`.
-      int64_t at = 0;
-      for (const HfRowBlock& b : spec->blocks) {
-        const int64_t lo = std::max(at, hf.row), hi = std::min(at + b.rows, hf.row + hf.rows);
-        if (lo < hi) blocks.push_back({b.name, b.row + (lo - at), hi - lo});
-        at += b.rows;
-      }
-    }
-  }
+  for (auto& [name, pieces] : out) std::sort(pieces.begin(), pieces.end(), [](const RowsFrom& x, const RowsFrom& y) { return x.row < y.row; });
   return out;
 }
 

@@ -112,12 +112,18 @@ struct HfTensorSpec {
 std::vector<HfTensorSpec> HfTensorsFor(const ModelFormat& f, DType dtype);
 
 // Where each logical tensor of layout `to` lies in those of `from`, for two
-// layouts of one HF-style model whose attention tensors differ (fused or
-// separate, with or without qkv_linear): row blocks of `from`'s logical
-// tensors, concatenated in order, through the HF tensors both map to.
-// Every logical tensor of `to` has an entry. Throws ckpt::Error when the
-// formats are of different models or families.
-std::map<std::string, std::vector<HfRowBlock>> LogicalRowsIn(const ModelFormat& from, const ModelFormat& to);
+// layouts of one Llama whose logical tensors differ: HF-style attention fused
+// or separate, or one layout of each family. Each target tensor's rows
+// [row, row + from.rows) are rows [from.row, ...) of `from`'s logical tensor
+// from.name; rows no piece covers (vocabulary padding) read as zero. Derived
+// through the HF tensors both map to (HfTensorsFor), so it is exact by
+// construction. Throws ckpt::Error when the formats are of different models,
+// or GPT-style (whose HF tensors are transposed).
+struct RowsFrom {
+  int64_t row;
+  HfRowBlock from;
+};
+std::map<std::string, std::vector<RowsFrom>> LogicalRowsIn(const ModelFormat& from, const ModelFormat& to);
 
 // Why the format has no Hugging Face architecture here ("" when it has one).
 std::string HfUnsupported(const ModelFormat& f);

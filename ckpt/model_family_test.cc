@@ -132,15 +132,36 @@ TEST(ModelFamily, FusedAndSeparateAttentionMapRowForRow) {
   const auto to_split = LogicalRowsIn(fused, split);
   const auto& k = to_split.at("model.layers.3.self_attn.qkv_proj.weight_k");
   ASSERT_EQ(k.size(), 1u);
-  EXPECT_EQ(k[0].name, "model.layers.3.self_attn.qkv_proj.weight_qkv");
-  EXPECT_EQ(k[0].row, 64);
-  EXPECT_EQ(k[0].rows, 16);
+  EXPECT_EQ(k[0].row, 0);
+  EXPECT_EQ(k[0].from.name, "model.layers.3.self_attn.qkv_proj.weight_qkv");
+  EXPECT_EQ(k[0].from.row, 64);
+  EXPECT_EQ(k[0].from.rows, 16);
   const auto to_fused = LogicalRowsIn(split, fused);
   const auto& qkv = to_fused.at("model.layers.0.self_attn.qkv_proj.weight_qkv");
   ASSERT_EQ(qkv.size(), 3u);
-  EXPECT_EQ(qkv[0].name, "model.layers.0.self_attn.qkv_proj.weight_q");
-  EXPECT_EQ(qkv[2].name, "model.layers.0.self_attn.qkv_proj.weight_v");
-  EXPECT_EQ(to_fused.at("model.norm.weight").at(0).name, "model.norm.weight");
+  EXPECT_EQ(qkv[0].from.name, "model.layers.0.self_attn.qkv_proj.weight_q");
+  EXPECT_EQ(qkv[2].from.name, "model.layers.0.self_attn.qkv_proj.weight_v");
+  EXPECT_EQ(qkv[2].row, 80);
+  EXPECT_EQ(to_fused.at("model.norm.weight").at(0).from.name, "model.norm.weight");
+}
+
+// Megatron's per-head [q_h; k_h; v_h] rows and padded vocabulary from the HF-style family's [Q; K; V].
+TEST(ModelFamily, AcrossFamiliesThroughHfTensors) {
+  ModelFormat hf = Tiny(1, HwBackend::kUnknown, true, true), mega = hf;
+  hf.kv_heads = mega.kv_heads = 8;
+  mega.family = ModelFamily::kMegatron, mega.make_vocab_size_divisible_by = 96;  // pads 128 to 192
+  const auto m = LogicalRowsIn(hf, mega);
+  const auto& qkv = m.at("language_model.encoder.layers.2.self_attention.query_key_value.weight");
+  ASSERT_EQ(qkv.size(), 24u);  // 8 heads x q, k, v
+  EXPECT_EQ(qkv[1].row, 8);    // head 0's k
+  EXPECT_EQ(qkv[1].from.name, "model.layers.2.self_attn.qkv_proj.weight_qkv");
+  EXPECT_EQ(qkv[1].from.row, 64);
+  const auto& emb = m.at("language_model.embedding.word_embeddings.weight");
+  ASSERT_EQ(emb.size(), 1u);
+  EXPECT_EQ(emb[0].from.rows, 128);  // rows 128..191 are padding: zeros
+  ModelFormat other = mega;
+  other.hidden = 32;
+  EXPECT_NE(ErrorOf([&] { LogicalRowsIn(hf, other); }).find("different models"), std::string::npos);
 }
 
 TEST(ModelFamily, FormatRoundTripsThroughJson) {

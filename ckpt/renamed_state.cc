@@ -1,6 +1,7 @@
 #include "ckpt/renamed_state.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace ckpt {
 
@@ -14,11 +15,12 @@ RenamedState::RenamedState(const LogicalState& src, const ModelFormat& to) : src
 void RenamedState::Read(const std::string& name, StateField f, uint64_t begin, std::span<uint8_t> out, Touched* touched) const {
   const uint64_t w = static_cast<uint64_t>(width_.at(name)), es = ElementSize(dtype(name, f));
   const uint64_t end = begin + out.size() / es;
-  uint64_t at = 0;  // this tensor's element where the block starts
-  for (const auto& b : blocks_.at(name)) {
-    const uint64_t len = static_cast<uint64_t>(b.rows) * w, lo = std::max(begin, at), hi = std::min(end, at + len);
-    if (lo < hi) src_.Read(b.name, f, static_cast<uint64_t>(b.row) * w + (lo - at), out.subspan((lo - begin) * es, (hi - lo) * es), touched);
-    at += len;
+  std::memset(out.data(), 0, out.size());  // rows no piece covers: vocabulary padding
+  for (const RowsFrom& p : blocks_.at(name)) {
+    const uint64_t at = static_cast<uint64_t>(p.row) * w, len = static_cast<uint64_t>(p.from.rows) * w;
+    const uint64_t lo = std::max(begin, at), hi = std::min(end, at + len);
+    if (lo < hi)
+      src_.Read(p.from.name, f, static_cast<uint64_t>(p.from.row) * w + (lo - at), out.subspan((lo - begin) * es, (hi - lo) * es), touched);
   }
 }
 

@@ -11,9 +11,10 @@
 
 namespace ckpt {
 
-// A source read under the target's logical names, when the two name their
-// attention differently (fused or separate q/k/v): each target tensor is row
-// blocks of the source's (LogicalRowsIn).
+// A source read under the target's logical names, when the two lay out their
+// logical tensors differently (HF-style attention fused or separate q/k/v, or
+// the other model family): each target tensor is row blocks of the source's
+// (LogicalRowsIn); rows none covers (vocabulary padding) read as zero.
 class RenamedState final : public LogicalState {
  public:
   RenamedState(const LogicalState& src, const ModelFormat& to);
@@ -37,11 +38,11 @@ class RenamedState final : public LogicalState {
   uint64_t ReadMemory() const override { return src_.ReadMemory(); }
 
  private:
-  const std::string& First(const std::string& name) const { return blocks_.at(name).front().name; }
+  const std::string& First(const std::string& name) const { return blocks_.at(name).front().from.name; }
   const LogicalState& src_;
   TagLayout layout_;
   std::vector<ParamRule> params_;
-  std::map<std::string, std::vector<HfRowBlock>> blocks_;
+  std::map<std::string, std::vector<RowsFrom>> blocks_;
   std::map<std::string, int64_t> width_;
   std::optional<TensorFingerprints> none_;
 };

@@ -230,8 +230,14 @@ class Planner {
 ckpt::ModelFormat TargetFormat(const ckpt::ModelFormat& from, const ReshardArgs& a) {
   ckpt::ModelFormat to = from;
   const bool asked = a.out_kv_size_multiplier || a.out_hw_backend || a.out_fuse_qkv || a.out_qkv_linear;
+  if (a.out_model_family && *a.out_model_family != from.family) {
+    to.family = *a.out_model_family;
+    to.fuse_qkv = true, to.qkv_linear = false, to.kv_size_multiplier = 1, to.hw_backend = ckpt::HwBackend::kUnknown;  // NxDT's defaults
+    // The HF-style family does not pad the vocabulary; NxDT's megatron models pad to a multiple of 128 x tp.
+    to.make_vocab_size_divisible_by = to.family == ckpt::ModelFamily::kHfLlama ? 1 : 128;
+  }
   if (!asked) return to;
-  if (from.family != ckpt::ModelFamily::kHfLlama)
+  if (to.family != ckpt::ModelFamily::kHfLlama)
     throw Error("--out_kv_size_multiplier, --out_hw_backend, --out_fuse_qkv and --out_qkv_linear apply to HF-style tags (model_source: hf) only");
   if (a.out_fuse_qkv) to.fuse_qkv = *a.out_fuse_qkv;
   if (a.out_qkv_linear) to.qkv_linear = *a.out_qkv_linear;
@@ -336,8 +342,15 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
                         ckpt::BackendName(to_format.hw_backend) + ")");
   sum.format = to_format;
   std::optional<ckpt::RenamedState> renamed;
-  if (to_format.family == ckpt::ModelFamily::kHfLlama &&
-      (to_format.fuse_qkv != L.format.fuse_qkv || to_format.qkv_linear != L.format.qkv_linear)) {
+  if (to_format.family != L.format.family ||
+      (to_format.family == ckpt::ModelFamily::kHfLlama && (to_format.fuse_qkv != L.format.fuse_qkv || to_format.qkv_linear != L.format.qkv_linear))) {
+    if (to_format.family != L.format.family) {
+      if (L.has_optimizer)
+        throw Error(sum.src_tag + ": --out_model_family " + ckpt::FamilyName(to_format.family) +
+                    " re-lays weights only: the two families group optimizer state differently (ckpt::FamilyGrouping); pass --weights_only");
+      sum.notes.push_back(std::string("model family: ") + ckpt::FamilyName(L.format.family) + " -> " + ckpt::FamilyName(to_format.family) +
+                          (to_format.family == ckpt::ModelFamily::kMegatron ? " (vocabulary padded to a multiple of 128 x tp, NxDT's default)" : ""));
+    }
     renamed.emplace(*src, to_format);
     src = &*renamed;
   }

@@ -51,6 +51,8 @@ struct ReshardArgs {
   std::optional<int64_t> out_kv_size_multiplier;
   std::optional<ckpt::HwBackend> out_hw_backend;
   std::optional<bool> out_fuse_qkv, out_qkv_linear;
+  // The target's model family (weights only: the families group optimizer state differently).
+  std::optional<ckpt::ModelFamily> out_model_family;
   bool trust_first_replica = false;  // TagReadOptions::trust_first_replica
   ckpt::MpiLaunch launch;       // under mpirun the ranks split the output files
   bool progress_bar = false;

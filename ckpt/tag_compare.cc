@@ -9,6 +9,7 @@
 
 #include "ckpt/dtype_cast.h"
 #include "ckpt/fingerprint.h"
+#include "ckpt/error.h"
 #include "ckpt/renamed_state.h"
 
 namespace ckpt {
@@ -17,17 +18,26 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b_as_given,
   CompareReport rep;
   const size_t chunk = opts.chunk;
   const ModelFormat &fa = a.layout().format, &fb = b_as_given.layout().format;
-  // The HF-style family's attention tensors may be fused in one tag and not in the other: b is read under a's names.
+  // The tags may name their tensors differently (the other model family, or HF-style attention fused in one and not
+  // in the other): b is then read under a's names.
   std::optional<RenamedState> renamed;
-  if (fa.family == ModelFamily::kHfLlama && fb.family == fa.family && (fa.fuse_qkv != fb.fuse_qkv || fa.qkv_linear != fb.qkv_linear)) {
+  if (fa.family != fb.family || (fa.family == ModelFamily::kHfLlama && (fa.fuse_qkv != fb.fuse_qkv || fa.qkv_linear != fb.qkv_linear))) {
     ModelFormat as_a = fb;
-    as_a.fuse_qkv = fa.fuse_qkv, as_a.qkv_linear = fa.qkv_linear;
-    renamed.emplace(b_as_given, as_a);
+    as_a.family = fa.family, as_a.fuse_qkv = fa.fuse_qkv, as_a.qkv_linear = fa.qkv_linear;
+    as_a.kv_size_multiplier = fa.family == fb.family ? fb.kv_size_multiplier : 1;
+    as_a.make_vocab_size_divisible_by = fa.family == ModelFamily::kHfLlama ? 1 : fb.make_vocab_size_divisible_by;
+    try {
+      renamed.emplace(b_as_given, as_a);
+    } catch (const Error& e) {
+      rep.differences.push_back({"", std::string("the tags cannot be compared tensor for tensor: ") + e.what()});
+      return rep;
+    }
   }
   const LogicalState& b = renamed ? static_cast<const LogicalState&>(*renamed) : b_as_given;
   ModelFormat ua = fa, ub = fb;  // the padding rule, KV replication and attention tensors are layout, not model
   ub.make_vocab_size_divisible_by = ua.make_vocab_size_divisible_by;
   ub.kv_size_multiplier = ua.kv_size_multiplier, ub.hw_backend = ua.hw_backend, ub.fuse_qkv = ua.fuse_qkv, ub.qkv_linear = ua.qkv_linear;
+  ub.family = ua.family;
   // With rope, max_position_embeddings is 0 where a tag does not record it: unknown, not different.
   if (!ua.learned_positions && (ua.max_positions == 0 || ub.max_positions == 0)) ub.max_positions = ua.max_positions;
   if (!(ua == ub)) {

@@ -73,6 +73,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   int64_t out_kv = 0;
   std::string out_backend;
   std::optional<bool> out_fuse, out_qkv_linear;
+  std::string out_family;
   a.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   app.add_option("src", a.src, h5 ? "a file ckpt-export wrote" : "a checkpoint tag, or a checkpoint folder (its newest complete tag is taken)")->required();
   app.add_option("dst", a.dst, "the new tag folder");
@@ -106,6 +107,9 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
         ->check(CLI::IsMember({"trn1", "trn2"}));
     app.add_option("--out_fuse_qkv", out_fuse, "HF-style tags: true or false, NxDT's model.fuse_qkv for the target (default: the source's)");
     app.add_option("--out_qkv_linear", out_qkv_linear, "HF-style tags: true or false, NxDT's model.qkv_linear for the target (default: the source's)");
+    app.add_option("--out_model_family", out_family,
+                   "megatron (NNM and NxDT megatron names) or hf_llama (NxDT's model_source: hf): write the weights in the other family")
+        ->check(CLI::IsMember({"megatron", "hf_llama"}));
     app.add_flag("--trust_first_replica", a.trust_first_replica,
                  "read replicated tensors (norms, replicated KV heads) from their first holder without comparing the other copies");
   } else {
@@ -151,6 +155,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
     return 2;
   }
   a.out_fuse_qkv = out_fuse, a.out_qkv_linear = out_qkv_linear;
+  if (!out_family.empty()) a.out_model_family = ckpt::ParseFamily(out_family);
   a.verify_source = !no_verify;
   a.launch = ckpt::ReadMpiLaunch();  // under mpirun the ranks split the files
   a.progress_bar = ::isatty(2) && a.launch.rank == 0 && !json;

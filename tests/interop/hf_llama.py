@@ -28,6 +28,11 @@ GQA_CONFIG = os.path.join(HERE, "full_gqa", "config.json")
 MHA_CONFIG = os.path.join(HERE, "full_mha", "config.json")
 
 
+def load_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 def full_state(which):
     return torch.load(os.path.join(HERE, "full_" + which, "checkpoint.pt"))
 
@@ -66,8 +71,8 @@ class HfLlamaTags(TempDirTest):
         self.assertEqual(sorted(got), sorted(want))
         for name, t in want.items():
             self.assertTrue(torch.equal(got[name], t), name)
-        config = json.load(open(os.path.join(out, "config.json")))
-        self.assertEqual(config["num_key_value_heads"], json.load(open(GQA_CONFIG if which == "gqa" else MHA_CONFIG))["num_key_value_heads"])
+        config = load_json(os.path.join(out, "config.json"))
+        self.assertEqual(config["num_key_value_heads"], load_json(GQA_CONFIG if which == "gqa" else MHA_CONFIG)["num_key_value_heads"])
         return p.stderr
 
     def test_every_upstream_layout_exports_the_state_it_was_made_from(self):
@@ -93,7 +98,7 @@ class HfLlamaTags(TempDirTest):
             self.run_tool(RESHARD, src, out, "--model_config", GQA_CONFIG, *flags)
             self.assert_same_files(out, os.path.join(TAGS, want))
             # The manifest records what no tensor shows, so the next tool needs no hints.
-            model = json.load(open(os.path.join(out, "manifest.json")))["model"]
+            model = load_json(os.path.join(out, "manifest.json"))["model"]
             self.assertEqual(model["model_family"], "hf_llama")
             self.assertEqual(model["kv_size_multiplier"], 4 if "tp8" in want else 2)
             self.export_equals_full(out, "gqa")
@@ -121,6 +126,35 @@ class HfLlamaTags(TempDirTest):
         p = self.run_tool(VERIFY, os.path.join(TAGS, "trn2_tp4_pp1_kv2_fused_converter"), "--against",
                           os.path.join(TAGS, "trn1_tp4_pp1_kv2_fused"), "--model_config", GQA_CONFIG, code=1)
         self.assertIn("model.layers.0.self_attn.qkv_proj.weight_qkv", p.stdout)
+
+    def test_across_model_families(self):
+        """HF-style -> Megatron-style -> HF-style: the converter's tag back bit for bit, the Megatron tag exporting the same model."""
+        src = os.path.join(TAGS, "trn1_tp8_pp2_kv4_fused")
+        mega = os.path.join(self.dir, "megatron_tp2")
+        p = self.run_tool(RESHARD, src, mega, "--model_config", GQA_CONFIG, "--tp", "2", "--pp", "1", "--out_model_family", "megatron")
+        self.assertIn("model family: hf_llama -> megatron", p.stderr)
+        model = rank_files(mega)[(0, 0)]
+        self.assertEqual(model["language_model.encoder.layers.0.self_attention.query.weight"].shape, (32, 64))
+        # 128 tokens padded to a multiple of 128 x 2: 256 rows, tp rank 1's all padding, zeros.
+        self.assertEqual(model["language_model.embedding.word_embeddings.weight"].shape, (128, 64))
+        self.assertTrue(torch.equal(model["language_model.embedding.word_embeddings.weight"], full_state("gqa")["model.embed_tokens.weight"]))
+        pad = rank_files(mega)[(1, 0)]["language_model.embedding.word_embeddings.weight"]
+        self.assertTrue(torch.equal(pad, torch.zeros(128, 64, dtype=torch.bfloat16)))
+        self.export_equals_full(mega, "gqa")
+        p = self.run_tool(VERIFY, mega, "--against", src, "--model_config", GQA_CONFIG)
+        self.assertIn("same     ", p.stdout)
+        back = os.path.join(self.dir, "hf_again")
+        self.run_tool(RESHARD, mega, back, "--tp", "8", "--pp", "2", "--out_model_family", "hf_llama", "--out_qkv_linear", "true",
+                      "--out_kv_size_multiplier", "4", "--out_hw_backend", "trn1")
+        self.assert_same_files(back, src)
+        # Optimizer state is grouped differently by the two families: refused unless left behind.
+        zero1 = self.with_zero1_optimizer("trn1_tp4_pp1_kv2_fused", dp=1)
+        out = os.path.join(self.dir, "no")
+        p = self.run_tool(RESHARD, zero1, out, "--model_config", GQA_CONFIG, "--tp", "2", "--pp", "1", "--out_model_family", "megatron",
+                          code=2)
+        self.assertIn("pass --weights_only", p.stderr)
+        self.run_tool(RESHARD, zero1, out, "--model_config", GQA_CONFIG, "--tp", "2", "--pp", "1", "--out_model_family", "megatron",
+                      "--weights_only")
 
     def test_the_converters_trn2_tag_is_read_as_trn1_and_refused_as_trn2(self):
         tag = os.path.join(TAGS, "trn2_tp4_pp1_kv2_fused_converter")
@@ -177,7 +211,7 @@ class HfLlamaTags(TempDirTest):
         weight_decay 0.01). Moments and masters are functions of the weight (exp_avg = w/2, exp_avg_sq = w^2, master = w), so
         every re-laid id can be checked against the weight it must belong to."""
         tag = self.copy_tag(name, "zero1_" + name)
-        groups = json.load(open(os.path.join(HERE, "optimizer_groups.json")))["variants"]["gqa_qkv_linear_fused_tp8_kv4"]["pp1"][
+        groups = load_json(os.path.join(HERE, "optimizer_groups.json"))["variants"]["gqa_qkv_linear_fused_tp8_kv4"]["pp1"][
             "do_layer_norm_weight_decay=true"]
         order = [n for g in groups for n in g["params"]]
         ids, at = [], 0
@@ -211,7 +245,7 @@ class HfLlamaTags(TempDirTest):
         out = os.path.join(self.dir, "tp8_pp2")
         self.run_tool(RESHARD, src, out, "--model_config", GQA_CONFIG, "--tp", "8", "--pp", "2", "--dp", "1",
                       "--out_kv_size_multiplier", "4")
-        want_groups = json.load(open(os.path.join(HERE, "optimizer_groups.json")))["variants"]["gqa_qkv_linear_fused_tp8_kv4"]["pp2"]
+        want_groups = load_json(os.path.join(HERE, "optimizer_groups.json"))["variants"]["gqa_qkv_linear_fused_tp8_kv4"]["pp2"]
         models = rank_files(out)
         for (t, p), model in models.items():
             osd = torch.load(os.path.join(out, "optim", "dp_rank_00_tp_rank_%02d_pp_rank_%02d.pt" % (t, p)))
@@ -270,7 +304,7 @@ class HfLlamaTags(TempDirTest):
         p = self.run_tool(RESHARD, tag, out, "--model_config", GQA_CONFIG, "--kv_size_multiplier", "4", "--tp", "2", "--pp", "1", code=2)
         self.assertIn("--kv_size_multiplier 4 contradicts the data", p.stderr)
         self.assertIn("[[0, 2], [1, 3]]", p.stderr)
-        config = json.load(open(GQA_CONFIG))
+        config = load_json(GQA_CONFIG)
         config["intermediate_size"] = 128
         bad = os.path.join(self.dir, "config.json")
         json.dump(config, open(bad, "w"))
