@@ -2,12 +2,30 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 
 #include "ckpt/error.h"
 #include "ckpt/rank_grid.h"
 
 namespace ckpt {
 namespace {
+
+int64_t ConfigInt(const nlohmann::json& j, const char* key, const std::string& where, std::optional<int64_t> fallback = std::nullopt) {
+  if (!j.contains(key) || j[key].is_null()) {
+    if (fallback) return *fallback;
+    throw Error(where + ": has no '" + key + "'");
+  }
+  if (!j[key].is_number_integer() || j[key].get<int64_t>() < 1 || j[key].get<int64_t>() > (int64_t{1} << 40))
+    throw Error(where + ": '" + key + "' is " + j[key].dump() + ", not a positive whole number");
+  return j[key].get<int64_t>();
+}
+
+// A positive number config.json may leave out (`fallback`: transformers' default).
+double ConfigNumber(const nlohmann::json& j, const char* key, const std::string& where, double fallback) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  if (!j[key].is_number() || !(j[key].get<double>() > 0)) throw Error(where + ": '" + key + "' is " + j[key].dump() + ", not a positive number");
+  return j[key].get<double>();
+}
 
 // The HF-style family's attention tensors (LlamaAttention.__init__).
 enum class HfAttention { kQkvFused, kQkvSplit, kStride3, kPlain };
@@ -168,6 +186,45 @@ std::string HfUnsupported(const ModelFormat& f) {
 
 Grouping FamilyGrouping(const ModelFormat& f, const std::vector<std::string>& params, bool norms_decay) {
   return f.family == ModelFamily::kHfLlama ? NxdtHfGrouping(params, !norms_decay) : NxdtGrouping(params, norms_decay);
+}
+
+ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) {
+  const std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty() &&
+                                   c["architectures"][0].is_string()
+                               ? c["architectures"][0].get<std::string>()
+                               : "";
+  ModelFormat f;
+  auto flag = [&](const char* key, bool fallback) {
+    if (!c.contains(key)) return fallback;
+    if (!c[key].is_boolean()) throw Error(cpath + ": '" + key + "' is not true or false");
+    return c[key].get<bool>();
+  };
+  if (arch == "LlamaForCausalLM") {
+    f.hidden = ConfigInt(c, "hidden_size", cpath), f.ffn = ConfigInt(c, "intermediate_size", cpath);
+    f.heads = ConfigInt(c, "num_attention_heads", cpath), f.kv_heads = ConfigInt(c, "num_key_value_heads", cpath, f.heads);
+    f.layers = ConfigInt(c, "num_hidden_layers", cpath), f.vocab_size = ConfigInt(c, "vocab_size", cpath);
+    f.tied_output = flag("tie_word_embeddings", false);
+    if (flag("attention_bias", false) || flag("mlp_bias", false)) throw Error(cpath + ": a Llama with biases, which NxDT's Llama has not");
+    f.rope_theta = ConfigNumber(c, "rope_theta", cpath, 10000.0), f.norm_eps = ConfigNumber(c, "rms_norm_eps", cpath, 1e-6);
+    f.max_positions = ConfigInt(c, "max_position_embeddings", cpath, 2048);  // transformers' LlamaConfig defaults
+    if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
+      throw Error(cpath + ": rope_scaling is set; the training core's rope has no scaling, so this model would compute otherwise");
+  } else if (arch == "GPT2LMHeadModel") {
+    f.hidden = ConfigInt(c, "n_embd", cpath), f.heads = ConfigInt(c, "n_head", cpath), f.kv_heads = f.heads;
+    f.ffn = ConfigInt(c, "n_inner", cpath, 4 * f.hidden), f.layers = ConfigInt(c, "n_layer", cpath);
+    f.vocab_size = ConfigInt(c, "vocab_size", cpath), f.max_positions = ConfigInt(c, "n_positions", cpath);
+    f.tied_output = flag("tie_word_embeddings", true);
+    f.layernorm = f.gelu = f.bias = f.learned_positions = true;
+    f.norm_eps = ConfigNumber(c, "layer_norm_epsilon", cpath, 1e-5);  // GPT2Config's default
+    const std::string act = c.value("activation_function", std::string("gelu_new"));
+    if (act != "gelu")
+      throw Error(cpath + ": activation_function '" + act + "': the training core's GeLU is erf's ('gelu'), so this model would compute otherwise");
+  } else {
+    throw Error(cpath + ": architecture '" + arch + "' is not one this import knows (LlamaForCausalLM, GPT2LMHeadModel)");
+  }
+  if (f.hidden % f.heads || f.heads % f.kv_heads) throw Error(cpath + ": the head counts do not divide the hidden size");
+  if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(cpath + ": " + why);
+  return f;
 }
 
 const char* FamilyName(ModelFamily f) { return f == ModelFamily::kHfLlama ? "hf_llama" : "megatron"; }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -18,6 +19,12 @@
 #include "ckpt/partition.h"
 
 namespace ckpt {
+
+// The model format an HF config.json describes (LlamaForCausalLM or
+// GPT2LMHeadModel; transformers' defaults for what it leaves out), the
+// vocabulary unpadded, Megatron-style family. Throws ckpt::Error naming
+// `cpath` and the key.
+ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath);
 
 const char* FamilyName(ModelFamily f);  // "megatron", "hf_llama" (as manifests record it)
 std::optional<ModelFamily> ParseFamily(const std::string& s);

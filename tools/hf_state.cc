@@ -26,23 +26,6 @@ using ckpt::DType;
 using ckpt::Error;
 
 
-int64_t Int(const nlohmann::json& j, const char* key, const std::string& where, std::optional<int64_t> fallback = std::nullopt) {
-  if (!j.contains(key) || j[key].is_null()) {
-    if (fallback) return *fallback;
-    throw Error(where + ": has no '" + key + "'");
-  }
-  if (!j[key].is_number_integer() || j[key].get<int64_t>() < 1 || j[key].get<int64_t>() > (int64_t{1} << 40))
-    throw Error(where + ": '" + key + "' is " + j[key].dump() + ", not a positive whole number");
-  return j[key].get<int64_t>();
-}
-
-// A positive number config.json may leave out (`fallback`: transformers' default).
-double Number(const nlohmann::json& j, const char* key, const std::string& where, double fallback) {
-  if (!j.contains(key) || j[key].is_null()) return fallback;
-  if (!j[key].is_number() || !(j[key].get<double>() > 0)) throw Error(where + ": '" + key + "' is " + j[key].dump() + ", not a positive number");
-  return j[key].get<double>();
-}
-
 std::optional<DType> SafetensorsType(const std::string& s) {
   if (s == "F32") return DType::kFloat32;
   if (s == "BF16") return DType::kBFloat16;
@@ -126,44 +109,6 @@ std::map<std::string, SafetensorsEntry> ParseSafetensors(std::span<const uint8_t
   return out;
 }
 
-ckpt::ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) {
-  const std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty() &&
-                                   c["architectures"][0].is_string()
-                               ? c["architectures"][0].get<std::string>()
-                               : "";
-  ckpt::ModelFormat f;
-  auto flag = [&](const char* key, bool fallback) {
-    if (!c.contains(key)) return fallback;
-    if (!c[key].is_boolean()) throw Error(cpath + ": '" + key + "' is not true or false");
-    return c[key].get<bool>();
-  };
-  if (arch == "LlamaForCausalLM") {
-    f.hidden = Int(c, "hidden_size", cpath), f.ffn = Int(c, "intermediate_size", cpath);
-    f.heads = Int(c, "num_attention_heads", cpath), f.kv_heads = Int(c, "num_key_value_heads", cpath, f.heads);
-    f.layers = Int(c, "num_hidden_layers", cpath), f.vocab_size = Int(c, "vocab_size", cpath);
-    f.tied_output = flag("tie_word_embeddings", false);
-    if (flag("attention_bias", false) || flag("mlp_bias", false)) throw Error(cpath + ": a Llama with biases, which NxDT's Llama has not");
-    f.rope_theta = Number(c, "rope_theta", cpath, 10000.0), f.norm_eps = Number(c, "rms_norm_eps", cpath, 1e-6);
-    f.max_positions = Int(c, "max_position_embeddings", cpath, 2048);  // transformers' LlamaConfig defaults
-    if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
-      throw Error(cpath + ": rope_scaling is set; the training core's rope has no scaling, so this model would compute otherwise");
-  } else if (arch == "GPT2LMHeadModel") {
-    f.hidden = Int(c, "n_embd", cpath), f.heads = Int(c, "n_head", cpath), f.kv_heads = f.heads;
-    f.ffn = Int(c, "n_inner", cpath, 4 * f.hidden), f.layers = Int(c, "n_layer", cpath);
-    f.vocab_size = Int(c, "vocab_size", cpath), f.max_positions = Int(c, "n_positions", cpath);
-    f.tied_output = flag("tie_word_embeddings", true);
-    f.layernorm = f.gelu = f.bias = f.learned_positions = true;
-    f.norm_eps = Number(c, "layer_norm_epsilon", cpath, 1e-5);  // GPT2Config's default
-    const std::string act = c.value("activation_function", std::string("gelu_new"));
-    if (act != "gelu")
-      throw Error(cpath + ": activation_function '" + act + "': the training core's GeLU is erf's ('gelu'), so this model would compute otherwise");
-  } else {
-    throw Error(cpath + ": architecture '" + arch + "' is not one this import knows (LlamaForCausalLM, GPT2LMHeadModel)");
-  }
-  if (f.hidden % f.heads || f.heads % f.kv_heads) throw Error(cpath + ": the head counts do not divide the hidden size");
-  if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(cpath + ": " + why);
-  return f;
-}
 
 std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& src, const HfImportOptions& o) {
   std::unique_ptr<HfState> s(new HfState());

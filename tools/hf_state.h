@@ -30,10 +30,7 @@
 
 namespace tools {
 
-// The model format an HF config.json describes (LlamaForCausalLM or
-// GPT2LMHeadModel; transformers' defaults for what it leaves out), the
-// vocabulary unpadded. Throws ckpt::Error naming `cpath` and the key.
-ckpt::ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath);
+using ckpt::FormatOfHfConfig;  // ckpt/model_family.h
 // A JSON file read through `env`. Throws ckpt::Error naming it.
 nlohmann::json ReadJson(ckpt::Env* env, const std::string& path);
 
