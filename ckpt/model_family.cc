@@ -227,6 +227,40 @@ ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) 
   return f;
 }
 
+std::string ParamName(const ModelFormat& f, Module m, int layer) {
+  const bool hf = f.family == ModelFamily::kHfLlama;
+  auto at = [&](const char* megatron, const char* hf_name) {
+    return hf ? HfLayer(layer, hf_name) : "language_model.encoder.layers." + std::to_string(layer) + "." + megatron;
+  };
+  switch (m) {
+    case Module::kEmbedding: return hf ? "model.embed_tokens.weight" : "language_model.embedding.word_embeddings.weight";
+    case Module::kPositionEmbedding: return "language_model.embedding.position_embeddings.weight";
+    case Module::kFinalNorm: return hf ? "model.norm.weight" : "language_model.encoder.final_layernorm.weight";
+    case Module::kOutput: return hf ? "lm_head.weight" : "language_model.output_layer.weight";
+    case Module::kInputNorm: return at("input_layernorm.weight", "input_layernorm.weight");
+    case Module::kPostAttentionNorm: return at("post_attention_layernorm.weight", "post_attention_layernorm.weight");
+    case Module::kAttentionOut: return at("self_attention.dense.weight", "self_attn.o_proj.weight");
+    case Module::kMlpIn: return at("mlp.dense_h_to_4h.weight", "mlp.gate_up_proj.weight");
+    case Module::kMlpOut: return at("mlp.dense_4h_to_h.weight", "mlp.down_proj.weight");
+    case Module::kQkv:
+      if (!hf) return at("self_attention.query_key_value.weight", "");
+      return HfLayer(layer, AttentionOf(f) == HfAttention::kQkvFused ? "self_attn.qkv_proj.weight_qkv" : "self_attn.qkv_proj.weight");
+    case Module::kQuery: return hf ? HfLayer(layer, f.qkv_linear ? "self_attn.qkv_proj.weight_q" : "self_attn.q_proj.weight") : at("self_attention.query.weight", "");
+    case Module::kKey: return HfLayer(layer, f.qkv_linear ? "self_attn.qkv_proj.weight_k" : "self_attn.k_proj.weight");
+    case Module::kValue: return HfLayer(layer, f.qkv_linear ? "self_attn.qkv_proj.weight_v" : "self_attn.v_proj.weight");
+    case Module::kKeyValue: return at("self_attention.key_value.weight", "");
+  }
+  return "";
+}
+
+AttentionTensors AttentionTensorsOf(const ModelFormat& f) {
+  if (f.family != ModelFamily::kHfLlama) return f.kv_heads == f.heads ? AttentionTensors::kFused : AttentionTensors::kQueryAndKeyValue;
+  const HfAttention a = AttentionOf(f);
+  return a == HfAttention::kQkvFused || a == HfAttention::kStride3 ? AttentionTensors::kFused : AttentionTensors::kSeparate;
+}
+
+std::string BiasOf(const std::string& weight) { return weight.substr(0, weight.size() - std::string("weight").size()) + "bias"; }
+
 const char* FamilyName(ModelFamily f) { return f == ModelFamily::kHfLlama ? "hf_llama" : "megatron"; }
 
 std::optional<ModelFamily> ParseFamily(const std::string& s) {
@@ -291,10 +325,13 @@ std::vector<ParamRule> HfLlamaParameters(const ModelFormat& f, int tp) {
     add(HfLayer(layer, "mlp.gate_up_proj.weight"), {2 * F, H}, SplitDim::kRows, FusedRows::kGateUp);
     add(HfLayer(layer, "mlp.down_proj.weight"), {H, F}, SplitDim::kColumns);
     add(HfLayer(layer, "input_layernorm.weight"), {H}, SplitDim::kReplicated);
+    p.back().norm = true;
     add(HfLayer(layer, "post_attention_layernorm.weight"), {H}, SplitDim::kReplicated);
+    p.back().norm = true;
   }
   layer = -1, place = StagePlace::kLast;
   add("model.norm.weight", {H}, SplitDim::kReplicated);
+  p.back().norm = true;
   if (!f.tied_output) {
     add("lm_head.weight", {V, H}, SplitDim::kRows);
     p.back().vocab = true;

@@ -26,6 +26,23 @@ namespace ckpt {
 // `cpath` and the key.
 ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath);
 
+// The modules a decoder is built from, and the names of their weights in
+// each family, so the trainer computes one model under either family's names.
+enum class Module {
+  kEmbedding, kPositionEmbedding, kFinalNorm, kOutput,  // outside the layers
+  kInputNorm, kPostAttentionNorm, kAttentionOut, kMlpIn, kMlpOut,
+  kQkv,                    // fused attention: Megatron's per-head [q_h; k_h; v_h], HF-style [Q; K; V] (weight_qkv, stride-3 weight)
+  kQuery, kKeyValue,       // Megatron GQA: query, and key_value per group [k_g; v_g]
+  kKey, kValue,            // HF-style separate q (kQuery), k, v
+};
+// The weight's name of module `m` (of layer `layer` inside the layers).
+std::string ParamName(const ModelFormat& f, Module m, int layer = -1);
+// A weight's bias ("x.weight" -> "x.bias"; Megatron's GPT has them).
+std::string BiasOf(const std::string& weight);
+// Which attention tensors the format has: one fused, query and key_value (Megatron GQA), or separate q, k, v (HF-style).
+enum class AttentionTensors { kFused, kQueryAndKeyValue, kSeparate };
+AttentionTensors AttentionTensorsOf(const ModelFormat& f);
+
 const char* FamilyName(ModelFamily f);  // "megatron", "hf_llama" (as manifests record it)
 std::optional<ModelFamily> ParseFamily(const std::string& s);
 const char* BackendName(HwBackend b);   // "trn1", "trn2", "unknown"

@@ -178,7 +178,8 @@ std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
   };
   auto norm = [&](const std::string& name) {
     add(name + ".weight", {H}, SplitDim::kReplicated);
-    if (f.layernorm) add(name + ".bias", {H}, SplitDim::kReplicated);
+    p.back().norm = true;
+    if (f.layernorm) add(name + ".bias", {H}, SplitDim::kReplicated), p.back().norm = true;
   };
   add("language_model.embedding.word_embeddings.weight", {V, H}, SplitDim::kRows);
   p.back().vocab = true;

@@ -117,6 +117,7 @@ struct ParamRule {
   int layer = -1;               // the decoder layer it belongs to; -1 for embeddings, final norm, output
   StagePlace place = StagePlace::kLayer;  // embeddings: the first stage; final norm and output: the last
   bool no_decay = false;        // NxDT's split (IsNoWeightDecay): norms and biases
+  bool norm = false;            // a norm's weight or bias
 };
 
 // Every logical parameter in module (state-dict) order, vocab padded for `tp`.

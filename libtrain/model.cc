@@ -19,14 +19,7 @@
 namespace train {
 
 namespace {
-const char kWordEmbeddings[] = "language_model.embedding.word_embeddings.weight";
-const char kPositionEmbeddings[] = "language_model.embedding.position_embeddings.weight";
-const char kFinalNorm[] = "language_model.encoder.final_layernorm";
-const char kOutputLayer[] = "language_model.output_layer.weight";
-
-std::string LayerName(int l, const std::string& rest) {
-  return "language_model.encoder.layers." + std::to_string(l) + "." + rest;
-}
+using ckpt::Module;
 }  // namespace
 
 double ModelConfig::norm_eps() const {
@@ -44,6 +37,9 @@ ckpt::ModelFormat ModelConfig::format(int tp) const {
   f.layernorm = layernorm, f.gelu = gelu, f.bias = bias, f.learned_positions = learned_positions;
   f.max_positions = max_positions, f.tied_output = tied_output;
   f.rope_theta = rope_theta, f.norm_eps = norm_eps(), f.rotary_percentage = rotary_percentage;
+  f.family = family;
+  if (family == ckpt::ModelFamily::kHfLlama)
+    f.fuse_qkv = fuse_qkv, f.qkv_linear = qkv_linear, f.kv_size_multiplier = kv_size_multiplier, f.hw_backend = hw_backend;
   return f;
 }
 
@@ -58,12 +54,25 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
   if (c.vocab % tp.size)
     throw ckpt::Error("tensor parallel degree " + std::to_string(tp.size) + " does not divide the padded vocabulary (" +
                       std::to_string(c.vocab) + ")");
-  if ((tp.size > 1) != (tp.comm != nullptr) || (c.kv_heads < tp.size) != (tp.kv_comm != nullptr))
+  if ((tp.size > 1) != (tp.comm != nullptr) || KvHolders(c, tp.size, tp.rank).empty() == (tp.kv_comm != nullptr))
     throw ckpt::Error("internal: tensor-parallel communicators do not match the degree");
   const int64_t n = tp.size, r = tp.rank;
   nh_ = c.heads / n, h0_ = r * nh_;
-  if (c.kv_heads >= n) G_ = c.kv_heads / n, g0_ = r * G_;
-  else G_ = 1, g0_ = ckpt::KvReplicasOf(c.kv_heads, tp.size, tp.rank).group;  // the group of this rank's heads, replicated
+  attention_ = ckpt::AttentionTensorsOf(format_);
+  if (c.family == ckpt::ModelFamily::kHfLlama) {
+    // NxD's placement (ckpt/model_family.h): this rank's query heads and KV heads, paired as HF pairs them (head q with KV q / group).
+    const auto q = ckpt::QueryHeadsOfRank(format_, tp.size, tp.rank), kv = ckpt::KvHeadsOfRank(format_, tp.size, tp.rank);
+    G_ = static_cast<int64_t>(kv.size()), g0_ = kv.front();
+    for (int64_t h : q) {
+      const auto at = std::find(kv.begin(), kv.end(), h / (c.heads / c.kv_heads));
+      if (at == kv.end()) throw ckpt::Error("internal: tp rank " + std::to_string(r) + " holds query head " + std::to_string(h) + " but not its KV head");
+      global_head_.push_back(h), local_group_.push_back(at - kv.begin());
+    }
+  } else {
+    if (c.kv_heads >= n) G_ = c.kv_heads / n, g0_ = r * G_;
+    else G_ = 1, g0_ = ckpt::KvReplicasOf(c.kv_heads, tp.size, tp.rank).group;  // the group of this rank's heads, replicated
+    for (int64_t h = 0; h < nh_; ++h) global_head_.push_back(h0_ + h), local_group_.push_back((h0_ + h) / (c.heads / c.kv_heads) - g0_);
+  }
   F_ = c.ffn / n, f0_ = r * F_;
   V_ = c.vocab / n, v0_ = r * V_;
   if (pp_.bounds.empty()) pp_.bounds = ckpt::StageBounds(c.layers, pp_.size);
@@ -121,11 +130,11 @@ void Model::InitWeights() {
   for (const auto& p : logical_) {
     if (p.name.ends_with(".bias")) continue;  // zeros
     const bool here = params_.count(p.name) > 0;
-    if (p.no_decay) {  // norm weights
+    if (p.norm) {  // norm weights
       if (here) std::fill(W(p.name), W(p.name) + param(p.name).numel(), 1.0f);
       continue;
     }
-    const bool output_proj = p.name.ends_with("self_attention.dense.weight") || p.name.ends_with("mlp.dense_4h_to_h.weight");
+    const bool output_proj = p.layer >= 0 && (p.name == Name(Module::kAttentionOut, p.layer) || p.name == Name(Module::kMlpOut, p.layer));
     std::normal_distribution<float> dist(0.f, output_proj ? scaled : c_.init_std);
     whole.resize(ckpt::ShapeNumel(p.shape));
     for (float& x : whole) x = dist(rng);
@@ -146,7 +155,7 @@ void Model::InitWeights() {
       }
     };
     if (here) slice_into(p.name);
-    if (tied_copy && p.name == kWordEmbeddings) slice_into(ckpt::kTiedOutputCopy);
+    if (tied_copy && p.name == Name(Module::kEmbedding)) slice_into(ckpt::kTiedOutputCopy);
   }
 }
 
@@ -155,17 +164,31 @@ ckpt::DType Model::checkpoint_dtype() const { return c_.bf16_params ? ckpt::DTyp
 void Model::ZeroGrad() { std::memset(flat_grads_->mutable_data(), 0, flat_grads_->nbytes()); }
 
 void Model::ReduceReplicaGrads() {
-  auto sum = [](Comm* comm, ckpt::Tensor& g) { comm->AllReduceSum(reinterpret_cast<float*>(g.mutable_data()), static_cast<size_t>(g.numel())); };
+  auto sum = [](Comm* comm, float* g, int64_t n) { comm->AllReduceSum(g, static_cast<size_t>(n)); };
+  auto sum_all = [&](Comm* comm, ckpt::Tensor& g) { sum(comm, reinterpret_cast<float*>(g.mutable_data()), g.numel()); };
+  // Replicated KV heads: each replica's gradient comes from its own queries, so the sum over the
+  // holders is the one-process gradient (NxD sums over its KV groups, parallel_state.py arrange_kv_groups).
   if (tp_.kv_comm)
-    for (int l = first_layer_; l < end_layer_; ++l)
-      for (const char* part : {"self_attention.key_value.weight", "self_attention.key_value.bias"})
-        if (auto it = grads_.find(LayerName(l, part)); it != grads_.end()) sum(tp_.kv_comm, it->second);
-  if (pp_.embedding_comm) sum(pp_.embedding_comm, grad(pp_.first() ? kWordEmbeddings : ckpt::kTiedOutputCopy));
+    for (int l = first_layer_; l < end_layer_; ++l) {
+      if (attention_ == ckpt::AttentionTensors::kFused) {  // HF-style weight_qkv: its K and V rows, after the queries
+        ckpt::Tensor& g = grad(Name(Module::kQkv, l));
+        const int64_t from = nh_ * c_.head_dim() * c_.hidden;
+        sum(tp_.kv_comm, reinterpret_cast<float*>(g.mutable_data()) + from, g.numel() - from);
+        continue;
+      }
+      const std::vector<Module> kv = attention_ == ckpt::AttentionTensors::kSeparate ? std::vector<Module>{Module::kKey, Module::kValue}
+                                                                                      : std::vector<Module>{Module::kKeyValue};
+      for (Module m : kv) {
+        sum_all(tp_.kv_comm, grad(Name(m, l)));
+        if (c_.bias) sum_all(tp_.kv_comm, grad(ckpt::BiasOf(Name(m, l))));
+      }
+    }
+  if (pp_.embedding_comm) sum_all(pp_.embedding_comm, grad(pp_.first() ? Name(Module::kEmbedding) : ckpt::kTiedOutputCopy));
   // Under sequence parallelism each rank's norms saw its own rows only (Megatron's
   // allreduce of sequence-parallel gradients).
   if (SequenceParallel())
     for (const auto& p : layout_)
-      if (p.name.find("layernorm") != std::string::npos) sum(tp_.comm, grad(p.name));
+      if (p.norm) sum_all(tp_.comm, grad(p.name));
 }
 
 void Model::SumOverModel(double* x, size_t n) const {
@@ -173,20 +196,40 @@ void Model::SumOverModel(double* x, size_t n) const {
   if (pp_.comm) pp_.comm->AllReduceSum(x, n);
 }
 
-const char* Model::OutputWeight() const {
-  if (!c_.tied_output) return kOutputLayer;
-  return pp_.size > 1 ? ckpt::kTiedOutputCopy : kWordEmbeddings;
+std::string Model::OutputWeight() const {
+  if (!c_.tied_output) return Name(Module::kOutput);
+  return pp_.size > 1 ? ckpt::kTiedOutputCopy : Name(Module::kEmbedding);
 }
 
-bool Model::CountsInNorm(const std::string& name) const {
+int64_t Model::CountedRows(const std::string& name) const {
   const auto at = index_.find(name);
   if (at == index_.end()) throw ckpt::Error("model has no parameter '" + name + "'");
   const ckpt::ParamRule* p = &layout_[at->second];
-  if (name == ckpt::kTiedOutputCopy) return false;
-  if (p->split == ckpt::SplitDim::kReplicated) return tp_.rank == 0;  // norms, row-parallel biases, positions
-  if (p->fused == ckpt::FusedRows::kPerGroupKv && c_.kv_heads < tp_.size)
-    return tp_.rank == ckpt::KvReplicasOf(c_.kv_heads, tp_.size, tp_.rank).first;
-  return true;
+  const int64_t rows = param(name).dim() ? param(name).shape()[0] : 1;
+  if (name == ckpt::kTiedOutputCopy) return 0;
+  if (p->split == ckpt::SplitDim::kReplicated) return tp_.rank == 0 ? rows : 0;  // norms, row-parallel biases, positions
+  if (!tp_.kv_comm) return rows;
+  // Replicated KV heads count on their first holder only.
+  const bool first = KvHolders(c_, tp_.size, tp_.rank).front() == tp_.rank;
+  if (p->fused == ckpt::FusedRows::kPerGroupKv || p->fused == ckpt::FusedRows::kKvHeads) return first ? rows : 0;
+  if (p->fused == ckpt::FusedRows::kQkvHeads) return first ? rows : nh_ * c_.head_dim();
+  return rows;
+}
+
+std::vector<int> KvHolders(const ModelConfig& c, int tp, int rank) {
+  std::vector<int> out;
+  if (c.family == ckpt::ModelFamily::kHfLlama) {
+    const ckpt::ModelFormat f = c.format(tp);
+    if (f.kv_size_multiplier == 1) return out;
+    const auto mine = ckpt::KvHeadsOfRank(f, tp, rank);
+    for (int r = 0; r < tp; ++r)
+      if (ckpt::KvHeadsOfRank(f, tp, r) == mine) out.push_back(r);
+    return out;
+  }
+  if (c.kv_heads >= tp) return out;
+  const ckpt::KvReplicas kv = ckpt::KvReplicasOf(c.kv_heads, tp, rank);
+  for (int r = kv.first; r < kv.first + kv.count; ++r) out.push_back(r);
+  return out;
 }
 
 void Model::TpSum(float* x, int64_t n) {
@@ -234,9 +277,23 @@ void Model::HiddenDropout(float* x, uint64_t stream) {
   DropoutApplyColumns(x, B_, Ts * H, tp_.rank * Ts * H, T_ * H, c_.hidden_dropout, stream);
 }
 
-int64_t Model::QCol(int64_t h) const { return c_.gqa() ? h * c_.head_dim() : h * 3 * c_.head_dim(); }
-int64_t Model::KCol(int64_t g) const { return c_.gqa() ? g * 2 * c_.head_dim() : g * 3 * c_.head_dim() + c_.head_dim(); }
-int64_t Model::VCol(int64_t g) const { return c_.gqa() ? g * 2 * c_.head_dim() + c_.head_dim() : g * 3 * c_.head_dim() + 2 * c_.head_dim(); }
+// Megatron's fused rows are per head [q_h; k_h; v_h], its key_value per group
+// [k_g; v_g]; the HF-style fused rows are [Q; K; V] of this rank's heads, its
+// separate k and v projections land side by side in kvproj as [K | V].
+int64_t Model::QCol(int64_t h) const {
+  const int64_t hd = c_.head_dim();
+  return attention_ == ckpt::AttentionTensors::kFused && c_.family == ckpt::ModelFamily::kMegatron ? h * 3 * hd : h * hd;
+}
+int64_t Model::KCol(int64_t g) const {
+  const int64_t hd = c_.head_dim();
+  if (c_.family == ckpt::ModelFamily::kHfLlama) return attention_ == ckpt::AttentionTensors::kFused ? (nh_ + g) * hd : g * hd;
+  return attention_ == ckpt::AttentionTensors::kFused ? g * 3 * hd + hd : g * 2 * hd;
+}
+int64_t Model::VCol(int64_t g) const {
+  const int64_t hd = c_.head_dim();
+  if (c_.family == ckpt::ModelFamily::kHfLlama) return attention_ == ckpt::AttentionTensors::kFused ? (nh_ + G_ + g) * hd : (G_ + g) * hd;
+  return attention_ == ckpt::AttentionTensors::kFused ? g * 3 * hd + 2 * hd : g * 2 * hd + hd;
+}
 
 ckpt::Value Model::StateDict() const {
   ckpt::Value d = ckpt::Value::NewDict();
@@ -272,54 +329,53 @@ void Model::LoadStateDict(const ckpt::Value& sd) {
   }
 }
 
-void Model::NormForward(const std::string& prefix, const float* x, float* out, std::vector<float>& mean,
+void Model::NormForward(const std::string& weight, const float* x, float* out, std::vector<float>& mean,
                         std::vector<float>& rstd) {
   const int64_t N = Rows(), H = c_.hidden;
   rstd.resize(N);
   if (c_.layernorm) {
     mean.resize(N);
-    LayerNormForward(out, mean.data(), rstd.data(), x, W(prefix + ".weight"), W(prefix + ".bias"), c_.eps, N, H);
+    LayerNormForward(out, mean.data(), rstd.data(), x, W(weight), W(ckpt::BiasOf(weight)), c_.eps, N, H);
   } else {
-    RmsNormForward(out, rstd.data(), x, W(prefix + ".weight"), c_.eps, N, H);
+    RmsNormForward(out, rstd.data(), x, W(weight), c_.eps, N, H);
   }
 }
 
-void Model::NormBackward(const std::string& prefix, const float* dout, const float* x, const std::vector<float>& mean,
+void Model::NormBackward(const std::string& weight, const float* dout, const float* x, const std::vector<float>& mean,
                          const std::vector<float>& rstd, float* dx) {
   const int64_t N = Rows(), H = c_.hidden;
   if (c_.layernorm)
-    LayerNormBackward(dx, Dw(prefix + ".weight"), Dw(prefix + ".bias"), dout, x, W(prefix + ".weight"), mean.data(),
+    LayerNormBackward(dx, Dw(weight), Dw(ckpt::BiasOf(weight)), dout, x, W(weight), mean.data(),
                       rstd.data(), N, H);
   else
-    RmsNormBackward(dx, Dw(prefix + ".weight"), dout, x, W(prefix + ".weight"), rstd.data(), N, H);
+    RmsNormBackward(dx, Dw(weight), dout, x, W(weight), rstd.data(), N, H);
 }
 
-void Model::Linear(const std::string& prefix, const float* x, float* out, int64_t K, int64_t C) {
-  LinearForward(out, x, W(prefix + ".weight"), c_.bias ? W(prefix + ".bias") : nullptr, B_ * T_, K, C);
+void Model::Linear(const std::string& weight, const float* x, float* out, int64_t K, int64_t C) {
+  LinearForward(out, x, W(weight), c_.bias ? W(ckpt::BiasOf(weight)) : nullptr, B_ * T_, K, C);
 }
 
-void Model::RowParallelLinear(const std::string& prefix, const float* x, float* out, int64_t K, int64_t C) {
+void Model::RowParallelLinear(const std::string& weight, const float* x, float* out, int64_t K, int64_t C) {
   const int64_t N = B_ * T_, R = Rows();
   // Each rank's K columns give a partial sum over all N rows; summed, this rank keeps its rows.
   std::vector<float> partial;
   float* whole = out;
   if (SequenceParallel()) partial.resize(N * C), whole = partial.data();
-  LinearForward(whole, x, W(prefix + ".weight"), nullptr, N, K, C);
+  LinearForward(whole, x, W(weight), nullptr, N, K, C);
   ReduceRows(whole, out);
   if (c_.bias) {  // the bias is whole: added once, after the sum
-    const float* b = W(prefix + ".bias");
+    const float* b = W(ckpt::BiasOf(weight));
     tbb::parallel_for(int64_t{0}, R, [&](int64_t n) {
       for (int64_t i = 0; i < C; ++i) out[n * C + i] += b[i];
     });
   }
 }
 
-void Model::LinearGrad(const std::string& prefix, const float* dout, const float* x, float* dx, int64_t K, int64_t C) {
-  LinearBackward(dx, Dw(prefix + ".weight"), c_.bias ? Dw(prefix + ".bias") : nullptr, dout, x, W(prefix + ".weight"),
+void Model::LinearGrad(const std::string& weight, const float* dout, const float* x, float* dx, int64_t K, int64_t C) {
+  LinearBackward(dx, Dw(weight), c_.bias ? Dw(ckpt::BiasOf(weight)) : nullptr, dout, x, W(weight),
                  B_ * T_, K, C);
 }
 
-int64_t Model::LocalGroup(int64_t h) const { return (h0_ + h) / (c_.heads / c_.kv_heads) - g0_; }
 
 // Attention over this rank's heads: project, split heads (with RoPE on q and
 // k), causal softmax attention per (batch, head), heads concatenated into y.
@@ -329,16 +385,27 @@ void Model::AttentionForward(int l, LayerCache& lc) {
   const float* qsrc;
   const float* kvsrc;
   int64_t qstride, kvstride;
-  if (c_.gqa()) {
+  if (attention_ != ckpt::AttentionTensors::kFused) {
     lc.proj.resize(N * Hl);
     lc.kvproj.resize(N * 2 * G * hd);
-    Linear(LayerName(l, "self_attention.query"), lc.ln1.data(), lc.proj.data(), H, Hl);
-    Linear(LayerName(l, "self_attention.key_value"), lc.ln1.data(), lc.kvproj.data(), H, 2 * G * hd);
+    Linear(Name(Module::kQuery, l), lc.ln1.data(), lc.proj.data(), H, Hl);
+    if (attention_ == ckpt::AttentionTensors::kSeparate) {  // k and v side by side: [K | V] per row
+      std::vector<float> k(N * G * hd), v(N * G * hd);
+      Linear(Name(Module::kKey, l), lc.ln1.data(), k.data(), H, G * hd);
+      Linear(Name(Module::kValue, l), lc.ln1.data(), v.data(), H, G * hd);
+      for (int64_t n = 0; n < N; ++n) {
+        std::copy_n(&k[n * G * hd], G * hd, &lc.kvproj[n * 2 * G * hd]);
+        std::copy_n(&v[n * G * hd], G * hd, &lc.kvproj[n * 2 * G * hd + G * hd]);
+      }
+    } else {
+      Linear(Name(Module::kKeyValue, l), lc.ln1.data(), lc.kvproj.data(), H, 2 * G * hd);
+    }
     qsrc = lc.proj.data(), qstride = Hl, kvsrc = lc.kvproj.data(), kvstride = 2 * G * hd;
   } else {
-    lc.proj.resize(N * 3 * Hl);
-    Linear(LayerName(l, "self_attention.query_key_value"), lc.ln1.data(), lc.proj.data(), H, 3 * Hl);
-    qsrc = kvsrc = lc.proj.data(), qstride = kvstride = 3 * Hl;
+    const int64_t width = Hl + 2 * G * hd;  // Megatron's MHA (G = nh) and the HF-style [Q; K; V]
+    lc.proj.resize(N * width);
+    Linear(Name(Module::kQkv, l), lc.ln1.data(), lc.proj.data(), H, width);
+    qsrc = kvsrc = lc.proj.data(), qstride = kvstride = width;
   }
   lc.q.resize(B * nh * T * hd);
   lc.k.resize(B * G * T * hd);
@@ -371,7 +438,7 @@ void Model::AttentionCore(int l, LayerCache& lc) {
   tbb::parallel_for(int64_t{0}, B * nh, [&](int64_t bh) {
     const int64_t b = bh / nh, h = bh % nh, g = LocalGroup(h);
     // The mask index of the global head, as one process numbers them.
-    const int64_t global_bh = b * c_.heads + h0_ + h;
+    const int64_t global_bh = b * c_.heads + global_head_[h];
     const float* q = &lc.q[bh * T * hd];
     const float* k = &lc.k[(b * G + g) * T * hd];
     const float* v = &lc.v[(b * G + g) * T * hd];
@@ -414,7 +481,7 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
     std::vector<float> datt(T);
     for (int64_t h = 0; h < nh; ++h) {
       if (LocalGroup(h) != g) continue;
-      const int64_t bh = b * nh + h, global_bh = b * c_.heads + h0_ + h;
+      const int64_t bh = b * nh + h, global_bh = b * c_.heads + global_head_[h];
       const float* q = &lc.q[bh * T * hd];
       float* dqh = &dq[bh * T * hd];
       for (int64_t t = 0; t < T; ++t) {
@@ -442,10 +509,11 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
     }
   });
   // Undo RoPE on the gradients and scatter them into the projection layout.
-  const int64_t qstride = c_.gqa() ? Hl : 3 * Hl, kvstride = c_.gqa() ? 2 * G * hd : 3 * Hl;
+  const bool fused = attention_ == ckpt::AttentionTensors::kFused;
+  const int64_t qstride = fused ? Hl + 2 * G * hd : Hl, kvstride = fused ? qstride : 2 * G * hd;
   std::vector<float> dproj(lc.proj.size(), 0.f), dkvproj(lc.kvproj.size(), 0.f);
   float* dq_dst = dproj.data();
-  float* dkv_dst = c_.gqa() ? dkvproj.data() : dproj.data();
+  float* dkv_dst = fused ? dproj.data() : dkvproj.data();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       const int64_t n = b * T + t;
@@ -461,15 +529,28 @@ void Model::AttentionBackward(int l, LayerCache& lc, const float* dy, float* dln
         std::memcpy(dkv_dst + n * kvstride + VCol(g), &dv[((b * G + g) * T + t) * hd], hd * sizeof(float));
       }
     }
-  if (c_.gqa()) {
+  if (!fused) {
     std::vector<float> tmp(N * H);
-    LinearGrad(LayerName(l, "self_attention.query"), dproj.data(), lc.ln1.data(), dln1, H, Hl);
-    LinearGrad(LayerName(l, "self_attention.key_value"), dkvproj.data(), lc.ln1.data(), tmp.data(), H, 2 * G * hd);
+    LinearGrad(Name(Module::kQuery, l), dproj.data(), lc.ln1.data(), dln1, H, Hl);
     // A replicated KV group: each replica's part comes from its own heads' dk and dv, so the
     // sum over the ranks below is the one-process gradient.
-    for (int64_t i = 0; i < N * H; ++i) dln1[i] += tmp[i];
+    auto add_dx = [&](Module m, const float* dout, int64_t width) {
+      LinearGrad(Name(m, l), dout, lc.ln1.data(), tmp.data(), H, width);
+      for (int64_t i = 0; i < N * H; ++i) dln1[i] += tmp[i];
+    };
+    if (attention_ == ckpt::AttentionTensors::kSeparate) {  // [K | V] back into k's and v's gradients
+      std::vector<float> dk_rows(N * G * hd), dv_rows(N * G * hd);
+      for (int64_t n = 0; n < N; ++n) {
+        std::copy_n(&dkvproj[n * 2 * G * hd], G * hd, &dk_rows[n * G * hd]);
+        std::copy_n(&dkvproj[n * 2 * G * hd + G * hd], G * hd, &dv_rows[n * G * hd]);
+      }
+      add_dx(Module::kKey, dk_rows.data(), G * hd);
+      add_dx(Module::kValue, dv_rows.data(), G * hd);
+    } else {
+      add_dx(Module::kKeyValue, dkvproj.data(), 2 * G * hd);
+    }
   } else {
-    LinearGrad(LayerName(l, "self_attention.query_key_value"), dproj.data(), lc.ln1.data(), dln1, H, 3 * Hl);
+    LinearGrad(Name(Module::kQkv, l), dproj.data(), lc.ln1.data(), dln1, H, qstride);
   }
 }
 
@@ -479,34 +560,34 @@ void Model::LayerForward(int l, LayerCache& lc, float* out) {
   std::vector<float> ln;
   if (SequenceParallel()) {
     ln.resize(R * H);
-    NormForward(LayerName(l, "input_layernorm"), lc.x.data(), ln.data(), lc.mean1, lc.rstd1);
+    NormForward(Name(Module::kInputNorm, l), lc.x.data(), ln.data(), lc.mean1, lc.rstd1);
     GatherRows(ln.data(), lc.ln1);
   } else {
     lc.ln1.resize(N * H);
-    NormForward(LayerName(l, "input_layernorm"), lc.x.data(), lc.ln1.data(), lc.mean1, lc.rstd1);
+    NormForward(Name(Module::kInputNorm, l), lc.x.data(), lc.ln1.data(), lc.mean1, lc.rstd1);
   }
   AttentionForward(l, lc);
   std::vector<float> attn_out(R * H);
-  RowParallelLinear(LayerName(l, "self_attention.dense"), lc.y.data(), attn_out.data(), Hl, H);
+  RowParallelLinear(Name(Module::kAttentionOut, l), lc.y.data(), attn_out.data(), Hl, H);
   HiddenDropout(attn_out.data(), DropoutSite(l, 1));
   lc.x2.resize(R * H);
   for (int64_t i = 0; i < R * H; ++i) lc.x2[i] = lc.x[i] + attn_out[i];
   if (SequenceParallel()) {
-    NormForward(LayerName(l, "post_attention_layernorm"), lc.x2.data(), ln.data(), lc.mean2, lc.rstd2);
+    NormForward(Name(Module::kPostAttentionNorm, l), lc.x2.data(), ln.data(), lc.mean2, lc.rstd2);
     GatherRows(ln.data(), lc.ln2);
   } else {
     lc.ln2.resize(N * H);
-    NormForward(LayerName(l, "post_attention_layernorm"), lc.x2.data(), lc.ln2.data(), lc.mean2, lc.rstd2);
+    NormForward(Name(Module::kPostAttentionNorm, l), lc.x2.data(), lc.ln2.data(), lc.mean2, lc.rstd2);
   }
   const int64_t fc_width = c_.gelu ? F : 2 * F;
   lc.fc.resize(N * fc_width), lc.act.resize(N * F);
-  Linear(LayerName(l, "mlp.dense_h_to_4h"), lc.ln2.data(), lc.fc.data(), H, fc_width);
+  Linear(Name(Module::kMlpIn, l), lc.ln2.data(), lc.fc.data(), H, fc_width);
   if (c_.gelu) GeluForward(lc.act.data(), lc.fc.data(), N * F);
   else SwiGluForward(lc.act.data(), lc.fc.data(), N, F);
   // act holds what dense_4h_to_h sees; masks keyed on the global FFN column.
   DropoutApplyColumns(lc.act.data(), N, F, f0_, c_.ffn, c_.ffn_dropout, DropoutSite(l, 2));
   std::vector<float> mlp_out(R * H);
-  RowParallelLinear(LayerName(l, "mlp.dense_4h_to_h"), lc.act.data(), mlp_out.data(), F, H);
+  RowParallelLinear(Name(Module::kMlpOut, l), lc.act.data(), mlp_out.data(), F, H);
   HiddenDropout(mlp_out.data(), DropoutSite(l, 3));
   for (int64_t i = 0; i < R * H; ++i) out[i] = lc.x2[i] + mlp_out[i];
 }
@@ -576,10 +657,10 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
     a.tokens.assign(tokens, tokens + N);
     // Vocab-parallel embedding: each rank looks up the tokens in its rows, the sum is the lookup.
     std::vector<float> whole(N * H);
-    EmbeddingForward(whole.data(), tokens, W(kWordEmbeddings), N, H, v0_, V_);
+    EmbeddingForward(whole.data(), tokens, W(Name(Module::kEmbedding)), N, H, v0_, V_);
     ReduceRows(whole.data(), x.data());
     if (c_.learned_positions) {  // row i here is position t0 + i % Ts of its sequence
-      const float* pos = W(kPositionEmbeddings);
+      const float* pos = W(Name(Module::kPositionEmbedding));
       const int64_t Ts = R / B, t0 = SequenceParallel() ? tp_.rank * Ts : 0;
       for (int64_t n = 0; n < R; ++n)
         for (int64_t i = 0; i < H; ++i) x[n * H + i] += pos[(t0 + n % Ts) * H + i];
@@ -603,7 +684,7 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
   a.targets.assign(targets, targets + N);
   a.x_final = std::move(x);
   std::vector<float> lnf(R * H);
-  NormForward(kFinalNorm, a.x_final.data(), lnf.data(), a.meanf, a.rstdf);
+  NormForward(Name(Module::kFinalNorm), a.x_final.data(), lnf.data(), a.meanf, a.rstdf);
   if (SequenceParallel()) GatherRows(lnf.data(), a.lnf);
   else a.lnf = std::move(lnf);
   a.logits.resize(N * V_), a.probs.resize(N * V_);
@@ -633,7 +714,7 @@ void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float
     std::vector<float> dlogits(N * V);
     CrossEntropyBackward(dlogits.data(), a.probs.data(), a.targets.data(), v0_, N, V);
     LinearBackward(dln.data(), Dw(OutputWeight()), nullptr, dlogits.data(), a.lnf.data(), W(OutputWeight()), N, H, V);
-    NormBackward(kFinalNorm, reduce_dln(), a.x_final.data(), a.meanf, a.rstdf, dx.data());
+    NormBackward(Name(Module::kFinalNorm), reduce_dln(), a.x_final.data(), a.meanf, a.rstdf, dx.data());
   } else {
     std::copy(dx_out, dx_out + R * H, dx.begin());
   }
@@ -659,26 +740,26 @@ void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float
       AttentionCore(l, lc);
     }
     // MLP block: dx is the gradient at the layer output (x2 + dropout(mlp_out)).
-    LinearGrad(LayerName(l, "mlp.dense_4h_to_h"), before_dropout(l, 3), lc.act.data(), dact.data(), F, H);
+    LinearGrad(Name(Module::kMlpOut, l), before_dropout(l, 3), lc.act.data(), dact.data(), F, H);
     DropoutApplyColumns(dact.data(), N, F, f0_, c_.ffn, c_.ffn_dropout, DropoutSite(l, 2));
     if (c_.gelu) GeluBackward(dfc.data(), dact.data(), lc.fc.data(), N * F);
     else SwiGluBackward(dfc.data(), dact.data(), lc.fc.data(), N, F);
-    LinearGrad(LayerName(l, "mlp.dense_h_to_4h"), dfc.data(), lc.ln2.data(), dln.data(), H, fc_width);
-    NormBackward(LayerName(l, "post_attention_layernorm"), reduce_dln(), lc.x2.data(), lc.mean2, lc.rstd2, dpart.data());
+    LinearGrad(Name(Module::kMlpIn, l), dfc.data(), lc.ln2.data(), dln.data(), H, fc_width);
+    NormBackward(Name(Module::kPostAttentionNorm, l), reduce_dln(), lc.x2.data(), lc.mean2, lc.rstd2, dpart.data());
     for (int64_t i = 0; i < R * H; ++i) dx[i] += dpart[i];  // now the gradient at x2
     // Attention block.
-    LinearGrad(LayerName(l, "self_attention.dense"), before_dropout(l, 1), lc.y.data(), dy.data(), Hl, H);
+    LinearGrad(Name(Module::kAttentionOut, l), before_dropout(l, 1), lc.y.data(), dy.data(), Hl, H);
     AttentionBackward(l, lc, dy.data(), dln.data());
-    NormBackward(LayerName(l, "input_layernorm"), reduce_dln(), lc.x.data(), lc.mean1, lc.rstd1, dpart.data());
+    NormBackward(Name(Module::kInputNorm, l), reduce_dln(), lc.x.data(), lc.mean1, lc.rstd1, dpart.data());
     for (int64_t i = 0; i < R * H; ++i) dx[i] += dpart[i];  // the gradient at the layer input
     Drop(lc);
   }
   if (pp_.first()) {
     HiddenDropout(dx.data(), DropoutSite(-1, 0));
     const float* d = GatherRows(dx.data(), whole);  // every row: each rank's vocabulary rows, all positions
-    EmbeddingBackward(Dw(kWordEmbeddings), d, a.tokens.data(), N, H, v0_, V_);
+    EmbeddingBackward(Dw(Name(Module::kEmbedding)), d, a.tokens.data(), N, H, v0_, V_);
     if (c_.learned_positions) {
-      float* dpos = Dw(kPositionEmbeddings);
+      float* dpos = Dw(Name(Module::kPositionEmbedding));
       for (int64_t n = 0; n < N; ++n)  // serial: positions repeat across the batch
         for (int64_t i = 0; i < H; ++i) dpos[(n % T_) * H + i] += d[n * H + i];
     }

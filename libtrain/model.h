@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/model_family.h"
 #include "ckpt/partition.h"
 #include "ckpt/tensor.h"
 #include "ckpt/value.h"
@@ -80,6 +81,14 @@ struct ModelConfig {
   // keeps float32 master weights); activations and gradients stay float32.
   bool bf16_params = false;
   uint64_t seed = 1234;
+  // The model family (ckpt/model_family.h): the names the parameters carry
+  // and, for the HF-style family (NxDT's model_source: hf), its attention
+  // tensors (model.fuse_qkv, model.qkv_linear) and NxD's KV replication
+  // (distributed_strategy.kv_replicator, and the backend's rule).
+  ckpt::ModelFamily family = ckpt::ModelFamily::kMegatron;
+  bool fuse_qkv = true, qkv_linear = false;
+  int64_t kv_size_multiplier = 1;
+  ckpt::HwBackend hw_backend = ckpt::HwBackend::kTrn1;
   int64_t head_dim() const { return hidden / heads; }
   int64_t rotary_dim() const {
     return learned_positions ? 0 : static_cast<int64_t>(head_dim() * rotary_percentage) / 2 * 2;
@@ -94,6 +103,11 @@ struct ModelConfig {
 
 class Comm;
 
+// The tensor-parallel ranks holding the same KV heads as tp rank `rank`
+// (replicated: Megatron's kv_heads < tp, consecutive ranks; the HF-style
+// family's kv_size_multiplier > 1, by NxD's rule); empty when not replicated.
+std::vector<int> KvHolders(const ModelConfig& c, int tp, int rank);
+
 // This model's place in a tensor-parallel group.
 struct TensorParallel {
   int size = 1, rank = 0;
@@ -103,7 +117,7 @@ struct TensorParallel {
   // reduce-scatters replace the row-parallel all-reduces.
   bool sequence_parallel = false;
   Comm* comm = nullptr;     // the tensor-parallel group; nullptr when size is 1
-  Comm* kv_comm = nullptr;  // with kv_heads < size: the ranks sharing this rank's KV group
+  Comm* kv_comm = nullptr;  // replicated KV heads: the ranks holding this rank's (KvHolders)
 };
 
 
@@ -178,10 +192,12 @@ class Model {
   // embedding of the first and last stages, so the copies take the same step.
   // Once per step, after the last Backward.
   void ReduceReplicaGrads();
-  // Whether this rank's copy of `name` counts in global norms: a tensor
-  // replicated over the tensor-parallel ranks counts on one of them only, the
-  // tied output copy not at all (the first stage counts the embedding).
-  bool CountsInNorm(const std::string& name) const;
+  // How many leading rows of this rank's copy of `name` count in global
+  // norms: a tensor replicated over the tensor-parallel ranks counts on one of
+  // them only, the tied output copy not at all (the first stage counts the
+  // embedding), and an HF-style fused weight_qkv whose KV heads are
+  // replicated counts its query rows on every rank and its KV rows on one.
+  int64_t CountedRows(const std::string& name) const;
   // Sums x over the ranks holding the other parts of the model (tensor, then
   // pipeline parallel).
   void SumOverModel(double* x, size_t n) const;
@@ -204,6 +220,8 @@ class Model {
   // This stage's parameters in module order, under the names of its
   // checkpoint file, with their logical shapes (tp 1); param() and grad() hold
   // this rank's slices of them.
+  // The checkpoint format this model reads and writes (its family, heads, KV replication).
+  const ckpt::ModelFormat& format() const { return format_; }
   const std::vector<ckpt::ParamRule>& layout() const { return layout_; }
   // This rank's vocabulary columns of the last Forward's logits [N, vocab / tp].
   const std::vector<float>& logits() const { return last_.logits; }
@@ -235,13 +253,15 @@ class Model {
   // Rows() (ReduceRows), then the whole bias.
   void RowParallelLinear(const std::string& prefix, const float* x, float* out, int64_t K, int64_t C);
   // The local group of local head h.
-  int64_t LocalGroup(int64_t h) const;
+  int64_t LocalGroup(int64_t h) const { return local_group_[h]; }
   void LinearGrad(const std::string& prefix, const float* dout, const float* x, float* dx, int64_t K, int64_t C);
   // Runs layer l on lc.x, filling lc and writing the layer output to `out`
   // (hidden states of Rows() rows; lc.ln1 and lc.ln2 hold all B*T rows).
   void LayerForward(int l, LayerCache& lc, float* out);
   // The name of the output layer's weight on this stage.
-  const char* OutputWeight() const;
+  std::string OutputWeight() const;
+  // The name of module m's weight (of layer l) in this model's family.
+  std::string Name(ckpt::Module m, int l = -1) const { return ckpt::ParamName(format_, m, l); }
   void AttentionForward(int l, LayerCache& lc);
   // Softmax attention of layer l from lc.q/k/v into lc.att and lc.y.
   void AttentionCore(int l, LayerCache& lc);
@@ -276,6 +296,9 @@ class Model {
   // This rank's share: heads [h0_, h0_ + nh_), KV groups from g0_ (G_ of them),
   // FFN columns [f0_, f0_ + F_), vocabulary rows [v0_, v0_ + V_).
   int64_t nh_ = 0, h0_ = 0, G_ = 0, g0_ = 0, F_ = 0, f0_ = 0, V_ = 0, v0_ = 0;
+  // Local head h's global head (dropout masks are keyed on it) and the local KV group it attends with.
+  std::vector<int64_t> global_head_, local_group_;
+  ckpt::AttentionTensors attention_ = ckpt::AttentionTensors::kFused;
   ckpt::ModelFormat format_;
   std::vector<ckpt::ParamRule> logical_;  // every parameter of the model
   std::vector<ckpt::ParamRule> layout_;   // this stage's

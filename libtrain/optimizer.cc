@@ -12,6 +12,7 @@
 #include "ckpt/optimizer_groups.h"
 #include "ckpt/optimizer_state.h"
 #include "ckpt/partition.h"
+#include "ckpt/model_family.h"
 #include "libtrain/comm.h"
 
 namespace train {
@@ -22,7 +23,10 @@ AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp) : c_(c), dp_(dp) {
   std::vector<std::string> names;
   std::map<std::string, const std::vector<int64_t>*> shapes;  // this rank's slices
   for (const auto& p : m.layout()) names.push_back(p.name), shapes[p.name] = &m.param(p.name).shape();
-  for (const auto& entry : ckpt::OptimizerOrder(names, c.do_layer_norm_weight_decay)) {
+  // NxDT's grouping for the model's family (ckpt::FamilyGrouping: norms decay with Megatron's flag, not with the HF-style one's).
+  const ckpt::ModelFormat& f = m.format();
+  const bool norms_decay = f.family == ckpt::ModelFamily::kHfLlama ? !c.do_layer_norm_weight_decay : c.do_layer_norm_weight_decay;
+  for (const auto& entry : ckpt::FamilyGrouping(f, names, norms_decay).order) {
     order_.push_back(entry.name);
     group_.push_back(entry.group);
     Slot s;
@@ -85,9 +89,9 @@ void Scale(float* x, int64_t n, double by) {
 double SumSquares(Model& m, bool grads) {
   double total = 0;
   for (const auto& p : m.layout()) {
-    if (!m.CountsInNorm(p.name)) continue;
     const ckpt::Tensor& t = grads ? m.grad(p.name) : m.param(p.name);
-    total += SumSquares(reinterpret_cast<const float*>(t.data()), t.numel());
+    const int64_t rows = t.dim() ? t.shape()[0] : 1;
+    total += SumSquares(reinterpret_cast<const float*>(t.data()), t.numel() / rows * m.CountedRows(p.name));
   }
   m.SumOverModel(&total, 1);
   return total;
@@ -125,7 +129,11 @@ double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
     const std::span<float> g = Gradient(m, i);
     const int64_t n = static_cast<int64_t>(g.size());
     if (scale != 1.0) Scale(g.data(), n, scale);
-    if (m.CountsInNorm(order_[i])) sum_squares += SumSquares(g.data(), n);  // a tensor-parallel replica counts once
+    // A tensor-parallel replica counts once: the rows of this rank's part that count (a ZeRO-1 shard holds rows from `lo`).
+    const Slot& s = slot_[i];
+    const int64_t lo = Sharded() ? s.Chunk(s.own).first : 0;
+    const int64_t counted = std::clamp<int64_t>(m.CountedRows(order_[i]) - lo, 0, s.row_elems ? n / s.row_elems : 0);
+    sum_squares += SumSquares(g.data(), counted * s.row_elems);
   }
   if (Sharded()) dp_->AllReduceSum(&sum_squares, 1);
   m.SumOverModel(&sum_squares, 1);

@@ -1,5 +1,13 @@
 #include "libtrain/train_config.h"
 
+#include "ckpt/env.h"
+
+#include "ckpt/value_json.h"
+
+#include "ckpt/model_family.h"
+
+#include <filesystem>
+
 #include <cmath>
 #include <fstream>
 #include <optional>
@@ -177,17 +185,52 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   }
 
   ModelConfig& m = c.model;
-  m.layers = r.Int("model.num_layers", 2, 1, 1 << 16);
-  m.hidden = r.Int("model.hidden_size", 64, 1, 1 << 20);
-  m.ffn = r.Int("model.ffn_hidden_size", m.hidden * 4, 1, 1 << 24);
-  m.heads = r.Int("model.num_attention_heads", 4, 1, 1 << 16);
-  m.kv_heads = r.Int("model.num_kv_heads", m.heads, 1, 1 << 16);
+  // model_source: hf (NxDT examples/training.py builds HFLLamaModule): the model is
+  // model.model_config's HF config.json, with what NxDT's llama_model.py _get_model
+  // lets the YAML override (num_layers, hidden_size, rope_theta, max_position_embeddings).
+  const std::string source = r.Str("model_source", "megatron");
+  if (source != "megatron" && source != "hf") r.Fail("model_source", "'" + source + "' is not megatron or hf");
+  std::optional<ckpt::ModelFormat> hf;
+  if (source == "hf") {
+    const std::string given = r.Str("model.model_config", "");
+    if (given.empty()) r.Fail("model.model_config", "model_source: hf needs the model's HF config.json");
+    // As given (NxDT opens it from the working folder), else beside this config file.
+    std::string cpath = given;
+    auto* env = ckpt::Env::Default();
+    if (!env->Exists(cpath) && !std::filesystem::path(given).is_absolute())
+      cpath = (std::filesystem::path(path).parent_path() / given).string();
+    if (!env->Exists(cpath)) r.Fail("model.model_config", "'" + given + "' does not exist (looked in the working folder and beside " + path + ")");
+    try {
+      const auto mapped = env->MapFile(cpath);
+      const nlohmann::json j = ckpt::ParseJsonBounded(reinterpret_cast<const char*>(mapped->data()),
+                                                      reinterpret_cast<const char*>(mapped->data()) + mapped->size(), cpath);
+      if (j.is_discarded() || !j.is_object()) throw ckpt::Error(cpath + ": is not a JSON object");
+      hf = ckpt::FormatOfHfConfig(j, cpath);
+    } catch (const ckpt::Error& e) {
+      r.Fail("model.model_config", e.what());
+    }
+    if (hf->gelu) r.Fail("model.model_config", cpath + " is not a LlamaForCausalLM (NxDT's model_source: hf builds Llama)");
+    m.family = ckpt::ModelFamily::kHfLlama;
+    m.fuse_qkv = r.Bool("model.fuse_qkv", true), m.qkv_linear = r.Bool("model.qkv_linear", false);
+    m.kv_size_multiplier = r.Int("distributed_strategy.kv_replicator", 1, 1, 1 << 16);
+    // NxD picks the KV replication rule by the hardware it runs on; here the config says (Trn1's by default).
+    const std::string backend = r.Str("shardkit.hw_backend", "trn1");
+    if (backend != "trn1" && backend != "trn2") r.Fail("shardkit.hw_backend", "'" + backend + "' is not trn1 or trn2");
+    m.hw_backend = *ckpt::ParseBackend(backend);
+    for (const char* k : {"model.ffn_hidden_size", "model.num_attention_heads", "model.num_kv_heads", "model.normalization", "model.activation"})
+      if (r.Has(k)) r.Fail(k, "model_source: hf takes it from model.model_config (" + cpath + ")");
+  }
+  m.layers = r.Int("model.num_layers", hf ? hf->layers : 2, 1, 1 << 16);
+  m.hidden = r.Int("model.hidden_size", hf ? hf->hidden : 64, 1, 1 << 20);
+  m.ffn = hf ? hf->ffn : r.Int("model.ffn_hidden_size", m.hidden * 4, 1, 1 << 24);
+  m.heads = hf ? hf->heads : r.Int("model.num_attention_heads", 4, 1, 1 << 16);
+  m.kv_heads = hf ? hf->kv_heads : r.Int("model.num_kv_heads", m.heads, 1, 1 << 16);
   if (m.hidden % m.heads) r.Fail("model.hidden_size", "must be divisible by num_attention_heads (" + std::to_string(m.heads) + ")");
   if (m.heads % m.kv_heads) r.Fail("model.num_kv_heads", "must divide num_attention_heads (" + std::to_string(m.heads) + ")");
-  m.eps = static_cast<float>(r.Number("model.layernorm_epsilon", 1e-5));
+  m.eps = static_cast<float>(r.Number("model.layernorm_epsilon", hf ? hf->norm_eps : 1e-5));
   // NxDT's megatron models and NNM call the rotary base position_freq_base (NxDT
   // megatron_gpt_model.py; NNM transformer.py), HF models rope_theta; either is taken.
-  m.rope_theta = r.Number("model.rope_theta", r.Number("model.position_freq_base", 10000.0));
+  m.rope_theta = r.Number("model.rope_theta", r.Number("model.position_freq_base", hf ? hf->rope_theta : 10000.0));
   if (r.Has("model.rope_theta") && r.Has("model.position_freq_base") &&
       r.Number("model.rope_theta", 0) != r.Number("model.position_freq_base", 0))
     r.Fail("model.position_freq_base", "differs from model.rope_theta; they name the same rotary base");
@@ -213,7 +256,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   choice("model.transformer_block_type", "pre_ln", {"pre_ln"});
   m.bias = r.Bool("model.has_bias", false);
   m.tied_output = r.Bool("model.share_embeddings_and_output_weights", false);
-  m.max_positions = r.Int("model.max_position_embeddings", c.seq_length, 1, 1 << 24);
+  m.max_positions = r.Int("model.max_position_embeddings", hf ? hf->max_positions : c.seq_length, 1, 1 << 24);
   if (m.learned_positions && c.seq_length > m.max_positions)
     r.Fail("model.max_position_embeddings", std::to_string(m.max_positions) + " is shorter than data.seq_length (" +
                                                 std::to_string(c.seq_length) + ")");
@@ -225,7 +268,9 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   }
   // Vocabulary: model.vocab_size when given, else what the tokenizer holds.
   int64_t vocab = 0;
-  if (r.Has("model.vocab_size")) {
+  if (hf) {
+    vocab = hf->vocab_size;
+  } else if (r.Has("model.vocab_size")) {
     vocab = r.Int("model.vocab_size", 0, 1, int64_t{1} << 31);
   } else {
     TokenizerSpec t{r.Str("data.tokenizer.library", "byte"), r.Str("data.tokenizer.type", ""),
@@ -236,7 +281,11 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
       r.Fail("data.tokenizer", e.what());
     }
   }
-  const int64_t divisible = r.Int("model.make_vocab_size_divisible_by", 8, 1, 1 << 20);
+  int64_t divisible = r.Int("model.make_vocab_size_divisible_by", 8, 1, 1 << 20);
+  if (hf) {  // NxD's ParallelEmbedding: the config's vocabulary, unpadded
+    vocab = hf->vocab_size, divisible = 1;
+    if (r.Has("model.make_vocab_size_divisible_by")) c.ignored.push_back("model.make_vocab_size_divisible_by (model_source: hf does not pad)");
+  }
   m.vocab_size = vocab;
   m.make_vocab_size_divisible_by = divisible;
   if (r.Has("model.pipeline_cuts")) {
@@ -264,6 +313,12 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
 
   c.optim.lr = r.Number("model.optim.lr", 3e-4);
   c.optim.weight_decay = r.Number("model.optim.weight_decay", 0.01);
+  // NxDT's HF-style models decay their first group by 0.01 whatever the config says
+  // (utils/model_utils.py get_param_groups_by_weight_decay hard-codes it).
+  if (hf && c.optim.weight_decay != 0.01) {
+    c.ignored.push_back("model.optim.weight_decay (model_source: hf decays by 0.01, as NxDT's get_param_groups_by_weight_decay does)");
+    c.optim.weight_decay = 0.01;
+  }
   c.optim.eps = r.Number("model.optim.eps", 1e-8);
   c.optim.do_layer_norm_weight_decay = r.Bool("model.do_layer_norm_weight_decay", false);
   const YAML::Node betas = Find(r.root(), "model.optim.betas");

@@ -1,5 +1,7 @@
 #include "libtrain/trainer.h"
 
+#include "ckpt/model_family.h"
+
 #include <unistd.h>
 
 #include <chrono>
@@ -73,6 +75,12 @@ ckpt::ReshardArgs ReshardFor(const std::string& tag, const TrainConfig& c) {
   a.hints = HintsOf(c);
   a.tool = "resume-reshard";
   a.weights_only = c.weight_init_only;
+  // The run's model family and, for the HF-style one, its attention tensors and KV replication.
+  a.out_model_family = c.model.family;
+  if (c.model.family == ckpt::ModelFamily::kHfLlama) {
+    a.out_kv_size_multiplier = c.model.kv_size_multiplier, a.out_hw_backend = c.model.hw_backend;
+    a.out_fuse_qkv = c.model.fuse_qkv, a.out_qkv_linear = c.model.qkv_linear;
+  }
   return a;
 }
 
@@ -80,8 +88,13 @@ std::string ReshardAdvice(const std::string& tag, const TrainConfig& c) {
   const ckpt::ReshardArgs a = ReshardFor(tag, c);
   std::string cuts;
   for (int64_t cut : a.pipeline_cuts) cuts += (cuts.empty() ? " --pipeline_cuts " : ",") + std::to_string(cut);
+  std::string family;
+  if (c.model.family == ckpt::ModelFamily::kHfLlama)
+    family = " --out_model_family hf_llama --out_kv_size_multiplier " + std::to_string(c.model.kv_size_multiplier) + " --out_hw_backend " +
+             ckpt::BackendName(c.model.hw_backend) + " --out_fuse_qkv " + (c.model.fuse_qkv ? "true" : "false") + " --out_qkv_linear " +
+             (c.model.qkv_linear ? "true" : "false");
   return "Reshard it with: ckpt-reshard " + a.src + " " + a.dst + " --tp " + std::to_string(a.tp) + " --pp " + std::to_string(a.pp) +
-         " --dp " + std::to_string(*a.dp) + (*a.zero1 ? " --zero1" : " --no-zero1") + cuts +
+         " --dp " + std::to_string(*a.dp) + (*a.zero1 ? " --zero1" : " --no-zero1") + cuts + family +
          " and resume from it with exp_manager.resume_from_checkpoint=" + a.dst + " (or set exp_manager.resume_reshard: True)";
 }
 
@@ -97,6 +110,19 @@ std::string LayoutMismatch(ckpt::Env* env, const std::string& tag, const TrainCo
   auto shards = [](const ckpt::RankGrid& g) { return g.zero1 ? g.dp : 1; };
   if (was.tp != run.tp || was.pp != run.pp || (L.has_optimizer && shards(was) != shards(run)))
     return "written at " + was.ToString() + ", but this run is " + run.ToString();
+  // Same degrees, but other tensors or another head placement: loading it as it is would mix heads up.
+  const ckpt::ModelFormat want = c.model.format(run.tp);
+  const ckpt::ModelFormat& f = L.format;
+  if (f.family != want.family)
+    return std::string("its model family is ") + ckpt::FamilyName(f.family) + ", but this run's is " + ckpt::FamilyName(want.family);
+  if (f.family == ckpt::ModelFamily::kHfLlama) {
+    auto kv = [&](const ckpt::ModelFormat& x) {
+      return std::string("fuse_qkv ") + (x.fuse_qkv ? "true" : "false") + ", qkv_linear " + (x.qkv_linear ? "true" : "false") +
+             ", kv_replicator " + std::to_string(x.kv_size_multiplier) +
+             (ckpt::BackendMatters(x, run.tp) ? std::string(" (") + ckpt::BackendName(x.hw_backend) + ")" : "");
+    };
+    if (kv(f) != kv(want)) return "its attention is laid out with " + kv(f) + ", but this run's with " + kv(want);
+  }
   if (L.stage_bounds != c.stage_bounds) {
     auto stages = [](const std::vector<int64_t>& b) {
       std::string s;
@@ -138,10 +164,11 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   SampleSource data(datasets, weights, c.seq_length, c.seed);
   // A replicated KV group (fewer groups than tp ranks) is summed over the ranks sharing it.
   std::unique_ptr<Comm> kv_comm;
-  if (c.model.kv_heads < c.grid.tp) {
+  if (const std::vector<int> holders = KvHolders(c.model, c.grid.tp, pc.coord.tp); !holders.empty()) {
     const std::vector<int> tp_group = c.grid.TpGroup(pc.world->rank());
-    const ckpt::KvReplicas kv = ckpt::KvReplicasOf(c.model.kv_heads, c.grid.tp, pc.coord.tp);
-    kv_comm = pc.world->Group(std::vector<int>(tp_group.begin() + kv.first, tp_group.begin() + kv.first + kv.count));
+    std::vector<int> ranks;
+    for (int t : holders) ranks.push_back(tp_group[t]);
+    kv_comm = pc.world->Group(ranks);
   }
   // GPT's tied output: the first and last stages' copies of the embedding sum their gradients.
   std::unique_ptr<Comm> embedding_comm;
