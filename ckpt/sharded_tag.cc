@@ -323,14 +323,7 @@ class ShardedTagBuilder {
         f.make_vocab_size_divisible_by = hints_.make_vocab_size_divisible_by.value_or(1);
       }
       // Not in the tensors: the job config an NxDT tag records, hints, else the defaults (said so).
-      if (!hints_.rope_theta || !hints_.norm_eps)
-        t_->format_notes_.push_back(std::string("rope_theta ") + (hints_.rope_theta ? "given" : "10000 assumed") + ", layernorm_epsilon " +
-                                    (hints_.norm_eps ? "given" : "1e-05 assumed") +
-                                    ": the tag does not record them (--rope_theta, --layernorm_epsilon give them)");
-      f.rope_theta = hints_.rope_theta.value_or(f.rope_theta);
-      f.norm_eps = hints_.norm_eps.value_or(f.norm_eps);
-      f.rotary_percentage = hints_.rotary_percentage.value_or(f.rotary_percentage);
-      if (const std::string bad = f.CheckSizes(); !bad.empty()) throw Error(t_->dir_ + ": " + bad);
+      TakeForwardHints(f, "layernorm_epsilon", "--rope_theta, --layernorm_epsilon");
       if (f.vocab_size < 1 || f.make_vocab_size_divisible_by < 1 || f.PaddedVocab(tp) != padded)
         throw Error(t_->dir_ + ": its word_embeddings hold " + std::to_string(padded) + " rows over tp " + std::to_string(tp) +
                     ", not vocab_size " + std::to_string(f.vocab_size) + " padded to a multiple of " +
@@ -668,12 +661,18 @@ class ShardedTagBuilder {
     against(hints_.kv_heads, f.kv_heads, "number of KV heads");
     if (f.heads % f.kv_heads) throw Error(t_->dir_ + ": the " + std::to_string(f.kv_heads) + " KV heads do not divide the " + std::to_string(f.heads) + " heads");
     f.max_positions = hints_.max_positions.value_or(0);
+    TakeForwardHints(f, "rms_norm_eps", "--model_config, or --rope_theta and --layernorm_epsilon,");
+  }
+
+  // What the forward pass needs beyond the tensors, for a tag without a manifest: the hints
+  // (or the job config an NxDT tag records), else the defaults, said so.
+  void TakeForwardHints(ModelFormat& f, const std::string& eps_name, const std::string& flags) {
     if (!hints_.rope_theta || !hints_.norm_eps)
-      t_->format_notes_.push_back(std::string("rope_theta ") + (hints_.rope_theta ? "given" : "10000 assumed") + ", rms_norm_eps " +
-                                  (hints_.norm_eps ? "given" : "1e-05 assumed") +
-                                  ": the tag does not record them (--model_config, or --rope_theta and --layernorm_epsilon, give them)");
+      t_->format_notes_.push_back(std::string("rope_theta ") + (hints_.rope_theta ? "given" : "10000 assumed") + ", " + eps_name + " " +
+                                  (hints_.norm_eps ? "given" : "1e-05 assumed") + ": the tag does not record them (" + flags + " give them)");
     f.rope_theta = hints_.rope_theta.value_or(f.rope_theta);
     f.norm_eps = hints_.norm_eps.value_or(f.norm_eps);
+    f.rotary_percentage = hints_.rotary_percentage.value_or(f.rotary_percentage);
     if (const std::string bad = f.CheckSizes(); !bad.empty()) throw Error(t_->dir_ + ": " + bad);
   }
 

@@ -3,7 +3,8 @@
 # every Debian ships; train conf/tiny_llama.yaml, SIGKILL it after its first
 # checkpoint, restart it and watch it resume by itself to the end; train it again
 # on 2 ranks at tensor-parallel degree 2 (train.sh starts mpirun); inspect and
-# verify the checkpoints; migrate NNM's example Llama config to NxDT's schema.
+# verify the checkpoints; train the HF-style Llama (model_source: hf) and export it
+# as a Hugging Face folder; migrate NNM's example Llama config to NxDT's schema.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup.sh"
@@ -27,6 +28,10 @@ echo "main: training again on 2 ranks, tensor_model_parallel_size 2 (train.sh st
 CONF="$root/conf/tiny_llama.yaml" bash "$root/train.sh" exp_manager.explicit_log_dir=runs/tp2 trainer.devices=2 \
   distributed_strategy.tensor_model_parallel_size=2 trainer.max_steps=20
 "$bin/tools/ckpt-verify" runs/tp2/checkpoints
+
+echo "main: an HF-style Llama (model_source: hf) on 2 ranks, its one KV head replicated over both (kv_replicator 2)"
+CONF="$root/conf/hf_llama.yaml" bash "$root/train.sh" exp_manager.explicit_log_dir=runs/hf_llama trainer.max_steps=20
+"$bin/tools/ckpt-export" "$(ls -d runs/hf_llama/checkpoints/*.ckpt | sort -V | tail -1)" hf_llama_export --format hf
 
 ckpts=runs/tiny_llama/version_0/checkpoints
 "$bin/tools/ckpt-inspect" "$(ls -d $ckpts/*.ckpt | sort -V | tail -1)"

@@ -2,7 +2,7 @@
 // (tools/hf_state.h), the fingerprint pieces a rank record carries
 // (ckpt/fingerprint.h), and the path an HDF5 export's JSON attributes take on
 // import (the bounded parse, canonical JSON to a Value tree, the plain-data
-// check that keeps calls out of the output, the model format). ckpt::Error is a correct rejection; a crash, UB, a
+// check that keeps calls out of the output, the model format), and an HF config.json. ckpt::Error is a correct rejection; a crash, UB, a
 // leak or any other exception is a finding.
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -10,6 +10,7 @@
 
 #include "ckpt/error.h"
 #include "ckpt/fingerprint.h"
+#include "ckpt/model_family.h"
 #include "ckpt/partition.h"
 #include "ckpt/value.h"
 #include "ckpt/value_json.h"
@@ -30,6 +31,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       try {
         ckpt::ModelFormat::FromJson(j, "fuzz/model");
+      } catch (const ckpt::Error&) {
+      }
+      try {  // an HF config.json (ckpt-import, --model_config, the trainer's model.model_config), and the format it gives
+        const ckpt::ModelFormat f = ckpt::FormatOfHfConfig(j, "fuzz/config.json");
+        if (f.CheckSizes().empty() && f.CheckTensorParallel(1).empty()) ckpt::LogicalParameters(f, 1);
       } catch (const ckpt::Error&) {
       }
       ckpt::FingerprintCollector c;

@@ -15,15 +15,11 @@ import unittest
 
 import torch
 
-from canon import BIN, TempDirTest
+from canon import EXPORT, IMPORT, RESHARD, VERIFY, TempDirTest
 from hf_export import read_safetensors
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "upstream", "hf_llama")
 TAGS = os.path.join(HERE, "tags")
-RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
-EXPORT = os.path.join(BIN, "tools", "ckpt-export")
-VERIFY = os.path.join(BIN, "tools", "ckpt-verify")
-IMPORT = os.path.join(BIN, "tools", "ckpt-import")
 GQA_CONFIG = os.path.join(HERE, "full_gqa", "config.json")
 MHA_CONFIG = os.path.join(HERE, "full_mha", "config.json")
 

@@ -21,12 +21,11 @@ import unittest
 
 import torch
 
-from canon import BIN, TOKENIZE, TRAIN, VERIFY, TempDirTest, run
+from canon import RESHARD, TOKENIZE, TRAIN, VERIFY, TempDirTest, run
 from train_resume import losses, start_until
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf")
 CONF = os.path.join(CONF_DIR, "hf_llama.yaml")
-RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
 TEXT = "/usr/share/common-licenses/GPL-3"
 # The same sizes in the Megatron-style family (the config's model_source switched, its sizes given as keys).
 AS_MEGATRON = ["model_source=megatron", "+model.ffn_hidden_size=128", "+model.num_attention_heads=4", "+model.num_kv_heads=1",
