@@ -370,7 +370,17 @@ class ShardedTagBuilder {
                         std::to_string(L.stage_bounds[p]) + ".." + std::to_string(L.stage_bounds[p + 1] - 1) +
                         (p == 0 ? " and the embedding" : "") + (p + 1 == L.grid.pp ? " and the final norm and output layer" : ""));
           if (layer < 0 || !(name.ends_with(".inv_freq") || name.ends_with("._extra_state")))
+          {
+            ModelFamily other = L.format.family;
+            try {
+              other = FamilyOfNames({name}, where);
+            } catch (const Error&) {
+            }
+            if (other != L.format.family)
+              throw Error(where + ": '" + name + "' is a " + FamilyName(other) + " name, but the tag's model is " + FamilyName(L.format.family) +
+                          ": a tag mixing model families is refused");
             throw Error(where + ": '" + name + "' is not a parameter of " + L.format.Describe() + " that ckpt-reshard knows how to split");
+          }
           if (t == 0) t_->buffers_.push_back({name, prev, layer, v});
           prev = name;
         }

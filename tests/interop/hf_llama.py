@@ -152,6 +152,36 @@ class HfLlamaTags(TempDirTest):
         self.run_tool(RESHARD, zero1, out, "--model_config", GQA_CONFIG, "--tp", "2", "--pp", "1", "--out_model_family", "megatron",
                       "--weights_only")
 
+    def test_hdf5_export_and_import_keep_the_layout_and_optimizer(self):
+        """ckpt-export to HDF5 and ckpt-import back: the same tag file for file, ZeRO-1 state and NxDT's HF grouping included."""
+        src = self.with_zero1_optimizer("trn1_tp4_pp1_kv2_fused", dp=2)
+        h5 = os.path.join(self.dir, "state.h5")
+        self.run_tool(EXPORT, src, h5, "--model_config", GQA_CONFIG)
+        back = os.path.join(self.dir, "back")
+        self.run_tool(IMPORT, h5, back, "--tp", "4", "--pp", "1", "--dp", "2", "--zero1")
+        self.assert_same_files(back, src)
+        for d in range(2):
+            name = "dp_rank_%02d_tp_rank_03_pp_rank_00.pt" % d
+            a, b = torch.load(os.path.join(back, "optim", name)), torch.load(os.path.join(src, "optim", name))
+            self.assertEqual([g["params"] for g in a["param_groups"]], [g["params"] for g in b["param_groups"]])
+            self.assertEqual([g["weight_decay"] for g in a["param_groups"]], [0.01, 0.0])
+            for i, st in b["base_state"].items():
+                self.assertTrue(torch.equal(a["base_state"][i]["exp_avg_sq"], st["exp_avg_sq"]), i)
+                self.assertTrue(torch.equal(a["sharded_master_weights"][i], b["sharded_master_weights"][i]), i)
+        self.assertEqual(load_json(os.path.join(back, "manifest.json"))["model"]["kv_size_multiplier"], 2)
+
+    def test_a_tag_mixing_families_is_refused(self):
+        tag = self.copy_tag("trn1_tp4_pp1_kv2_fused", "mixed")
+        path = os.path.join(tag, "model", "dp_rank_00_tp_rank_02_pp_rank_00.pt")
+        sd = torch.load(path)
+        sd["language_model.encoder.final_layernorm.weight"] = sd["model.norm.weight"].clone()
+        torch.save(sd, path)
+        out = os.path.join(self.dir, "out")
+        p = self.run_tool(RESHARD, tag, out, "--model_config", GQA_CONFIG, "--tp", "2", "--pp", "1", "--out_kv_size_multiplier", "1", code=2)
+        self.assertIn("dp_rank_00_tp_rank_02_pp_rank_00.pt: 'language_model.encoder.final_layernorm.weight' is a megatron name, but the "
+                      "tag's model is hf_llama: a tag mixing model families is refused", p.stderr)
+        self.assertFalse(os.path.exists(out))
+
     def test_the_converters_trn2_tag_is_read_as_trn1_and_refused_as_trn2(self):
         tag = os.path.join(TAGS, "trn2_tp4_pp1_kv2_fused_converter")
         out = os.path.join(self.dir, "x")
