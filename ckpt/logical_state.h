@@ -36,6 +36,7 @@ struct FormatHints {
   std::optional<int64_t> kv_size_multiplier;
   std::optional<HwBackend> hw_backend;
   std::optional<int64_t> hidden, ffn, layers, max_positions;
+  std::optional<bool> fuse_qkv, qkv_linear;  // NxDT's model.fuse_qkv and model.qkv_linear (a job config)
 };
 
 struct TagLayout {

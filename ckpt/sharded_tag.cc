@@ -598,6 +598,11 @@ class ShardedTagBuilder {
     else if (FindTensor(".qkv_proj.weight")) f.qkv_linear = false, f.fuse_qkv = true, kv_name = ".self_attn.qkv_proj.weight";
     else if (FindTensor(".self_attn.k_proj.weight")) f.qkv_linear = false, f.fuse_qkv = false, kv_name = ".self_attn.k_proj.weight";
     else throw Error(why + "and its model files hold no attention weights of NxDT's HF-style Llama (qkv_proj.weight_qkv, qkv_proj.weight_q/_k/_v, qkv_proj.weight or q_proj/k_proj/v_proj)");
+    // A job config's attention flags must name these tensors (LlamaAttention.__init__'s choice).
+    const bool fuse_shows = f.qkv_linear || f.fuse_qkv;  // plain q/k/v say nothing of fuse_qkv (it is ignored with GQA)
+    if ((hints_.qkv_linear && *hints_.qkv_linear != f.qkv_linear) || (hints_.fuse_qkv && fuse_shows && *hints_.fuse_qkv != f.fuse_qkv))
+      throw Error(t_->dir_ + ": the job config says model.qkv_linear " + (hints_.qkv_linear && *hints_.qkv_linear ? "True" : "False") +
+                  ", model.fuse_qkv " + (hints_.fuse_qkv.value_or(true) ? "True" : "False") + ", but the tag holds '" + std::string(kv_name).substr(1) + "'");
     auto against = [&](const std::optional<int64_t>& hint, int64_t seen, const char* what) {
       if (hint && *hint != seen)
         throw Error(t_->dir_ + ": the given " + what + " is " + std::to_string(*hint) + ", but the tensors give " + std::to_string(seen));

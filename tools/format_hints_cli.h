@@ -8,7 +8,6 @@
 
 #include "ckpt/logical_state.h"
 #include "ckpt/model_family.h"
-#include "tools/hf_state.h"
 
 namespace tools {
 
@@ -16,7 +15,7 @@ struct FormatHintOptions {
   int64_t heads = 0, kv_heads = 0, vocab = 0, divisible = 0;
   double rope_theta = 0, norm_eps = 0, rotary = 0;
   int64_t kv_size_multiplier = 0;
-  std::string hw_backend, model_config;
+  std::string hw_backend, model_config, config;
 
   void AddTo(CLI::App& app) {
     app.add_option("--heads", heads, "num_attention_heads, for a tag without a manifest (NxD's)")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
@@ -37,32 +36,13 @@ struct FormatHintOptions {
         ->check(CLI::IsMember({"trn1", "trn2"}));
     app.add_option("--model_config", model_config,
                    "an HF config.json (NxDT's model.model_config): heads, KV heads, sizes, rope_theta and rms_norm_eps, checked against the tensors");
+    app.add_option("--config", config,
+                   "the NxDT job config (YAML) the tag was trained with: its model (model.model_config, or the megatron keys), "
+                   "distributed_strategy.kv_replicator, model.fuse_qkv and model.qkv_linear, checked against the tensors");
   }
 
-  // Throws ckpt::Error for a --model_config that cannot be read, or that a flag contradicts.
-  ckpt::FormatHints Hints() const {
-    ckpt::FormatHints h;
-    if (!model_config.empty()) {
-      const ckpt::ModelFormat f = FormatOfHfConfig(ReadJson(ckpt::Env::Default(), model_config), model_config);
-      h.heads = f.heads, h.kv_heads = f.kv_heads, h.vocab_size = f.vocab_size, h.rope_theta = f.rope_theta, h.norm_eps = f.norm_eps;
-      h.hidden = f.hidden, h.ffn = f.ffn, h.layers = f.layers, h.max_positions = f.max_positions;
-      auto agree = [&](const char* flag, auto given, auto want) {
-        if (given && given != want)
-          throw ckpt::Error(std::string(flag) + " " + std::to_string(given) + " contradicts " + model_config + " (" + std::to_string(want) + ")");
-      };
-      agree("--heads", heads, f.heads), agree("--kv_heads", kv_heads, f.kv_heads), agree("--vocab_size", vocab, f.vocab_size);
-    }
-    if (kv_size_multiplier) h.kv_size_multiplier = kv_size_multiplier;
-    if (!hw_backend.empty()) h.hw_backend = ckpt::ParseBackend(hw_backend);
-    if (heads) h.heads = heads;
-    if (kv_heads) h.kv_heads = kv_heads;
-    if (vocab) h.vocab_size = vocab;
-    if (divisible) h.make_vocab_size_divisible_by = divisible;
-    if (rope_theta) h.rope_theta = rope_theta;
-    if (norm_eps) h.norm_eps = norm_eps;
-    if (rotary) h.rotary_percentage = rotary;
-    return h;
-  }
+  // Throws ckpt::Error for a --model_config or --config that cannot be read, or that a flag contradicts.
+  ckpt::FormatHints Hints() const;
 };
 
 }  // namespace tools

@@ -170,6 +170,40 @@ class HfLlamaTags(TempDirTest):
                 self.assertTrue(torch.equal(a["sharded_master_weights"][i], b["sharded_master_weights"][i]), i)
         self.assertEqual(load_json(os.path.join(back, "manifest.json"))["model"]["kv_size_multiplier"], 2)
 
+    def test_the_job_config_gives_what_the_tag_does_not(self):
+        """--config JOB.yaml: NxDT's model.model_config, kv_replicator, fuse_qkv and qkv_linear, checked against the data."""
+        conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf", "hf_llama.yaml")
+        with open(conf) as f:
+            text = f.read()
+
+        def job(name, kv="kv_replicator: 4", **changes):
+            t = text.replace("model_config: hf_llama_config.json", "model_config: " + GQA_CONFIG).replace("num_layers: 2", "num_layers: 4")
+            for key, value in changes.items():
+                t = t.replace(key, value)
+            path = os.path.join(self.dir, name + ".yaml")
+            with open(path, "w") as f:
+                f.write(t.replace("kv_replicator: 2", kv))
+            return path
+
+        src = os.path.join(TAGS, "trn1_tp8_pp2_kv4_fused")
+        out = os.path.join(self.dir, "out")
+        p = self.run_tool(RESHARD, src, out, "--config", job("good"), "--tp", "8", "--pp", "2", "--out_fuse_qkv", "false")
+        self.assert_same_files(out, os.path.join(TAGS, "trn1_tp8_pp2_kv4_split"))
+        p = self.run_tool(RESHARD, src, os.path.join(self.dir, "no"), "--config", job("m2", kv="kv_replicator: 2"), "--tp", "8", "--pp", "2",
+                          code=2)
+        self.assertIn("--kv_size_multiplier 2 contradicts the data", p.stderr)
+        p = self.run_tool(RESHARD, src, os.path.join(self.dir, "no"), "--config", job("split", **{"fuse_qkv: True": "fuse_qkv: False"}),
+                          "--tp", "8", "--pp", "2", code=2)
+        self.assertIn("the job config says model.qkv_linear True, model.fuse_qkv False, but the tag holds "
+                      "'self_attn.qkv_proj.weight_qkv'", p.stderr)
+        p = self.run_tool(RESHARD, src, os.path.join(self.dir, "no"), "--config", job("bad_heads"), "--heads", "4", "--tp", "8", "--pp", "2",
+                          code=2)
+        self.assertIn("--heads 4 contradicts", p.stderr)
+        # The YAML's model.num_layers overrides config.json's, as NxDT's _get_model does, and is checked against the tensors.
+        p = self.run_tool(RESHARD, src, os.path.join(self.dir, "no"), "--config", job("layers", **{"num_layers: 4": "num_layers: 3"}),
+                          "--tp", "8", "--pp", "2", code=2)
+        self.assertIn("the given layer count is 3, but the tensors give 4", p.stderr)
+
     def test_a_tag_mixing_families_is_refused(self):
         tag = self.copy_tag("trn1_tp4_pp1_kv2_fused", "mixed")
         path = os.path.join(tag, "model", "dp_rank_00_tp_rank_02_pp_rank_00.pt")
