@@ -18,10 +18,23 @@ for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then
-  echo "setup: installing ${missing[*]}"
+  # apt's output goes to a log; a line per phase here, the log's tail on failure.
+  log=${SETUP_LOG:-/tmp/shardkit-setup.log}
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  run_phase() {
+    echo "setup: $1 (log: $log)"
+    shift
+    if ! "$@" >>"$log" 2>&1; then
+      echo "setup: failed; the end of $log:" >&2
+      tail -n 30 "$log" >&2
+      exit 1
+    fi
+  }
+  : >"$log"
+  run_phase "updating the package lists" $SUDO apt-get update -qq
+  run_phase "installing ${#missing[@]} packages: ${missing[*]}" \
+    env DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  echo "setup: done"
 else
   echo "setup: all ${#PACKAGES[@]} packages present"
 fi

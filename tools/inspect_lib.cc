@@ -153,7 +153,14 @@ std::string Scalar(const nlohmann::ordered_json& v) {
     s << d;
     return s.str();
   }
-  if ((t == "list" || t == "tuple" || t == "size") && v["items"].empty()) return t == "list" ? "[]" : "()";
+  if (t == "list" || t == "tuple" || t == "size") {  // as Python prints it: [0.9, 0.999], (1, 2)
+    std::string out = t == "list" ? "[" : "(";
+    for (size_t i = 0; i < v["items"].size(); ++i) {
+      out += (i ? ", " : "") + Scalar(v["items"][i]);
+      if (out.size() > 120) return out.substr(0, 117) + "...";
+    }
+    return out + (t == "list" ? "]" : (v["items"].size() == 1 ? ",)" : ")"));
+  }
   if (t == "dict" || t == "odict") return "{}";
   std::string d = v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   return d.size() > 120 ? d.substr(0, 117) + "..." : d;
