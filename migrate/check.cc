@@ -1,5 +1,7 @@
 #include "migrate/check.h"
 
+#include <functional>
+
 #include <algorithm>
 #include <optional>
 #include <set>
@@ -117,10 +119,7 @@ std::vector<std::string> CheckNxdt(const YAML::Node& cfg) {
       if (!k.nullable && k.type != ValueType::kAny) problems.push_back(k.path + ": is null but must be " + TypeName(k.type));
       continue;
     }
-    if (n.IsScalar() && n.Scalar() == "???") {
-      problems.push_back(k.path + ": is ??? (mandatory, must be set before training)");
-      continue;
-    }
+    if (n.IsScalar() && n.Scalar() == "???") continue;  // set at launch (SetAtLaunch)
     if (n.IsScalar() && HasInterpolation(n.Scalar())) continue;  // checked where it points
     if (!Matches(n, k.type)) problems.push_back(k.path + ": " + Describe(n) + " is not " + TypeName(k.type));
   }
@@ -179,6 +178,17 @@ std::vector<std::string> CheckNxdt(const YAML::Node& cfg) {
     problems.push_back("model.num_attention_heads (" + std::to_string(*heads) + ") is not divisible by tensor_model_parallel_size (" +
                        std::to_string(tp) + ")");
   return problems;
+}
+
+std::vector<std::string> SetAtLaunch(const YAML::Node& config) {
+  std::vector<std::string> out;
+  std::function<void(const YAML::Node&, const std::string&)> walk = [&](const YAML::Node& n, const std::string& at) {
+    if (n.IsScalar() && n.Scalar() == "???" && n.Tag() != "!") out.push_back(at);
+    if (n.IsMap())
+      for (const auto& kv : n) walk(kv.second, (at.empty() ? "" : at + ".") + kv.first.as<std::string>());
+  };
+  walk(config, "");
+  return out;
 }
 
 }  // namespace migrate

@@ -15,4 +15,9 @@ namespace migrate {
 
 std::vector<std::string> CheckNxdt(const YAML::Node& config);
 
+// The keys whose value is OmegaConf's mandatory marker `???`: NNM's example
+// configs leave data.data_prefix so, and NxDT's Hydra launch takes it as NNM's
+// did, from an override when training starts. Not a problem, but to be set.
+std::vector<std::string> SetAtLaunch(const YAML::Node& config);
+
 }  // namespace migrate

@@ -385,6 +385,7 @@ Migration Migrate(const YAML::Node& nnm, const MigrateOptions& opts) {
 
   result.config = Ordered(out, "");
   report.check_problems = CheckNxdt(result.config);
+  report.set_at_launch = SetAtLaunch(result.config);
   return result;
 }
 
@@ -407,6 +408,7 @@ nlohmann::ordered_json Report::ToJson() const {
   j["keys"] = keys;
   j["warnings"] = warnings;
   j["check"] = check_problems;
+  j["set_at_launch"] = set_at_launch;
   return j;
 }
 
@@ -425,6 +427,11 @@ std::string Report::Summary() const {
   }
   for (const auto& w : warnings) o << "  warning: " << w << "\n";
   for (const auto& p : check_problems) o << "  check: " << p << "\n";
+  if (!set_at_launch.empty()) {
+    o << "  warning: kept as ??? (mandatory, to be set at launch with an override, as NxDT's Hydra launch takes it):";
+    for (const auto& k : set_at_launch) o << " " << k;
+    o << "\n";
+  }
   return o.str();
 }
 

@@ -27,6 +27,7 @@ struct Report {
   std::vector<ReportEntry> entries;
   std::vector<std::string> warnings;
   std::vector<std::string> check_problems;  // --check run on the output
+  std::vector<std::string> set_at_launch;   // ??? values, carried over (SetAtLaunch)
 
   nlohmann::ordered_json ToJson() const;
   std::string Summary() const;  // the human report for stderr

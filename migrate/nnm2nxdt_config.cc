@@ -59,6 +59,8 @@ int main(int argc, char** argv) {
       const auto cfg = migrate::LoadYaml(ReadInput(check_path), check_path);
       const auto problems = migrate::CheckNxdt(cfg);
       for (const auto& p : problems) std::cerr << check_path << ": " << p << "\n";
+      for (const auto& k : migrate::SetAtLaunch(cfg))
+        std::cerr << check_path << ": " << k << ": ??? (mandatory): to be set at launch with an override (" << k << "=...)\n";
       if (problems.empty()) std::cerr << check_path << ": ok\n";
       return problems.empty() ? 0 : 1;
     }
