@@ -358,6 +358,13 @@ std::string KvReplicationProblem(const ModelFormat& f, int tp) {
   return "";
 }
 
+std::string MegatronKvReplicationNote(const ModelFormat& f, int tp) {
+  if (f.family != ModelFamily::kMegatron || f.kv_heads == f.heads || f.kv_heads >= tp) return "";
+  return std::to_string(f.kv_heads) + " KV heads over tp " + std::to_string(tp) +
+         " are replicated by shardkit's rule: NNM's and NxDT's megatron models require tp to divide the KV heads, so this tag loads "
+         "in shardkit only (reshard it to a tp that divides them for NxDT)";
+}
+
 bool BackendMatters(const ModelFormat& f, int tp) { return f.kv_size_multiplier > 1 && f.kv_size_multiplier < tp; }
 
 std::vector<int64_t> KvHeadsOfRank(const ModelFormat& f, int tp, int rank) {

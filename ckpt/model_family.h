@@ -87,6 +87,10 @@ std::vector<ParamRule> HfLlamaParameters(const ModelFormat& f, int tp);
 //   - m = 1: rank r holds KV heads [r n, r n + n) and query heads in order.
 // Why f cannot be laid out at tp ("" when it can).
 std::string KvReplicationProblem(const ModelFormat& f, int tp);
+// For a Megatron-style format with fewer KV heads than tp ranks: why the tag
+// loads only in shardkit (NNM's and NxDT's megatron models assert that tp
+// divides the KV heads; the replication is shardkit's, KvReplicasOf). "" otherwise.
+std::string MegatronKvReplicationNote(const ModelFormat& f, int tp);
 // Whether the backend changes the layout at tp (1 < m < tp).
 bool BackendMatters(const ModelFormat& f, int tp);
 // The KV heads and query heads tp rank `rank` holds, in local order.

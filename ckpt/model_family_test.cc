@@ -164,6 +164,14 @@ TEST(ModelFamily, AcrossFamiliesThroughHfTensors) {
   EXPECT_NE(ErrorOf([&] { LogicalRowsIn(hf, other); }).find("different models"), std::string::npos);
 }
 
+TEST(ModelFamily, MegatronReplicationBelowTpIsSaidToLoadInShardkitOnly) {
+  ModelFormat f = Tiny(1, HwBackend::kUnknown);
+  f.family = ModelFamily::kMegatron;  // 8 heads, 2 KV heads
+  EXPECT_EQ(MegatronKvReplicationNote(f, 2), "");
+  EXPECT_NE(MegatronKvReplicationNote(f, 4).find("2 KV heads over tp 4 are replicated by shardkit's rule"), std::string::npos);
+  EXPECT_EQ(MegatronKvReplicationNote(Tiny(2, HwBackend::kTrn1), 4), "");  // NxD's own replication
+}
+
 TEST(ModelFamily, FormatRoundTripsThroughJson) {
   ModelFormat f = Tiny(4, HwBackend::kTrn2, false, true);
   EXPECT_EQ(ModelFormat::FromJson(f.ToJson(), "m"), f);

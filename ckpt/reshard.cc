@@ -341,6 +341,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
                         ckpt::BackendName(L.format.hw_backend) + ") -> " + std::to_string(to_format.kv_size_multiplier) + " (" +
                         ckpt::BackendName(to_format.hw_backend) + ")");
   sum.format = to_format;
+  if (const std::string note = ckpt::MegatronKvReplicationNote(to_format, to.tp); !note.empty()) sum.notes.push_back("warning: " + note);
   std::optional<ckpt::RenamedState> renamed;
   if (to_format.family != L.format.family ||
       (to_format.family == ckpt::ModelFamily::kHfLlama && (to_format.fuse_qkv != L.format.fuse_qkv || to_format.qkv_linear != L.format.qkv_linear))) {

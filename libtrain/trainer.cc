@@ -153,6 +153,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     if (rank0) say(l);
   };
   for (const auto& k : c.ignored) log("info: " + k + " is accepted and ignored");
+  if (const std::string note = ckpt::MegatronKvReplicationNote(c.model.format(c.grid.tp), c.grid.tp); !note.empty()) log("warning: " + note);
   // Data.
   std::vector<std::shared_ptr<TokenSource>> datasets;
   std::vector<double> weights;
