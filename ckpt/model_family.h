@@ -1,8 +1,9 @@
 // Model families: the one place that knows a family's parameter names, how
 // each is partitioned (ckpt/partition.h's rules are built from here), how KV
 // heads are replicated over tensor-parallel ranks, and how its tensors map to
-// Hugging Face's. Tools and the trainer ask these functions; no other file
-// matches parameter-name substrings to decide a layout.
+// Hugging Face's. Tools and the trainer ask these functions. (Still outside:
+// ShardedTag finds a manifest-less tag's sizes by name suffixes, and the NNM
+// converter and HF import have their own Megatron name knowledge.)
 #pragma once
 
 #include <cstdint>
