@@ -34,32 +34,27 @@ BIN = os.environ.get("SHARDKIT_BIN", os.path.join(HERE, "..", "..", "..", "..", 
 TOOLS = os.path.join(BIN, "tools")
 CONFIG = {"gqa": "full_gqa/config.json", "mha": "full_mha/config.json"}
 
+def reshard(src, tp, pp, m, fused, out_flags, expect):
+    """A ckpt-reshard case of a GQA fixture to tp/pp with kv_size_multiplier m, and the converter flags that merge it."""
+    name = f"reshard_{src}_to_tp{tp}_pp{pp}_kv{m}_{'fused' if fused else 'split'}"
+    conv = ["--hw_backend", "trn1", "--tp_size", str(tp), "--pp_size", str(pp), "--kv_size_multiplier", str(m), "--qkv_linear", "True"]
+    # argparse type=bool: any value enables --fuse_qkv, so it is left out to disable it (README finding 9).
+    return (name, ["ckpt-reshard", "tags/" + src, "{out}", "--model_config", CONFIG["gqa"], "--tp", str(tp), "--pp", str(pp), *out_flags],
+            conv + (["--fuse_qkv", "True"] if fused else []), "gqa", expect)
+
+
 # (name, shardkit command after the tool name, converter flags, full state, expected to merge)
 CASES = [
-    ("reshard_trn1_tp8_pp2_kv4_fused_to_tp8_pp1_split",
-     ["ckpt-reshard", "tags/trn1_tp8_pp2_kv4_fused", "{out}", "--model_config", CONFIG["gqa"], "--tp", "8", "--pp", "1",
-      "--out_fuse_qkv", "false"],
-     ["--hw_backend", "trn1", "--tp_size", "8", "--pp_size", "1", "--kv_size_multiplier", "4", "--qkv_linear", "True"], "gqa", True),
-    ("reshard_trn1_tp8_pp2_kv4_split_to_fused_pp4",
-     ["ckpt-reshard", "tags/trn1_tp8_pp2_kv4_split", "{out}", "--model_config", CONFIG["gqa"], "--tp", "8", "--pp", "4",
-      "--out_fuse_qkv", "true"],
-     ["--hw_backend", "trn1", "--tp_size", "8", "--pp_size", "4", "--kv_size_multiplier", "4", "--qkv_linear", "True",
-      "--fuse_qkv", "True"], "gqa", True),
-    ("reshard_trn1_tp8_pp2_kv4_fused_to_tp2_kv1_split",
-     ["ckpt-reshard", "tags/trn1_tp8_pp2_kv4_fused", "{out}", "--model_config", CONFIG["gqa"], "--tp", "2", "--pp", "2",
-      "--out_kv_size_multiplier", "1", "--out_fuse_qkv", "false"],
-     ["--hw_backend", "trn1", "--tp_size", "2", "--pp_size", "2", "--kv_size_multiplier", "1", "--qkv_linear", "True"], "gqa", True),
-    ("reshard_trn1_tp8_pp2_kv4_fused_to_tp4_kv2_fused",
-     ["ckpt-reshard", "tags/trn1_tp8_pp2_kv4_fused", "{out}", "--model_config", CONFIG["gqa"], "--tp", "4", "--pp", "1",
-      "--out_kv_size_multiplier", "2"],
-     ["--hw_backend", "trn1", "--tp_size", "4", "--pp_size", "1", "--kv_size_multiplier", "2", "--qkv_linear", "True",
-      "--fuse_qkv", "True"], "gqa", False),
+    reshard("trn1_tp8_pp2_kv4_fused", 8, 1, 4, False, ["--out_fuse_qkv", "false"], True),
+    reshard("trn1_tp8_pp2_kv4_split", 8, 4, 4, True, ["--out_fuse_qkv", "true"], True),
+    reshard("trn1_tp8_pp2_kv4_fused", 2, 2, 1, False, ["--out_kv_size_multiplier", "1", "--out_fuse_qkv", "false"], True),
+    # The converter's to_full splits weight_qkv in three equal parts: q 16 rows, k and v 8 each cannot merge.
+    reshard("trn1_tp8_pp2_kv4_fused", 4, 1, 2, True, ["--out_kv_size_multiplier", "2"], False),
     ("import_mha_tp2_pp2_stride3",
      ["ckpt-import", "full_mha/checkpoint.pt", "{out}", "--format", "hf", "--model_source", "hf", "--model_config", CONFIG["mha"],
       "--tp", "2", "--pp", "2"],
      ["--hw_backend", "trn1", "--tp_size", "2", "--pp_size", "2", "--kv_size_multiplier", "1", "--coalesce_qkv", "True"], "mha", True),
 ]
-
 
 def main():
     write = "--write-json" in sys.argv
