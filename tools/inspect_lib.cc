@@ -1,11 +1,14 @@
 #include "tools/inspect_lib.h"
 
+
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <sstream>
 
 #include "ckpt/error.h"
+#include "ckpt/manifest.h"
+#include "ckpt/model_family.h"
 #include "ckpt/pt_file.h"
 #include "ckpt/tag_verify.h"
 #include "ckpt/value_json.h"
@@ -110,11 +113,23 @@ InspectReport Inspect(const std::string& path, bool verify_crc, ckpt::Env* env) 
   if (r.kind == "nxdt_tag")
     for (const auto& p : ckpt::VerifyTag(env, path, {.checksums = verify_crc}).problems)
       r.problems.push_back((p.file.empty() ? "" : p.file + ": ") + p.what);
+  if (r.kind == "nxdt_tag" && has(ckpt::kManifestFile)) {
+    try {
+      const ckpt::Manifest m = ckpt::Manifest::Load(env, path + "/" + ckpt::kManifestFile);
+      if (m.model) {
+        r.model = m.grid.ToString() + ", " + ckpt::FamilyName(m.model->family) + ": " + m.model->Describe();
+        r.model_json = m.model->ToJson();
+        if (const std::string note = ckpt::MegatronKvReplicationNote(*m.model, m.grid.tp); !note.empty()) r.notes.push_back(note);
+      }
+    } catch (const ckpt::Error& e) {  // VerifyTag has reported it
+    }
+  }
   return r;
 }
 
 nlohmann::ordered_json ReportToJson(const InspectReport& r) {
   nlohmann::ordered_json j = {{"path", r.path}, {"kind", r.kind}, {"markers", r.markers}};
+  if (r.model_json) j["model"] = *r.model_json, j["notes"] = r.notes;
   uint64_t tensors = 0, bytes = 0;
   auto files = nlohmann::ordered_json::array();
   for (const auto& f : r.files) {
@@ -176,6 +191,8 @@ std::string ReportToText(const InspectReport& r) {
     o << ")";
   }
   o << "\n";
+  if (!r.model.empty()) o << "model: " << r.model << "\n";
+  for (const auto& n : r.notes) o << "note: " << n << "\n";
   uint64_t total_t = 0, total_b = 0;
   for (const auto& f : r.files) {
     uint64_t nt = 0, nb = 0;

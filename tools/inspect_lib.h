@@ -4,6 +4,7 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,13 @@ struct InspectReport {
   // For a tag: what ckpt-verify finds wrong (missing rank files, sizes or
   // checksums against the manifest, no `done`); the command exits 1 when any.
   std::vector<std::string> problems;
+  // For a tag whose manifest records its model format: the parallel layout
+  // and model (ModelFormat::Describe, with its family and KV replication),
+  // and what a reader must know of it (a Megatron-style KV replication that
+  // only shardkit loads).
+  std::string model;
+  std::optional<nlohmann::ordered_json> model_json;
+  std::vector<std::string> notes;
 };
 
 // Throws ckpt::Error naming the offending file.

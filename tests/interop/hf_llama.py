@@ -15,7 +15,7 @@ import unittest
 
 import torch
 
-from canon import EXPORT, IMPORT, RESHARD, VERIFY, TempDirTest
+from canon import EXPORT, IMPORT, INSPECT, RESHARD, VERIFY, TempDirTest
 from hf_export import read_safetensors
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "upstream", "hf_llama")
@@ -143,6 +143,16 @@ class HfLlamaTags(TempDirTest):
         self.run_tool(RESHARD, mega, back, "--tp", "8", "--pp", "2", "--out_model_family", "hf_llama", "--out_qkv_linear", "true",
                       "--out_kv_size_multiplier", "4", "--out_hw_backend", "trn1")
         self.assert_same_files(back, src)
+        # Megatron-style with 2 KV heads over tp 4 is shardkit's own replication: said when written and by ckpt-inspect.
+        mega4 = os.path.join(self.dir, "megatron_tp4")
+        p = self.run_tool(RESHARD, src, mega4, "--model_config", GQA_CONFIG, "--tp", "4", "--pp", "1", "--out_model_family", "megatron")
+        self.assertIn("warning: 2 KV heads over tp 4 are replicated by shardkit's rule", p.stderr)
+        p = self.run_tool(INSPECT, mega4)
+        self.assertIn("model: tp 4, pp 1, dp 1, megatron: llama-style, 4 layers, hidden 64, ffn 96, 8 heads (2 KV), vocab 128", p.stdout)
+        self.assertIn("note: 2 KV heads over tp 4 are replicated by shardkit's rule", p.stdout)
+        p = self.run_tool(INSPECT, back)
+        self.assertIn("hf_llama: HF-style llama, 4 layers, hidden 64, ffn 96, 8 heads (2 KV), KV replicated x4 (trn1), vocab 128", p.stdout)
+        self.assertNotIn("note:", p.stdout)
         # Optimizer state is grouped differently by the two families: refused unless left behind.
         zero1 = self.with_zero1_optimizer("trn1_tp4_pp1_kv2_fused", dp=1)
         out = os.path.join(self.dir, "no")
