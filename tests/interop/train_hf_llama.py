@@ -48,10 +48,12 @@ class TrainHfLlama(TempDirTest):
         with open(self.kv2, "w") as f:
             json.dump(config, f)
 
-    def train(self, log_dir, tp, *overrides, steps=10):
-        cmd = mpirun(tp) + [TRAIN, CONF, f"exp_manager.explicit_log_dir={log_dir}", f"trainer.devices={tp}",
-                            f"distributed_strategy.tensor_model_parallel_size={tp}", f"trainer.max_steps={steps}",
-                            "trainer.log_every_n_steps=1", *overrides]
+    def train(self, log_dir, ranks, *overrides, steps=10, tp=None):
+        """`ranks` processes at tensor-parallel degree `tp` (default: all of them)."""
+        tp = tp or ranks
+        cmd = mpirun(ranks) + [TRAIN, CONF, f"exp_manager.explicit_log_dir={log_dir}", f"trainer.devices={ranks}",
+                               f"distributed_strategy.tensor_model_parallel_size={tp}", f"trainer.max_steps={steps}",
+                               "trainer.log_every_n_steps=1", *overrides]
         p = subprocess.run(cmd, cwd=self.dir, capture_output=True, text=True, timeout=600)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         return os.path.join(self.dir, log_dir)
@@ -74,6 +76,10 @@ class TrainHfLlama(TempDirTest):
             "trn2": self.train("trn2", 4, "distributed_strategy.kv_replicator=2", "+shardkit.hw_backend=trn2", *fp32),
             "split": self.train("split", 4, "distributed_strategy.kv_replicator=2", "model.fuse_qkv=False", *fp32),
             "plain": self.train("plain", 2, "distributed_strategy.kv_replicator=1", "model.qkv_linear=False", *fp32),
+            # Pipeline stages (global layer numbers, the embedding first and lm_head last), and ZeRO-1 over 2 dp ranks.
+            "pp2": self.train("pp2", 4, "distributed_strategy.kv_replicator=1", "distributed_strategy.pipeline_model_parallel_size=2", *fp32,
+                              tp=2),
+            "dp2": self.train("dp2", 4, "distributed_strategy.kv_replicator=1", *fp32[:1], *fp32[2:], "distributed_strategy.zero1=True", tp=2),
         }
         for name, r in runs.items():
             self.assert_same_run(one, r)
