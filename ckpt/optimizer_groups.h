@@ -73,8 +73,13 @@ struct Grouping {
 //    "norm", in group 1: the convention of other NeMo versions and of NxDT.
 std::vector<Grouping> NnmGroupingCandidates(const std::vector<ParamInfo>& params);
 
-// What the NxDT trainer builds over these parameters: "nxdt-split" (two groups,
-// name-based) or, with do_layer_norm_weight_decay, "nxdt-one-group".
+// What shardkit's trainer builds over Megatron-style parameters: "nxdt-split"
+// (two groups, name-based: norm weights and biases apart) or, with
+// do_layer_norm_weight_decay, "nxdt-one-group". Not yet NxDT's own rule for
+// its megatron models: NxDT calls NeMo v2.1.0's
+// get_params_for_weight_decay_optimization, which matches norms by apex class,
+// so NxD's norms decay and only biases go apart (issue #23, to be confirmed by
+// running NeMo's code and adopted with fixtures).
 Grouping NxdtGrouping(const std::vector<std::string>& params, bool do_layer_norm_weight_decay);
 
 // What NxDT builds for its HF-style models ("nxdt-hf"; NxDT
