@@ -477,5 +477,23 @@ TEST(CheckpointStore, MissingRankTimesOutWithoutDone) {
   EXPECT_FALSE(Env::Default()->Exists(TagPath(d, 1) + "/done"));
 }
 
+// One answer to "is this folder a tag?" for every command.
+TEST(LooksLikeTag, MarkersModelOrNameButNotAnNnmFolder) {
+  testing::TempDir d("looks");
+  Env* env = Env::Default();
+  auto make = [&](const std::string& rel) { env->CreateDirs(d / rel); return d / rel; };
+  EXPECT_FALSE(LooksLikeTag(env, make("checkpoints")));  // a folder of tags
+  EXPECT_TRUE(LooksLikeTag(env, make("a/model").substr(0, (d / "a").size())));  // NxD's converter output
+  const std::string named = make("megatron_llama--step=4-consumed_samples=32.0.ckpt");
+  EXPECT_TRUE(LooksLikeTag(env, named));  // named as NxDT names tags, even before its files exist
+  make("megatron_llama--step=4-consumed_samples=32.0.ckpt/tp_rank_00_pp_rank_000");
+  EXPECT_FALSE(LooksLikeTag(env, named));  // NNM names its folders so too; its rank folders tell
+  EXPECT_TRUE(HoldsNnmRankFolders(env, named));
+  const std::string partial = make("b");
+  std::ofstream(partial + "/checkpoint") << "1";
+  EXPECT_TRUE(LooksLikeTag(env, partial));  // a save that began
+  EXPECT_FALSE(LooksLikeTag(env, d / "absent"));
+}
+
 }  // namespace
 }  // namespace ckpt

@@ -258,7 +258,7 @@ std::string ResolveSourceTag(const std::string& src_arg, bool verify, ckpt::Env*
   const std::string src = ckpt::WithoutTrailingSeparators(src_arg);
   if (!env->IsDirectory(src)) throw Error(src + ": no such folder");
   std::string tag = src;
-  if (env->IsDirectory(src + "/model")) {
+  if (ckpt::LooksLikeTag(env, src)) {
     if (ckpt::IsModelOnlyFolder(env, src))
       log(src + ": model/ alone (as NxD's checkpoint_converter.py writes it): read as a weights-only tag");
     else if (!env->Exists(src + "/" + ckpt::kDoneMarker))

@@ -246,6 +246,20 @@ void DropOptimizerProblems(TagReport& r, const std::function<void(const TagProbl
   });
 }
 
+bool HoldsNnmRankFolders(Env* env, const std::string& dir) {
+  if (!env->IsDirectory(dir)) return false;
+  for (const auto& n : env->ListDir(dir))
+    if ((n.starts_with("tp_rank_") || n.starts_with("mp_rank_")) && env->IsDirectory(dir + "/" + n)) return true;
+  return false;
+}
+
+bool LooksLikeTag(Env* env, const std::string& dir) {
+  if (!env->IsDirectory(dir) || HoldsNnmRankFolders(env, dir)) return false;
+  for (const char* f : {kDoneMarker, kCheckpointMarker, kManifestFile, "model"})
+    if (env->Exists(dir + "/" + f)) return true;
+  return ParseTagName(std::filesystem::path(WithoutTrailingSeparators(dir)).filename().string()).has_value();
+}
+
 bool IsModelOnlyFolder(Env* env, const std::string& dir) {
   if (!env->IsDirectory(dir + "/model")) return false;
   for (const auto& n : env->ListDir(dir))

@@ -52,6 +52,15 @@ void DropOptimizerProblems(TagReport& r, const std::function<void(const TagProbl
 // Whether `dir` holds model/ and nothing a save writes besides (TagReport::model_only).
 bool IsModelOnlyFolder(Env* env, const std::string& dir);
 
+// Whether `dir` is a checkpoint tag rather than a folder of them: it holds a
+// `model/` folder or a marker a save leaves (`done`, `checkpoint`,
+// `manifest.json`), or is named as NxDT names tags; and it holds no NNM rank
+// folder (tp_rank_XX_pp_rank_XXX, mp_rank_XX: NNM names its checkpoint
+// folders as NxDT names tags). The one answer every command gives.
+bool LooksLikeTag(Env* env, const std::string& dir);
+// Whether `dir` holds NNM's rank folders (tp_rank_.., mp_rank_..).
+bool HoldsNnmRankFolders(Env* env, const std::string& dir);
+
 // One tag folder in a checkpoint directory, as found on disk.
 struct TagEntry {
   std::string path, dir_name;

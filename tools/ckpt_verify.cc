@@ -30,12 +30,6 @@
 
 namespace {
 
-bool LooksLikeTag(ckpt::Env* env, const std::string& p) {
-  for (const char* f : {ckpt::kDoneMarker, ckpt::kCheckpointMarker, ckpt::kManifestFile, "model"})
-    if (env->Exists(p + "/" + f)) return true;
-  return ckpt::ParseTagName(std::filesystem::path(p).filename().string()).has_value();
-}
-
 int Gc(ckpt::Env* env, const std::string& dir, bool dry_run, bool json) {
   auto lock = env->LockFile(dir + "/" + ckpt::kStoreLockFile, /*exclusive=*/true, /*wait=*/false);
   if (!lock) {
@@ -177,11 +171,11 @@ int main(int argc, char** argv) {
     }
     if (!env->IsDirectory(path)) throw ckpt::Error(path + ": not a directory");
     if (gc) {
-      if (LooksLikeTag(env, path)) throw ckpt::Error(path + ": --gc takes a checkpoint directory, not a tag");
+      if (ckpt::LooksLikeTag(env, path)) throw ckpt::Error(path + ": --gc takes a checkpoint directory, not a tag");
       return Gc(env, path, dry_run, json);
     }
     std::vector<std::string> tags;
-    if (LooksLikeTag(env, path)) tags.push_back(path);
+    if (ckpt::LooksLikeTag(env, path)) tags.push_back(path);
     else
       for (const auto& t : ckpt::ListTags(env, path)) tags.push_back(t.path);
     if (tags.empty()) throw ckpt::Error(path + ": no checkpoint tags found");

@@ -103,9 +103,7 @@ InspectReport Inspect(const std::string& path, bool verify_crc, ckpt::Env* env) 
   auto has = [&](const std::string& n) { return std::find(names.begin(), names.end(), n) != names.end(); };
   for (const char* m : {"checkpoint", "done", "newest", "manifest.json"})
     if (has(m)) r.markers.push_back(m);
-  bool rank_dirs = false;
-  for (const auto& n : names) rank_dirs |= n.starts_with("tp_rank_") || n.starts_with("mp_rank_");
-  r.kind = has("model") || has("checkpoint") || has("done") ? "nxdt_tag" : rank_dirs ? "nnm_folder" : "directory";
+  r.kind = ckpt::LooksLikeTag(env, path) ? "nxdt_tag" : ckpt::HoldsNnmRankFolders(env, path) ? "nnm_folder" : "directory";
   std::vector<std::string> files;
   CollectFiles(env, path, "", &files);
   if (files.empty()) throw ckpt::Error(path + ": directory holds no .pt or .ckpt files");
