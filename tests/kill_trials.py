@@ -239,16 +239,27 @@ def trial(job, n, rng):
     return victim, delay, why
 
 
+class TrainHf(Train):
+    """NxDT's model_source: hf (conf/hf_llama.yaml): xser, ZeRO-1 with fp32 masters in the tag, one KV head replicated over tp 2."""
+
+    def command(self, run):
+        return [*MPI, "-np", "4", self.bin("libtrain", "shardkit-train"), os.path.join(ROOT, "conf", "hf_llama.yaml"),
+                f"exp_manager.explicit_log_dir={run}", "trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2",
+                "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=True", f"trainer.max_steps={self.steps}",
+                "data.global_batch_size=8", "data.micro_batch_size=2",
+                "exp_manager.checkpoint_callback_params.every_n_train_steps=5", "exp_manager.checkpoint_callback_params.save_top_k=2"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=200)
-    ap.add_argument("--jobs", default="train,reshard,convert")
+    ap.add_argument("--jobs", default="train,train_hf,reshard,convert")
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--dir", default="/tmp")
     a = ap.parse_args()
     rng = random.Random(a.seed)
-    kinds = {"train": Train, "reshard": Reshard, "convert": Convert}
+    kinds = {"train": Train, "train_hf": TrainHf, "reshard": Reshard, "convert": Convert}
     table = []
     for name in a.jobs.split(","):
         work = tempfile.mkdtemp(dir=a.dir, prefix=f"kill_{name}_")
