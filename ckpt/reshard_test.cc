@@ -153,13 +153,15 @@ TEST(Reshard, MegatronKvGroupsBelowTpAreConsecutive) {
 TEST(Reshard, ATensorOfManyChunksIsExact) {
   TempDir dir("reshard");
   ModelFormat f = HfLlama(8, 8, 1, HwBackend::kUnknown);
-  f.vocab_size = 65536;  // the embedding: 65536 x 64 float32 = 16 MiB, 8 MiB per rank at tp 2
+  f.vocab_size = 131072;  // the embedding: 131072 x 64 float32 = 32 MiB, 16 MiB per rank at tp 2
   ReshardArgs a;
-  a.memory_budget = CurrentRss() + (5 << 20);  // what is held now, and one writer's least: the smallest chunks
+  // What is held now and a few MiB: chunks of a few MiB (the margin covers what the process's own
+  // allocations, larger under ASan, add before the writer measures).
+  a.memory_budget = CurrentRss() + (10 << 20);
   ReshardSummary sum;
   const auto files = Write(dir, f, 2, a, &sum);
-  EXPECT_LE(sum.stream_chunk * 8, uint64_t{8} << 20) << "the embedding must span many chunks";
-  EXPECT_LE(sum.peak_rss, a.memory_budget + (8 << 20));
+  EXPECT_LE(sum.stream_chunk * 4, uint64_t{16} << 20) << "each rank's embedding must span several chunks";
+  EXPECT_LE(sum.peak_rss, a.memory_budget + (16 << 20));
   const auto m = Manifest::Load(Env::Default(), dir / "out/manifest.json");
   const auto tag = ShardedTag::Open(Env::Default(), dir / "out");
   for (const auto& p : tag->params()) {
@@ -174,7 +176,7 @@ TEST(Reshard, ATensorOfManyChunksIsExact) {
   }
   EXPECT_EQ(m.model->family, ModelFamily::kHfLlama);
   const Tensor& emb = files[1].as_dict().At("model.embed_tokens.weight").as_tensor();
-  EXPECT_EQ(emb.shape(), (std::vector<int64_t>{32768, 64}));
+  EXPECT_EQ(emb.shape(), (std::vector<int64_t>{65536, 64}));
 }
 
 }  // namespace
