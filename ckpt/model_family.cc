@@ -277,12 +277,19 @@ std::optional<HwBackend> ParseBackend(const std::string& s) {
   return std::nullopt;
 }
 
+std::optional<ModelFamily> FamilyOfName(const std::string& name) {
+  if (name.starts_with("language_model.")) return ModelFamily::kMegatron;
+  if (name.starts_with("model.") || name.starts_with("lm_head.")) return ModelFamily::kHfLlama;
+  return std::nullopt;
+}
+
 ModelFamily FamilyOfNames(const std::vector<std::string>& names, const std::string& where) {
   const std::string* megatron = nullptr;
   const std::string* hf = nullptr;
   for (const std::string& n : names) {
-    if (n.starts_with("language_model.")) megatron = megatron ? megatron : &n;
-    else if (n.starts_with("model.") || n.starts_with("lm_head.")) hf = hf ? hf : &n;
+    const auto family = FamilyOfName(n);
+    if (family == ModelFamily::kMegatron) megatron = megatron ? megatron : &n;
+    else if (family == ModelFamily::kHfLlama) hf = hf ? hf : &n;
   }
   if (megatron && hf)
     throw Error(where + ": mixes model families: '" + *megatron + "' is Megatron-style and '" + *hf + "' HF-style");
@@ -405,14 +412,33 @@ std::vector<Run> HeadRuns(const ParamRule& p, const ModelFormat& f, int tp, int 
   return runs;
 }
 
+ModelFormat LayoutFree(const ModelFormat& f) {
+  ModelFormat m = f;
+  m.family = ModelFamily::kMegatron, m.fuse_qkv = true, m.qkv_linear = false, m.kv_size_multiplier = 1;
+  m.hw_backend = HwBackend::kUnknown, m.make_vocab_size_divisible_by = 1;
+  return m;
+}
+
+bool SameLogicalNames(const ModelFormat& a, const ModelFormat& b) {
+  if (a.family != b.family) return false;
+  return a.family != ModelFamily::kHfLlama || (a.fuse_qkv == b.fuse_qkv && a.qkv_linear == b.qkv_linear);
+}
+
+std::optional<std::string> HfAttentionOfNames(const std::vector<std::string>& names, ModelFormat& f) {
+  // LlamaAttention.__init__'s tensors: qkv_linear (weight_qkv, or weight_q/_k/_v), the stride-3 weight, or q/k/v_proj.
+  auto has = [&](const char* suffix) { return std::any_of(names.begin(), names.end(), [&](const std::string& n) { return n.ends_with(suffix); }); };
+  if (has(".self_attn.qkv_proj.weight_qkv")) f.qkv_linear = true, f.fuse_qkv = true;
+  else if (has(".self_attn.qkv_proj.weight_k")) f.qkv_linear = true, f.fuse_qkv = false;
+  else if (has(".self_attn.qkv_proj.weight")) f.qkv_linear = false, f.fuse_qkv = true;
+  else if (has(".self_attn.k_proj.weight")) f.qkv_linear = false, f.fuse_qkv = false;
+  else return std::nullopt;
+  const std::string leaf = ParamName(f, f.fuse_qkv ? Module::kQkv : Module::kKey, 0);
+  return leaf.substr(leaf.find(".self_attn.") + 1);
+}
+
 std::map<std::string, std::vector<RowsFrom>> LogicalRowsIn(const ModelFormat& from, const ModelFormat& to) {
   if (from.gelu || to.gelu) throw Error("re-laying GPT-style tensors under other names is not supported (their HF tensors are transposed)");
-  ModelFormat a = from, b = to;  // the same model, whatever the layout
-  for (ModelFormat* f : {&a, &b}) {
-    f->family = ModelFamily::kMegatron, f->fuse_qkv = true, f->qkv_linear = false, f->kv_size_multiplier = 1;
-    f->hw_backend = HwBackend::kUnknown, f->make_vocab_size_divisible_by = 1;
-  }
-  if (!(a == b)) throw Error("the two layouts are of different models: " + from.Describe() + " and " + to.Describe());
+  if (!(LayoutFree(from) == LayoutFree(to))) throw Error("the two layouts are of different models: " + from.Describe() + " and " + to.Describe());
   std::map<std::string, const HfTensorSpec*> hf_from;
   const auto specs_from = HfTensorsFor(from, DType::kFloat32), specs_to = HfTensorsFor(to, DType::kFloat32);
   for (const auto& s : specs_from) hf_from[s.name] = &s;

@@ -54,6 +54,13 @@ std::optional<HwBackend> ParseBackend(const std::string& s);  // "trn1", "trn2"
 // (buffers) say nothing. Throws ckpt::Error naming `where` and one key of each
 // family when they mix, or when no key tells.
 ModelFamily FamilyOfNames(const std::vector<std::string>& names, const std::string& where);
+// The family one key belongs to (nullopt: a buffer or a stranger's name).
+std::optional<ModelFamily> FamilyOfName(const std::string& name);
+// Sets f.qkv_linear and f.fuse_qkv from the attention tensors an HF-style
+// model file holds, and returns the name, past "model.layers.N.", of the
+// tensor holding K (weight_qkv, the stride-3 weight, weight_k or k_proj);
+// nullopt when the names hold no attention of NxDT's HF-style Llama.
+std::optional<std::string> HfAttentionOfNames(const std::vector<std::string>& names, ModelFormat& f);
 
 // Every logical parameter of the HF-style Llama family (NxDT
 // models/hf_models/modeling_llama.py LlamaForCausalLM), in named_parameters
@@ -148,6 +155,12 @@ std::vector<HfTensorSpec> HfTensorsFor(const ModelFormat& f, DType dtype);
 // through the HF tensors both map to (HfTensorsFor), so it is exact by
 // construction. Throws ckpt::Error when the formats are of different models,
 // or GPT-style (whose HF tensors are transposed).
+// What a format says of the model alone: the family, attention tensors, KV
+// replication and vocabulary padding reset (they are layout).
+ModelFormat LayoutFree(const ModelFormat& f);
+// Whether two layouts name their logical tensors alike (else one is read
+// under the other's names through LogicalRowsIn: RenamedState).
+bool SameLogicalNames(const ModelFormat& a, const ModelFormat& b);
 struct RowsFrom {
   int64_t row;
   HfRowBlock from;

@@ -61,6 +61,13 @@ struct TargetSlice {
   std::vector<char> primary;
   uint64_t logical_numel;
 
+  // The run holding local index i along the split dim.
+  size_t RunHolding(int64_t i) const {
+    for (size_t k = 0; k < runs.size(); ++k)
+      if (i >= runs[k].local && i < runs[k].local + runs[k].count) return k;
+    return 0;
+  }
+
   // Bytes [offset, offset + out.size()) of the slice, row-major.
   void Produce(uint64_t offset, std::span<uint8_t> out) const {
     const int64_t inner = local.empty() ? 1 : ckpt::ShapeNumel(local) / local[0];
@@ -76,14 +83,12 @@ struct TargetSlice {
         break;
       }
       if (split == ckpt::SplitDim::kColumns) {  // the run holding local column c, to its end or the row's
-        for (size_t i = 0; i < runs.size(); ++i)
-          if (c >= runs[i].local && c < runs[i].local + runs[i].count) run_index = i;
+        run_index = RunHolding(c);
         const Run* run = &runs[run_index];
         take = std::min<uint64_t>(n, static_cast<uint64_t>(run->local + run->count - c));
         flat = static_cast<uint64_t>(r * logical_width + run->logical + (c - run->local));
       } else {
-        for (size_t i = 0; i < runs.size(); ++i)
-          if (r >= runs[i].local && r < runs[i].local + runs[i].count) run_index = i;
+        run_index = RunHolding(r);
         const Run* run = &runs[run_index];
         take = std::min<uint64_t>(n, static_cast<uint64_t>((run->local + run->count - r) * inner - c));
         flat = static_cast<uint64_t>((run->logical + r - run->local) * inner + c);
@@ -343,8 +348,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   sum.format = to_format;
   if (const std::string note = ckpt::MegatronKvReplicationNote(to_format, to.tp); !note.empty()) sum.notes.push_back("warning: " + note);
   std::optional<ckpt::RenamedState> renamed;
-  if (to_format.family != L.format.family ||
-      (to_format.family == ckpt::ModelFamily::kHfLlama && (to_format.fuse_qkv != L.format.fuse_qkv || to_format.qkv_linear != L.format.qkv_linear))) {
+  if (!ckpt::SameLogicalNames(L.format, to_format)) {
     if (to_format.family != L.format.family) {
       if (L.has_optimizer)
         throw Error(sum.src_tag + ": --out_model_family " + ckpt::FamilyName(to_format.family) +

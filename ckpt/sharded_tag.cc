@@ -371,13 +371,8 @@ class ShardedTagBuilder {
                         (p == 0 ? " and the embedding" : "") + (p + 1 == L.grid.pp ? " and the final norm and output layer" : ""));
           if (layer < 0 || !(name.ends_with(".inv_freq") || name.ends_with("._extra_state")))
           {
-            ModelFamily other = L.format.family;
-            try {
-              other = FamilyOfNames({name}, where);
-            } catch (const Error&) {
-            }
-            if (other != L.format.family)
-              throw Error(where + ": '" + name + "' is a " + FamilyName(other) + " name, but the tag's model is " + FamilyName(L.format.family) +
+            if (const auto other = FamilyOfName(name); other && *other != L.format.family)
+              throw Error(where + ": '" + name + "' is a " + FamilyName(*other) + " name, but the tag's model is " + FamilyName(L.format.family) +
                           ": a tag mixing model families is refused");
             throw Error(where + ": '" + name + "' is not a parameter of " + L.format.Describe() + " that ckpt-reshard knows how to split");
           }
@@ -592,17 +587,14 @@ class ShardedTagBuilder {
     f.make_vocab_size_divisible_by = 1;
     f.tied_output = FindTensor("lm_head.weight") == nullptr;
     // The attention tensors name the layout (NxDT's model.qkv_linear and model.fuse_qkv).
-    const char* kv_name;
-    if (FindTensor(".qkv_proj.weight_qkv")) f.qkv_linear = true, f.fuse_qkv = true, kv_name = ".self_attn.qkv_proj.weight_qkv";
-    else if (FindTensor(".qkv_proj.weight_k")) f.qkv_linear = true, f.fuse_qkv = false, kv_name = ".self_attn.qkv_proj.weight_k";
-    else if (FindTensor(".qkv_proj.weight")) f.qkv_linear = false, f.fuse_qkv = true, kv_name = ".self_attn.qkv_proj.weight";
-    else if (FindTensor(".self_attn.k_proj.weight")) f.qkv_linear = false, f.fuse_qkv = false, kv_name = ".self_attn.k_proj.weight";
-    else throw Error(why + "and its model files hold no attention weights of NxDT's HF-style Llama (qkv_proj.weight_qkv, qkv_proj.weight_q/_k/_v, qkv_proj.weight or q_proj/k_proj/v_proj)");
+    const auto k_leaf = HfAttentionOfNames(ModelNames(), f);
+    if (!k_leaf)
+      throw Error(why + "and its model files hold no attention weights of NxDT's HF-style Llama (qkv_proj.weight_qkv, qkv_proj.weight_q/_k/_v, qkv_proj.weight or q_proj/k_proj/v_proj)");
     // A job config's attention flags must name these tensors (LlamaAttention.__init__'s choice).
     const bool fuse_shows = f.qkv_linear || f.fuse_qkv;  // plain q/k/v say nothing of fuse_qkv (it is ignored with GQA)
     if ((hints_.qkv_linear && *hints_.qkv_linear != f.qkv_linear) || (hints_.fuse_qkv && fuse_shows && *hints_.fuse_qkv != f.fuse_qkv))
       throw Error(t_->dir_ + ": the job config says model.qkv_linear " + (hints_.qkv_linear && *hints_.qkv_linear ? "True" : "False") +
-                  ", model.fuse_qkv " + (hints_.fuse_qkv.value_or(true) ? "True" : "False") + ", but the tag holds '" + std::string(kv_name).substr(1) + "'");
+                  ", model.fuse_qkv " + (hints_.fuse_qkv.value_or(true) ? "True" : "False") + ", but the tag holds '" + *k_leaf + "'");
     auto against = [&](const std::optional<int64_t>& hint, int64_t seen, const char* what) {
       if (hint && *hint != seen)
         throw Error(t_->dir_ + ": the given " + what + " is " + std::to_string(*hint) + ", but the tensors give " + std::to_string(seen));
@@ -617,7 +609,7 @@ class ShardedTagBuilder {
     if (f.heads % tp) throw Error(t_->dir_ + ": tp " + std::to_string(tp) + " does not divide the " + std::to_string(f.heads) + " heads");
     const int64_t hd = f.head_dim(), qn = f.heads / tp;
     // KV heads per rank, from the local rows of K.
-    const Tensor* kv = FindTensor(kv_name);
+    const Tensor* kv = FindTensor("." + *k_leaf);
     const int64_t rows = kv->shape().at(0);
     int64_t n = 0, k_row = 0;  // KV heads per rank; K's first local row
     if (f.qkv_linear && f.fuse_qkv) n = (rows / hd - qn) / 2, k_row = qn * hd;
@@ -625,23 +617,25 @@ class ShardedTagBuilder {
     else n = rows / hd;
     const int64_t want_rows = f.fuse_qkv ? (qn + 2 * n) * hd : n * hd;
     if (n < 1 || rows != want_rows)
-      throw Error(t_->dir_ + ": '" + std::string(kv_name).substr(1) + "' has " + std::to_string(rows) + " rows per tp rank, which no whole " +
+      throw Error(t_->dir_ + ": '" + *k_leaf + "' has " + std::to_string(rows) + " rows per tp rank, which no whole " +
                   "number of KV heads of head_dim " + std::to_string(hd) + " gives with " + std::to_string(qn) + " query heads per rank");
     if (f.qkv_linear) {
-      // Tp ranks whose K and V rows of the first layer are equal (rank 0's files hold layer 0).
-      const std::string first = "model.layers." + std::to_string(L.stage_bounds[0]) + "." + std::string(kv_name).substr(1);
-      auto kv_bytes = [&](int t, const char* which) -> std::span<const uint8_t> {
-        const Value* v = At(t, 0).model.as_dict().Find(which == std::string("k") || f.fuse_qkv ? first : RenameLast(first, "weight_v"));
-        if (!v || !v->is_tensor() || v->as_tensor().shape() != kv->shape()) return {};
-        const Tensor& x = v->as_tensor();
-        const size_t row = static_cast<size_t>(x.shape()[1]) * ElementSize(x.dtype());
-        const int64_t from = f.fuse_qkv ? k_row + (which == std::string("k") ? 0 : n * hd) : 0;
-        return {x.data() + from * row, static_cast<size_t>(n * hd) * row};
+      // Tp ranks whose K and V rows of the first layer are equal (stage 0's files hold layer 0): a fused
+      // weight_qkv holds them as rows [k_row, k_row + 2 n hd), weight_k and weight_v whole.
+      const int layer = static_cast<int>(L.stage_bounds[0]);
+      std::vector<std::pair<std::string, int64_t>> pieces;  // tensor, first row
+      if (f.fuse_qkv) pieces = {{ParamName(f, Module::kQkv, layer), k_row}};
+      else pieces = {{ParamName(f, Module::kKey, layer), 0}, {ParamName(f, Module::kValue, layer), 0}};
+      const int64_t piece_rows = f.fuse_qkv ? 2 * n * hd : n * hd;
+      auto kv_rows = [&](int t, const std::pair<std::string, int64_t>& piece) -> std::optional<Tensor> {
+        const Value* v = At(t, 0).model.as_dict().Find(piece.first);
+        if (!v || !v->is_tensor() || v->as_tensor().shape() != kv->shape()) return std::nullopt;
+        return v->as_tensor().Narrow0(piece.second, piece.second + piece_rows).Contiguous();
       };
       const KvReplicationSeen seen = InferKvReplication(tp, [&](int a, int b) {
-        for (const char* which : {"k", "v"}) {
-          const auto x = kv_bytes(a, which), y = kv_bytes(b, which);
-          if (x.empty() || y.empty() || x.size() != y.size() || std::memcmp(x.data(), y.data(), x.size()) != 0) return false;
+        for (const auto& piece : pieces) {
+          const auto x = kv_rows(a, piece), y = kv_rows(b, piece);
+          if (!x || !y || std::memcmp(x->data(), y->data(), x->nbytes()) != 0) return false;
         }
         return true;
       });
@@ -690,8 +684,6 @@ class ShardedTagBuilder {
     f.rotary_percentage = hints_.rotary_percentage.value_or(f.rotary_percentage);
     if (const std::string bad = f.CheckSizes(); !bad.empty()) throw Error(t_->dir_ + ": " + bad);
   }
-
-  static std::string RenameLast(const std::string& name, const std::string& leaf) { return name.substr(0, name.rfind('.') + 1) + leaf; }
 
   // An NxDT tag records its job's whole config in user_content.pt
   // (hyper_parameters.cfg, NxDT nlp_overrides.py save_checkpoint keeps

@@ -21,7 +21,7 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b_as_given,
   // The tags may name their tensors differently (the other model family, or HF-style attention fused in one and not
   // in the other): b is then read under a's names.
   std::optional<RenamedState> renamed;
-  if (fa.family != fb.family || (fa.family == ModelFamily::kHfLlama && (fa.fuse_qkv != fb.fuse_qkv || fa.qkv_linear != fb.qkv_linear))) {
+  if (!SameLogicalNames(fa, fb)) {
     ModelFormat as_a = fb;
     as_a.family = fa.family, as_a.fuse_qkv = fa.fuse_qkv, as_a.qkv_linear = fa.qkv_linear;
     as_a.kv_size_multiplier = fa.family == fb.family ? fb.kv_size_multiplier : 1;
@@ -34,10 +34,7 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b_as_given,
     }
   }
   const LogicalState& b = renamed ? static_cast<const LogicalState&>(*renamed) : b_as_given;
-  ModelFormat ua = fa, ub = fb;  // the padding rule, KV replication and attention tensors are layout, not model
-  ub.make_vocab_size_divisible_by = ua.make_vocab_size_divisible_by;
-  ub.kv_size_multiplier = ua.kv_size_multiplier, ub.hw_backend = ua.hw_backend, ub.fuse_qkv = ua.fuse_qkv, ub.qkv_linear = ua.qkv_linear;
-  ub.family = ua.family;
+  ModelFormat ua = LayoutFree(fa), ub = LayoutFree(fb);  // the padding rule, KV replication and attention tensors are layout, not model
   // With rope, max_position_embeddings is 0 where a tag does not record it: unknown, not different.
   if (!ua.learned_positions && (ua.max_positions == 0 || ub.max_positions == 0)) ub.max_positions = ua.max_positions;
   if (!(ua == ub)) {
