@@ -54,24 +54,29 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
   if (c.vocab % tp.size)
     throw ckpt::Error("tensor parallel degree " + std::to_string(tp.size) + " does not divide the padded vocabulary (" +
                       std::to_string(c.vocab) + ")");
-  if ((tp.size > 1) != (tp.comm != nullptr) || KvHolders(c, tp.size, tp.rank).empty() == (tp.kv_comm != nullptr))
+  const std::vector<int> kv_holders = KvHolders(c, tp.size, tp.rank);
+  if ((tp.size > 1) != (tp.comm != nullptr) || kv_holders.empty() == (tp.kv_comm != nullptr))
     throw ckpt::Error("internal: tensor-parallel communicators do not match the degree");
+  kv_first_holder_ = kv_holders.empty() || kv_holders.front() == tp.rank;
   const int64_t n = tp.size, r = tp.rank;
-  nh_ = c.heads / n, h0_ = r * nh_;
+  nh_ = c.heads / n;
   attention_ = ckpt::AttentionTensorsOf(format_);
+  // This rank's query heads and KV heads (global numbers, local order), paired as one process pairs
+  // them: head h with KV head h / (heads / kv_heads). The HF-style family places them by NxD's rule
+  // (ckpt/model_family.h); Megatron's are in order, KV groups below tp replicated over consecutive ranks.
+  std::vector<int64_t> q, kv;
   if (c.family == ckpt::ModelFamily::kHfLlama) {
-    // NxD's placement (ckpt/model_family.h): this rank's query heads and KV heads, paired as HF pairs them (head q with KV q / group).
-    const auto q = ckpt::QueryHeadsOfRank(format_, tp.size, tp.rank), kv = ckpt::KvHeadsOfRank(format_, tp.size, tp.rank);
-    G_ = static_cast<int64_t>(kv.size()), g0_ = kv.front();
-    for (int64_t h : q) {
-      const auto at = std::find(kv.begin(), kv.end(), h / (c.heads / c.kv_heads));
-      if (at == kv.end()) throw ckpt::Error("internal: tp rank " + std::to_string(r) + " holds query head " + std::to_string(h) + " but not its KV head");
-      global_head_.push_back(h), local_group_.push_back(at - kv.begin());
-    }
+    q = ckpt::QueryHeadsOfRank(format_, tp.size, tp.rank), kv = ckpt::KvHeadsOfRank(format_, tp.size, tp.rank);
   } else {
-    if (c.kv_heads >= n) G_ = c.kv_heads / n, g0_ = r * G_;
-    else G_ = 1, g0_ = ckpt::KvReplicasOf(c.kv_heads, tp.size, tp.rank).group;  // the group of this rank's heads, replicated
-    for (int64_t h = 0; h < nh_; ++h) global_head_.push_back(h0_ + h), local_group_.push_back((h0_ + h) / (c.heads / c.kv_heads) - g0_);
+    for (int64_t h = 0; h < nh_; ++h) q.push_back(r * nh_ + h);
+    const int64_t first = c.kv_heads >= n ? r * (c.kv_heads / n) : ckpt::KvReplicasOf(c.kv_heads, tp.size, tp.rank).group;
+    for (int64_t g = 0; g < std::max<int64_t>(1, c.kv_heads / n); ++g) kv.push_back(first + g);
+  }
+  G_ = static_cast<int64_t>(kv.size());
+  for (int64_t h : q) {
+    const auto at = std::find(kv.begin(), kv.end(), h / (c.heads / c.kv_heads));
+    if (at == kv.end()) throw ckpt::Error("internal: tp rank " + std::to_string(r) + " holds query head " + std::to_string(h) + " but not its KV head");
+    global_head_.push_back(h), local_group_.push_back(at - kv.begin());
   }
   F_ = c.ffn / n, f0_ = r * F_;
   V_ = c.vocab / n, v0_ = r * V_;
@@ -210,9 +215,8 @@ int64_t Model::CountedRows(const std::string& name) const {
   if (p->split == ckpt::SplitDim::kReplicated) return tp_.rank == 0 ? rows : 0;  // norms, row-parallel biases, positions
   if (!tp_.kv_comm) return rows;
   // Replicated KV heads count on their first holder only.
-  const bool first = KvHolders(c_, tp_.size, tp_.rank).front() == tp_.rank;
-  if (p->fused == ckpt::FusedRows::kPerGroupKv || p->fused == ckpt::FusedRows::kKvHeads) return first ? rows : 0;
-  if (p->fused == ckpt::FusedRows::kQkvHeads) return first ? rows : nh_ * c_.head_dim();
+  if (p->fused == ckpt::FusedRows::kPerGroupKv || p->fused == ckpt::FusedRows::kKvHeads) return kv_first_holder_ ? rows : 0;
+  if (p->fused == ckpt::FusedRows::kQkvHeads) return kv_first_holder_ ? rows : nh_ * c_.head_dim();
   return rows;
 }
 

@@ -293,11 +293,12 @@ class Model {
   TensorParallel tp_;
   PipelineStage pp_;
   int first_layer_ = 0, end_layer_ = 0;  // this stage's layers
-  // This rank's share: heads [h0_, h0_ + nh_), KV groups from g0_ (G_ of them),
-  // FFN columns [f0_, f0_ + F_), vocabulary rows [v0_, v0_ + V_).
-  int64_t nh_ = 0, h0_ = 0, G_ = 0, g0_ = 0, F_ = 0, f0_ = 0, V_ = 0, v0_ = 0;
+  // This rank's share: nh_ query heads and G_ KV groups (which ones: global_head_ and
+  // local_group_ below), FFN columns [f0_, f0_ + F_), vocabulary rows [v0_, v0_ + V_).
+  int64_t nh_ = 0, G_ = 0, F_ = 0, f0_ = 0, V_ = 0, v0_ = 0;
   // Local head h's global head (dropout masks are keyed on it) and the local KV group it attends with.
   std::vector<int64_t> global_head_, local_group_;
+  bool kv_first_holder_ = true;  // KV heads not replicated, or this rank the first of their holders (CountedRows)
   ckpt::AttentionTensors attention_ = ckpt::AttentionTensors::kFused;
   ckpt::ModelFormat format_;
   std::vector<ckpt::ParamRule> logical_;  // every parameter of the model
