@@ -575,9 +575,9 @@ class ShardedTagBuilder {
     const std::string why = t_->dir_ + " has no manifest recording its model format (NxD writes none), ";
     ModelFormat& f = L.format;
     f.family = ModelFamily::kHfLlama;
-    const Tensor* norm = FindTensor("model.norm.weight");
-    const Tensor* emb = FindTensor("model.embed_tokens.weight");
-    const Tensor* down = FindTensor(".mlp.down_proj.weight");
+    const Tensor* norm = FindTensor(ParamName(f, Module::kFinalNorm));
+    const Tensor* emb = FindTensor(ParamName(f, Module::kEmbedding));
+    const Tensor* down = FindTensor(ParamName(f, Module::kMlpOut, static_cast<int>(L.stage_bounds[0])));
     if (!norm || !emb || !down || norm->shape().size() != 1 || emb->shape().size() != 2 || down->shape().size() != 2)
       throw Error(why + "and its model files do not hold an HF-style Llama's model.embed_tokens, model.norm and mlp.down_proj weights");
     f.hidden = norm->shape()[0];
@@ -585,7 +585,7 @@ class ShardedTagBuilder {
     f.ffn = down->shape()[1] * tp;
     f.vocab_size = emb->shape()[0] * tp;
     f.make_vocab_size_divisible_by = 1;
-    f.tied_output = FindTensor("lm_head.weight") == nullptr;
+    f.tied_output = FindTensor(ParamName(f, Module::kOutput)) == nullptr;
     // The attention tensors name the layout (NxDT's model.qkv_linear and model.fuse_qkv).
     const auto k_leaf = HfAttentionOfNames(ModelNames(), f);
     if (!k_leaf)
