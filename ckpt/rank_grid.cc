@@ -72,8 +72,6 @@ MpiLaunch ReadMpiLaunch() {
   if (const char* size = var("OMPI_COMM_WORLD_SIZE")) {
     m.world_size = std::atoi(size);
     m.rank = std::atoi(var("OMPI_COMM_WORLD_RANK") ? var("OMPI_COMM_WORLD_RANK") : "0");
-    const char* job = var("OMPI_MCA_ess_base_jobid") ? var("OMPI_MCA_ess_base_jobid") : var("PMIX_NAMESPACE");
-    if (m.world_size > 1 && job) m.job_id = std::string("mpirun-") + job;
   }
   return m;
 }

@@ -54,8 +54,10 @@ struct RankGrid {
   bool operator==(const RankGrid&) const = default;
 };
 
-// How mpirun (Open MPI / PMIx) started this process: its rank, the world size
-// and a job id every rank shares (empty without mpirun or with one rank).
+// How mpirun (Open MPI / PMIx) started this process: its rank and the world
+// size, as mpirun's environment says before MPI is initialized
+// (ReadMpiLaunch; job_id empty). The checkpoint store also takes a job id
+// every rank shares, which the trainer broadcasts.
 struct MpiLaunch {
   int rank = 0, world_size = 1;
   std::string job_id;

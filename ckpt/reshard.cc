@@ -305,7 +305,7 @@ uint64_t PeakRss() {
 ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log) {
   const auto t0 = Clock::now();
   ReshardSummary sum;
-  sum.src_tag = ResolveSourceTag(a.src, a.verify_source, env, log, a.launch.rank, a.weights_only);
+  sum.src_tag = ResolveSourceTag(a.src, a.verify_source, env, log, a.group->rank(), a.weights_only);
   const auto src = ckpt::ShardedTag::Open(env, sum.src_tag, a.hints, {.weights_only = a.weights_only, .trust_first_replica = a.trust_first_replica});
   if (src->optimizer_skipped()) sum.notes.push_back("--weights_only: the source's optimizer state is not read; the target has none");
   for (const auto& n : src->format_notes()) sum.notes.push_back(n);
@@ -411,7 +411,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   for (const char* f : {ckpt::kSchedulerFile, ckpt::kUserContentFile})
     if (auto v = src->TagFile(f)) plan.push_back({{f, std::move(*v), {}}, 0, -1});
 
-  if (a.launch.rank == 0) {
+  if (a.group->rank() == 0) {
     log("resharding " + sum.src_tag + ": " + L.grid.ToString() + ", stages " + StagesString(L.stage_bounds) + " -> " + to.ToString() +
         ", stages " + StagesString(sum.to_bounds));
     for (const auto& n : sum.notes) log("note: " + n);
@@ -421,7 +421,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     for (const auto& f : plan) bytes += f.bytes;
     sum.files = static_cast<int>(plan.size());
     sum.bytes_written = bytes;
-    if (a.launch.rank == 0)
+    if (a.group->rank() == 0)
       for (const auto& f : plan) log("would write " + f.file.relpath + " (" + ckpt::HumanBytes(f.bytes) + " of tensors)");
     sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     sum.peak_rss = PeakRss();
@@ -430,7 +430,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
 
   // The whole output must fit before any of it is written: a hostile or mistyped source
   // declaring a huge model ends here, not after filling the disk.
-  if (a.launch.rank == 0) {
+  if (a.group->rank() == 0) {
     uint64_t bytes = 0;
     for (const auto& f : plan) bytes += f.bytes;
     const std::filesystem::path dst(sum.dst_tag);
@@ -441,15 +441,15 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
                     " free; nothing was written");
   }
   const ckpt::StagedTag staged = ckpt::StageFor(sum.dst_tag, a.tool);
-  if (a.launch.rank == 0) ckpt::PrepareTarget(env, staged, a.overwrite, log);
-  const std::string save_id = ckpt::BeginStaged(env, staged, a.launch, a.tool);
+  if (a.group->rank() == 0) ckpt::PrepareTarget(env, staged, a.overwrite, log);
+  const std::string save_id = ckpt::BeginStaged(env, staged, *a.group, a.tool);
 
   auto write_and_commit = [&] {
     std::vector<ckpt::FileToWrite> mine;
     std::vector<uint64_t> tensor_bytes;  // what the progress bar counts
     std::stable_sort(plan.begin(), plan.end(), [](const auto& x, const auto& y) { return x.bytes > y.bytes; });  // big first: balance
     for (auto& f : plan) {
-      if (!ckpt::WritesUnit(f.unit, a.launch.rank, a.launch.world_size)) continue;
+      if (!ckpt::WritesUnit(f.unit, a.group->rank(), a.group->size())) continue;
       if (!xser || f.unit < 0) {  // tag-level files (scheduler, user content) are plain .pt in either container, as NxD writes them
         mine.push_back(f.file), tensor_bytes.push_back(f.bytes);
         continue;
@@ -460,44 +460,42 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
       }
     }
     sum.files = static_cast<int>(mine.size());
-    sum.bytes_written = ckpt::WriteRankFilesReporting(env, staged.staging, a.launch.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0,
+    sum.bytes_written = ckpt::WriteRankFilesReporting(env, staged.staging, a.group->rank(), save_id, mine, tensor_bytes, a.progress_bar, log, t0,
                                                       [&] { return fingerprints.ToJson(); });
-    if (a.launch.rank == 0) {
-      ckpt::CommitInfo ci;
-      ci.save_id = save_id;
-      ci.step = src->step();
-      ci.consumed_samples = src->consumed_samples();
-      ci.grid = to;
-      ci.world_size = a.launch.world_size;
-      ci.model = to_format;
-      ci.complete_manifest = [&](const std::vector<ckpt::RankRecord>& records, ckpt::Manifest& m) {
-        ckpt::FingerprintCollector all;
-        for (size_t r = 0; r < records.size(); ++r)
-          all.MergeJson(records[r].extra, ckpt::RankRecordPath(staged.staging, static_cast<int>(r)));
-        m.tensors = all.Finish(ckpt::LogicalTensors(*src));
-        // What the source says it holds is what was written: a source whose
-        // data no longer match its recorded fingerprints leaves no `done`.
-        if (const auto& want = src->recorded_fingerprints())
-          for (const auto& [name, fields] : *m.tensors)
-            for (const auto& [field, f] : fields) {
-              const auto n = want->find(name);
-              if (n == want->end() || !n->second.count(field)) continue;
-              if (!(n->second.at(field) == f))
-                throw Error(src->path() + ": " + name + " " + field + " reads with fingerprint " + ckpt::CrcHex(f.crc32) +
-                            ", but the source records " + ckpt::CrcHex(n->second.at(field).crc32) + ": its data changed since it was written");
-            }
-      };
-      ckpt::CommitTag(env, staged.staging, ci);
-      ckpt::PublishStaged(env, staged);
-    }
+    ckpt::CommitInfo ci;
+    ci.save_id = save_id;
+    ci.step = src->step();
+    ci.consumed_samples = src->consumed_samples();
+    ci.grid = to;
+    ci.model = to_format;
+    ci.complete_manifest = [&](const std::vector<ckpt::RankRecord>& records, ckpt::Manifest& m) {
+      ckpt::FingerprintCollector all;
+      for (size_t r = 0; r < records.size(); ++r)
+        all.MergeJson(records[r].extra, ckpt::RankRecordPath(staged.staging, static_cast<int>(r)));
+      m.tensors = all.Finish(ckpt::LogicalTensors(*src));
+      // What the source says it holds is what was written: a source whose
+      // data no longer match its recorded fingerprints leaves no `done`.
+      if (const auto& want = src->recorded_fingerprints())
+        for (const auto& [name, fields] : *m.tensors)
+          for (const auto& [field, f] : fields) {
+            const auto n = want->find(name);
+            if (n == want->end() || !n->second.count(field)) continue;
+            if (!(n->second.at(field) == f))
+              throw Error(src->path() + ": " + name + " " + field + " reads with fingerprint " + ckpt::CrcHex(f.crc32) +
+                          ", but the source records " + ckpt::CrcHex(n->second.at(field).crc32) + ": its data changed since it was written");
+          }
+    };
+    // Rank 0 commits for the group; a source that no longer matches its
+    // fingerprints leaves nothing behind.
+    ckpt::CommitStaged(env, staged, *a.group, ci);
   };
   try {
     write_and_commit();
   } catch (const Error&) {
-    // A check that failed (a source that no longer matches its fingerprints,
-    // a full disk) leaves nothing behind; under mpirun other ranks may still
-    // be writing, and `done` is missing either way.
-    if (a.launch.world_size == 1 && env->Exists(staged.staging)) ckpt::DeleteTag(env, staged.staging);
+    // A write that failed (a full disk) leaves nothing behind. Under mpirun
+    // the tool aborts the group instead: its peers may still be writing, and
+    // the staging folder has no `done` either way.
+    if (a.group->size() == 1 && env->Exists(staged.staging)) ckpt::DeleteTag(env, staged.staging);
     throw;
   }
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();

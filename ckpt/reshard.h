@@ -26,6 +26,7 @@
 #include "ckpt/env.h"
 #include "ckpt/resume.h"
 #include "ckpt/sharded_tag.h"
+#include "ckpt/writer_group.h"
 
 namespace ckpt {
 
@@ -54,7 +55,7 @@ struct ReshardArgs {
   // The target's model family (weights only: the families group optimizer state differently).
   std::optional<ckpt::ModelFamily> out_model_family;
   bool trust_first_replica = false;  // TagReadOptions::trust_first_replica
-  ckpt::MpiLaunch launch;       // under mpirun the ranks split the output files
+  ckpt::WriterGroup* group = &ckpt::SoloGroup();  // under mpirun the ranks split the output files
   bool progress_bar = false;
   std::string tool = "reshard";  // names the staging folder (.<dst>.<tool>-partial)
 };

@@ -206,17 +206,46 @@ void PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::func
     throw Error(t.target + ": --overwrite replaces only a checkpoint tag, and this folder is not a checkpoint tag: " + why);
 }
 
-std::string BeginStaged(Env* env, const StagedTag& t, const MpiLaunch& launch, const std::string& tool) {
-  std::string save_id = launch.job_id;
-  if (save_id.empty()) {
-    if (launch.world_size > 1) throw Error("running as " + std::to_string(launch.world_size) + " ranks but no job id to share a save");
+std::string BeginStaged(Env* env, const StagedTag& t, WriterGroup& group, const std::string& tool) {
+  // Rank 0 names the save and begins it before any rank writes; the others
+  // learn the name from the broadcast, which they can only pass once it is begun.
+  std::string save_id;
+  if (group.rank() == 0) {
     std::random_device rd;
-    save_id = tool + "-" + std::to_string(::getpid()) + "-" + std::to_string(rd());
+    save_id = tool + "-" + std::to_string(::getpid()) + "-" + CrcHex(rd()) + CrcHex(rd());
+    env->CreateDirs(std::filesystem::path(t.staging).parent_path().string());
+    BeginTag(env, t.staging, save_id);
   }
-  env->CreateDirs(std::filesystem::path(t.staging).parent_path().string());
-  if (launch.rank == 0) BeginTag(env, t.staging, save_id);
-  else WaitForBegin(env, t.staging, save_id, std::chrono::minutes(10));
+  group.Broadcast(&save_id);
   return save_id;
+}
+
+void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo info) {
+  info.world_size = group.size();
+  const std::vector<std::string> texts = group.Gather(ReadSmallFile(env, RankRecordPath(t.staging, group.rank())));
+  std::string why_not;  // rank 0's decision: empty to commit
+  if (group.rank() == 0) {
+    try {
+      std::vector<RankRecord> records;
+      for (int r = 0; r < group.size(); ++r) {
+        const std::string where = RankRecordPath(t.staging, r);
+        records.push_back(ParseRankRecord(texts[r], where));
+        if (records.back().save_id != info.save_id) throw Error(where + ": belongs to save " + records.back().save_id + ", not " + info.save_id);
+      }
+      CommitRecords(env, t.staging, info, records);
+      PublishStaged(env, t);
+    } catch (const Error& e) {
+      why_not = e.what();
+      try {  // every rank has stopped writing: nothing of this save is kept
+        if (env->Exists(t.staging)) DeleteTag(env, t.staging);
+      } catch (const Error&) {  // it stays without `done`
+      }
+    }
+  }
+  std::string decision = why_not.empty() ? "commit" : "abort: " + why_not;
+  group.Broadcast(&decision);
+  if (group.rank() == 0 && !why_not.empty()) throw Error(why_not);
+  if (decision != "commit") throw Error(t.target + ": rank 0 did not commit the tag (" + decision.substr(7) + ")");
 }
 
 bool WritesUnit(int unit, int rank, int world_size) { return unit < 0 ? rank == 0 : unit % world_size == rank; }
@@ -257,13 +286,24 @@ void PublishStaged(Env* env, const StagedTag& t) {
   if (replacing) DeleteTag(env, t.old);  // `done` first: a kill mid-delete leaves nothing that looks whole
 }
 
-void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
+void CommitRecords(Env* env, const std::string& tag_dir, const CommitInfo& info, std::vector<RankRecord> records) {
   Manifest m;
   m.step = info.step;
   m.consumed_samples = info.consumed_samples;
   m.grid = info.grid;
   m.world_size = info.world_size;
   m.model = info.model;
+  for (size_t r = 0; r < records.size(); ++r)
+    for (const auto& [p, d] : records[r].files) {
+      if (m.files.count(p)) throw Error(RankRecordPath(tag_dir, static_cast<int>(r)) + ": file '" + p + "' was also written by another rank");
+      m.files[p] = d;
+    }
+  if (info.complete_manifest) info.complete_manifest(records, m);
+  m.Save(env, tag_dir + "/" + kManifestFile);
+  WriteMarker(env, tag_dir + "/" + kDoneMarker);
+}
+
+void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
   // A record counts once it exists and belongs to this save.
   auto record = [&](int r) -> std::optional<RankRecord> {
     const std::string path = RankRecordPath(tag_dir, r);
@@ -285,15 +325,9 @@ void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info) {
       throw Error(tag_dir + ": ranks " + missing + " did not finish writing within " +
                   std::to_string(info.rank_timeout.count()) + " ms; the tag stays incomplete (no done)");
     }
-    for (const auto& [p, d] : rec->files) {
-      if (m.files.count(p)) throw Error(RankRecordPath(tag_dir, r) + ": file '" + p + "' was also written by another rank");
-      m.files[p] = d;
-    }
     records.push_back(std::move(*rec));
   }
-  if (info.complete_manifest) info.complete_manifest(records, m);
-  m.Save(env, tag_dir + "/" + kManifestFile);
-  WriteMarker(env, tag_dir + "/" + kDoneMarker);
+  CommitRecords(env, tag_dir, info, std::move(records));
 }
 
 }  // namespace ckpt

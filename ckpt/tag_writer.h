@@ -12,9 +12,10 @@
 //      the rank's completion vote.
 //   3. CommitTag (rank 0): waits until every rank's record for this save_id
 //      exists, merges them into manifest.json, and only then writes `done`.
-// Completion travels through the file system, not a collective, so it works
-// from a background writer thread and across processes alike; a rank that
-// dies leaves its record missing and the tag stays without `done`.
+// In the store, completion travels through the file system, so it works from
+// a background writer thread; a rank that dies leaves its record missing and
+// the tag stays without `done`. The tools, which write in the foreground,
+// agree through their WriterGroup instead (BeginStaged, CommitStaged).
 #pragma once
 
 #include <chrono>
@@ -29,6 +30,7 @@
 #include "ckpt/manifest.h"
 #include "ckpt/pt_file.h"
 #include "ckpt/value.h"
+#include "ckpt/writer_group.h"
 
 namespace ckpt {
 
@@ -88,8 +90,11 @@ struct CommitInfo {
   std::function<void(const std::vector<RankRecord>&, Manifest&)> complete_manifest;
 };
 
-// Rank 0: waits for every rank's record, writes manifest.json, then `done`.
-// Throws ckpt::Error naming the missing ranks on timeout (no `done` written).
+// Merges every rank's record (in rank order) into manifest.json, then writes `done`.
+void CommitRecords(Env* env, const std::string& tag_dir, const CommitInfo& info, std::vector<RankRecord> records);
+// Rank 0 of the store, whose ranks save from background threads and so
+// cannot meet in a collective: waits for every rank's record file, then
+// CommitRecords. Throws ckpt::Error naming the missing ranks on timeout (no `done` written).
 void CommitTag(Env* env, const std::string& tag_dir, const CommitInfo& info);
 
 // Deletes a tag so that no interruption leaves it looking complete: `done`
@@ -118,10 +123,9 @@ StagedTag StageFor(const std::string& target, const std::string& tool);
 // folder that is not a checkpoint tag (NotATag) even with it. Throws
 // ckpt::Error naming the folder.
 void PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::function<void(const std::string&)>& log);
-// Every rank, after PrepareTarget: begins (rank 0) or joins the save in the
-// staging folder. The launch's job id is the save id all ranks share
-// (required with more than one rank); empty makes one from `tool`. Returns the save id.
-std::string BeginStaged(Env* env, const StagedTag& t, const MpiLaunch& launch, const std::string& tool);
+// Every rank of `group`, after PrepareTarget: rank 0 begins the save in the
+// staging folder under a fresh save id and broadcasts it. Returns the save id.
+std::string BeginStaged(Env* env, const StagedTag& t, WriterGroup& group, const std::string& tool);
 // Whether this process writes unit `unit` of a tool's output: rank files
 // (unit >= 0) are dealt round-robin over the processes; the tag's own files
 // (unit < 0: scheduler, user content) come from rank 0.
@@ -136,8 +140,17 @@ uint64_t WriteRankFilesReporting(Env* env, const std::string& tag_dir, int rank,
                                  const std::function<void(const std::string&)>& log, std::chrono::steady_clock::time_point start,
                                  std::function<nlohmann::json()> record_extra = {});
 
-// Rank 0, after CommitTag on the staging folder: the complete tag takes the
-// target's name; a replaced target is deleted last (`done` first).
+// Every rank of `group`, once its files and record are written: the records
+// are gathered on rank 0, which commits the staging folder (CommitRecords;
+// info.world_size is the group's) and publishes it, or, when the commit
+// fails (info.complete_manifest throwing, a record of another save), deletes
+// it. Rank 0 broadcasts the outcome; every rank throws ckpt::Error when the
+// tag was not committed. A rank that failed before this call must Abort the
+// group instead of returning, or its peers wait here.
+void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo info);
+
+// Rank 0, once the tag is committed: the complete tag takes the target's
+// name; a replaced target is deleted last (`done` first).
 void PublishStaged(Env* env, const StagedTag& t);
 
 // Writes a small marker file ("1") atomically.

@@ -104,35 +104,29 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
     return sum;
   }
   const ckpt::StagedTag staged = ckpt::StageFor(tag_dir, "nnm2nxdt");
-  if (a.launch.rank == 0) {
+  if (a.group->rank() == 0) {
     for (const auto& n : plan.notes) log("note: " + n);
     for (const auto& line : OptimizerReport(plan, a.weights_only)) log(line);
     ckpt::PrepareTarget(env, staged, a.overwrite, log);
   }
 
-  const std::string save_id = ckpt::BeginStaged(env, staged, a.launch, "nnm2nxdt");
+  const std::string save_id = ckpt::BeginStaged(env, staged, *a.group, "nnm2nxdt");
 
   std::vector<const PlannedFile*> planned;
   for (const auto& f : plan.files)
-    if (ckpt::WritesUnit(f.unit, a.launch.rank, a.launch.world_size)) planned.push_back(&f);
+    if (ckpt::WritesUnit(f.unit, a.group->rank(), a.group->size())) planned.push_back(&f);
   std::stable_sort(planned.begin(), planned.end(), [](auto* x, auto* y) { return x->bytes > y->bytes; });  // big first: balance
   std::vector<ckpt::FileToWrite> mine;
   std::vector<uint64_t> tensor_bytes;  // what the progress bar counts
   for (auto* f : planned) mine.push_back(f->file), tensor_bytes.push_back(f->bytes), sum.tensors += f->tensors;
   sum.files = static_cast<int>(mine.size());
-  sum.bytes = ckpt::WriteRankFilesReporting(env, staged.staging, a.launch.rank, save_id, mine, tensor_bytes, a.progress_bar, log, t0);
-  if (a.launch.rank != 0) {
-    sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    return sum;
-  }
+  sum.bytes = ckpt::WriteRankFilesReporting(env, staged.staging, a.group->rank(), save_id, mine, tensor_bytes, a.progress_bar, log, t0);
   ckpt::CommitInfo ci;
   ci.save_id = save_id;
   ci.step = plan.global_step;
   ci.consumed_samples = plan.consumed_samples;
   ci.grid = plan.grid;
-  ci.world_size = a.launch.world_size;
-  ckpt::CommitTag(env, staged.staging, ci);
-  ckpt::PublishStaged(env, staged);
+  ckpt::CommitStaged(env, staged, *a.group, ci);
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return sum;
 }

@@ -17,6 +17,7 @@
 
 #include "ckpt/env.h"
 #include "ckpt/rank_grid.h"
+#include "ckpt/writer_group.h"
 
 namespace convert {
 
@@ -30,7 +31,7 @@ struct ConverterArgs {
   bool require_optimizer = false;   // an input without optimizer state is an error (MissingOptimizerState)
   bool nxdt_optimizer_groups = false;  // regroup into NxDT's split instead of keeping what NNM decayed
   bool progress_bar = false;  // a terminal bar instead of a log line per file
-  ckpt::MpiLaunch launch;  // under mpirun the ranks split the output files
+  ckpt::WriterGroup* group = &ckpt::SoloGroup();  // under mpirun the ranks split the output files
 };
 
 struct ConvertSummary {

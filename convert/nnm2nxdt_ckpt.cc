@@ -16,6 +16,7 @@
 #include <optional>
 #include <thread>
 
+#include "ckpt/mpi_group.h"
 #include "ckpt/cli.h"
 #include "ckpt/error.h"
 #include "ckpt/layout.h"
@@ -80,8 +81,8 @@ int main(int argc, char** argv) {
   tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(workers));
 
   // mpirun (Open MPI / PMIx) tells each process its rank and the job.
-  a.launch = ckpt::ReadMpiLaunch();
-  a.progress_bar = ::isatty(2) && a.launch.rank == 0;
+  a.group = &ckpt::WorldGroup();
+  a.progress_bar = ::isatty(2) && a.group->rank() == 0;
   try {
     const auto s = convert::RunConversion(a, ckpt::Env::Default(), log);
     if (a.dry_run) return 0;
@@ -89,18 +90,15 @@ int main(int argc, char** argv) {
     std::snprintf(line, sizeof line, "converted %d input files -> %d files, %lld tensors, %s in %.2f s (%s/s)", s.inputs, s.files,
                   static_cast<long long>(s.tensors), ckpt::HumanBytes(s.bytes).c_str(), s.seconds,
                   ckpt::HumanBytes(static_cast<uint64_t>(static_cast<double>(s.bytes) / std::max(s.seconds, 1e-9))).c_str());
-    if (a.launch.world_size > 1) log("rank " + std::to_string(a.launch.rank) + ": " + line);
+    if (a.group->size() > 1) log("rank " + std::to_string(a.group->rank()) + ": " + line);
     else log(line);
-    if (a.launch.rank == 0) log("NxDT checkpoint: " + s.tag_dir);
+    if (a.group->rank() == 0) log("NxDT checkpoint: " + s.tag_dir);
     return 0;
   } catch (const convert::MissingOptimizerState& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return 2;
+    return ckpt::FailGroup(*a.group, 2, e.what());
   } catch (const ckpt::Error& e) {  // bad input: names the file and key
-    std::cerr << "error: " << e.what() << "\n";
-    return 2;
+    return ckpt::FailGroup(*a.group, 2, e.what());
   } catch (const std::exception& e) {  // anything unexpected (a library's own error)
-    std::cerr << "error: " << e.what() << "\n";
-    return 1;
+    return ckpt::FailGroup(*a.group, 1, e.what());
   }
 }

@@ -13,6 +13,7 @@
 #include <mutex>
 
 #include "ckpt/error.h"
+#include "ckpt/mpi_group.h"
 
 namespace train {
 namespace {
@@ -52,12 +53,6 @@ class Timed {
   std::chrono::steady_clock::time_point t0_;
 };
 
-void FinalizeMpi() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
-}
-
 }  // namespace
 
 struct Comm::PendingSend {
@@ -85,16 +80,11 @@ Comm::~Comm() {
 
 const CommStats& Comm::Stats() { return MutableStats(); }
 
-bool Comm::UsingMpi() { return ckpt::ReadMpiLaunch().world_size > 1; }
+bool Comm::UsingMpi() { return ckpt::LaunchedAsManyRanks(); }
 
 Comm& Comm::World() {
   static Comm* world = [] {
-    if (!UsingMpi()) return new Comm(nullptr, 0, 1);
-    int provided = 0;
-    // Collectives are called from the training thread only; TBB workers never call MPI.
-    Check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "init");
-    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-    std::atexit(FinalizeMpi);
+    if (!ckpt::InitMpiOnce()) return new Comm(nullptr, 0, 1);
     int rank = 0, size = 1;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);

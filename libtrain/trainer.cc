@@ -1,5 +1,6 @@
 #include "libtrain/trainer.h"
 
+#include "ckpt/mpi_group.h"
 #include "ckpt/model_family.h"
 
 #include <unistd.h>
@@ -235,10 +236,9 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     if (!action.empty() && action[0] == '!') throw ckpt::Error(action.substr(1));
     if (action == "reshard") {
       ckpt::ReshardArgs a = plan;
-      a.launch = {pc.world->rank(), pc.world->size(), SharedSaveId(*pc.world, "resume-reshard")};
+      a.group = &ckpt::WorldGroup();  // the job's ranks write the resharded tag together
       a.progress_bar = false;
-      ckpt::RunReshard(a, env, log);
-      pc.world->Barrier();  // rank 0 has committed it
+      ckpt::RunReshard(a, env, log);  // returns on every rank once rank 0 has committed it
     }
     if (!action.empty()) tag = plan.dst;
   }

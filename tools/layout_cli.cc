@@ -18,6 +18,7 @@
 #include <optional>
 #include <thread>
 
+#include "ckpt/mpi_group.h"
 #include "ckpt/cli.h"
 #include "ckpt/error.h"
 #include "ckpt/rank_grid.h"
@@ -157,8 +158,8 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   a.out_fuse_qkv = out_fuse, a.out_qkv_linear = out_qkv_linear;
   if (!out_family.empty()) a.out_model_family = ckpt::ParseFamily(out_family);
   a.verify_source = !no_verify;
-  a.launch = ckpt::ReadMpiLaunch();  // under mpirun the ranks split the files
-  a.progress_bar = ::isatty(2) && a.launch.rank == 0 && !json;
+  a.group = &ckpt::WorldGroup();  // under mpirun the ranks split the files
+  a.progress_bar = ::isatty(2) && a.group->rank() == 0 && !json;
   auto log = [](const std::string& s) { std::cerr << s << std::endl; };
   try {
     a.hints = hints.Hints();
@@ -175,7 +176,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
     const ckpt::ReshardSummary s =
         h5 ? RunImport(a, format == "hf", import, ckpt::Env::Default(), log) : ckpt::RunReshard(a, ckpt::Env::Default(), log);
     const double rate = static_cast<double>(s.bytes_written) / std::max(s.seconds, 1e-9);
-    if (json && a.launch.rank == 0) {
+    if (json && a.group->rank() == 0) {
       nlohmann::ordered_json j = {{"source", s.src_tag},
                                   {"target", s.dst_tag},
                                   {"dry_run", a.dry_run},
@@ -197,16 +198,14 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
       std::snprintf(line, sizeof line, "wrote %d files, %s in %.2f s (%s/s); peak memory %s of the %s budget (streamed in %s chunks: no tensor is held whole)",
                     s.files, ckpt::HumanBytes(s.bytes_written).c_str(), s.seconds, ckpt::HumanBytes(static_cast<uint64_t>(rate)).c_str(),
                     ckpt::HumanBytes(s.peak_rss).c_str(), ckpt::HumanBytes(a.memory_budget).c_str(), ckpt::HumanBytes(s.stream_chunk).c_str());
-      log(a.launch.world_size > 1 ? "rank " + std::to_string(a.launch.rank) + ": " + line : std::string(line));
-      if (a.launch.rank == 0) log((h5 ? "imported checkpoint: " : "resharded checkpoint: ") + s.dst_tag);
+      log(a.group->size() > 1 ? "rank " + std::to_string(a.group->rank()) + ": " + line : std::string(line));
+      if (a.group->rank() == 0) log((h5 ? "imported checkpoint: " : "resharded checkpoint: ") + s.dst_tag);
     }
     return 0;
   } catch (const ckpt::Error& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return 2;
+    return ckpt::FailGroup(*a.group, 2, e.what());
   } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return 1;
+    return ckpt::FailGroup(*a.group, 1, e.what());
   }
 }
 
