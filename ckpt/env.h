@@ -75,6 +75,10 @@ class Env {
   virtual void RenameFile(const std::string& from, const std::string& to) = 0;
   // fsyncs a directory so renames and creations inside it are durable.
   virtual void SyncDir(const std::string& dir) = 0;
+  // Makes everything written on the file system holding `dir` durable
+  // (syncfs): one journal commit for a folder of many small files (xser),
+  // where an fsync of each would be one commit per file.
+  virtual void SyncFileSystem(const std::string& dir) = 0;
   virtual void RemoveFile(const std::string& path) = 0;
   // Removes a directory tree; absent is fine.
   virtual void RemoveAll(const std::string& path) = 0;

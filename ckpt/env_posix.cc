@@ -264,6 +264,15 @@ class PosixEnv final : public Env {
     if (rc != 0) ThrowErrno(dir, "directory fsync failed", e);
   }
 
+  void SyncFileSystem(const std::string& dir) override {
+    int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) ThrowErrno(dir, "cannot open directory");
+    int rc = ::syncfs(fd);
+    int e = errno;
+    ::close(fd);
+    if (rc != 0) ThrowErrno(dir, "syncfs failed", e);
+  }
+
   void RemoveFile(const std::string& path) override {
     if (::unlink(path.c_str()) != 0 && errno != ENOENT) ThrowErrno(path, "cannot remove");
   }

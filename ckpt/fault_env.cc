@@ -75,6 +75,11 @@ void FaultEnv::SyncDir(const std::string& dir) {
   Sync(dir, Event::kSyncDir);
 }
 
+void FaultEnv::SyncFileSystem(const std::string& dir) {
+  base_->SyncFileSystem(dir);
+  Sync(dir, Event::kSyncFileSystem);
+}
+
 void FaultEnv::RemoveFile(const std::string& path) {
   Op();
   base_->RemoveFile(path);

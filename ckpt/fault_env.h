@@ -33,7 +33,7 @@ class FaultEnv : public Env {
   void CrashAt(int64_t n) { crash_at_ = ops_ + n; }
 
   struct Event {
-    enum Kind { kSyncFile, kRename, kSyncDir, kCreateDirs } kind;
+    enum Kind { kSyncFile, kRename, kSyncDir, kCreateDirs, kSyncFileSystem } kind;
     std::string path, to;  // to: rename target
   };
   std::vector<Event> events() const {
@@ -49,6 +49,7 @@ class FaultEnv : public Env {
   std::shared_ptr<const MappedFile> MapFile(const std::string& path) override { return base_->MapFile(path); }
   void RenameFile(const std::string& from, const std::string& to) override;
   void SyncDir(const std::string& dir) override;
+  void SyncFileSystem(const std::string& dir) override;
   void RemoveFile(const std::string& path) override;
   void RemoveAll(const std::string& path) override;
   void CreateDirs(const std::string& path) override;

@@ -42,4 +42,17 @@ void RequireInside(const std::string& root, const std::string& path) {
               "Copy the file into the folder, or name the folder it really lives in");
 }
 
+ConfinedFolder::ConfinedFolder(std::string root, std::string dir) : root_(std::move(root)), dir_(std::move(dir)) {
+  RequireInside(root_, dir_);
+}
+
+void ConfinedFolder::Require(const std::string& name) const {
+  if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+    throw Error(dir_ + ": '" + name + "' is not a file name of the folder");
+  const std::string path = dir_ + "/" + name;
+  std::error_code ec;
+  // Not a link: a name in a folder that resolves inside root is inside root.
+  if (fs::is_symlink(fs::symlink_status(path, ec)) || ec) RequireInside(root_, path);
+}
+
 }  // namespace ckpt

@@ -20,4 +20,19 @@ void RequireInside(const std::string& root, const std::string& path);
 // True when `path` resolves inside `root` (the same rule, as a predicate).
 bool ResolvesInside(const std::string& root, const std::string& path);
 
+// The same rule for many files of one folder (an xser tensors folder holds
+// one per tensor): the folder is resolved once, then a file costs one lstat,
+// and only a link is resolved in full.
+class ConfinedFolder {
+ public:
+  // Throws ckpt::Error unless `dir` resolves inside `root`.
+  ConfinedFolder(std::string root, std::string dir);
+  // Throws ckpt::Error unless dir/name resolves inside root. `name` is a file
+  // name, without '/'.
+  void Require(const std::string& name) const;
+
+ private:
+  std::string root_, dir_;
+};
+
 }  // namespace ckpt

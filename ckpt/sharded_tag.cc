@@ -811,10 +811,30 @@ void ShardedTag::Read(const std::string& name, StateField f, uint64_t begin, std
   auto it = std::upper_bound(idx.extents.begin(), idx.extents.end(), begin, [](uint64_t b, const Extent& e) { return b < e.end; });
   // Read-ahead for every run of the range before copying any: runs in many small files (xser
   // has a file per tensor) are then read by the disk at once, not one fault after another.
+  // A range across a split dimension touches one run per row and source; a
+  // source's runs for successive rows lie one after another in its file, so
+  // they are asked for together (not a system call per row). Runs further
+  // apart than a page stay separate: the gap is not read.
+  struct Ahead {
+    const MappedFile* file;
+    const uint8_t *lo, *hi;
+  };
+  std::vector<Ahead> ahead;
   for (auto p = it; p != idx.extents.end() && p->begin < end; ++p) {
     const uint64_t lo = std::max(begin, p->begin), hi = std::min(end, p->end);
-    if (p->file && lo < hi) p->file->Prefetch(p->data + (lo - p->begin) * p->stride * es, ((hi - lo - 1) * p->stride + 1) * es);
+    if (!p->file || lo >= hi) continue;
+    const uint8_t* from = p->data + (lo - p->begin) * p->stride * es;
+    const uint8_t* to = from + ((hi - lo - 1) * p->stride + 1) * es;
+    auto a = std::find_if(ahead.rbegin(), ahead.rend(), [&](const Ahead& x) { return x.file == p->file; });
+    if (a != ahead.rend() && from >= a->hi && from - a->hi <= 4096) a->hi = to;
+    else ahead.push_back({p->file, from, to});
   }
+  // A small read (a row's pieces of a column split, read row by row) is left
+  // to the kernel's read-around, and an xser tensor file's head was asked for
+  // when it was mapped: a system call per row would cost more than it saves.
+  constexpr uint64_t kSmall = 256 << 10;
+  if ((end - begin) * es >= kSmall)
+    for (const Ahead& a : ahead) a.file->Prefetch(a.lo, static_cast<size_t>(a.hi - a.lo));
   uint64_t at = begin;
   for (; at < end && it != idx.extents.end(); ++it) {
     const uint64_t lo = std::max(at, it->begin), hi = std::min(end, it->end);

@@ -135,12 +135,18 @@ std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& ta
   auto write = [&](size_t i) {
     const FileToWrite& f = files[i];
     const std::string path = tag_dir + "/" + f.relpath;
-    // Each folder is synced once, after all of its files (below), before the record that votes for them.
-    WriteFilesAtomically(env, {{path, [&](WritableFile& out) {
-                                  const uint32_t crc = WritePt(out, ArchivePrefixFor(path), f.value, f.options);
-                                  written[i] = FileDigest{out.Size(), crc};
-                                }}},
-                         /*sync_dirs=*/false);
+    auto fill = [&](WritableFile& out) {
+      const uint32_t crc = WritePt(out, ArchivePrefixFor(path), f.value, f.options);
+      written[i] = FileDigest{out.Size(), crc};
+    };
+    if (opts.staging) {  // made durable all at once below
+      auto out = env->NewWritableFile(path);
+      fill(*out);
+      out->Close();
+    } else {
+      // Each folder is synced once, after all of its files (below), before the record that votes for them.
+      WriteFilesAtomically(env, {{path, fill}}, /*sync_dirs=*/false);
+    }
     if (opts.on_file_written) opts.on_file_written(f, written[i]);
   };
   if (opts.parallel) {
@@ -150,6 +156,7 @@ std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& ta
   }
   std::map<std::string, FileDigest> digests;
   for (size_t i = 0; i < files.size(); ++i) digests[files[i].relpath] = written[i];
+  if (opts.staging && !files.empty()) env->SyncFileSystem(tag_dir);
   // Every file's folder, then the folders' own entries in their parents.
   for (const auto& dir : dirs) env->SyncDir(dir);
   for (const auto& dir : dirs)
@@ -261,6 +268,7 @@ uint64_t WriteRankFilesReporting(Env* env, const std::string& tag_dir, int rank,
   int done_files = 0;
   WriteRankOptions wo;
   wo.parallel = true;
+  wo.staging = true;  // every caller writes a StagedTag
   wo.record_extra = std::move(record_extra);
   wo.on_file_written = [&](const FileToWrite& f, const FileDigest& d) {
     std::lock_guard<std::mutex> lock(mu);

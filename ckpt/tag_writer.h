@@ -55,6 +55,11 @@ void WaitForBegin(Env* env, const std::string& tag_dir, const std::string& save_
 struct WriteRankOptions {
   // Write the files concurrently (TBB); the Env must then be thread-safe.
   bool parallel = false;
+  // The folder is a staging folder (StagedTag), which nothing reads before it
+  // is committed and renamed: files take their names at once, unsynced, and
+  // one SyncFileSystem makes them all durable before the record. The store's
+  // tags, written in place, keep temporary name, fsync and rename per file.
+  bool staging = false;
   // Called after each file is durable (from the writing thread).
   std::function<void(const FileToWrite&, const FileDigest&)> on_file_written;
   // Called once every file is durable: what the writer adds to this rank's
@@ -131,7 +136,7 @@ std::string BeginStaged(Env* env, const StagedTag& t, WriterGroup& group, const 
 // (unit < 0: scheduler, user content) come from rank 0.
 bool WritesUnit(int unit, int rank, int world_size);
 
-// WriteRankFiles (in parallel) that reports as it goes: a progress bar over
+// WriteRankFiles of a StagedTag's staging folder (in parallel, `staging`) that reports as it goes: a progress bar over
 // `weights` (what each file counts toward it, e.g. its tensor bytes) when
 // `progress_bar`, else one log line per file written; times are from `start`.
 // Returns the bytes written.

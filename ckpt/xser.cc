@@ -99,15 +99,19 @@ struct Resolver {
   std::string info_path;
   std::set<int64_t> seen;
   std::map<int64_t, std::shared_ptr<const MappedFile>> mapped;  // tid -> its tensor file, mapped ahead
+  std::optional<ConfinedFolder> confined;  // `dir` under opts.confine_to, resolved once
 
   // Maps every referenced tensor file and asks for its head (zip directory, pickle) ahead of
   // parsing, so a tag of many small files is read by the disk at once, not one file at a time.
   void MapAll(const Value& v) {
     if (IsTensorReference(v)) {
       const int64_t tid = TensorReferenceId(v);
-      const std::string file = dir + "/tensor_" + std::to_string(tid) + ".pt";
+      const std::string name = "tensor_" + std::to_string(tid) + ".pt", file = dir + "/" + name;
       if (tid < 0 || mapped.count(tid) || !env->Exists(file)) return;  // Resolve names the problem
-      if (!opts.confine_to.empty()) RequireInside(opts.confine_to, file);
+      if (!opts.confine_to.empty()) {
+        if (!confined) confined.emplace(opts.confine_to, dir);
+        confined->Require(name);
+      }
       auto f = env->MapFile(file);
       f->Prefetch(f->data(), std::min<uint64_t>(f->size(), 64 << 10));
       if (f->size() > (64 << 10)) f->Prefetch(f->data() + f->size() - 4096, 4096);  // the zip directory at the end
@@ -173,7 +177,7 @@ Value LoadXser(const std::string& path, const LoadOptions& opts, Env* env) {
     std::map<int64_t, Declared> info;
     const bool has_info = env->Exists(info_path);
     if (has_info) info = LoadInfo(info_path, opts, env);
-    Resolver r{XserTensorDir(path), opts, env, has_info ? &info : nullptr, info_path, {}, {}};
+    Resolver r{XserTensorDir(path), opts, env, has_info ? &info : nullptr, info_path, {}, {}, std::nullopt};
     r.MapAll(root);
     r.Resolve(root);
   } catch (const Error& e) {

@@ -107,7 +107,8 @@ void ZipWriter::AddStreamedRecord(const std::string& name, uint64_t size,
     produce(done, chunk);
     crc = Crc32Combine(crc, Crc32(chunk), chunk.size());
     if (writing.valid()) writing.get();  // rethrows its failure
-    if (half) writing = std::async(std::launch::async, [this, chunk] { out_.Append(chunk); });
+    // The last chunk is appended here: a thread per record would cost more than a small tensor's write.
+    if (half && done + chunk.size() < size) writing = std::async(std::launch::async, [this, chunk] { out_.Append(chunk); });
     else out_.Append(chunk);
     done += chunk.size();
   }
