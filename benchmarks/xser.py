@@ -13,7 +13,8 @@ Per container, each run from a cold page cache:
   - ckpt-reshard --no_verify to tp 2 pp 4 dp 1 (ZeRO-1), in the source's container,
     and from xser to plain .pt (what reading xser costs alone);
   - ckpt-export --no_verify to one HDF5 file;
-  - cp -r + sync -f of the source (the xser tag's bytes: the disk's figure).
+  - cp -r + sync -f of the source in both containers (the disk's figures, and
+    what many small files cost the disk itself).
 The goal (#21): xser within 1.1x of plain .pt.
 """
 import argparse
@@ -63,6 +64,7 @@ def main():
         methods["ckpt-reshard xser -> plain .pt"] = (xser, [reshard, xser, out, "--tp", "2", "--pp", "4", "--dp", "1", "--zero1",
                                                             "--no_verify", "--no_save_xser", "--memory_budget", a.memory_budget, *hints])
         methods["cp -r + sync -f (xser)"] = (xser, ["sh", "-c", 'cp -r "$1" "$2" && sync -f "$2"', "sh", xser, out])
+        methods["cp -r + sync -f (plain .pt)"] = (plain, ["sh", "-c", 'cp -r "$1" "$2" && sync -f "$2"', "sh", plain, out])
         best = {}
         for _ in range(a.runs):
             for m, (src, args) in methods.items():
@@ -78,6 +80,8 @@ def main():
         print()
         print(f"ckpt-reshard reading xser, writing plain / plain .pt time "
               f"{best['ckpt-reshard xser -> plain .pt'][0] / best['ckpt-reshard plain .pt'][0]:.2f}")
+        cp_ratio = best["cp -r + sync -f (xser)"][0] / best["cp -r + sync -f (plain .pt)"][0]
+        print(f"the disk's own cost of the container: cp -r + sync, xser / plain .pt time {cp_ratio:.2f}")
         for job in ("ckpt-reshard", "ckpt-export"):
             ratio = best[f"{job} xser"][0] / best[f"{job} plain .pt"][0]
             print(f"{job}: xser / plain .pt time {ratio:.2f} (goal <= 1.1); "

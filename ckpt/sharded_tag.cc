@@ -1,12 +1,16 @@
 #include "ckpt/sharded_tag.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <regex>
 #include <set>
+#include <thread>
 #include <type_traits>
+#include <variant>
 
 #include "ckpt/error.h"
 #include "ckpt/input_guard.h"
@@ -81,6 +85,7 @@ class ShardedTagBuilder {
 
   std::unique_ptr<ShardedTag> Build() {
     FindFiles();
+    if (t_->xser_) Preload();
     LoadModelFiles();
     LearnStages();
     LearnFormat();
@@ -104,6 +109,8 @@ class ShardedTagBuilder {
   }
 
  private:
+  std::map<std::string, std::variant<Value, std::exception_ptr>> preloaded_;  // Preload's, until Load takes them
+
   struct RankFiles {
     Value model;
     std::vector<Value> optim;  // one per dp rank (ZeRO-1) or one
@@ -116,9 +123,48 @@ class ShardedTagBuilder {
     return t_->dir_ + "/" + rel;
   }
 
+  // An xser tag is thousands of small files, and a cold disk serves one open
+  // at a time slowly: every rank file is read by 8 threads at once, so the
+  // disk has many requests in flight, before they are checked in order (Load
+  // takes each from here, or its error). Memory is what Load holds anyway.
+  void Preload() {
+    const RankGrid& g = t_->layout_.grid;
+    std::vector<std::string> rels;
+    for (int p = 0; p < g.pp; ++p)
+      for (int t = 0; t < g.tp; ++t) {
+        rels.push_back(Rel("model", {0, t, p}));
+        if (t_->layout_.has_optimizer)
+          for (int d = 0; d < (g.zero1 ? g.dp : 1); ++d) rels.push_back(Rel("optim", {d, t, p}));
+      }
+    std::vector<std::variant<Value, std::exception_ptr>> got(rels.size());
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+      for (size_t i; (i = next++) < rels.size();) {
+        try {
+          got[i] = LoadTagFile(env_, t_->dir_, rels[i]);
+        } catch (...) {
+          got[i] = std::current_exception();
+        }
+      }
+    };
+    std::vector<std::thread> threads;
+    for (size_t k = 1; k < std::min<size_t>(8, rels.size()); ++k) threads.emplace_back(work);
+    work();
+    for (auto& th : threads) th.join();
+    for (size_t i = 0; i < rels.size(); ++i) preloaded_.emplace(rels[i], std::move(got[i]));
+  }
+
   Value Load(const std::string& rel) {
     if (t_->xser_) {
-      Value v = LoadTagFile(env_, t_->dir_, rel);
+      Value v;
+      if (auto pre = preloaded_.find(rel); pre != preloaded_.end()) {
+        auto got = std::move(pre->second);
+        preloaded_.erase(pre);
+        if (auto* e = std::get_if<std::exception_ptr>(&got)) std::rethrow_exception(*e);
+        v = std::move(std::get<Value>(got));
+      } else {
+        v = LoadTagFile(env_, t_->dir_, rel);
+      }
       t_->bytes_ += env_->FileSize(Path(rel));
       std::set<const MappedFile*> files;
       ForEachTensor(v, [&](const Tensor& x) {
@@ -829,12 +875,27 @@ void ShardedTag::Read(const std::string& name, StateField f, uint64_t begin, std
     if (a != ahead.rend() && from >= a->hi && from - a->hi <= 4096) a->hi = to;
     else ahead.push_back({p->file, from, to});
   }
-  // A small read (a row's pieces of a column split, read row by row) is left
-  // to the kernel's read-around, and an xser tensor file's head was asked for
-  // when it was mapped: a system call per row would cost more than it saves.
-  constexpr uint64_t kSmall = 256 << 10;
-  if ((end - begin) * es >= kSmall)
-    for (const Ahead& a : ahead) a.file->Prefetch(a.lo, static_cast<size_t>(a.hi - a.lo));
+  // Small reads (a row's pieces of a column split, read row by row) ask for
+  // a window of 2 MiB ahead in their file once, and the rows after it come
+  // from that window: a system call per row would cost more than it saves.
+  constexpr uint64_t kSmall = 256 << 10, kWindow = 2 << 20;
+  struct Window {
+    const MappedFile* file;
+    const uint8_t *lo, *hi;
+  };
+  thread_local std::vector<Window> windows;  // this thread's recent windows (a hint: a stale one costs a fault)
+  for (const Ahead& a : ahead) {
+    if ((end - begin) * es >= kSmall) {
+      a.file->Prefetch(a.lo, static_cast<size_t>(a.hi - a.lo));
+      continue;
+    }
+    auto w = std::find_if(windows.begin(), windows.end(), [&](const Window& x) { return x.file == a.file && a.lo >= x.lo && a.hi <= x.hi; });
+    if (w != windows.end()) continue;
+    const uint8_t* hi = std::min(a.file->data() + a.file->size(), std::max(a.hi, a.lo + kWindow));
+    a.file->Prefetch(a.lo, static_cast<size_t>(hi - a.lo));
+    if (windows.size() >= 8) windows.erase(windows.begin());
+    windows.push_back({a.file, a.lo, hi});
+  }
   uint64_t at = begin;
   for (; at < end && it != idx.extents.end(); ++it) {
     const uint64_t lo = std::max(at, it->begin), hi = std::min(end, it->end);

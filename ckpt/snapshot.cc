@@ -7,6 +7,7 @@
 #include <new>
 
 #include "ckpt/dtype_cast.h"
+#include "ckpt/error.h"
 
 namespace ckpt {
 
@@ -16,6 +17,14 @@ namespace {
 DType SnapshotDType(const Tensor& t, std::optional<DType> floats_to) {
   return floats_to && CanCast(t.dtype(), *floats_to) ? *floats_to : t.dtype();
 }
+
+// Depth first, containers in order: the order of CollectTensors and of xser's tids.
+void ForEachTensorInOrder(const Value& v, const std::function<void(const Tensor&)>& fn) {
+  if (v.is_tensor()) fn(v.as_tensor());
+  else if (v.is_seq()) for (const Value& c : v.as_seq().items) ForEachTensorInOrder(c, fn);
+  else if (v.is_dict()) for (const auto& [k, c] : v.as_dict().items) ForEachTensorInOrder(c, fn);
+}
+
 }  // namespace
 
 SnapshotPool::~SnapshotPool() { Trim(); }
@@ -48,21 +57,14 @@ void SnapshotPool::Release(uint8_t* p, size_t nbytes) {
   free_.emplace(nbytes, p);
 }
 
-void SnapshotPool::Reserve(const Value& like, std::optional<DType> floats_to) {
+void SnapshotPool::Reserve(const Value& like, std::optional<DType> floats_to, const TensorFilter& copies) {
   std::vector<std::shared_ptr<Storage>> held;  // released into the pool at the end
-  std::vector<const Value*> todo{&like};
-  while (!todo.empty()) {
-    const Value* v = todo.back();
-    todo.pop_back();
-    if (v->is_tensor()) {
-      const Tensor& t = v->as_tensor();
-      held.push_back(Acquire(static_cast<size_t>(t.numel()) * ElementSize(SnapshotDType(t, floats_to))));
-      std::memset(held.back()->mutable_data(), 0, held.back()->nbytes());
-    } else if (v->is_seq()) {
-      for (const Value& c : v->as_seq().items) todo.push_back(&c);
-    } else if (v->is_dict()) {
-      for (const auto& [k, c] : v->as_dict().items) todo.push_back(&c);
-    }
+  std::vector<const Tensor*> tensors;
+  ForEachTensorInOrder(like, [&](const Tensor& t) { tensors.push_back(&t); });
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (copies && !copies(i)) continue;
+    held.push_back(Acquire(static_cast<size_t>(tensors[i]->numel()) * ElementSize(SnapshotDType(*tensors[i], floats_to))));
+    std::memset(held.back()->mutable_data(), 0, held.back()->nbytes());
   }
 }
 
@@ -118,11 +120,29 @@ Tensor CopyInto(const Tensor& t, SnapshotPool* pool, std::optional<DType> floats
 
 }  // namespace
 
-Value CopyForSnapshot(const Value& v, SnapshotPool* pool, std::optional<DType> floats_to) {
+Value CopyForSnapshot(const Value& v, SnapshotPool* pool, std::optional<DType> floats_to, const TensorFilter& copies) {
   Value out = CopyContainers(v);
   std::vector<Tensor*> tensors;
   CollectTensors(out, tensors);
-  tbb::parallel_for(size_t{0}, tensors.size(), [&](size_t i) { *tensors[i] = CopyInto(*tensors[i], pool, floats_to); });
+  tbb::parallel_for(size_t{0}, tensors.size(), [&](size_t i) {
+    if (!copies || copies(i)) {
+      *tensors[i] = CopyInto(*tensors[i], pool, floats_to);
+      return;
+    }
+    const Tensor& t = *tensors[i];
+    const DType dtype = SnapshotDType(t, floats_to);
+    const std::string shape = ShapeString(t.shape());
+    *tensors[i] = Tensor(dtype, t.shape(), Tensor::ContiguousStrides(t.shape()), 0,
+                         Storage::Generated(static_cast<size_t>(t.numel()) * ElementSize(dtype), [shape](uint64_t, std::span<uint8_t>) {
+                           throw Error("a snapshot placeholder of shape " + shape + " was written: another rank writes this tensor");
+                         }));
+  });
+  return out;
+}
+
+std::vector<uint64_t> SnapshotTensorBytes(const Value& v, std::optional<DType> floats_to) {
+  std::vector<uint64_t> out;
+  ForEachTensorInOrder(v, [&](const Tensor& t) { out.push_back(static_cast<uint64_t>(t.numel()) * ElementSize(SnapshotDType(t, floats_to))); });
   return out;
 }
 

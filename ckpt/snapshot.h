@@ -5,14 +5,19 @@
 // returns to the pool when the save that held it has finished with it.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <vector>
 
 #include "ckpt/value.h"
 
 namespace ckpt {
+
+// Which tensors a snapshot copies (see CopyForSnapshot); empty: all.
+using TensorFilter = std::function<bool(size_t)>;
 
 class SnapshotPool : public std::enable_shared_from_this<SnapshotPool> {
  public:
@@ -25,7 +30,8 @@ class SnapshotPool : public std::enable_shared_from_this<SnapshotPool> {
   // Allocates and touches a buffer for every tensor in `like` (converted to
   // `floats_to` as CopyForSnapshot would), so even the first snapshot is a
   // memcpy (call at start-up, as with pinned buffers).
-  void Reserve(const Value& like, std::optional<DType> floats_to = std::nullopt);
+  // With `copies`, only for the tensors CopyForSnapshot would copy.
+  void Reserve(const Value& like, std::optional<DType> floats_to = std::nullopt, const TensorFilter& copies = {});
   // Bytes held free for reuse.
   size_t free_bytes() const;
   // Frees every idle buffer.
@@ -43,6 +49,14 @@ class SnapshotPool : public std::enable_shared_from_this<SnapshotPool> {
 // Storages come from `pool` when given. With `floats_to`, float32, float64
 // and bfloat16 tensors are converted to it while copying (dtype_cast.h): a
 // mixed-precision trainer computes in float32 and saves bfloat16.
-Value CopyForSnapshot(const Value& v, SnapshotPool* pool = nullptr, std::optional<DType> floats_to = std::nullopt);
+// With `copies`, only the tensors for which copies(i) holds (i counts the
+// tensors depth first, containers in order: the order of xser's tids) are
+// copied; each other one becomes a placeholder of its snapshot dtype and
+// shape that holds no bytes and must never be written (another rank writes
+// it: XserFilesOfBin).
+Value CopyForSnapshot(const Value& v, SnapshotPool* pool = nullptr, std::optional<DType> floats_to = std::nullopt,
+                      const TensorFilter& copies = {});
+// The bytes of each tensor of `v` in that order, as CopyForSnapshot stores it.
+std::vector<uint64_t> SnapshotTensorBytes(const Value& v, std::optional<DType> floats_to = std::nullopt);
 
 }  // namespace ckpt

@@ -123,6 +123,18 @@ std::vector<FileToWrite> XserFiles(const FileToWrite& file) {
   return out;
 }
 
+std::vector<FileToWrite> XserFilesOfBin(const FileToWrite& file, int bins, int bin) {
+  std::vector<FileToWrite> parts = XserFiles(file);
+  const size_t tensors = parts.size() - 2;  // the tensor files in tid order, then X.pt and its info.pt
+  std::vector<uint64_t> bytes;
+  for (size_t i = 0; i < tensors; ++i) bytes.push_back(parts[i].value.as_tensor().nbytes());
+  const std::vector<int> of = XserBins(bytes, bins);
+  std::vector<FileToWrite> mine;
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (i < tensors ? of[i] == bin : bin == 0) mine.push_back(std::move(parts[i]));
+  return mine;
+}
+
 std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& tag_dir, int rank,
                                                  const std::string& save_id, const std::vector<FileToWrite>& files,
                                                  const WriteRankOptions& opts) {

@@ -44,6 +44,11 @@ struct FileToWrite {
 // X.pt.info.pt), each part with `file`'s options, except that only the tensor
 // files keep weights_only: X.pt holds TensorReference objects, info.pt torch dtypes.
 std::vector<FileToWrite> XserFiles(const FileToWrite& file);
+// The part of XserFiles(file) that data-parallel rank `bin` of `bins` ranks
+// holding the same `file` writes, as NxD's _xser_save_data deals them: the
+// tensor files of its bin (XserBins), and on bin 0 X.pt and X.pt.info.pt too.
+// `file`'s tensors outside the bin may be snapshot placeholders (CopyForSnapshot's).
+std::vector<FileToWrite> XserFilesOfBin(const FileToWrite& file, int bins, int bin);
 
 inline constexpr const char* kRankRecordDir = ".shardkit";
 std::string RankRecordPath(const std::string& tag_dir, int rank);

@@ -1,5 +1,6 @@
 #include "ckpt/xser.h"
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <set>
@@ -239,6 +240,20 @@ std::vector<XserPart> SplitForXser(const std::string& path, const Value& root) {
   parts.push_back({path, refs});
   parts.push_back({path + ".info.pt", info});
   return parts;
+}
+
+std::vector<int> XserBins(const std::vector<uint64_t>& bytes, int bins) {
+  std::vector<size_t> order(bytes.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return bytes[a] < bytes[b]; });
+  std::vector<uint64_t> total(static_cast<size_t>(std::max(bins, 1)), 0);
+  std::vector<int> bin(bytes.size(), 0);
+  for (size_t tid : order) {
+    const size_t b = static_cast<size_t>(std::min_element(total.begin(), total.end()) - total.begin());  // the first minimum
+    bin[tid] = static_cast<int>(b);
+    total[b] += bytes[tid];
+  }
+  return bin;
 }
 
 }  // namespace ckpt

@@ -67,4 +67,13 @@ struct XserPart {
 };
 std::vector<XserPart> SplitForXser(const std::string& path, const Value& root);
 
+// How NxD deals an xser file's tensors among the `bins` data-parallel ranks
+// that hold the same state (a model file's dp replicas), so each writes a
+// share (NxD trainer/checkpoint.py _assign_tensors_to_bins, called by
+// _xser_save_data): tensors sorted by byte size, smallest first, ties in tid
+// order (Python's stable sort); each goes to the bin with the fewest bytes so
+// far, the first such (list.index(min(...))). Returns the bin of each tid;
+// `bytes` holds each tid's tensor bytes.
+std::vector<int> XserBins(const std::vector<uint64_t>& bytes, int bins);
+
 }  // namespace ckpt

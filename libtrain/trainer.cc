@@ -137,6 +137,13 @@ std::string LayoutMismatch(ckpt::Env* env, const std::string& tag, const TrainCo
 }
 
 // An id every rank shares for a multi-rank save: rank 0's, broadcast.
+// The tensors (in CopyForSnapshot's order, which is xser's tid order) that dp
+// rank `dp` of `dps` writes of an xser file the dp ranks hold alike.
+ckpt::TensorFilter BinnedForXser(const ckpt::Value& live, std::optional<ckpt::DType> floats_to, int dps, int dp) {
+  auto bins = std::make_shared<std::vector<int>>(ckpt::XserBins(ckpt::SnapshotTensorBytes(live, floats_to), dps));
+  return [bins, dp](size_t i) { return (*bins)[i] == dp; };
+}
+
 std::string SharedSaveId(Comm& world, const std::string& what) {
   std::string id = world.rank() == 0 ? what + "-" + std::to_string(::getpid()) + "-" + std::to_string(std::random_device()()) : "";
   world.Broadcast(&id, 0);
@@ -313,9 +320,13 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
         ckpt::StoreOptions{.dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .env = env, .log = log,
                            .damaged = DamagedNames(damaged), .model = model.config().format(c.grid.tp)},
         ckpt::MpiLaunch{.rank = pc.world->rank(), .world_size = pc.world->size(), .job_id = job_id});
-    // Snapshot buffers, faulted in before the first step.
-    if (pc.coord.dp == 0) pool->Reserve(model.StateDict(), model.checkpoint_dtype());
-    if (pc.coord.dp == 0 || c.grid.zero1) pool->Reserve(adamw.StateDict(0));
+    // Snapshot buffers, faulted in before the first step: for what this rank copies (save's `add`).
+    auto reserve = [&](const ckpt::Value& live, std::optional<ckpt::DType> floats_to, bool replicated) {
+      if (replicated && c.save_xser && c.grid.dp > 1) pool->Reserve(live, floats_to, BinnedForXser(live, floats_to, c.grid.dp, pc.coord.dp));
+      else if (!replicated || pc.coord.dp == 0) pool->Reserve(live, floats_to);
+    };
+    reserve(model.StateDict(), model.checkpoint_dtype(), true);
+    reserve(adamw.StateDict(0), std::nullopt, !c.grid.zero1);
   }
   // This rank's totals: step time, its communication, and time blocked saving (for timing.json).
   struct {
@@ -342,16 +353,23 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     snap.tag = {c.name, global_step, static_cast<double>(consumed), false};
     snap.grid = c.grid;
     // Model files from dp rank 0 of each (tp, pp); optimizer files from every dp rank under
-    // ZeRO-1, else dp rank 0; the tag's own files from rank 0.
-    auto add = [&](const std::string& rel, ckpt::Value v, bool weights_only) {
-      ckpt::FileToWrite f{rel, std::move(v), {.weights_only = weights_only}};
+    // ZeRO-1, else dp rank 0; the tag's own files from rank 0. As xser, a file the dp ranks hold
+    // alike (the model; the optimizer without ZeRO-1) is written by all of them, each its bin of
+    // tensors, as NxD's save_checkpoint deals them (BinnedForXser).
+    auto add = [&](const std::string& rel, const ckpt::Value& live, std::optional<ckpt::DType> floats_to, bool weights_only, bool replicated) {
+      if (replicated && c.save_xser && c.grid.dp > 1) {
+        const ckpt::TensorFilter mine = BinnedForXser(live, floats_to, c.grid.dp, pc.coord.dp);
+        ckpt::FileToWrite f{rel, ckpt::CopyForSnapshot(live, pool.get(), floats_to, mine), {.weights_only = weights_only}};
+        for (auto& part : ckpt::XserFilesOfBin(f, c.grid.dp, pc.coord.dp)) snap.files.push_back(std::move(part));
+        return;
+      }
+      if (replicated && pc.coord.dp != 0) return;
+      ckpt::FileToWrite f{rel, ckpt::CopyForSnapshot(live, pool.get(), floats_to), {.weights_only = weights_only}};
       if (!c.save_xser) snap.files.push_back(std::move(f));
       else for (auto& part : ckpt::XserFiles(f)) snap.files.push_back(std::move(part));
     };
-    if (pc.coord.dp == 0)
-      add("model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp}), ckpt::CopyForSnapshot(model.StateDict(), pool.get(), model.checkpoint_dtype()),
-          true);
-    if (pc.coord.dp == 0 || c.grid.zero1) add(OptimFile(c.grid, pc.coord), ckpt::CopyForSnapshot(adamw.StateDict(lr), pool.get()), false);
+    add("model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp}), model.StateDict(), model.checkpoint_dtype(), true, true);
+    add(OptimFile(c.grid, pc.coord), adamw.StateDict(lr), std::nullopt, false, !c.grid.zero1);
     if (rank0) {
       snap.files.push_back({ckpt::kSchedulerFile, sched.ToValue(), {}});
       snap.files.push_back({ckpt::kUserContentFile, user.ToValue(), {}});

@@ -22,14 +22,10 @@ import unittest
 
 import torch
 
-from canon import BIN, CONFIG, INSPECT, TOKENIZE, TRAIN, VERIFY, TempDirTest, run
+from canon import BIN, CONFIG, CONVERT, EXPORT, IMPORT, INSPECT, RESHARD, TOKENIZE, TRAIN, TempDirTest, VERIFY, run
 from nnm_fixture import make_hf_converted, make_nnm
 from upstream_tags import NXD_PT, NXD_XSER, TensorReference
 
-CONVERT = os.path.join(BIN, "convert", "nnm2nxdt-ckpt")
-RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
-EXPORT = os.path.join(BIN, "tools", "ckpt-export")
-IMPORT = os.path.join(BIN, "tools", "ckpt-import")
 HF_LLAMA = dict(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=32)
 CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf", "tiny_llama.yaml")
 TEXT = "/usr/share/common-licenses/GPL-3"

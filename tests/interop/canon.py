@@ -27,6 +27,7 @@ CONFIG = os.path.join(BIN, "migrate", "nnm2nxdt-config")
 TRAIN_DUMP = os.path.join(BIN, "libtrain", "train_reference_dump")
 TOKENIZE = os.path.join(BIN, "libtrain", "shardkit-tokenize")
 TRAIN = os.path.join(BIN, "libtrain", "shardkit-train")
+CONVERT = os.path.join(BIN, "convert", "nnm2nxdt-ckpt")
 
 _DTYPE_NAMES = {
     torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16",

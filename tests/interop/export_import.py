@@ -18,12 +18,10 @@ import h5py
 import numpy as np
 import torch
 
-from canon import BIN, TempDirTest
+from canon import BIN, EXPORT, IMPORT, TempDirTest
 from nxd_fixture import is_vocab, make_full, padded_vocab
 from reshard import GPT, GQA, LLAMA, L, files, format_args, read_json, reshard, run_measured
 
-EXPORT = os.path.join(BIN, "tools", "ckpt-export")
-IMPORT = os.path.join(BIN, "tools", "ckpt-import")
 
 
 def run(tool, *args, timeout=120):

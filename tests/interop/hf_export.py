@@ -27,11 +27,8 @@ import unittest
 import numpy as np
 import torch
 
-from canon import BIN, TOKENIZE, TRAIN, TRAIN_DUMP, TempDirTest
+from canon import BIN, EXPORT, IMPORT, TOKENIZE, TRAIN, TRAIN_DUMP, TempDirTest, VERIFY
 
-EXPORT = os.path.join(BIN, "tools", "ckpt-export")
-IMPORT = os.path.join(BIN, "tools", "ckpt-import")
-VERIFY = os.path.join(BIN, "tools", "ckpt-verify")
 RANK_FILE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"
 
 

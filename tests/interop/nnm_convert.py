@@ -17,12 +17,11 @@ import unittest
 
 import torch
 
-from canon import BIN, CONFIG, TOKENIZE, TRAIN, VERIFY, TempDirTest, run
+from canon import BIN, CONFIG, CONVERT, TOKENIZE, TRAIN, TempDirTest, VERIFY, run
 from megatron_partition import merge_tag, no_decay, nxdt_order, rank_file
 from nnm_fixture import lr_scheduler_state, make_hf_converted, make_nnm
 import train_reference
 
-CONVERT = os.path.join(BIN, "convert", "nnm2nxdt-ckpt")
 LLAMA = dict(hidden=16, ffn=24, heads=4, kv_heads=4, layers=5, vocab=32, seq=8, gpt=False)
 
 

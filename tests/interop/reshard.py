@@ -26,11 +26,10 @@ import zlib
 
 import torch
 
-from canon import BIN, VERIFY, TempDirTest
+from canon import BIN, RESHARD, TempDirTest, VERIFY
 from megatron_partition import rank_file
 from nxd_fixture import at_vocab, is_vocab, make_full, read_full, stage_bounds, write_tag
 
-RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
 
 LLAMA = dict(gpt=False, hidden=32, ffn=64, heads=4, kv_heads=4, layers=4, vocab=96, divisible=8, seq=16)
 GQA = dict(LLAMA, hidden=64, heads=8, kv_heads=2, layers=3, vocab=100)  # KV groups replicated at tp 4 and 8

@@ -8,11 +8,9 @@ import os
 import subprocess
 import unittest
 
-from canon import BIN, TOKENIZE, TempDirTest, run
+from canon import BIN, RESHARD, TOKENIZE, TempDirTest, VERIFY, run
 from train_resume import CONF, GPT_CONF, MIXED, RANK_FILE, TEXT, args, losses
 
-RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
-VERIFY = os.path.join(BIN, "tools", "ckpt-verify")
 
 
 class TrainAcrossReshard(TempDirTest):

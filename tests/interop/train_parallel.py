@@ -25,12 +25,10 @@ import unittest
 
 import torch
 
-from canon import BIN, TOKENIZE, TRAIN, TempDirTest, run
+from canon import BIN, RESHARD, TOKENIZE, TRAIN, TempDirTest, VERIFY, run
 from megatron_partition import merge_tag
 from train_resume import CONF, GPT_CONF, TEXT, losses, start_until
 
-RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
-VERIFY = os.path.join(BIN, "tools", "ckpt-verify")
 STEPS = 20
 # Dropout everywhere Megatron puts it: masks are keyed on global sample positions, so a rank
 # drawing them for its share of the batch draws what one process does.

@@ -27,11 +27,9 @@ import unittest
 
 import torch
 
-from canon import BIN, TRAIN, VERIFY, TempDirTest, run
+from canon import BIN, EXPORT, RESHARD, TRAIN, TempDirTest, VERIFY, run
 from indexed_dataset_interop import megatron_write
 
-RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
-EXPORT = os.path.join(BIN, "tools", "ckpt-export")
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "upstream", "nxd_tags")
 NXD_XSER = os.path.join(DATA, "nxd_xser", "step_4")
 NXD_PT = os.path.join(DATA, "nxd_pt", "step_4")
@@ -305,6 +303,78 @@ class UpstreamTags(TempDirTest):
         self.assertNotIn("starts fresh", p.stderr)
         self.assertNotIn("holds no master weights", p.stderr)
 
+    def test_trainer_bins_xser_tensors_across_dp_as_nxd_does(self):
+        """At dp 2, NxD's save_checkpoint has each dp replica write its bin of a model file's
+        tensor files (_assign_tensors_to_bins); generate.out.txt records which simulated rank wrote
+        which tid of nxd_xser. The rule, checked against that record, then predicts which rank of
+        shardkit-train writes which tensor file at the fixture's layout (tp2 pp2 dp2, ZeRO-1, bf16
+        with fp32 masters, xser); each rank's completion record lists what it wrote."""
+        import json
+        import re
+        import numpy as np
+
+        def info_bytes(info_path):
+            info = load(info_path)
+            return [int(np.prod(info[t]["shape"])) * torch.empty((), dtype=info[t]["dtype"]).element_size() for t in range(len(info))]
+
+        def nxd_bins(sizes, bins):
+            # NxD trainer/checkpoint.py _assign_tensors_to_bins, line for line.
+            bin_tidxs, bin_sizes = [[] for _ in range(bins)], [0] * bins
+            for tidx, size in sorted(enumerate(sizes), key=lambda a: a[1]):
+                bid = bin_sizes.index(min(bin_sizes))
+                bin_tidxs[bid].append(tidx)
+                bin_sizes[bid] += size
+            return [sorted(b) for b in bin_tidxs]
+
+        def dp_of(rank):  # NxD's and shardkit's rank order: tp fastest, then dp, then pp (tp 2, dp 2)
+            return rank // 2 % 2
+
+        with open(os.path.join(DATA, "generate.out.txt")) as f:
+            out = f.read()
+        section = out[out.index("### nxd_xser"):]
+        section = section[:section.index("\n###", 1)] if "\n###" in section[1:] else section
+        recorded = {}  # (model file, dp rank) -> tids NxD's save wrote from that rank
+        for m in re.finditer(r"  (model/\S+)\.tensors/tensor_<tid>\.pt written by: (.*)", section):
+            for part in m.group(2).split("; "):
+                r, tids = re.fullmatch(r"rank (\d+) -> tids \[([\d, ]*)\]", part).groups()
+                recorded[(m.group(1), dp_of(int(r)))] = sorted(int(t) for t in tids.split(", ") if t)
+        self.assertEqual(len(recorded), 8, section[:2000])  # 4 model files, each split over 2 dp ranks
+        for (rel, dp), tids in recorded.items():
+            self.assertEqual(nxd_bins(info_bytes(os.path.join(NXD_XSER, rel + ".info.pt")), 2)[dp], tids, (rel, dp))
+
+        os.makedirs(os.path.join(self.dir, "data"))
+        rng = np.random.default_rng(0)
+        megatron_write(os.path.join(self.dir, "data", "tok"), [rng.integers(0, 64, 300) for _ in range(20)], np.uint16)
+        conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf", "tiny_llama.yaml")
+        run_dir = os.path.join(self.dir, "run")
+        argv = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "8", TRAIN, conf, f"exp_manager.explicit_log_dir={run_dir}",
+                "trainer.max_steps=2", "trainer.devices=8", "data.data_prefix=[1.0,data/tok]", "data.global_batch_size=8",
+                "data.micro_batch_size=2", "distributed_strategy.tensor_model_parallel_size=2",
+                "distributed_strategy.pipeline_model_parallel_size=2", "distributed_strategy.zero1=True", "precision.type=mixed_precision",
+                "+exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=True", "+exp_manager.save_xser=True",
+                "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+                "model.num_layers=4", "model.hidden_size=16", "model.ffn_hidden_size=32", "model.num_attention_heads=4",
+                "model.num_kv_heads=4", "model.encoder_seq_length=32", "+model.vocab_size=64"]
+        p = subprocess.run(argv, cwd=self.dir, capture_output=True, text=True, timeout=600)
+        self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+        ckpts = os.path.join(run_dir, "checkpoints")
+        tag = os.path.join(ckpts, [t for t in os.listdir(ckpts) if "step=2" in t][0])
+        self.assertEqual(run(VERIFY, tag).returncode, 0)
+        got, xpt = {}, {}
+        for r in range(8):
+            with open(os.path.join(tag, ".shardkit", f"rank_{r:05d}.json")) as f:
+                for path in json.load(f)["files"]:
+                    if m := re.fullmatch(r"(model/\S+)\.tensors/tensor_(\d+)\.pt", path):
+                        got.setdefault((m.group(1), dp_of(r)), []).append(int(m.group(2)))
+                    elif m := re.fullmatch(r"(model/\S+?\.pt)(\.info\.pt)?", path):
+                        xpt.setdefault(m.group(1), set()).add(dp_of(r))
+        want = {}
+        for rel in {k[0] for k in got}:
+            for dp, tids in enumerate(nxd_bins(info_bytes(os.path.join(tag, rel + ".info.pt")), 2)):
+                want[(rel, dp)] = tids
+        self.assertEqual(len(want), 8)
+        self.assertEqual({k: sorted(v) for k, v in got.items()}, want)
+        self.assertEqual(xpt, {rel: {0} for rel, _ in want})  # X.pt and its info.pt from dp rank 0, as NxD writes them
 
 if __name__ == "__main__":
     unittest.main()
