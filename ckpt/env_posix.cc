@@ -207,6 +207,16 @@ struct stat StatOrClose(int fd, const std::string& path) {
   return st;
 }
 
+// Opens the folder `dir` and calls `sync` (fsync, syncfs) on it.
+void SyncThroughDir(const std::string& dir, int (*sync)(int), const char* failed) {
+  int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) ThrowErrno(dir, "cannot open directory");
+  int rc = sync(fd);
+  int e = errno;
+  ::close(fd);
+  if (rc != 0) ThrowErrno(dir, failed, e);
+}
+
 class PosixEnv final : public Env {
  public:
   std::unique_ptr<WritableFile> NewWritableFile(const std::string& path) override {
@@ -255,23 +265,8 @@ class PosixEnv final : public Env {
     if (::rename(from.c_str(), to.c_str()) != 0) ThrowErrno(from, ("cannot rename to " + to).c_str());
   }
 
-  void SyncDir(const std::string& dir) override {
-    int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) ThrowErrno(dir, "cannot open directory");
-    int rc = ::fsync(fd);
-    int e = errno;
-    ::close(fd);
-    if (rc != 0) ThrowErrno(dir, "directory fsync failed", e);
-  }
-
-  void SyncFileSystem(const std::string& dir) override {
-    int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) ThrowErrno(dir, "cannot open directory");
-    int rc = ::syncfs(fd);
-    int e = errno;
-    ::close(fd);
-    if (rc != 0) ThrowErrno(dir, "syncfs failed", e);
-  }
+  void SyncDir(const std::string& dir) override { SyncThroughDir(dir, ::fsync, "directory fsync failed"); }
+  void SyncFileSystem(const std::string& dir) override { SyncThroughDir(dir, ::syncfs, "syncfs failed"); }
 
   void RemoveFile(const std::string& path) override {
     if (::unlink(path.c_str()) != 0 && errno != ENOENT) ThrowErrno(path, "cannot remove");
