@@ -1,6 +1,7 @@
 #include "ckpt/model_family.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <optional>
 
@@ -257,6 +258,19 @@ AttentionTensors AttentionTensorsOf(const ModelFormat& f) {
   if (f.family != ModelFamily::kHfLlama) return f.kv_heads == f.heads ? AttentionTensors::kFused : AttentionTensors::kQueryAndKeyValue;
   const HfAttention a = AttentionOf(f);
   return a == HfAttention::kQkvFused || a == HfAttention::kStride3 ? AttentionTensors::kFused : AttentionTensors::kSeparate;
+}
+
+std::string RotaryBufferName(const ModelFormat& f, int layer) {
+  if (f.family == ModelFamily::kHfLlama || f.learned_positions) return "";
+  return "language_model.encoder.layers." + std::to_string(layer) + ".self_attention.core_attention.rotary_emb.inv_freq";
+}
+
+std::vector<float> RotaryInvFreq(const ModelFormat& f) {
+  const int64_t rot = static_cast<int64_t>(static_cast<double>(f.head_dim()) * f.rotary_percentage);
+  std::vector<float> out;
+  for (int64_t i = 0; i < rot; i += 2)
+    out.push_back(1.0f / std::pow(static_cast<float>(f.rope_theta), static_cast<float>(i) / static_cast<float>(rot)));
+  return out;
 }
 
 std::string BiasOf(const std::string& weight) { return weight.substr(0, weight.size() - std::string("weight").size()) + "bias"; }

@@ -38,6 +38,19 @@ enum class Module {
 };
 // The weight's name of module `m` (of layer `layer` inside the layers).
 std::string ParamName(const ModelFormat& f, Module m, int layer = -1);
+// NxDT's Megatron-style models keep RoPE's inverse frequencies as a
+// persistent buffer of every layer (NxDT models/megatron/rotary_pos_embedding.py
+// RotaryEmbedding.__init__: register_buffer("inv_freq", ...)), so the tags
+// NxDT writes hold it, after the layer's attention input weights
+// (ParallelAttention registers core_attention, which holds rotary_emb, after
+// query_key_value). NxDT's own load lets it be missing (nlp_overrides.py
+// _key_patterns_to_be_ignored); NxD's load_checkpoint, strict by default, does
+// not. Its name in layer `layer`; empty when the format has none (learned
+// positions, or the HF-style family).
+std::string RotaryBufferName(const ModelFormat& f, int layer);
+// Its values, as that line computes them in float32:
+// 1.0 / (base ** (arange(0, rot, 2).float() / rot)), rot = int(head_dim * rotary_percentage).
+std::vector<float> RotaryInvFreq(const ModelFormat& f);
 // A weight's bias ("x.weight" -> "x.bias"; Megatron's GPT has them).
 std::string BiasOf(const std::string& weight);
 // Which attention tensors the format has: one fused, query and key_value (Megatron GQA), or separate q, k, v (HF-style).

@@ -107,6 +107,14 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
   const int64_t rot = c_.rotary_dim();
   for (int64_t i = 0; i < rot / 2; ++i)
     inv_freq_.push_back(static_cast<float>(1.0 / std::pow(c_.rope_theta, static_cast<double>(2 * i) / rot)));
+  const ckpt::Module attention_in = ckpt::AttentionTensorsOf(format_) == ckpt::AttentionTensors::kFused ? ckpt::Module::kQkv : ckpt::Module::kKeyValue;
+  for (int l = first_layer_; l < end_layer_; ++l)
+    if (const std::string buffer = ckpt::RotaryBufferName(format_, l); !buffer.empty()) buffer_after_[ckpt::ParamName(format_, attention_in, l)] = buffer;
+  if (!buffer_after_.empty()) {
+    const std::vector<float> values = ckpt::RotaryInvFreq(format_);
+    rotary_buffer_ = ckpt::Tensor::FromBytes(ckpt::DType::kFloat32, {static_cast<int64_t>(values.size())},
+                                             {reinterpret_cast<const uint8_t*>(values.data()), values.size() * sizeof(float)});
+  }
 }
 
 ckpt::Tensor& Model::param(const std::string& n) {
@@ -302,6 +310,15 @@ int64_t Model::VCol(int64_t g) const {
 ckpt::Value Model::StateDict() const {
   ckpt::Value d = ckpt::Value::NewDict();
   for (const auto& p : layout_) d.as_dict().Set(p.name, ckpt::Value(params_.at(p.name)));
+  return d;
+}
+
+ckpt::Value Model::CheckpointDict() const {
+  ckpt::Value d = ckpt::Value::NewDict();
+  for (const auto& p : layout_) {
+    d.as_dict().Set(p.name, ckpt::Value(params_.at(p.name)));
+    if (auto b = buffer_after_.find(p.name); b != buffer_after_.end()) d.as_dict().Set(b->second, ckpt::Value(rotary_buffer_));
+  }
   return d;
 }
 

@@ -230,6 +230,10 @@ class Model {
 
   // name -> float32 tensor (this rank's slice), viewing the model's own memory (no copy).
   ckpt::Value StateDict() const;
+  // What a checkpoint's model file holds: StateDict plus the family's
+  // buffers, in NxDT's module order (the Megatron family's rotary inv_freq in
+  // every layer: ckpt::RotaryBufferName), the keys and tids of NxDT's own tags.
+  ckpt::Value CheckpointDict() const;
   ckpt::Value GradDict() const;
   // The dtype a checkpoint stores the parameters in: bfloat16 with
   // bf16_params, else float32.
@@ -308,6 +312,9 @@ class Model {
   std::shared_ptr<ckpt::Storage> flat_params_, flat_grads_;
   std::map<std::string, ckpt::Tensor> params_, grads_;
   std::vector<float> inv_freq_;
+  // CheckpointDict's buffers: the parameter each follows -> its name, and the rotary values.
+  std::map<std::string, std::string> buffer_after_;
+  ckpt::Tensor rotary_buffer_;
   // The micro-batch being run (set by ForwardStage and BackwardStage).
   int64_t B_ = 0, T_ = 0;
   uint64_t dropout_key_ = 0;

@@ -325,7 +325,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
       if (replicated && c.save_xser && c.grid.dp > 1) pool->Reserve(live, floats_to, BinnedForXser(live, floats_to, c.grid.dp, pc.coord.dp));
       else if (!replicated || pc.coord.dp == 0) pool->Reserve(live, floats_to);
     };
-    reserve(model.StateDict(), model.checkpoint_dtype(), true);
+    reserve(model.CheckpointDict(), model.checkpoint_dtype(), true);
     reserve(adamw.StateDict(0), std::nullopt, !c.grid.zero1);
   }
   // This rank's totals: step time, its communication, and time blocked saving (for timing.json).
@@ -368,7 +368,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
       if (!c.save_xser) snap.files.push_back(std::move(f));
       else for (auto& part : ckpt::XserFiles(f)) snap.files.push_back(std::move(part));
     };
-    add("model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp}), model.StateDict(), model.checkpoint_dtype(), true, true);
+    add("model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp}), model.CheckpointDict(), model.checkpoint_dtype(), true, true);
     add(OptimFile(c.grid, pc.coord), adamw.StateDict(lr), std::nullopt, false, !c.grid.zero1);
     if (rank0) {
       snap.files.push_back({ckpt::kSchedulerFile, sched.ToValue(), {}});

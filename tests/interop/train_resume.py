@@ -248,6 +248,17 @@ class TrainAndResume(TempDirTest):
         model = torch.load(self.final_file("killed", "model"))
         optim = torch.load(self.final_file("killed", "optim"))
         self.assertEqual({v.dtype for v in model.values()}, {torch.bfloat16})
+        # NxDT's Megatron Llama keeps RoPE's inv_freq as a persistent buffer of every layer, right after
+        # the layer's query_key_value (NxD's strict load_checkpoint asks for it): the values its RotaryEmbedding computes.
+        keys = list(model)
+        buffers = [k for k in keys if k.endswith(".self_attention.core_attention.rotary_emb.inv_freq")]
+        self.assertEqual(len(buffers), len([k for k in keys if k.endswith("input_layernorm.weight")]))
+        heads = int(re.search(r"num_attention_heads: (\d+)", open(CONF).read()).group(1))
+        rot = model["language_model.embedding.word_embeddings.weight"].shape[1] // heads
+        for b in buffers:
+            self.assertTrue(keys[keys.index(b) - 1].endswith(".self_attention.query_key_value.weight"), b)
+            self.assertTrue(torch.equal(model[b], (1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))).bfloat16()), b)
+        model = {k: v for k, v in model.items() if k not in buffers}
         self.assertEqual(sorted(optim), ["base_state", "param_groups", "shape_info", "sharded_master_weights", "state"])
         ids = [i for g in optim["param_groups"] for i in g["params"]]
         self.assertEqual(sorted(optim["sharded_master_weights"]), sorted(ids))
