@@ -20,14 +20,6 @@ void FinalizeMpi() {
   if (!finalized) MPI_Finalize();
 }
 
-void Check(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  throw Error(std::string("MPI ") + what + " failed: " + std::string(text, len));
-}
-
 class World final : public WriterGroup {
  public:
   World() {
@@ -37,24 +29,18 @@ class World final : public WriterGroup {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
-  void Broadcast(std::string* s) override {
-    unsigned long long n = s->size();
-    Check(MPI_Bcast(&n, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD), "broadcast");
-    if (n > INT_MAX) throw Error("MPI broadcast: " + std::to_string(n) + " bytes is more than one message holds");
-    s->resize(n);
-    if (n) Check(MPI_Bcast(s->data(), static_cast<int>(n), MPI_CHAR, 0, MPI_COMM_WORLD), "broadcast");
-  }
+  void Broadcast(std::string* s) override { BroadcastString(MPI_COMM_WORLD, s, 0); }
 
   std::vector<std::string> Gather(const std::string& s) override {
     if (s.size() > INT_MAX) throw Error("MPI gather: " + std::to_string(s.size()) + " bytes is more than one message holds");
     const int n = static_cast<int>(s.size());
     std::vector<int> sizes(rank_ == 0 ? size_ : 0), offsets(sizes.size());
-    Check(MPI_Gather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD), "gather");
+    CheckMpi(MPI_Gather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD), "gather");
     long long total = 0;
     for (size_t r = 0; r < sizes.size(); ++r) offsets[r] = static_cast<int>(total), total += sizes[r];
     if (total > INT_MAX) throw Error("MPI gather: " + std::to_string(total) + " bytes is more than one message holds");
     std::string all(static_cast<size_t>(total), '\0');
-    Check(MPI_Gatherv(s.data(), n, MPI_CHAR, all.data(), sizes.data(), offsets.data(), MPI_CHAR, 0, MPI_COMM_WORLD), "gather");
+    CheckMpi(MPI_Gatherv(s.data(), n, MPI_CHAR, all.data(), sizes.data(), offsets.data(), MPI_CHAR, 0, MPI_COMM_WORLD), "gather");
     std::vector<std::string> out;
     for (size_t r = 0; r < sizes.size(); ++r) out.push_back(all.substr(offsets[r], sizes[r]));
     return out;
@@ -70,6 +56,23 @@ class World final : public WriterGroup {
 };
 
 }  // namespace
+
+void CheckMpi(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw Error(std::string("MPI ") + what + " failed: " + std::string(text, len));
+}
+
+void BroadcastString(void* mpi_comm, std::string* s, int root) {
+  const MPI_Comm comm = static_cast<MPI_Comm>(mpi_comm);
+  unsigned long long n = s->size();
+  CheckMpi(MPI_Bcast(&n, 1, MPI_UNSIGNED_LONG_LONG, root, comm), "broadcast");
+  if (n > INT_MAX) throw Error("MPI broadcast: " + std::to_string(n) + " bytes is more than one message holds");
+  s->resize(n);
+  if (n) CheckMpi(MPI_Bcast(s->data(), static_cast<int>(n), MPI_CHAR, root, comm), "broadcast");
+}
 
 bool LaunchedAsManyRanks() { return ReadMpiLaunch().world_size > 1; }
 

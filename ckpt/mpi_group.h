@@ -4,6 +4,8 @@
 // the format need no MPI.
 #pragma once
 
+#include <string>
+
 #include "ckpt/writer_group.h"
 
 namespace ckpt {
@@ -19,5 +21,12 @@ bool InitMpiOnce();
 // The WriterGroup of every rank mpirun started (MPI_COMM_WORLD), or
 // SoloGroup() when mpirun did not start several. Initializes MPI.
 WriterGroup& WorldGroup();
+
+// For libtrain's Comm, which holds its communicators as `void*` (an MPI_Comm)
+// to keep MPI out of its header too:
+// Throws ckpt::Error naming `what` and MPI's message unless rc is MPI_SUCCESS.
+void CheckMpi(int rc, const char* what);
+// Rank `root`'s *s on every rank of the communicator `mpi_comm`.
+void BroadcastString(void* mpi_comm, std::string* s, int root);
 
 }  // namespace ckpt

@@ -861,7 +861,7 @@ void ShardedTag::Read(const std::string& name, StateField f, uint64_t begin, std
   // source's runs for successive rows lie one after another in its file, so
   // they are asked for together (not a system call per row). Runs further
   // apart than a page stay separate: the gap is not read.
-  struct Ahead {
+  struct Ahead {  // bytes [lo, hi) of `file`
     const MappedFile* file;
     const uint8_t *lo, *hi;
   };
@@ -879,17 +879,13 @@ void ShardedTag::Read(const std::string& name, StateField f, uint64_t begin, std
   // a window of 2 MiB ahead in their file once, and the rows after it come
   // from that window: a system call per row would cost more than it saves.
   constexpr uint64_t kSmall = 256 << 10, kWindow = 2 << 20;
-  struct Window {
-    const MappedFile* file;
-    const uint8_t *lo, *hi;
-  };
-  thread_local std::vector<Window> windows;  // this thread's recent windows (a hint: a stale one costs a fault)
+  thread_local std::vector<Ahead> windows;  // this thread's recent windows (a hint: a stale one costs a fault)
   for (const Ahead& a : ahead) {
     if ((end - begin) * es >= kSmall) {
       a.file->Prefetch(a.lo, static_cast<size_t>(a.hi - a.lo));
       continue;
     }
-    auto w = std::find_if(windows.begin(), windows.end(), [&](const Window& x) { return x.file == a.file && a.lo >= x.lo && a.hi <= x.hi; });
+    auto w = std::find_if(windows.begin(), windows.end(), [&](const Ahead& x) { return x.file == a.file && a.lo >= x.lo && a.hi <= x.hi; });
     if (w != windows.end()) continue;
     const uint8_t* hi = std::min(a.file->data() + a.file->size(), std::max(a.hi, a.lo + kWindow));
     a.file->Prefetch(a.lo, static_cast<size_t>(hi - a.lo));

@@ -18,13 +18,6 @@ DType SnapshotDType(const Tensor& t, std::optional<DType> floats_to) {
   return floats_to && CanCast(t.dtype(), *floats_to) ? *floats_to : t.dtype();
 }
 
-// Depth first, containers in order: the order of CollectTensors and of xser's tids.
-void ForEachTensorInOrder(const Value& v, const std::function<void(const Tensor&)>& fn) {
-  if (v.is_tensor()) fn(v.as_tensor());
-  else if (v.is_seq()) for (const Value& c : v.as_seq().items) ForEachTensorInOrder(c, fn);
-  else if (v.is_dict()) for (const auto& [k, c] : v.as_dict().items) ForEachTensorInOrder(c, fn);
-}
-
 }  // namespace
 
 SnapshotPool::~SnapshotPool() { Trim(); }
@@ -60,7 +53,7 @@ void SnapshotPool::Release(uint8_t* p, size_t nbytes) {
 void SnapshotPool::Reserve(const Value& like, std::optional<DType> floats_to, const TensorFilter& copies) {
   std::vector<std::shared_ptr<Storage>> held;  // released into the pool at the end
   std::vector<const Tensor*> tensors;
-  ForEachTensorInOrder(like, [&](const Tensor& t) { tensors.push_back(&t); });
+  ForEachTensor(like, [&](const Tensor& t) { tensors.push_back(&t); });
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (copies && !copies(i)) continue;
     held.push_back(Acquire(static_cast<size_t>(tensors[i]->numel()) * ElementSize(SnapshotDType(*tensors[i], floats_to))));
@@ -142,7 +135,7 @@ Value CopyForSnapshot(const Value& v, SnapshotPool* pool, std::optional<DType> f
 
 std::vector<uint64_t> SnapshotTensorBytes(const Value& v, std::optional<DType> floats_to) {
   std::vector<uint64_t> out;
-  ForEachTensorInOrder(v, [&](const Tensor& t) { out.push_back(static_cast<uint64_t>(t.numel()) * ElementSize(SnapshotDType(t, floats_to))); });
+  ForEachTensor(v, [&](const Tensor& t) { out.push_back(static_cast<uint64_t>(t.numel()) * ElementSize(SnapshotDType(t, floats_to))); });
   return out;
 }
 

@@ -168,11 +168,14 @@ std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& ta
   }
   std::map<std::string, FileDigest> digests;
   for (size_t i = 0; i < files.size(); ++i) digests[files[i].relpath] = written[i];
-  if (opts.staging && !files.empty()) env->SyncFileSystem(tag_dir);
-  // Every file's folder, then the folders' own entries in their parents.
-  for (const auto& dir : dirs) env->SyncDir(dir);
-  for (const auto& dir : dirs)
-    if (dir != tag_dir) env->SyncDir(Parent(dir));
+  if (opts.staging) {
+    if (!files.empty()) env->SyncFileSystem(tag_dir);  // files and folders alike
+  } else {
+    // Every file's folder, then the folders' own entries in their parents.
+    for (const auto& dir : dirs) env->SyncDir(dir);
+    for (const auto& dir : dirs)
+      if (dir != tag_dir) env->SyncDir(Parent(dir));
+  }
 
   nlohmann::ordered_json rec = {{"rank", rank}, {"save_id", save_id}, {"files", nlohmann::ordered_json::object()}};
   for (const auto& [p, d] : digests) rec["files"][p] = {{"size", d.size}, {"crc32", CrcHex(d.crc32)}};
@@ -251,20 +254,20 @@ void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo i
         records.push_back(ParseRankRecord(texts[r], where));
         if (records.back().save_id != info.save_id) throw Error(where + ": belongs to save " + records.back().save_id + ", not " + info.save_id);
       }
-      CommitRecords(env, t.staging, info, records);
+      CommitRecords(env, t.staging, info, std::move(records));
       PublishStaged(env, t);
     } catch (const Error& e) {
-      why_not = e.what();
+      why_not = *e.what() ? e.what() : "the commit failed";
       try {  // every rank has stopped writing: nothing of this save is kept
         if (env->Exists(t.staging)) DeleteTag(env, t.staging);
       } catch (const Error&) {  // it stays without `done`
       }
     }
   }
-  std::string decision = why_not.empty() ? "commit" : "abort: " + why_not;
-  group.Broadcast(&decision);
-  if (group.rank() == 0 && !why_not.empty()) throw Error(why_not);
-  if (decision != "commit") throw Error(t.target + ": rank 0 did not commit the tag (" + decision.substr(7) + ")");
+  group.Broadcast(&why_not);  // the decision: empty commits
+  if (why_not.empty()) return;
+  if (group.rank() == 0) throw Error(why_not);
+  throw Error(t.target + ": rank 0 did not commit the tag (" + why_not + ")");
 }
 
 bool WritesUnit(int unit, int rank, int world_size) { return unit < 0 ? rank == 0 : unit % world_size == rank; }

@@ -23,15 +23,6 @@ MPI_Comm Handle(void* c) { return static_cast<MPI_Comm>(c); }
 // MPI counts are int; larger buffers go in pieces.
 constexpr size_t kMaxCount = size_t{1} << 30;
 
-void Check(int rc, const char* what) {
-  if (rc != MPI_SUCCESS) {
-    char msg[MPI_MAX_ERROR_STRING];
-    int len = 0;
-    MPI_Error_string(rc, msg, &len);
-    throw ckpt::Error(std::string("MPI ") + what + " failed: " + std::string(msg, len));
-  }
-}
-
 CommStats& MutableStats() {
   static CommStats stats;
   return stats;
@@ -108,7 +99,7 @@ std::unique_ptr<Comm> Comm::Group(const std::vector<int>& ranks) {
   if (!comm_) return member ? std::unique_ptr<Comm>(new Comm(nullptr, rank_in_group, static_cast<int>(ranks.size()))) : nullptr;
   // MPI_Comm_split: the color is the group's first world rank, which names it uniquely.
   MPI_Comm out;
-  Check(MPI_Comm_split(Handle(comm_), member ? ranks.front() : MPI_UNDEFINED, member ? rank_in_group : 0, &out), "comm_split");
+  ckpt::CheckMpi(MPI_Comm_split(Handle(comm_), member ? ranks.front() : MPI_UNDEFINED, member ? rank_in_group : 0, &out), "comm_split");
   if (!member) return nullptr;
   int r = 0, n = 0;
   MPI_Comm_rank(out, &r);
@@ -121,7 +112,7 @@ namespace {
 void AllReduce(void* x, size_t n, size_t size, MPI_Datatype type, MPI_Op op, MPI_Comm comm) {
   Timed timed(n * size / sizeof(float));  // in floats' worth
   for (size_t i = 0; i < n; i += kMaxCount)
-    Check(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(x) + i * size, static_cast<int>(std::min(kMaxCount, n - i)), type, op, comm),
+    ckpt::CheckMpi(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(x) + i * size, static_cast<int>(std::min(kMaxCount, n - i)), type, op, comm),
           "allreduce");
 }
 }  // namespace
@@ -145,7 +136,7 @@ void Comm::ReduceScatterSum(const float* in, float* out, size_t block) {
   }
   if (block > kMaxCount) throw ckpt::Error("reduce-scatter block of " + std::to_string(block) + " floats is larger than MPI's count");
   Timed timed(block * size_);
-  Check(MPI_Reduce_scatter_block(in, out, static_cast<int>(block), MPI_FLOAT, MPI_SUM, Handle(comm_)), "reduce_scatter");
+  ckpt::CheckMpi(MPI_Reduce_scatter_block(in, out, static_cast<int>(block), MPI_FLOAT, MPI_SUM, Handle(comm_)), "reduce_scatter");
 }
 
 void Comm::AllGather(const float* in, float* out, size_t block) {
@@ -155,7 +146,7 @@ void Comm::AllGather(const float* in, float* out, size_t block) {
   }
   if (block > kMaxCount) throw ckpt::Error("all-gather block of " + std::to_string(block) + " floats is larger than MPI's count");
   Timed timed(block);
-  Check(MPI_Allgather(in, static_cast<int>(block), MPI_FLOAT, out, static_cast<int>(block), MPI_FLOAT, Handle(comm_)), "allgather");
+  ckpt::CheckMpi(MPI_Allgather(in, static_cast<int>(block), MPI_FLOAT, out, static_cast<int>(block), MPI_FLOAT, Handle(comm_)), "allgather");
 }
 
 void Comm::Send(const float* x, size_t n, int peer, int tag) {
@@ -164,7 +155,7 @@ void Comm::Send(const float* x, size_t n, int peer, int tag) {
   MutableStats().sent_floats += n;
   auto s = std::make_unique<PendingSend>();
   s->data.assign(x, x + n);
-  Check(MPI_Isend(s->data.data(), static_cast<int>(n), MPI_FLOAT, peer, tag, Handle(comm_), &s->request), "isend");
+  ckpt::CheckMpi(MPI_Isend(s->data.data(), static_cast<int>(n), MPI_FLOAT, peer, tag, Handle(comm_), &s->request), "isend");
   sends_.push_back(std::move(s));
   // Deliveries that completed free their copies as we go.
   std::erase_if(sends_, [](const std::unique_ptr<PendingSend>& p) {
@@ -180,7 +171,7 @@ void Comm::Recv(float* x, size_t n, int peer, int tag) {
   MPI_Status st;
   {
     Timed timed(0, /*recv=*/true);
-    Check(MPI_Recv(x, static_cast<int>(n), MPI_FLOAT, peer, tag, Handle(comm_), &st), "recv");
+    ckpt::CheckMpi(MPI_Recv(x, static_cast<int>(n), MPI_FLOAT, peer, tag, Handle(comm_), &st), "recv");
   }
   int got = 0;
   MPI_Get_count(&st, MPI_FLOAT, &got);
@@ -190,20 +181,16 @@ void Comm::Recv(float* x, size_t n, int peer, int tag) {
 }
 
 void Comm::WaitSends() {
-  for (auto& s : sends_) Check(MPI_Wait(&s->request, MPI_STATUS_IGNORE), "wait");
+  for (auto& s : sends_) ckpt::CheckMpi(MPI_Wait(&s->request, MPI_STATUS_IGNORE), "wait");
   sends_.clear();
 }
 
 void Comm::Broadcast(std::string* s, int root) {
-  if (size_ == 1) return;
-  unsigned long long n = s->size();
-  Check(MPI_Bcast(&n, 1, MPI_UNSIGNED_LONG_LONG, root, Handle(comm_)), "broadcast");
-  s->resize(n);
-  if (n) Check(MPI_Bcast(s->data(), static_cast<int>(n), MPI_CHAR, root, Handle(comm_)), "broadcast");
+  if (size_ > 1) ckpt::BroadcastString(comm_, s, root);
 }
 
 void Comm::Barrier() {
-  if (size_ > 1) Check(MPI_Barrier(Handle(comm_)), "barrier");
+  if (size_ > 1) ckpt::CheckMpi(MPI_Barrier(Handle(comm_)), "barrier");
 }
 
 ParallelComms MakeParallelComms(const ckpt::RankGrid& grid, const std::string& where) {

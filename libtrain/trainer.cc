@@ -136,7 +136,6 @@ std::string LayoutMismatch(ckpt::Env* env, const std::string& tag, const TrainCo
   return "";
 }
 
-// An id every rank shares for a multi-rank save: rank 0's, broadcast.
 // The tensors (in CopyForSnapshot's order, which is xser's tid order) that dp
 // rank `dp` of `dps` writes of an xser file the dp ranks hold alike.
 ckpt::TensorFilter BinnedForXser(const ckpt::Value& live, std::optional<ckpt::DType> floats_to, int dps, int dp) {
@@ -144,6 +143,17 @@ ckpt::TensorFilter BinnedForXser(const ckpt::Value& live, std::optional<ckpt::DT
   return [bins, dp](size_t i) { return (*bins)[i] == dp; };
 }
 
+// What a rank writes of one of its (tp, pp) files: nothing, all of it, or its
+// bin of the tensors. A file the dp ranks hold alike (`replicated`: the model;
+// the optimizer without ZeRO-1) comes from dp rank 0, or as xser at dp > 1
+// from every dp rank, each its bin, as NxD's save_checkpoint deals them.
+enum class FileShare { kNone, kWhole, kBin };
+FileShare ShareOf(const TrainConfig& c, int dp_rank, bool replicated) {
+  if (replicated && c.save_xser && c.grid.dp > 1) return FileShare::kBin;
+  return !replicated || dp_rank == 0 ? FileShare::kWhole : FileShare::kNone;
+}
+
+// An id every rank shares for a multi-rank save: rank 0's, broadcast.
 std::string SharedSaveId(Comm& world, const std::string& what) {
   std::string id = world.rank() == 0 ? what + "-" + std::to_string(::getpid()) + "-" + std::to_string(std::random_device()()) : "";
   world.Broadcast(&id, 0);
@@ -322,8 +332,9 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
         ckpt::MpiLaunch{.rank = pc.world->rank(), .world_size = pc.world->size(), .job_id = job_id});
     // Snapshot buffers, faulted in before the first step: for what this rank copies (save's `add`).
     auto reserve = [&](const ckpt::Value& live, std::optional<ckpt::DType> floats_to, bool replicated) {
-      if (replicated && c.save_xser && c.grid.dp > 1) pool->Reserve(live, floats_to, BinnedForXser(live, floats_to, c.grid.dp, pc.coord.dp));
-      else if (!replicated || pc.coord.dp == 0) pool->Reserve(live, floats_to);
+      const FileShare share = ShareOf(c, pc.coord.dp, replicated);
+      if (share == FileShare::kBin) pool->Reserve(live, floats_to, BinnedForXser(live, floats_to, c.grid.dp, pc.coord.dp));
+      else if (share == FileShare::kWhole) pool->Reserve(live, floats_to);
     };
     reserve(model.CheckpointDict(), model.checkpoint_dtype(), true);
     reserve(adamw.StateDict(0), std::nullopt, !c.grid.zero1);
@@ -352,18 +363,16 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     ckpt::Snapshot snap;
     snap.tag = {c.name, global_step, static_cast<double>(consumed), false};
     snap.grid = c.grid;
-    // Model files from dp rank 0 of each (tp, pp); optimizer files from every dp rank under
-    // ZeRO-1, else dp rank 0; the tag's own files from rank 0. As xser, a file the dp ranks hold
-    // alike (the model; the optimizer without ZeRO-1) is written by all of them, each its bin of
-    // tensors, as NxD's save_checkpoint deals them (BinnedForXser).
+    // This rank's share of its model and optimizer files (ShareOf); the tag's own files from rank 0.
     auto add = [&](const std::string& rel, const ckpt::Value& live, std::optional<ckpt::DType> floats_to, bool weights_only, bool replicated) {
-      if (replicated && c.save_xser && c.grid.dp > 1) {
+      const FileShare share = ShareOf(c, pc.coord.dp, replicated);
+      if (share == FileShare::kBin) {
         const ckpt::TensorFilter mine = BinnedForXser(live, floats_to, c.grid.dp, pc.coord.dp);
         ckpt::FileToWrite f{rel, ckpt::CopyForSnapshot(live, pool.get(), floats_to, mine), {.weights_only = weights_only}};
         for (auto& part : ckpt::XserFilesOfBin(f, c.grid.dp, pc.coord.dp)) snap.files.push_back(std::move(part));
         return;
       }
-      if (replicated && pc.coord.dp != 0) return;
+      if (share == FileShare::kNone) return;
       ckpt::FileToWrite f{rel, ckpt::CopyForSnapshot(live, pool.get(), floats_to), {.weights_only = weights_only}};
       if (!c.save_xser) snap.files.push_back(std::move(f));
       else for (auto& part : ckpt::XserFiles(f)) snap.files.push_back(std::move(part));
