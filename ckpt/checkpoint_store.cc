@@ -129,7 +129,9 @@ void CheckpointStore::Persist(const Snapshot& snap) {
   else WaitForBegin(env, tag_dir, save_id, opts_.rank_timeout);
   WriteRankFiles(env, tag_dir, launch_.rank, save_id, snap.files);
   if (launch_.rank != 0) return;
-  CommitTag(env, tag_dir, {save_id, snap.tag.step, snap.tag.consumed_samples, snap.grid, launch_.world_size, opts_.rank_timeout, opts_.model, {}});
+  CommitTag(env, tag_dir,
+            {save_id, snap.tag.step, snap.tag.consumed_samples, snap.grid, launch_.world_size, opts_.rank_timeout, opts_.model,
+             opts_.optimizer_grouping, {}});
   {
     std::lock_guard<std::mutex> l(mu_);
     committed_.push_back(tag_dir);

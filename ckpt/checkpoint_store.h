@@ -59,6 +59,7 @@ struct StoreOptions {
   LogFn log = nullptr;
   std::vector<std::string> damaged = {};  // tag folder names (not paths) that failed verification
   std::optional<ModelFormat> model = {};   // recorded in every manifest
+  std::optional<GroupingRule> optimizer_grouping = {};  // likewise
 };
 
 inline constexpr const char* kStoreLockFile = ".shardkit.lock";

@@ -19,6 +19,7 @@
 #include "ckpt/env.h"
 #include "ckpt/layout.h"
 #include "ckpt/manifest.h"
+#include "ckpt/optimizer_groups.h"
 #include "ckpt/partition.h"
 #include "ckpt/value.h"
 
@@ -45,7 +46,7 @@ struct TagLayout {
   ModelFormat format;
   bool format_from_manifest = false;
   bool has_optimizer = false;
-  bool one_group = false;       // norm weights decay (ckpt::FamilyGrouping): Megatron do_layer_norm_weight_decay, one group
+  GroupingRule grouping = GroupingRule::kNxdt;  // how the optimizer files group parameters (ckpt::FamilyGrouping)
   bool master_weights = false;  // ZeRO-1 sharded_master_weights
 };
 

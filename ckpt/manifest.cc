@@ -32,6 +32,7 @@ nlohmann::ordered_json Manifest::ToJson() const {
                               {"grid", {{"tp", grid.tp}, {"pp", grid.pp}, {"dp", grid.dp}, {"zero1", grid.zero1}}},
                               {"world_size", world_size}};
   if (model) j["model"] = model->ToJson();
+  if (optimizer_grouping) j["optimizer_grouping"] = GroupingRuleName(*optimizer_grouping);
   j["files"] = files_json;
   if (tensors) j["tensors"] = FingerprintsToJson(*tensors);
   return j;
@@ -108,6 +109,12 @@ Manifest Manifest::FromJson(const nlohmann::json& j, const std::string& source) 
     m.world_size = static_cast<int>(BoundedInt(j, "world_size", 1, kMaxRanks, source));
     if (j.contains("model")) m.model = ModelFormat::FromJson(j.at("model"), source);
     if (j.contains("tensors")) m.tensors = FingerprintsFromJson(j.at("tensors"), source);
+    if (j.contains("optimizer_grouping")) {
+      GroupingRule r;
+      if (!j.at("optimizer_grouping").is_string() || !ParseGroupingRule(j.at("optimizer_grouping").get<std::string>(), &r))
+        throw Error(source + ": malformed manifest: 'optimizer_grouping' is not one of nxdt, nxdt-layer-norm-decay, name-split");
+      m.optimizer_grouping = r;
+    }
     if (!j.at("files").is_object()) throw Error(source + ": malformed manifest: 'files' is not an object");
     for (const auto& [p, d] : j.at("files").items()) m.files[p] = DigestFromJson(d, source + ": file '" + p + "'");
     // The files a complete tag of this grid holds must be among those listed.

@@ -16,6 +16,7 @@
 
 #include "ckpt/env.h"
 #include "ckpt/layout.h"
+#include "ckpt/optimizer_groups.h"
 #include "ckpt/partition.h"
 
 namespace ckpt {
@@ -51,6 +52,8 @@ struct Manifest {
   // The model format, when the writer knew it (the trainer, converter and
   // reshard do): lets ckpt-reshard work without the training config.
   std::optional<ModelFormat> model;
+  // How the optimizer files group parameters, when the writer wrote them.
+  std::optional<GroupingRule> optimizer_grouping;
   std::map<std::string, FileDigest> files;
   // Every logical tensor's fingerprint, when the writer computed them as it
   // wrote (ckpt-reshard does): ckpt-verify --against compares them.

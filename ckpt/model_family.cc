@@ -185,8 +185,10 @@ std::string HfUnsupported(const ModelFormat& f) {
          "learned positions, no GQA: GPT2LMHeadModel), so no Hugging Face architecture takes its weights";
 }
 
-Grouping FamilyGrouping(const ModelFormat& f, const std::vector<std::string>& params, bool norms_decay) {
-  return f.family == ModelFamily::kHfLlama ? NxdtHfGrouping(params, !norms_decay) : NxdtGrouping(params, norms_decay);
+Grouping FamilyGrouping(const ModelFormat& f, const std::vector<std::string>& params, GroupingRule rule) {
+  if (rule == GroupingRule::kNameSplit) return NameSplit(params);
+  const bool flag = rule == GroupingRule::kNxdtLayerNormDecay;
+  return f.family == ModelFamily::kHfLlama ? NxdtHfGrouping(params, flag) : NxdtGrouping(params, flag);
 }
 
 ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) {
@@ -320,8 +322,6 @@ std::vector<ParamRule> HfLlamaParameters(const ModelFormat& f, int tp) {
   auto add = [&](std::string name, std::vector<int64_t> shape, SplitDim split, FusedRows fused = FusedRows::kPlain) {
     ParamRule r{std::move(name), std::move(shape), split, fused};
     r.layer = layer, r.place = place;
-    // NxDT's HF grouping (utils/model_utils.py get_param_groups_by_weight_decay) keeps names holding "norm" out of decay.
-    r.no_decay = r.name.find("norm") != std::string::npos || r.name.find("bias") != std::string::npos;
     p.push_back(std::move(r));
   };
   add("model.embed_tokens.weight", {V, H}, SplitDim::kRows);

@@ -132,11 +132,11 @@ struct KvReplicationSeen {
 };
 KvReplicationSeen InferKvReplication(int tp, const std::function<bool(int, int)>& same);
 
-// The optimizer grouping NxDT builds for the family: NxdtGrouping for
-// Megatron-style models, NxdtHfGrouping for HF-style ones. `norms_decay` is
-// what TagLayout::one_group records: norm weights in the decaying group
-// (Megatron: do_layer_norm_weight_decay True; HF-style: False).
-Grouping FamilyGrouping(const ModelFormat& f, const std::vector<std::string>& params, bool norms_decay);
+// The optimizer grouping a rule gives the family's parameters: NxdtGrouping
+// for Megatron-style models, NxdtHfGrouping for HF-style ones, each with
+// do_layer_norm_weight_decay as NxDT means it for that family; or
+// NameSplit (Megatron-style names; NxD's llama example, shardkit before).
+Grouping FamilyGrouping(const ModelFormat& f, const std::vector<std::string>& params, GroupingRule rule);
 
 // Where an HF tensor's rows come from: `rows` rows of logical tensor `name`
 // from `row`, concatenated in order; `transpose`: the concatenation is

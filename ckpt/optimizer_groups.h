@@ -5,10 +5,17 @@
 // module order fix every id.
 //
 // Two sides use this:
-//  - The target (what NxDT and the training core build): NxDT's default
-//    split, group 0 for weights that decay and group 1 (weight_decay 0) for
-//    norm weights and every bias, decided by name; with
-//    `model.do_layer_norm_weight_decay` one group of everything.
+//  - The target (what NxDT and the training core build), GroupingRule below:
+//    NxDT's megatron models call NeMo v2.1.0's
+//    get_params_for_weight_decay_optimization, or with
+//    model.do_layer_norm_weight_decay get_all_params_for_weight_decay_optimization
+//    (NxDT lightning_modules/model/megatron/megatron_gpt_model.py
+//    setup_optimizer_param_groups; NeMo v2.1.0
+//    nemo/collections/nlp/modules/common/megatron/utils.py). NeMo matches
+//    norms by apex class, which NxD's RMSNorm and LayerNorm are not, so only
+//    biases stay apart, and empty groups are dropped. NxDT's HF-style models
+//    group by name instead (NxdtHfGrouping). Both were run on CPU:
+//    tests/data/upstream/nxdt_megatron/ and tests/data/upstream/hf_llama/.
 //  - The source (what NNM wrote): NNM's rule decides by module *class*, not by
 //    name (get_params_for_weight_decay_optimization in NNM's
 //    nemo/collections/nlp/modules/common/megatron/utils.py). A module that is
@@ -30,17 +37,10 @@
 
 namespace ckpt {
 
-// NxDT's split: norm weights (any module whose name ends in "norm") and biases.
-bool IsNoWeightDecay(std::string_view param_name);
-
 struct OptimizerSlot {
   std::string name;
   int group;
 };
-
-// NxDT's optimizer ids -> parameters, from the parameters in module order.
-std::vector<OptimizerSlot> OptimizerOrder(const std::vector<std::string>& params_in_module_order,
-                                          bool do_layer_norm_weight_decay);
 
 struct ParamInfo {
   std::string name;
@@ -53,9 +53,10 @@ struct Grouping {
   std::string description;  // what it is and where it comes from
   int groups = 0;           // group count, empty groups included
   std::vector<OptimizerSlot> order;  // optimizer id -> parameter and group
+  std::vector<bool> group_decays;    // per group: weight decay applies (else the group's weight_decay is 0.0)
 
   std::vector<size_t> GroupSizes() const;
-  bool Decays(const std::string& name) const;  // in group 0 of a two-group split, or the one group
+  bool Decays(const std::string& name) const;  // in a group that decays
   bool SameTies(const Grouping& o) const;      // every id tied to the same parameter in the same group
 };
 
@@ -73,14 +74,34 @@ struct Grouping {
 //    "norm", in group 1: the convention of other NeMo versions and of NxDT.
 std::vector<Grouping> NnmGroupingCandidates(const std::vector<ParamInfo>& params);
 
-// What shardkit's trainer builds over Megatron-style parameters: "nxdt-split"
-// (two groups, name-based: norm weights and biases apart) or, with
-// do_layer_norm_weight_decay, "nxdt-one-group". Not yet NxDT's own rule for
-// its megatron models: NxDT calls NeMo v2.1.0's
-// get_params_for_weight_decay_optimization, which matches norms by apex class,
-// so NxD's norms decay and only biases go apart (issue #23, to be confirmed by
-// running NeMo's code and adopted with fixtures).
+// Which grouping a tag's optimizer files follow.
+enum class GroupingRule {
+  kNxdt,               // NxDT's, model.do_layer_norm_weight_decay: False
+  kNxdtLayerNormDecay,  // NxDT's, model.do_layer_norm_weight_decay: True
+  // By name: biases and parameters of modules named "*norm" apart. NxD's own
+  // llama example groups so (examples/training/llama/training_utils.py
+  // get_param_groups_by_weight_decay: "bias" or "norm" in the name; the tags
+  // in tests/data/upstream/nxd_tags), and so did shardkit's trainer before it
+  // followed NeMo. Read and carried through; the trainer reads it by name.
+  kNameSplit,
+};
+const char* GroupingRuleName(GroupingRule r);  // "nxdt", "nxdt-layer-norm-decay", "name-split"
+bool ParseGroupingRule(std::string_view s, GroupingRule* r);
+
+// NxDT's grouping of a Megatron-style model's parameters (module order; a
+// tied parameter listed under each name holding it): NeMo v2.1.0's
+// get_params_for_weight_decay_optimization with no apex norm class: group 0
+// every parameter whose name does not end in "bias" (norm weights and
+// position embeddings decay too), group 1 (weight_decay 0.0) the biases;
+// with do_layer_norm_weight_decay, get_all_params_for_weight_decay_optimization:
+// one group. NeMo drops empty groups, so a model without biases (Llama) has one
+// group whatever the flag says. NeMo's expert groups are always empty here (no
+// MoE).
 Grouping NxdtGrouping(const std::vector<std::string>& params, bool do_layer_norm_weight_decay);
+
+// kNameSplit: group 0 decaying, group 1 (weight_decay 0) biases and
+// parameters of modules whose name ends in "norm"; empty groups dropped.
+Grouping NameSplit(const std::vector<std::string>& params);
 
 // What NxDT builds for its HF-style models ("nxdt-hf"; NxDT
 // lightning_modules/model/hf_models/base_model.py

@@ -72,13 +72,22 @@ Value ParamGroupsFor(const Value& source, const Grouping& to) {
     Value ids = Value::List();
     for (size_t i = 0; i < to.order.size(); ++i)
       if (to.order[i].group == g) ids.as_seq().items.emplace_back(static_cast<int64_t>(i));
-    if (ids.as_seq().items.empty()) continue;
-    const bool borrowed = g >= static_cast<int>(src.size());
-    const Value& from = src[borrowed ? 0 : g];
-    if (!from.is_dict()) throw Error("param_groups holds a " + from.kind_name() + ", not a dict");
-    Value pg = Value::NewDict(from.as_dict().ordered);
-    pg.as_dict().items = from.as_dict().items;
-    if (borrowed) pg.as_dict().Set("weight_decay", Value(0.0));
+    const bool decays = to.group_decays.at(g);
+    const Value* from = nullptr;
+    for (const Value& s : src) {
+      if (!s.is_dict()) throw Error("param_groups holds a " + s.kind_name() + ", not a dict");
+      const Value* wd = s.as_dict().Find("weight_decay");
+      const bool zero = wd && ((wd->is_float() && wd->as_float() == 0.0) || (wd->is_int() && wd->as_int() == 0));
+      if (zero != decays) {
+        from = &s;
+        break;
+      }
+    }
+    const bool borrowed = from == nullptr;
+    if (borrowed) from = &src[0];
+    Value pg = Value::NewDict(from->as_dict().ordered);
+    pg.as_dict().items = from->as_dict().items;
+    if (borrowed && !decays) pg.as_dict().Set("weight_decay", Value(0.0));
     pg.as_dict().Set("params", ids);
     out.as_seq().items.push_back(pg);
   }

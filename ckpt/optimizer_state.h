@@ -50,10 +50,11 @@ std::string Zero1OneShardMessage(const std::string& where, int64_t dp);
 std::vector<size_t> ParamGroupSizes(const Value& param_groups, const std::string& where);
 
 // `param_groups` for the grouping `to`, hyperparameters from `source` (a
-// param_groups list whose non-empty groups are listed in order): group g takes
-// source group g, or source group 0's with weight_decay 0 when the source
-// listed no such group (a no-decay group made from the decaying one). Empty
-// groups are dropped, as torch's optimizers are built without them.
+// param_groups list): a decaying group takes the first source group whose
+// weight_decay is not 0, a non-decaying one the first whose weight_decay is 0;
+// without such a group, source group 0's (weight_decay set to 0 for a
+// non-decaying group). Every group of `to` is written, empty ones too (NeMo's
+// rule has none; NxDT's HF-style models keep theirs).
 Value ParamGroupsFor(const Value& source, const Grouping& to);
 
 }  // namespace ckpt

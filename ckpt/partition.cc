@@ -163,7 +163,6 @@ std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
   auto add = [&](std::string name, std::vector<int64_t> shape, SplitDim split, FusedRows fused = FusedRows::kPlain) {
     ParamRule r{std::move(name), std::move(shape), split, fused};
     r.layer = layer;
-    r.no_decay = IsNoWeightDecay(r.name);
     p.push_back(std::move(r));
   };
   // Column-parallel linears split their rows and biases alike; row-parallel

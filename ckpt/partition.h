@@ -116,7 +116,6 @@ struct ParamRule {
   bool vocab = false;           // rows are the (padded) vocabulary
   int layer = -1;               // the decoder layer it belongs to; -1 for embeddings, final norm, output
   StagePlace place = StagePlace::kLayer;  // embeddings: the first stage; final norm and output: the last
-  bool no_decay = false;        // NxDT's split (IsNoWeightDecay): norms and biases
   bool norm = false;            // a norm's weight or bias
 };
 

@@ -121,7 +121,8 @@ class Planner {
  public:
   Planner(const ckpt::LogicalState& src, const ckpt::ModelFormat& format, ckpt::RankGrid to, std::vector<int64_t> bounds, size_t chunk,
           ckpt::FingerprintCollector* fp)
-      : src_(src), fmt_(format), to_(to), bounds_(std::move(bounds)), chunk_(chunk), fp_(fp) {
+      : src_(src), fmt_(format), to_(to), bounds_(std::move(bounds)), chunk_(chunk), fp_(fp),
+        target_grouping_(src.layout().grouping) {
     rules_ = ckpt::LogicalParameters(fmt_, to.tp);
     for (const auto& t : ckpt::LogicalTensors(src)) logical_numel_[t.name] = t.numel;
   }
@@ -194,7 +195,7 @@ class Planner {
     PlannedFile pf;
     std::vector<std::string> names;
     for (const auto& sp : stage) names.push_back(sp.name);
-    const ckpt::Grouping g = ckpt::FamilyGrouping(fmt_, names, src_.layout().one_group);
+    const ckpt::Grouping g = ckpt::FamilyGrouping(fmt_, names, target_grouping_);
     ckpt::OptimizerFile of;
     of.zero1 = to_.zero1;
     of.param_groups = ckpt::ParamGroupsFor(src_.ParamGroups(), g);
@@ -226,6 +227,7 @@ class Planner {
   std::vector<int64_t> bounds_;
   size_t chunk_;
   ckpt::FingerprintCollector* fp_;
+  ckpt::GroupingRule target_grouping_;
   std::vector<ParamRule> rules_;
   std::map<std::string, uint64_t> logical_numel_;
   std::map<std::tuple<std::string, StateField, int64_t>, std::pair<int, int>> first_holder_;
@@ -468,6 +470,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     ci.consumed_samples = src->consumed_samples();
     ci.grid = to;
     ci.model = to_format;
+    if (src->layout().has_optimizer) ci.optimizer_grouping = src->layout().grouping;
     ci.complete_manifest = [&](const std::vector<ckpt::RankRecord>& records, ckpt::Manifest& m) {
       ckpt::FingerprintCollector all;
       for (size_t r = 0; r < records.size(); ++r)

@@ -585,21 +585,32 @@ class ShardedTagBuilder {
     }
   }
 
-  // Ties the file's ids to parameters: NxDT's grouping whose group sizes the
-  // file's param_groups list (ids numbered 0, 1, ... across groups, as torch does).
+  // Ties the file's ids to parameters: the grouping whose group sizes the
+  // file's param_groups list (ids numbered 0, 1, ... across groups, as torch
+  // does). The first file decides among the rules that fit (NxDT's default
+  // first); every other file must fit the same rule.
   Grouping Ids(const Value& groups, const std::vector<std::string>& names, const std::string& where, bool first) {
-    const std::vector<size_t> sizes = ParamGroupSizes(groups, where + ": param_groups");
+    const std::vector<size_t> sizes = NonEmpty(ParamGroupSizes(groups, where + ": param_groups"));
     const ModelFormat& f = t_->layout_.format;
-    const Grouping split = FamilyGrouping(f, names, false), one = FamilyGrouping(f, names, true);
-    const bool fits_split = NonEmpty(split.GroupSizes()) == sizes, fits_one = NonEmpty(one.GroupSizes()) == sizes;
-    if (!fits_split && !fits_one)
-      throw Error(where + ": its param_groups hold groups of sizes that fit neither NxDT grouping (" + split.id + ": " + split.description +
-                  "; or " + one.description + ") of the stage's " + std::to_string(names.size()) + " parameters");
-    const bool one_group = fits_one && !fits_split;
-    if (first) t_->layout_.one_group = one_group;
-    else if (fits_split != fits_one && one_group != t_->layout_.one_group)
-      throw Error(where + ": groups its parameters differently from the first optimizer file");
-    return t_->layout_.one_group && fits_one ? one : split;
+    std::vector<GroupingRule> rules{GroupingRule::kNxdt, GroupingRule::kNxdtLayerNormDecay};
+    if (f.family != ModelFamily::kHfLlama) rules.push_back(GroupingRule::kNameSplit);
+    std::string tried;
+    // A manifest that records the grouping decides it.
+    if (manifest_ && manifest_->optimizer_grouping) rules = {*manifest_->optimizer_grouping};
+    for (GroupingRule r : rules) {
+      if (!first && r != t_->layout_.grouping) continue;
+      Grouping g = FamilyGrouping(f, names, r);
+      if (NonEmpty(g.GroupSizes()) == sizes) {
+        if (first) t_->layout_.grouping = r;
+        return g;
+      }
+      tried += (tried.empty() ? "" : "; ") + g.id + ": " + g.description;
+    }
+    std::string got;
+    for (size_t s : sizes) got += (got.empty() ? "" : ", ") + std::to_string(s);
+    throw Error(where + ": its param_groups hold groups of sizes [" + got + "] over the stage's " + std::to_string(names.size()) +
+                " parameters, which " + (first ? "fit no grouping shardkit knows (" : "do not fit the grouping of the first optimizer file (") +
+                tried + ")");
   }
 
   // Every key of tp rank 0's model files, over the stages.

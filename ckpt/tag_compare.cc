@@ -50,8 +50,9 @@ CompareReport CompareTags(const LogicalState& a, const LogicalState& b_as_given,
   if (a.layout().has_optimizer && b.layout().has_optimizer) {
     if (a.layout().master_weights != b.layout().master_weights)
       rep.differences.push_back({"", "only one tag holds fp32 master weights"});
-    if (a.layout().one_group != b.layout().one_group)
-      rep.differences.push_back({"", "the optimizer groups differ (one group vs norms and biases apart)"});
+    if (a.layout().grouping != b.layout().grouping)
+      rep.differences.push_back({"", std::string("the optimizer groups differ (") + GroupingRuleName(a.layout().grouping) + " vs " +
+                                         GroupingRuleName(b.layout().grouping) + ")"});
     // Hyperparameters: every group's entries but its ids.
     auto hyper = [](const Value& groups) {
       std::vector<Value> out;

@@ -316,6 +316,7 @@ void CommitRecords(Env* env, const std::string& tag_dir, const CommitInfo& info,
   m.grid = info.grid;
   m.world_size = info.world_size;
   m.model = info.model;
+  m.optimizer_grouping = info.optimizer_grouping;
   for (size_t r = 0; r < records.size(); ++r)
     for (const auto& [p, d] : records[r].files) {
       if (m.files.count(p)) throw Error(RankRecordPath(tag_dir, static_cast<int>(r)) + ": file '" + p + "' was also written by another rank");

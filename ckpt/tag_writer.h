@@ -95,6 +95,7 @@ struct CommitInfo {
   int world_size = 1;
   std::chrono::milliseconds rank_timeout{30 * 60 * 1000};
   std::optional<ModelFormat> model;  // recorded in the manifest when known
+  std::optional<GroupingRule> optimizer_grouping;  // likewise, when optimizer files are written
   // Called with every rank's record before the manifest is written, to add
   // what the records' `extra` carries; throwing leaves the tag without `done`.
   std::function<void(const std::vector<RankRecord>&, Manifest&)> complete_manifest;

@@ -126,6 +126,8 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   ci.step = plan.global_step;
   ci.consumed_samples = plan.consumed_samples;
   ci.grid = plan.grid;
+  if (plan.optimizer)
+    ci.optimizer_grouping = plan.do_layer_norm_weight_decay ? ckpt::GroupingRule::kNxdtLayerNormDecay : ckpt::GroupingRule::kNxdt;
   ckpt::CommitStaged(env, staged, *a.group, ci);
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return sum;

@@ -62,8 +62,9 @@ int main(int argc, char** argv) {
   app.add_flag("--require_optimizer", a.require_optimizer, "fail (exit 2) when the input holds no optimizer state");
   std::string groups = "keep";
   app.add_option("--optimizer_groups", groups,
-                 "keep: decay exactly what NNM decayed (for NNM's Llama: one group, model.do_layer_norm_weight_decay True); "
-                 "nxdt: regroup into NxDT's default split, in which norm weights stop decaying")
+                 "keep: decay exactly what NNM decayed, or fail when NxDT cannot (NNM's GPT, whose LayerNorm weights did not decay); "
+                 "nxdt: regroup as NxDT's megatron models group (NeMo's rule: only biases apart, model.do_layer_norm_weight_decay False). "
+                 "The manifest records the grouping written")
       ->check(CLI::IsMember({"keep", "nxdt"}));
   SHARDKIT_PARSE(app, argc, argv);
 

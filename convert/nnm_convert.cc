@@ -187,9 +187,9 @@ Target TargetFor(const std::vector<RankOptimizer>& ranks, bool do_layer_norm_wei
     t.by_rank.push_back(ckpt::NxdtGrouping(NamesOf(r.params), do_layer_norm_weight_decay));
     std::set<std::string> decays;
     for (const auto& s : t.by_rank.back().order)
-      if (s.group == 0) decays.insert(s.name);
+      if (t.by_rank.back().group_decays[s.group]) decays.insert(s.name);
     for (const auto& s : r.from.order) {
-      const bool was = s.group == 0, now = decays.count(s.name) > 0;
+      const bool was = r.from.group_decays[s.group], now = decays.count(s.name) > 0;
       if (was && !now) t.stops.push_back(s.name);
       if (!was && now) t.starts.push_back(s.name);
     }
@@ -208,11 +208,11 @@ void PlanOptimizerFiles(ConvertPlan& plan, const std::vector<RankOptimizer>& ran
   if (opts.optimizer_groups == OptimizerGroups::kKeep && !target.KeepsDecay()) {
     Target one = TargetFor(ranks, true);
     if (!one.KeepsDecay())
-      throw Error(src.root + ": NNM grouped the optimizer as " + plan.source_grouping + ". The NxDT trainer decays either every " +
-                  "parameter (model.do_layer_norm_weight_decay: True) or all but norm weights and biases (False), and neither " +
-                  "keeps what NNM decayed (" +
+      throw Error(src.root + ": NNM grouped the optimizer as " + plan.source_grouping + ". NxDT's megatron models decay either every " +
+                  "parameter (model.do_layer_norm_weight_decay: True) or every parameter but biases (False: NeMo's rule, which "
+                  "matches no NxD norm class), and neither keeps what NNM decayed (" +
                   (target.stops.empty() ? target.starts[0] + " would start decaying" : target.stops[0] + " would stop decaying") +
-                  "). Pass --optimizer_groups nxdt to regroup into NxDT's split.");
+                  "). Pass --optimizer_groups nxdt to regroup as NxDT groups them.");
     target = std::move(one);
   }
   plan.do_layer_norm_weight_decay = target.do_layer_norm_weight_decay;

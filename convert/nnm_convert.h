@@ -31,10 +31,11 @@
 
 namespace convert {
 
-// The optimizer grouping written: kKeep, the trainer's grouping that decays
-// exactly what NNM decayed (for NNM's Llama, whose norm weights decay, one
-// group: model.do_layer_norm_weight_decay True); kNxdt, NxDT's default split,
-// in which norm weights and biases do not decay.
+// The optimizer grouping written: kKeep, NxDT's grouping (either
+// do_layer_norm_weight_decay setting) that decays exactly what NNM decayed,
+// an error when neither does (NNM's GPT: its LayerNorm weights did not decay,
+// NxDT's do); kNxdt, NxDT's grouping with do_layer_norm_weight_decay False
+// (ckpt::NxdtGrouping: only biases apart).
 enum class OptimizerGroups { kKeep, kNxdt };
 
 struct ConvertOptions {

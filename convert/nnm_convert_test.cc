@@ -117,7 +117,7 @@ TEST(NnmConvert, ShiftLayerIndexTouchesOnlyTheLayerSegment) {
 TEST(NnmConvert, UnevenStagesRenumberFromActualCounts) {
   const NnmSource src = TwoStages();
   std::vector<RankInput> in = {Input(src.files[0], StageDict(3, true, false)), Input(src.files[1], StageDict(2, false, true))};
-  const ConvertPlan plan = PlanConversion(src, in, {});
+  const ConvertPlan plan = PlanConversion(src, in, {.optimizer_groups = OptimizerGroups::kNxdt});
   EXPECT_EQ(plan.total_layers, 5);
   EXPECT_EQ(plan.layers, (std::vector<std::vector<int>>{{3, 2}}));
   const Value& m1 = FileNamed(plan, "model/dp_rank_00_tp_rank_00_pp_rank_01.pt").file.value;
@@ -141,18 +141,28 @@ TEST(NnmConvert, UnevenStagesRenumberFromActualCounts) {
 TEST(NnmConvert, OptimizerIdsFollowNnmGroupsAndMomentsKeepTheirParameter) {
   const NnmSource src = TwoStages();
   std::vector<RankInput> in = {Input(src.files[0], StageDict(1, true, false)), Input(src.files[1], StageDict(1, false, true))};
-  const ConvertPlan plan = PlanConversion(src, in, {});
+  // NNM kept the norms apart (its class rule for apex norms); NxDT's megatron
+  // models decay them (NeMo's rule, no bias here: one group), so `keep` cannot.
+  const std::string e = ErrorOf([&] { PlanConversion(src, in, {}); });
+  EXPECT_NE(e.find("language_model.encoder.layers.0.input_layernorm.weight would start decaying"), std::string::npos) << e;
+  EXPECT_NE(e.find("--optimizer_groups nxdt"), std::string::npos) << e;
+  const ConvertPlan plan = PlanConversion(src, in, {.optimizer_groups = OptimizerGroups::kNxdt});
   const Value& o0 = FileNamed(plan, "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt").file.value;
-  // Stage 0: embedding, qkv, dense, h_to_4h, 4h_to_h decay (ids 0-4); the two norms do not (5, 6).
+  // Stage 0 in one group, module order: embedding, input_layernorm, qkv, dense, post_attention_layernorm, h_to_4h, 4h_to_h.
   const auto& groups = o0.as_dict().At("param_groups").as_seq().items;
-  ASSERT_EQ(groups.size(), 2u);
-  EXPECT_EQ(groups[0].as_dict().At("params").as_seq().items.size(), 5u);
-  EXPECT_EQ(groups[1].as_dict().At("params").as_seq().items[0].as_int(), 5);
+  ASSERT_EQ(groups.size(), 1u);
+  EXPECT_EQ(groups[0].as_dict().At("params").as_seq().items.size(), 7u);
   EXPECT_DOUBLE_EQ(groups[0].as_dict().At("weight_decay").as_float(), 0.1);
   const auto& state = o0.as_dict().At("state").as_dict();
-  EXPECT_EQ(state.items.size(), 7u);
-  EXPECT_EQ(state.items[1].second.as_dict().At("exp_avg").as_tensor().shape(), (std::vector<int64_t>{3 * H, H}));
-  EXPECT_EQ(state.items[5].second.as_dict().At("exp_avg").as_tensor().shape(), (std::vector<int64_t>{H}));
+  ASSERT_EQ(state.items.size(), 7u);
+  // Each moment keeps its parameter: NNM's id (the value it holds) moves to NxDT's.
+  const std::vector<std::pair<std::vector<int64_t>, float>> want = {{{16, H}, 0}, {{H}, 5},     {{3 * H, H}, 1}, {{H, H}, 2},
+                                                                    {{H}, 6},     {{4 * H, H}, 3}, {{H, 2 * H}, 4}};
+  for (size_t i = 0; i < want.size(); ++i) {
+    const Tensor& m = state.items[i].second.as_dict().At("exp_avg").as_tensor();
+    EXPECT_EQ(m.shape(), want[i].first) << i;
+    EXPECT_EQ(reinterpret_cast<const float*>(m.data())[0], want[i].second) << i;
+  }
 }
 
 TEST(NnmConvert, OptimizerThatDoesNotFitTheModelIsAnError) {
@@ -217,7 +227,7 @@ TEST(NnmConvert, RanksFromDifferentStepsAreAnError) {
 TEST(NnmConvert, XserSplitsEachRankFileIntoReferencesTensorsAndInfo) {
   const NnmSource src = TwoStages();
   std::vector<RankInput> in = {Input(src.files[0], StageDict(1, true, false)), Input(src.files[1], StageDict(1, false, true))};
-  const ConvertPlan plan = PlanConversion(src, in, {.save_xser = true});
+  const ConvertPlan plan = PlanConversion(src, in, {.save_xser = true, .optimizer_groups = OptimizerGroups::kNxdt});
   const Value& refs = FileNamed(plan, "model/dp_rank_00_tp_rank_00_pp_rank_01.pt").file.value;
   const Value& info = FileNamed(plan, "model/dp_rank_00_tp_rank_00_pp_rank_01.pt.info.pt").file.value;
   const Value& t0 = FileNamed(plan, "model/dp_rank_00_tp_rank_00_pp_rank_01.pt.tensors/tensor_0.pt").file.value;

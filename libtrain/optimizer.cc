@@ -23,10 +23,14 @@ AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp) : c_(c), dp_(dp) {
   std::vector<std::string> names;
   std::map<std::string, const std::vector<int64_t>*> shapes;  // this rank's slices
   for (const auto& p : m.layout()) names.push_back(p.name), shapes[p.name] = &m.param(p.name).shape();
-  // NxDT's grouping for the model's family (ckpt::FamilyGrouping: norms decay with Megatron's flag, not with the HF-style one's).
+  // NxDT's grouping for the model's family, with do_layer_norm_weight_decay as NxDT means it there (ckpt::FamilyGrouping).
   const ckpt::ModelFormat& f = m.format();
-  const bool norms_decay = f.family == ckpt::ModelFamily::kHfLlama ? !c.do_layer_norm_weight_decay : c.do_layer_norm_weight_decay;
-  for (const auto& entry : ckpt::FamilyGrouping(f, names, norms_decay).order) {
+  format_ = f, names_ = names;
+  megatron_ = f.family != ckpt::ModelFamily::kHfLlama;
+  const ckpt::Grouping grouping = ckpt::FamilyGrouping(
+      f, names, c.do_layer_norm_weight_decay ? ckpt::GroupingRule::kNxdtLayerNormDecay : ckpt::GroupingRule::kNxdt);
+  group_decays_ = grouping.group_decays;
+  for (const auto& entry : grouping.order) {
     order_.push_back(entry.name);
     group_.push_back(entry.group);
     Slot s;
@@ -164,7 +168,7 @@ void AdamW::Step(Model& m, double lr) {
     const float* g = Gradient(m, i).data();
     float* mo = reinterpret_cast<float*>(m_[i].mutable_data());
     float* vo = reinterpret_cast<float*>(v_[i].mutable_data());
-    const float decay = group_[i] == 0 ? static_cast<float>(1 - lr * c_.weight_decay) : 1.0f;
+    const float decay = group_decays_[group_[i]] ? static_cast<float>(1 - lr * c_.weight_decay) : 1.0f;
     const int64_t n = (hi - lo) * s.row_elems;
     tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16), [&](const tbb::blocked_range<int64_t>& r) {
       for (int64_t j = r.begin(); j < r.end(); ++j) {  // elementwise: the same result on any split
@@ -208,18 +212,23 @@ ckpt::Value AdamW::StateDict(double lr) const {
     f.params.push_back(std::move(ps));
   }
   f.param_groups = ckpt::Value::List();
-  for (int g = 0; g < 2; ++g) {
+  // Every group of the grouping, empty ones too: NeMo's rule has already
+  // dropped its empty groups, and NxDT's HF-style models keep theirs.
+  for (int g = 0; g < static_cast<int>(group_decays_.size()); ++g) {
     ckpt::Value ids = ckpt::Value::List();
     for (size_t i = 0; i < order_.size(); ++i)
       if (group_[i] == g) ids.as_seq().items.push_back(ckpt::Value(static_cast<int64_t>(i)));
-    if (ids.as_seq().items.empty()) continue;
     ckpt::Value pg = ckpt::Value::NewDict();
     auto& d = pg.as_dict();
+    // NeMo's groups carry is_expert, after the no-decay group's weight_decay, as its dict literals
+    // order them (utils.py get_params_for_weight_decay_optimization); no MoE here.
+    if (megatron_ && !group_decays_[g]) d.Set("weight_decay", ckpt::Value(0.0));
+    if (megatron_) d.Set("is_expert", ckpt::Value(false));
     d.Set("lr", ckpt::Value(lr));
     // A list, as NxD's saves have it (torch_xla's container rewrite turns AdamW's tuple into one).
     d.Set("betas", ckpt::Value::List({ckpt::Value(c_.beta1), ckpt::Value(c_.beta2)}));
     d.Set("eps", ckpt::Value(c_.eps));
-    d.Set("weight_decay", ckpt::Value(g == 0 ? c_.weight_decay : 0.0));
+    d.Set("weight_decay", ckpt::Value(group_decays_[g] ? c_.weight_decay : 0.0));
     d.Set("amsgrad", ckpt::Value(false));
     d.Set("maximize", ckpt::Value(false));
     d.Set("foreach", ckpt::Value());
@@ -230,11 +239,14 @@ ckpt::Value AdamW::StateDict(double lr) const {
   return f.ToValue();
 }
 
-void AdamW::CheckGroups(const ckpt::Value& groups) const {
+std::vector<size_t> AdamW::FileIds(const ckpt::Value& groups) {
   // The ids each non-empty group must list, as StateDict writes them.
-  std::vector<std::vector<int64_t>> want(2);
+  std::vector<std::vector<int64_t>> want(group_decays_.size());
   for (size_t i = 0; i < order_.size(); ++i) want[group_[i]].push_back(static_cast<int64_t>(i));
   std::erase_if(want, [](const auto& ids) { return ids.empty(); });
+  std::vector<size_t> ids(order_.size());
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = i;
+  regrouped_.clear();
   std::vector<std::vector<int64_t>> got;
   if (!groups.is_seq()) throw ckpt::Error("optimizer 'param_groups' is a " + groups.kind_name() + ", not a list");
   for (const auto& g : groups.as_seq().items) {
@@ -245,7 +257,20 @@ void AdamW::CheckGroups(const ckpt::Value& groups) const {
     for (const auto& id : ids.as_seq().items) got.back().push_back(ckpt::AsInteger(id, "optimizer 'param_groups' id"));
   }
   std::erase_if(got, [](const auto& ids) { return ids.empty(); });
-  if (got == want) return;
+  if (got == want) return ids;
+  // Grouped by name (Megatron-style names only): each file id is a parameter of the name split.
+  if (megatron_) {
+    const ckpt::Grouping split = ckpt::FamilyGrouping(format_, names_, ckpt::GroupingRule::kNameSplit);
+    std::vector<std::vector<int64_t>> theirs(split.groups);
+    for (size_t j = 0; j < split.order.size(); ++j) theirs[split.order[j].group].push_back(static_cast<int64_t>(j));
+    std::erase_if(theirs, [](const auto& g) { return g.empty(); });
+    if (got == theirs) {
+      for (size_t j = 0; j < split.order.size(); ++j)
+        ids[std::find(order_.begin(), order_.end(), split.order[j].name) - order_.begin()] = j;
+      regrouped_ = split.id + " (" + split.description + ")";
+      return ids;
+    }
+  }
   auto sizes = [](const std::vector<std::vector<int64_t>>& gs) {
     std::string s;
     for (const auto& g : gs) s += (s.empty() ? "" : "/") + std::to_string(g.size());
@@ -273,10 +298,10 @@ bool AdamW::LoadStateDict(const ckpt::Value& sd) {
       throw ckpt::Error("optimizer " + key + " of " + what(i) + " is " + std::string(ckpt::DTypeName(t.dtype())));
     ckpt::CastInto(t, dst);
   };
-  CheckGroups(top.At("param_groups"));
+  const std::vector<size_t> file_id = FileIds(top.At("param_groups"));
   int64_t step = -1;
   for (size_t i = 0; i < order_.size(); ++i) {
-    const ckpt::Value* s = ckpt::EntryById(state, i);
+    const ckpt::Value* s = ckpt::EntryById(state, file_id[i]);
     if (!s) throw ckpt::Error("optimizer state has no entry for " + what(i));
     copy(s->as_dict().At("exp_avg"), m_[i], "exp_avg", i);
     copy(s->as_dict().At("exp_avg_sq"), v_[i], "exp_avg_sq", i);
@@ -288,7 +313,7 @@ bool AdamW::LoadStateDict(const ckpt::Value& sd) {
   const ckpt::Value* master = top.Find("sharded_master_weights");
   if (!master || master_.empty()) return false;
   for (size_t i = 0; i < order_.size(); ++i) {
-    const ckpt::Value* w = ckpt::EntryById(master->as_dict(), i);
+    const ckpt::Value* w = ckpt::EntryById(master->as_dict(), file_id[i]);
     if (!w) throw ckpt::Error("sharded_master_weights has no entry for " + what(i));
     copy(*w, master_[i], "master weight", i);
   }

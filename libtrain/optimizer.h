@@ -1,6 +1,7 @@
-// AdamW with parameter groups as NxDT makes them (group 0: weights, with
-// weight decay; group 1: norm weights and biases, weight decay 0; a single
-// group when do_layer_norm_weight_decay), torch.optim.AdamW's update rule,
+// AdamW with parameter groups as NxDT makes them (ckpt::FamilyGrouping: for
+// Megatron-style models NeMo's rule, biases apart with weight decay 0 and
+// everything else decaying, one group with do_layer_norm_weight_decay or
+// without biases), torch.optim.AdamW's update rule,
 // and state dicts in torch.optim's format (parameter ids numbered over group
 // 0, then group 1) or, with zero1, torch-xla's ZeRO-1 format for one
 // data-parallel rank, as NxDT writes it. With master_weights (NxDT's
@@ -70,8 +71,12 @@ class AdamW {
   // were taken; without them the master weights stay as they are (copies of
   // the bfloat16 parameters, as NxD resumes). Throws ckpt::Error naming what
   // does not fit the model, including param_groups that number the
-  // parameters differently from this run's grouping.
+  // parameters differently from this run's grouping. State grouped by name
+  // (ckpt::GroupingRule::kNameSplit: shardkit's trainer before it followed
+  // NeMo, NxD's llama example) is read by name into this run's grouping;
+  // regrouped() then names it.
   bool LoadStateDict(const ckpt::Value& sd);
+  const std::string& regrouped() const { return regrouped_; }
 
   // Parameter names by optimizer id.
   const std::vector<std::string>& order() const { return order_; }
@@ -94,13 +99,20 @@ class AdamW {
   // This rank's gradient of optimizer id i after ReduceAndClip: its chunk's
   // reduced rows (padded) under ZeRO-1, else the model's whole gradient.
   std::span<float> Gradient(Model& m, size_t i);
-  void CheckGroups(const ckpt::Value& param_groups) const;
+  // The file's optimizer id of each of ours: the same ids, or those of the
+  // name split. Throws ckpt::Error when the file's groups fit neither.
+  std::vector<size_t> FileIds(const ckpt::Value& param_groups);
 
   AdamWConfig c_;
   Comm* dp_ = nullptr;
   int dp_size_ = 1, dp_rank_ = 0;
   std::vector<std::string> order_;  // id -> name
   std::vector<int> group_;          // id -> group index
+  std::vector<bool> group_decays_;  // group index -> weight decay applies
+  bool megatron_ = true;            // Megatron-style family: NeMo's groups (is_expert)
+  ckpt::ModelFormat format_;
+  std::vector<std::string> names_;  // module order
+  std::string regrouped_;
   std::vector<Slot> slot_;          // id -> where its state lies
   std::vector<ckpt::Tensor> m_, v_, master_;  // master_ empty without master_weights
   std::vector<std::vector<float>> grad_shard_;  // with Sharded(): this rank's reduced gradient rows

@@ -7,6 +7,9 @@
 
 #include "ckpt/dtype_cast.h"
 #include "ckpt/error.h"
+#include "ckpt/model_family.h"
+#include "ckpt/optimizer_groups.h"
+#include "ckpt/optimizer_state.h"
 #include "ckpt/test_util.h"
 
 namespace train {
@@ -131,15 +134,66 @@ TEST(AdamW, ReadsEitherLayoutAndAnInt64Step) {
 // numbers its ids differently: loading it would give moments to the wrong
 // parameters, so it is refused, naming the setting.
 TEST(AdamW, StateGroupedForTheOtherSettingIsRefused) {
-  Model m(Small(false));
+  ModelConfig gpt = Small(false);  // biases: NeMo's rule keeps them apart unless do_layer_norm_weight_decay
+  gpt.layernorm = gpt.gelu = gpt.bias = gpt.learned_positions = true;
+  gpt.max_positions = 16;
+  Model m(gpt);
   AdamWConfig split, one;
   one.do_layer_norm_weight_decay = true;
   AdamW a(m, split), b(m, one);
   TrainStep(m, a);
   const std::string e = ckpt::testing::ErrorOf([&] { b.LoadStateDict(a.StateDict(1e-2)); });
-  EXPECT_NE(e.find("optimizer param_groups hold 6/3 parameter ids, but this run groups them as 9"), std::string::npos) << e;
+  EXPECT_NE(e.find("optimizer param_groups hold 10/7 parameter ids, but this run groups them as 17"), std::string::npos) << e;
   EXPECT_NE(e.find("model.do_layer_norm_weight_decay: True"), std::string::npos) << e;
   EXPECT_NO_THROW(AdamW(m, split).LoadStateDict(a.StateDict(1e-2)));
+}
+
+// Tags grouped by name (shardkit's trainer before it followed NeMo; NxD's
+// llama example) are read by name: every moment reaches its parameter.
+TEST(AdamW, StateGroupedByNameIsReadByName) {
+  ModelConfig gpt = Small(false);
+  gpt.layernorm = gpt.gelu = gpt.bias = gpt.learned_positions = true;
+  gpt.max_positions = 16;
+  Model m(gpt);
+  AdamWConfig c;
+  c.zero1 = true;
+  AdamW a(m, c);
+  TrainStep(m, a);
+  const ckpt::Value ours = a.StateDict(1e-2);
+  std::vector<std::string> names;
+  for (const auto& p : m.layout()) names.push_back(p.name);
+  const ckpt::Grouping split = ckpt::FamilyGrouping(m.format(), names, ckpt::GroupingRule::kNameSplit);
+  ASSERT_EQ(split.groups, 2);
+  // The same state renumbered as the name split numbers it.
+  ckpt::Value old = ckpt::Value::NewDict();
+  ckpt::Value base = ckpt::Value::NewDict(), shapes = ckpt::Value::NewDict();
+  ckpt::Value groups = ckpt::Value::List();
+  for (int g = 0; g < 2; ++g) {
+    const ckpt::Value& from = ours.as_dict().At("param_groups").as_seq().items[0];
+    ckpt::Value pg = ckpt::Value::NewDict(from.as_dict().ordered);  // a new dict: Values share their containers
+    pg.as_dict().items = from.as_dict().items;
+    ckpt::Value ids = ckpt::Value::List();
+    for (size_t j = 0; j < split.order.size(); ++j)
+      if (split.order[j].group == g) ids.as_seq().items.emplace_back(static_cast<int64_t>(j));
+    pg.as_dict().Set("params", ids);
+    groups.as_seq().items.push_back(pg);
+  }
+  for (size_t j = 0; j < split.order.size(); ++j) {
+    const int64_t i = std::find(a.order().begin(), a.order().end(), split.order[j].name) - a.order().begin();
+    base.as_dict().items.emplace_back(ckpt::Value(static_cast<int64_t>(j)), *ckpt::EntryById(ours.as_dict().At("base_state").as_dict(), i));
+    shapes.as_dict().items.emplace_back(ckpt::Value(static_cast<int64_t>(j)), *ckpt::EntryById(ours.as_dict().At("shape_info").as_dict(), i));
+  }
+  old.as_dict().Set("state", ckpt::Value::NewDict());
+  old.as_dict().Set("param_groups", groups);
+  old.as_dict().Set("base_state", base);
+  old.as_dict().Set("shape_info", shapes);
+  AdamW b(m, c);
+  b.LoadStateDict(old);
+  EXPECT_NE(b.regrouped().find("name-split"), std::string::npos) << b.regrouped();
+  EXPECT_TRUE(ckpt::DeepEqual(b.StateDict(1e-2).as_dict().At("base_state"), ours.as_dict().At("base_state")));
+  AdamW same(m, c);
+  same.LoadStateDict(ours);
+  EXPECT_EQ(same.regrouped(), "");
 }
 
 TEST(AdamW, AShardFromMoreDataParallelRanksIsNamed) {

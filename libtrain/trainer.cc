@@ -272,9 +272,14 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
         log("info: " + *tag + " holds no optimizer state; the optimizer starts fresh");
       else if (!env->Exists(*tag + "/" + optim_file))
         throw ckpt::Error(optim_file + " is missing (this rank's optimizer state)");
-      else if (!adamw.LoadStateDict(ckpt::LoadTagFile(env, *tag, optim_file)) && c.optim.master_weights)
-        log("info: the checkpoint holds no master weights (use_master_weights_in_ckpt was off); they restart from its "
-            "bfloat16 parameters, as in NxDT");
+      else {
+        if (!adamw.LoadStateDict(ckpt::LoadTagFile(env, *tag, optim_file)) && c.optim.master_weights)
+          log("info: the checkpoint holds no master weights (use_master_weights_in_ckpt was off); they restart from its "
+              "bfloat16 parameters, as in NxDT");
+        if (!adamw.regrouped().empty())
+          log("info: " + optim_file + " groups its parameters as " + adamw.regrouped() +
+              "; its state was read by name, and this run groups them as NxDT does (saved so from now on)");
+      }
       if (env->Exists(*tag + "/" + ckpt::kUserContentFile)) {
         // As NxDT resumes: the step from Lightning's loops (else global_step), the schedule from
         // lr_schedulers[0], consumed samples from the tag's name; our own tags agree on all three.
@@ -328,7 +333,9 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     const std::string job_id = SharedSaveId(*pc.world, "train");  // one id for the job's saves
     store = std::make_unique<ckpt::CheckpointStore>(
         ckpt::StoreOptions{.dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .env = env, .log = log,
-                           .damaged = DamagedNames(damaged), .model = model.config().format(c.grid.tp)},
+                           .damaged = DamagedNames(damaged), .model = model.config().format(c.grid.tp),
+                           .optimizer_grouping = c.optim.do_layer_norm_weight_decay ? ckpt::GroupingRule::kNxdtLayerNormDecay
+                                                                                     : ckpt::GroupingRule::kNxdt},
         ckpt::MpiLaunch{.rank = pc.world->rank(), .world_size = pc.world->size(), .job_id = job_id});
     // Snapshot buffers, faulted in before the first step: for what this rank copies (save's `add`).
     auto reserve = [&](const ckpt::Value& live, std::optional<ckpt::DType> floats_to, bool replicated) {

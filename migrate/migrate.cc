@@ -274,32 +274,23 @@ void ValidateInterpolations(const YAML::Node& root, const YAML::Node& n, const s
 }  // namespace
 
 // NNM groups weight decay by module class (get_params_for_weight_decay_optimization
-// in NNM's nemo/collections/nlp/modules/common/megatron/utils.py): its RMSNorm,
-// apex.transformer's FastRMSNorm, is not one of the classes it exempts, so an
-// rmsnorm model's norm weights decay whatever do_layer_norm_weight_decay says.
-// NxDT decides by name and exempts them unless do_layer_norm_weight_decay is
-// True, so that is what keeps NNM's training behaviour (and what the
-// optimizer state nnm2nxdt-ckpt converts by default is grouped for).
-void KeepNormWeightDecay(const YAML::Node& nnm, YAML::Node* out, Report* report) {
+// in NNM's nemo/collections/nlp/modules/common/megatron/utils.py), exempting
+// apex.normalization's classes: GPT's MixedFusedLayerNorm weights did not
+// decay, Llama's FastRMSNorm weights did. NxDT's megatron models call NeMo
+// v2.1.0's function of the same name over NxD's norms, which are no apex
+// class, so every norm weight decays whatever do_layer_norm_weight_decay says
+// (run on CPU: tests/data/upstream/nxdt_megatron). An RMSNorm model trains as it
+// did; a LayerNorm model starts decaying its norm weights, which no setting
+// avoids: the report says so.
+void NoteNormWeightDecay(const YAML::Node& nnm, Report* report) {
   const YAML::Node norm = Find(nnm, "model.normalization");
-  if (!norm.IsDefined() || !norm.IsScalar() || norm.Scalar() != "rmsnorm") return;
-  const std::string key = "model.do_layer_norm_weight_decay";
-  const YAML::Node was = Find(*out, key);
-  if (was.IsDefined() && was.IsScalar() && (was.Scalar() == "True" || was.Scalar() == "true")) return;
-  const std::string why =
-      "NNM decays RMSNorm weights: its weight-decay grouping (get_params_for_weight_decay_optimization) exempts only "
-      "apex.normalization's norm classes, and NNM's RMSNorm (apex.transformer FastRMSNorm) is not one of them; NxDT "
-      "exempts norms by name unless this is True. Kept NNM's behaviour, as nnm2nxdt-ckpt groups the optimizer state by default "
-      "(after nnm2nxdt-ckpt --optimizer_groups nxdt, set it to False)";
-  Set(*out, key, Plain("True"));
-  for (auto& e : report->entries)
-    if (e.to == key && e.fate != "dropped") {
-      e.fate = "changed";
-      e.to_value = "True";
-      e.reason += (e.reason.empty() ? "" : "; ") + why;
-      return;
-    }
-  report->entries.push_back({key, "added", key, "", "True", why});
+  const bool layernorm = !norm.IsDefined() || (norm.IsScalar() && norm.Scalar() == "layernorm");  // NNM's default
+  if (!layernorm) return;
+  report->warnings.push_back(
+      "NNM did not decay LayerNorm weights (MixedFusedLayerNorm is an apex.normalization class, which NNM's "
+      "get_params_for_weight_decay_optimization exempts); NxDT's megatron models do, whatever model.do_layer_norm_weight_decay "
+      "says (NxD's LayerNorm is no apex class, so NeMo v2.1.0's same function keeps only biases apart). "
+      "nnm2nxdt-ckpt --optimizer_groups nxdt regroups the optimizer state to match");
 }
 
 Migration Migrate(const YAML::Node& nnm, const MigrateOptions& opts) {
@@ -381,7 +372,7 @@ Migration Migrate(const YAML::Node& nnm, const MigrateOptions& opts) {
   }
   Set(out, "precision", DerivePrecision(nnm, opts, &report));
   AddRuntimeKeys(opts, &out, &report);
-  KeepNormWeightDecay(nnm, &out, &report);
+  NoteNormWeightDecay(nnm, &report);
 
   result.config = Ordered(out, "");
   report.check_problems = CheckNxdt(result.config);

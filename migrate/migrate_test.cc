@@ -206,26 +206,28 @@ TEST(Migrate, PrecisionFollowsNnmSettingsAndEnvironment) {
   EXPECT_EQ(Find(manual, "precision.fp32_grad_acc").Scalar(), "False");
 }
 
-// NNM's class-based weight-decay grouping decays RMSNorm weights; NxDT keeps
-// that only with do_layer_norm_weight_decay: True. LayerNorm models keep their value.
-TEST(Migrate, RmsnormModelsKeepDecayingTheirNormWeights) {
+// NxDT's megatron models decay every norm weight (NeMo v2.1.0's rule over NxD's
+// norms), whatever do_layer_norm_weight_decay says: the value is kept, and a
+// LayerNorm model, whose norm weights NNM did not decay, is warned about.
+TEST(Migrate, NormWeightDecayIsKeptAndLayerNormModelsAreWarned) {
   auto migrate = [](const std::string& model) {
     return Migrate(LoadYaml("model:\n" + model, "inline.yaml"), {.env = kRecipeEnv});
   };
   auto value = [](const Migration& m) { return Find(m.config, "model.do_layer_norm_weight_decay").Scalar(); };
+  auto warned = [](const Migration& m) {
+    for (const auto& w : m.report.warnings)
+      if (w.find("NNM did not decay LayerNorm weights") != std::string::npos) return true;
+    return false;
+  };
   const Migration rms = migrate("  normalization: rmsnorm\n  do_layer_norm_weight_decay: False\n");
-  EXPECT_EQ(value(rms), "True");
-  const ReportEntry* e = EntryFor(rms.report, "model.do_layer_norm_weight_decay");
-  ASSERT_NE(e, nullptr);
-  EXPECT_EQ(e->fate, "changed");
-  EXPECT_NE(e->reason.find("FastRMSNorm"), std::string::npos) << e->reason;
-  const Migration unset = migrate("  normalization: rmsnorm\n");
-  EXPECT_EQ(value(unset), "True");
-  ASSERT_NE(EntryFor(unset.report, "model.do_layer_norm_weight_decay"), nullptr);
-  EXPECT_EQ(EntryFor(unset.report, "model.do_layer_norm_weight_decay")->fate, "added");
+  EXPECT_EQ(value(rms), "False");
+  EXPECT_EQ(EntryFor(rms.report, "model.do_layer_norm_weight_decay")->fate, "kept");
+  EXPECT_FALSE(warned(rms));
   const Migration ln = migrate("  normalization: layernorm\n  do_layer_norm_weight_decay: False\n");
   EXPECT_EQ(value(ln), "False");
   EXPECT_EQ(EntryFor(ln.report, "model.do_layer_norm_weight_decay")->fate, "kept");
+  EXPECT_TRUE(warned(ln));
+  EXPECT_TRUE(warned(migrate("  hidden_size: 64\n")));  // NNM's default normalization is layernorm
 }
 
 TEST(Migrate, OutputIsByteStable) {

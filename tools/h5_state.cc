@@ -275,7 +275,7 @@ ExportSummary WriteH5State(const ckpt::LogicalState& src, const std::string& tag
   nlohmann::ordered_json sl = {{"tp", L.grid.tp},           {"pp", L.grid.pp},
                                {"dp", L.grid.dp},           {"zero1", L.grid.zero1},
                                {"stage_bounds", L.stage_bounds}, {"has_optimizer", optimizer},
-                               {"one_group", L.one_group},  {"master_weights", optimizer && L.master_weights}};
+                               {"grouping", ckpt::GroupingRuleName(L.grouping)},  {"master_weights", optimizer && L.master_weights}};
   SetString(file, "source_layout", sl.dump(), path);
   SetString(file, "source", src.path(), path);
   SetString(file, "tag_name", tag_name, path);
@@ -291,7 +291,7 @@ ExportSummary WriteH5State(const ckpt::LogicalState& src, const std::string& tag
     if (auto v = src.TagFile(f); v && !o.weights_only) SetString(file, f, ckpt::ValueToJson(*v, exact).dump(), path);
   std::vector<std::string> names;
   for (const auto& p : src.params()) names.push_back(p.name);
-  const ckpt::Grouping grouping = ckpt::FamilyGrouping(L.format, names, L.one_group);
+  const ckpt::Grouping grouping = ckpt::FamilyGrouping(L.format, names, L.grouping);
   if (optimizer) {
     // As a pickle, which keeps what the groups share (torch's groups share
     // their defaults' objects, and the file shows it): an import writes it
@@ -456,7 +456,17 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
     L.grid = {sl.at("tp").get<int>(), sl.at("pp").get<int>(), sl.at("dp").get<int>(), sl.at("zero1").get<bool>()};
     L.stage_bounds = sl.at("stage_bounds").get<std::vector<int64_t>>();
     L.has_optimizer = sl.at("has_optimizer").get<bool>();
-    L.one_group = sl.at("one_group").get<bool>();
+    if (sl.contains("grouping")) {
+      if (!ckpt::ParseGroupingRule(sl.at("grouping").get<std::string>(), &L.grouping))
+        throw Error(path + ": attribute 'source_layout' names an unknown optimizer grouping '" + sl.at("grouping").get<std::string>() + "'");
+    } else {
+      // Files written before the grouping followed NeMo record `one_group`: norm weights decay.
+      const bool norms_decay = sl.at("one_group").get<bool>();
+      if (L.format.family == ckpt::ModelFamily::kHfLlama)
+        L.grouping = norms_decay ? ckpt::GroupingRule::kNxdt : ckpt::GroupingRule::kNxdtLayerNormDecay;
+      else
+        L.grouping = norms_decay ? ckpt::GroupingRule::kNxdtLayerNormDecay : ckpt::GroupingRule::kNameSplit;
+    }
     L.master_weights = sl.at("master_weights").get<bool>();
   } catch (const nlohmann::json::exception& e) {
     throw Error(path + ": attribute 'source_layout' is malformed: " + ckpt::JsonErrorText(e));

@@ -65,11 +65,21 @@ def no_decay(name):
     return leaf == "bias" or module.endswith("norm")
 
 
+def nemo_no_decay(name):
+    """NeMo v2.1.0 get_params_for_weight_decay_optimization with no apex norm
+    class (NxD's norms are not): a parameter whose own name ends in 'bias'."""
+    return name.rsplit(".", 1)[-1].endswith("bias")
+
+
 def nxdt_order(names, do_layer_norm_weight_decay):
-    """NxDT's optimizer ids -> (name, group)."""
+    """NxDT's optimizer ids -> (name, group) for its megatron models: NeMo
+    v2.1.0's rule, empty groups dropped (checked against the rule as run in
+    tests/data/upstream/nxdt_megatron by upstream_tags.py)."""
     if do_layer_norm_weight_decay:
         return [(n, 0) for n in names]
-    return [(n, 0) for n in names if not no_decay(n)] + [(n, 1) for n in names if no_decay(n)]
+    decay = [n for n in names if not nemo_no_decay(n)]
+    apart = [n for n in names if nemo_no_decay(n)]
+    return [(n, 0) for n in decay] + [(n, 1 if decay else 0) for n in apart]
 
 
 def rank_file(t, p, d=0):

@@ -18,7 +18,7 @@ import unittest
 import torch
 
 from canon import BIN, CONFIG, CONVERT, TOKENIZE, TRAIN, TempDirTest, VERIFY, run
-from megatron_partition import merge_tag, no_decay, nxdt_order, rank_file
+from megatron_partition import merge_tag, nemo_no_decay, nxdt_order, rank_file
 from nnm_fixture import lr_scheduler_state, make_hf_converted, make_nnm
 import train_reference
 
@@ -68,14 +68,15 @@ def read_bytes(path):
 
 
 def keeps_decay(entry):
-    """The NxDT trainer's do_layer_norm_weight_decay that decays exactly what
-    NNM decayed on this rank, or None when neither setting does."""
+    """NxDT's do_layer_norm_weight_decay that decays exactly what NNM decayed
+    on this rank (False first, as nnm2nxdt-ckpt tries it), or None when
+    neither setting does."""
     names = [n for n, _ in entry["model"] if not n.endswith("inv_freq")]
     decayed = {n for n, g in zip(entry["optim_names"], entry["optim_groups"]) if g == 0}
+    if decayed == {n for n in names if not nemo_no_decay(n)}:
+        return False
     if decayed == set(names):
         return True
-    if decayed == {n for n in names if not no_decay(n)}:
-        return False
     return None
 
 
@@ -106,9 +107,10 @@ class NnmToNxdt(TempDirTest):
 
     def expected_optimizer(self, entry, one_group):
         """The NxDT state dict of one rank, from the NNM one, by parameter:
-        ids renumbered into the trainer's grouping, param_groups taking NNM's
-        hyperparameters (group 1 made from group 0 with weight_decay 0 when
-        NNM had one group)."""
+        ids renumbered into NxDT's grouping, param_groups taking NNM's
+        hyperparameters (a decaying group NNM's first decaying one, a group
+        without decay NNM's first with weight_decay 0, or its first group
+        with weight_decay 0 when NNM had none)."""
         names = [n for n, _ in entry["model"] if not n.endswith("inv_freq")]
         order = nxdt_order(names, one_group)
         ids = {n: i for i, (n, _) in enumerate(order)}
@@ -119,8 +121,11 @@ class NnmToNxdt(TempDirTest):
         groups = []
         for g in range(2):
             members = [i for i, (_, gi) in enumerate(order) if gi == g]
-            if members:
-                groups.append(dict(src[g] if g < len(src) else dict(src[0], weight_decay=0.0), params=members))
+            if not members:
+                continue
+            decays = one_group or any(not nemo_no_decay(order[i][0]) for i in members)
+            fits = [s for s in src if (s["weight_decay"] != 0) == decays]
+            groups.append(dict(fits[0] if fits else dict(src[0], **({} if decays else {"weight_decay": 0.0})), params=members))
         return to_nxdt, {"state": state, "param_groups": groups}
 
     def check_tag(self, tag, expected, step=7, consumed=56.0, xser=False, zero1_dp=0, groups="keep"):
@@ -161,27 +166,36 @@ class NnmToNxdt(TempDirTest):
         # 5 layers over 2 stages (2 + 3): NNM writes that only with
         # flexible_pipeline_parallel_stages, which the fixture records.
         _, err = self.roundtrip(LLAMA, 2, 2)
-        # NNM's Llama (FastRMSNorm outside apex.normalization's classes): norms decay, group 1 empty.
+        # NNM's Llama (FastRMSNorm outside apex.normalization's classes): norms decay, group 1 empty;
+        # NxDT's (NeMo's rule over NxD's RMSNorm, no biases): one group, the same decay.
         self.assertIn("optimizer grouping found: nnm-rmsnorm", err)
-        self.assertIn("optimizer grouping written: nxdt-one-group", err)
-        self.assertIn("model.do_layer_norm_weight_decay: True", err)
+        self.assertIn("optimizer grouping written: nxdt-biases-apart", err)
+        self.assertIn("model.do_layer_norm_weight_decay: False", err)
+        self.assertNotIn("decaying", err)
 
-    def test_llama_regrouped_into_nxdts_split_on_request(self):
+    def test_llama_grouped_as_nxdt_on_request_is_what_keep_writes(self):
         out, err = self.roundtrip(dict(LLAMA, layers=2), 2, 2, groups="nxdt")
-        self.assertIn("optimizer grouping written: nxdt-split", err)
-        self.assertRegex(err, r"\d+ parameters that decayed in NNM stop decaying")
+        self.assertIn("optimizer grouping written: nxdt-biases-apart", err)
+        self.assertNotIn("decaying", err)  # NNM's Llama and NxDT's decay the same parameters
         groups = torch.load(os.path.join(out, "optim", rank_file(0, 1)))["param_groups"]
-        self.assertEqual([g["weight_decay"] for g in groups], [0.1, 0.0])
+        self.assertEqual([g["weight_decay"] for g in groups], [0.1])
+        self.assertEqual(read_json(os.path.join(out, "manifest.json"))["optimizer_grouping"], "nxdt")
 
     def test_name_based_grouping_of_other_nemo_versions(self):
-        _, err = self.roundtrip(dict(LLAMA, layers=2), 2, 1, grouping="name")
+        nnm = os.path.join(self.dir, "nnm")
+        make_nnm(nnm, dict(LLAMA, layers=2), tp=2, pp=1, grouping="name")
+        p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", os.path.join(self.dir, "kept.ckpt"), check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)  # norms kept apart: NxDT's megatron models decay them
+        self.assertIn("input_layernorm.weight would start decaying", p.stderr)
+        _, err = self.roundtrip(dict(LLAMA, layers=2), 2, 1, grouping="name", groups="nxdt")
         self.assertIn("optimizer grouping found: nnm-layernorm", err)  # same ties as name-based for NNM's names
-        self.assertIn("optimizer grouping written: nxdt-split", err)
+        self.assertIn("optimizer grouping written: nxdt-biases-apart", err)
+        self.assertRegex(err, r"\d+ parameters that did not decay in NNM start decaying")
 
     def test_one_group_with_do_layer_norm_weight_decay(self):
         _, err = self.roundtrip(dict(LLAMA, layers=2), 1, 2, grouping="one")
         self.assertIn("optimizer grouping found: one-group", err)
-        self.assertIn("optimizer grouping written: nxdt-one-group", err)
+        self.assertIn("optimizer grouping written: nxdt-biases-apart", err)  # no biases: one group either way
 
     def test_pp1_mp_rank_folders_with_gqa(self):
         self.roundtrip(dict(LLAMA, kv_heads=2, layers=3), 2, 1)
@@ -197,10 +211,12 @@ class NnmToNxdt(TempDirTest):
         self.roundtrip(dict(LLAMA, layers=2), 1, 2, xser_in=True, zero1_dp=2)
 
     def test_gpt_style_with_biases_tied_embeddings_and_virtual_pipeline(self):
-        _, err = self.roundtrip(dict(LLAMA, gpt=True, layers=8), 1, 2, vpp=2)
-        # GPT's MixedFusedLayerNorm is an apex.normalization class: norms and biases in group 1.
+        _, err = self.roundtrip(dict(LLAMA, gpt=True, layers=8), 1, 2, vpp=2, groups="nxdt")
+        # GPT's MixedFusedLayerNorm is an apex.normalization class: norms and biases in group 1;
+        # NxDT's megatron GPT keeps only the biases apart.
         self.assertIn("optimizer grouping found: nnm-layernorm", err)
-        self.assertIn("optimizer grouping written: nxdt-split", err)
+        self.assertIn("optimizer grouping written: nxdt-biases-apart", err)
+        self.assertRegex(err, r"\d+ parameters that did not decay in NNM start decaying, e.g. \S+layernorm.weight")
 
     def test_checkpoint_dir_names_the_tag_and_picks_the_newest_file(self):
         nnm, ckdir = os.path.join(self.dir, "nnm"), os.path.join(self.dir, "ckpts")
@@ -218,11 +234,8 @@ class NnmToNxdt(TempDirTest):
     def test_end_to_end_llama_tp2_pp2_zero1_dp2(self):
         self.end_to_end(gpt=False, zero1_dp=2)
 
-    def test_end_to_end_gpt_style_norms_in_group_one(self):
-        self.end_to_end(gpt=True)
-
-    def test_end_to_end_llama_regrouped_into_nxdts_split_stops_decaying_norms(self):
-        self.end_to_end(gpt=False, groups="nxdt")
+    def test_end_to_end_gpt_style_layernorm_weights_start_decaying(self):
+        self.end_to_end(gpt=True, groups="nxdt")
 
     def end_to_end(self, gpt, zero1_dp=0, groups="keep"):
         """A megatron Llama (or GPT) trained 3 steps in torch with NNM's real
@@ -264,17 +277,17 @@ class NnmToNxdt(TempDirTest):
         _, file_name = make_nnm(nnm, c, tp=2, pp=2, zero1_dp=zero1_dp, step=S, gbs=gbs, lr=base_lr, weight_decay=wd,
                                 sched=sched, from_full=full)
 
-        # nnm2nxdt-config decides how the trainer groups; --optimizer_groups nxdt asks for NxDT's split instead.
+        # nnm2nxdt-config keeps do_layer_norm_weight_decay (NxDT's megatron models decay norm weights either
+        # way) and warns of a LayerNorm model, whose norm weights NNM did not decay.
         nnm_yaml = os.path.join(self.dir, "nnm.yaml")
         with open(nnm_yaml, "w") as f:
             f.write(f"model:\n  normalization: {'layernorm' if gpt else 'rmsnorm'}\n  do_layer_norm_weight_decay: False\n"
                     f"  optim:\n    name: adamw\n    lr: {base_lr}\n    weight_decay: {wd}\n")
-        run(CONFIG, nnm_yaml, "-o", os.path.join(self.dir, "nxdt.yaml"), "--allow-incomplete")  # a model section only
+        p = run(CONFIG, nnm_yaml, "-o", os.path.join(self.dir, "nxdt.yaml"), "--allow-incomplete")  # a model section only
         with open(os.path.join(self.dir, "nxdt.yaml")) as f:
-            decay_norms = "do_layer_norm_weight_decay: True" in f.read()
-        self.assertEqual(decay_norms, not gpt)
-        if groups == "nxdt":
-            decay_norms = False
+            self.assertIn("do_layer_norm_weight_decay: False", f.read())
+        self.assertEqual("NNM did not decay LayerNorm weights" in p.stdout + p.stderr, gpt)
+        decay_norms = False
 
         conv = os.path.join(self.dir, "conv")
         p = self.convert("--tp", 2, "--pp", 2, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--checkpoint_dir", conv,
@@ -301,17 +314,18 @@ class NnmToNxdt(TempDirTest):
             metrics = [json.loads(l) for l in f]
         self.assertEqual([m["step"] for m in metrics], [S + 1])
 
-        # torch continues the same run for one step: as NNM would, and as NxDT's split would (norms not decaying).
+        # torch continues the same run for one step: as NNM would, and as NxDT's grouping would (NeMo's
+        # rule: every weight decays, only biases do not).
         lr = train_reference.nemo_cosine(S, base_lr, warmup, 0, max_steps, min_lr)
         references = {}
         for variant in ("keep", "nxdt"):
             m, o = copy.deepcopy((full["chunks"][0], full["opt"]))  # parameters, not their gradients
             loss = train_step(m, [q for g in o.param_groups for q in g["params"]], samples(S * gbs, gbs))
-            if variant == "nxdt":  # NxDT's split: norm weights and biases join the group that does not decay
+            if variant == "nxdt" and len(o.param_groups) > 1:  # NNM's group 1 keeps only its biases
                 named = {id(q): n for n, q in m.named_parameters()}
-                moved = [q for q in o.param_groups[0]["params"] if no_decay(named[id(q)])]
-                o.param_groups[0]["params"] = [q for q in o.param_groups[0]["params"] if not no_decay(named[id(q)])]
-                o.param_groups[1]["params"] += moved
+                moved = [q for q in o.param_groups[1]["params"] if not nemo_no_decay(named[id(q)])]
+                o.param_groups[1]["params"] = [q for q in o.param_groups[1]["params"] if nemo_no_decay(named[id(q)])]
+                o.param_groups[0]["params"] += moved
             for g in o.param_groups:
                 g["lr"] = lr
             o.step()
@@ -326,10 +340,11 @@ class NnmToNxdt(TempDirTest):
                 continue
             err, scale = (ours[k] - v).abs().max().item(), v.abs().max().item()
             self.assertLessEqual(err, tol * scale, f"{k}: {err} vs {scale}")
-        # The tolerance sees a wrong grouping: where the two differ, they differ by far more than it.
-        if not gpt:  # GPT's norms do not decay under either grouping
-            other = references["nxdt" if groups == "keep" else "keep"]
-            gaps = [((other[k] - v).abs().max() / v.abs().max()).item() for k, v in want.items() if "norm" in k]
+        # The tolerance sees a wrong grouping: where the two differ (GPT's LayerNorm weights, which NNM did
+        # not decay), they differ by far more than it. A Llama's two groupings are the same.
+        if gpt:
+            other = references["keep"]
+            gaps = [((other[k] - v).abs().max() / v.abs().max()).item() for k, v in want.items() if k.endswith("norm.weight")]
             self.assertGreater(min(gaps), 10 * tol, gaps)
 
     def test_weights_only_input_converts_with_nxdts_arguments(self):
@@ -474,8 +489,8 @@ class NnmToNxdt(TempDirTest):
         p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--optimizer_groups", "nxdt")
         self.assertIn("optimizer grouping found: nnm-layernorm", p.stderr)
         osd = torch.load(os.path.join(out, "optim", rank_file(0, 0)))
-        # NxDT's split by name: w and ln_a decay (ids 0, 1), x_norm does not (id 2); moments follow their parameter.
-        self.assertEqual([g["params"] for g in osd["param_groups"]], [[0, 1], [2]])
+        # NxDT's (NeMo's rule, no biases): one group in module order w, ln_a, x_norm; moments follow their parameter.
+        self.assertEqual([g["params"] for g in osd["param_groups"]], [[0, 1, 2]])
         self.assertEqual([osd["state"][i]["exp_avg"].flatten()[0].item() for i in range(3)], [1.0, 3.0, 2.0])
 
     def test_none_fits_names_every_candidate_and_the_sizes(self):
@@ -559,7 +574,7 @@ class NnmToNxdt(TempDirTest):
         self.assertIn("rename (pp 1) model.language_model.encoder.layers.0.mlp.dense_h_to_4h.weight -> "
                       "language_model.encoder.layers.1.mlp.dense_h_to_4h.weight", p.stderr)
         self.assertIn("optimizer grouping found: nnm-rmsnorm", p.stderr)
-        self.assertIn("optimizer grouping written: nxdt-one-group", p.stderr)
+        self.assertIn("optimizer grouping written: nxdt-biases-apart", p.stderr)
         self.assertFalse(os.path.exists(out))
         # A non-empty target is kept unless --overwrite.
         os.makedirs(out)

@@ -194,10 +194,13 @@ def stage_params(c, bounds, p):
 
 
 def param_groups(ids_by_group):
-    """The param_groups of torch's AdamW state dict (its key order), over NxDT's
-    two groups (weight decay 0 in the second), empty groups left out."""
+    """The param_groups of torch's AdamW state dict (its key order), over the
+    groups of NeMo's get_params_for_weight_decay_optimization as NxDT's megatron
+    models build them (its dict literals, is_expert included; weight decay 0 in
+    the second), empty groups left out."""
     dummies = [torch.nn.Parameter(torch.zeros(1)) for _ in ids_by_group]
-    groups = [{"params": [q]} if g == 0 else {"params": [q], "weight_decay": 0.0} for g, q in enumerate(dummies)]
+    groups = [{"params": [q], "is_expert": False} if g == 0 else {"params": [q], "weight_decay": 0.0, "is_expert": False}
+              for g, q in enumerate(dummies)]
     sd = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD).state_dict()["param_groups"]
     return [dict(grp, params=list(ids)) for grp, ids in zip(sd, ids_by_group) if ids]
 

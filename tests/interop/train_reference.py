@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from canon import TRAIN_DUMP, TempDirTest, run
+from megatron_partition import nxdt_order
 
 REL_TOL = 1e-4
 
@@ -112,9 +113,15 @@ def forward(params, cfg, tokens, drop=lambda x, layer, site: x):
     return x @ p(out).T
 
 
-def no_weight_decay(name):
-    """NxDT's group 1: norm weights and biases."""
-    return name.endswith(".bias") or name.split(".")[-2].endswith("norm")
+def nxdt_groups(params, names, decay_norms=False):
+    """torch AdamW groups as NxDT's megatron models build them (NeMo's rule:
+    megatron_partition.nxdt_order), weight decay 0 in the group of biases."""
+    order = nxdt_order(names, decay_norms)
+    groups = [{"params": [params[n] for n, g in order if g == gi]} for gi in range(2)]
+    groups = [g for g in groups if g["params"]]
+    for gi, g in enumerate(groups):
+        g["weight_decay"] = 0.1 if gi == 0 else 0.0
+    return groups
 
 
 def nemo_cosine(step, base, warmup, constant, max_steps, min_lr):
@@ -205,10 +212,7 @@ class TrainingCoreMatchesTorch(TempDirTest):
     def train_steps(self, steps, sched, clip, *flags, decay_norms=False):
         params, res = self.load("--steps", str(steps), "--clip", str(clip), *flags)
         names = list(params)
-        norms = [n for n in names if no_weight_decay(n)]
-        groups = [{"params": [params[n] for n in names if n not in norms or decay_norms], "weight_decay": 0.1}]
-        if not decay_norms:
-            groups.append({"params": [params[n] for n in norms], "weight_decay": 0.0})
+        groups = nxdt_groups(params, names, decay_norms)
         opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
         tokens, targets = res["tokens"].long(), res["targets"].long()
         for step in range(steps):
@@ -251,10 +255,8 @@ class TrainingCoreMatchesTorch(TempDirTest):
         res = torch.load(os.path.join(self.dir, "result.pt"))
         self.assertEqual({v.dtype for v in weights.values()}, {torch.bfloat16})
         names = list(weights)
-        norms = [n for n in names if no_weight_decay(n)]
         master = {n: weights[n].float().clone() for n in names}  # the master weights start as the bf16 values
-        groups = [{"params": [master[n] for n in names if n not in norms], "weight_decay": 0.1},
-                  {"params": [master[n] for n in norms], "weight_decay": 0.0}]
+        groups = nxdt_groups(master, names)
         opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
         bf16 = dict(weights)
         tokens, targets = res["tokens"].long(), res["targets"].long()
@@ -277,7 +279,7 @@ class TrainingCoreMatchesTorch(TempDirTest):
         self.assertEqual(ours["state"], {})
         self.assertEqual([g["params"] for g in ours["param_groups"]], [g["params"] for g in opt.state_dict()["param_groups"]])
         ref_state = opt.state_dict()["state"]
-        order = [n for n in names if n not in norms] + norms  # optimizer ids: group 0, then group 1
+        order = [n for n, _ in nxdt_order(names, False)]  # optimizer ids: group 0, then group 1
         for pid, n in enumerate(order):
             self.assertEqual(ours["shape_info"][pid], list(weights[n].shape))  # a list, as NxD writes it
             self.assertIsInstance(ours["shape_info"][pid], list)

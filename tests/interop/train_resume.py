@@ -13,6 +13,7 @@ import unittest
 import torch
 
 from canon import TOKENIZE, TRAIN, VERIFY, TempDirTest, run
+from megatron_partition import nxdt_order
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf")
 CONF = os.path.join(CONF_DIR, "tiny_llama.yaml")
@@ -263,8 +264,7 @@ class TrainAndResume(TempDirTest):
         ids = [i for g in optim["param_groups"] for i in g["params"]]
         self.assertEqual(sorted(optim["sharded_master_weights"]), sorted(ids))
         # Every parameter is the bfloat16 rounding of its float32 master weight; not all masters are bf16 values.
-        pids = {n: i for i, n in enumerate([n for n in model if not n.endswith("norm.weight")] +
-                                           [n for n in model if n.endswith("norm.weight")])}
+        pids = {n: i for i, (n, _) in enumerate(nxdt_order(list(model), False))}
         exact = 0
         for name, w in model.items():
             master = optim["sharded_master_weights"][pids[name]]

@@ -29,6 +29,7 @@ import torch
 
 from canon import BIN, EXPORT, RESHARD, TRAIN, TempDirTest, VERIFY, run
 from indexed_dataset_interop import megatron_write
+from megatron_partition import nxdt_order
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "upstream", "nxd_tags")
 NXD_XSER = os.path.join(DATA, "nxd_xser", "step_4")
@@ -95,6 +96,36 @@ def same_files(test, a, b, skip=()):
     test.assertEqual(fa, fb)
     for rel in sorted(fa):
         test.assertTrue(filecmp.cmp(os.path.join(a, rel), os.path.join(b, rel), shallow=False), rel)
+
+
+MEGATRON_GROUPS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "upstream", "nxdt_megatron",
+                               "megatron_groups.json")
+
+
+class MegatronGrouping(unittest.TestCase):
+    def test_python_statement_of_the_grouping_is_what_nemo_built(self):
+        """megatron_partition.nxdt_order, which the other tests use, against NeMo v2.1.0's functions as
+        run over NxDT's own GPT and Llama (tests/data/upstream/nxdt_megatron)."""
+        import json
+        with open(MEGATRON_GROUPS) as f:
+            models = json.load(f)["models"]
+        for model in ("gpt", "llama"):
+            entries = [e for e in models[model]["model"]["state_dict"] if e["kind"] == "parameter"]
+            every = [e["key"] for e in entries]
+            once = []
+            for e in entries:
+                if not set(e["same_object_as"]) & set(once):
+                    once.append(e["key"])
+            for flag in (False, True):
+                groups = models[model]["groups"][f"do_layer_norm_weight_decay={str(flag).lower()}"]["groups"]
+                want = [(holders, gi) for gi, g in enumerate(groups) for holders in g["params"]]
+                got = nxdt_order(once if flag else every, flag)
+                self.assertEqual(len(got), len(want), (model, flag))
+                for i, ((name, gi), (holders, wgi)) in enumerate(zip(got, want)):
+                    self.assertIn(name, holders, (model, flag, i))
+                    self.assertEqual(gi, wgi, (model, flag, i, name))
+                # NeMo's no-decay group is the one with weight_decay 0.0.
+                self.assertEqual([g["options"].get("weight_decay") for g in groups], [None, 0.0] if len(groups) == 2 else [None])
 
 
 class UpstreamTags(TempDirTest):
