@@ -47,6 +47,7 @@ struct TagLayout {
   bool format_from_manifest = false;
   bool has_optimizer = false;
   GroupingRule grouping = GroupingRule::kNxdt;  // how the optimizer files group parameters (ckpt::FamilyGrouping)
+  TiedCopyNaming tied_naming = TiedCopyNaming::kNxdt;  // how GPT's tied output copy is named (ckpt/partition.h)
   bool master_weights = false;  // ZeRO-1 sharded_master_weights
 };
 

@@ -116,6 +116,11 @@ Grouping NxdtGrouping(const std::vector<std::string>& params, bool do_layer_norm
                    params, [&](size_t i) { return LeafOf(params[i]).ends_with("bias"); }, /*drop_empty=*/true);
 }
 
+std::vector<std::string> GroupedNames(std::vector<std::string> names, const std::string& same_stage_copy, GroupingRule rule) {
+  if (rule == GroupingRule::kNxdtLayerNormDecay && !same_stage_copy.empty()) std::erase(names, same_stage_copy);
+  return names;
+}
+
 Grouping NameSplit(const std::vector<std::string>& params) {
   return TwoGroups("name-split",
                    "by name: norm weights and biases apart (NxD's llama example; shardkit's trainer before it followed NeMo)",

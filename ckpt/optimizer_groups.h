@@ -99,6 +99,14 @@ bool ParseGroupingRule(std::string_view s, GroupingRule* r);
 // MoE).
 Grouping NxdtGrouping(const std::vector<std::string>& params, bool do_layer_norm_weight_decay);
 
+// The names NeMo's functions list for one stage (module order, GPT's tied
+// output copy under its own name): get_all_params_for_weight_decay_optimization
+// (kNxdtLayerNormDecay) takes module.parameters(), each parameter once, so a
+// copy held on the stage of the parameter it copies (pp = 1) is left out;
+// get_params_for_weight_decay_optimization walks each module's own
+// parameters and lists it under both names (tests/data/upstream/nxdt_megatron).
+std::vector<std::string> GroupedNames(std::vector<std::string> stage_names, const std::string& same_stage_copy, GroupingRule rule);
+
 // kNameSplit: group 0 decaying, group 1 (weight_decay 0) biases and
 // parameters of modules whose name ends in "norm"; empty groups dropped.
 Grouping NameSplit(const std::vector<std::string>& params);

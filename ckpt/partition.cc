@@ -270,7 +270,8 @@ std::vector<int64_t> CutsOf(const std::vector<int64_t>& bounds) {
   return {bounds.begin() + 1, bounds.end() - 1};
 }
 
-std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, const std::vector<int64_t>& bounds, int stage) {
+std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, const std::vector<int64_t>& bounds, int stage,
+                                        TiedCopyNaming naming) {
   const int last = static_cast<int>(bounds.size()) - 2;
   std::vector<StageParam> out;
   const ParamRule* embedding = nullptr;
@@ -283,8 +284,11 @@ std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, c
     else mine = stage == (p.place == StagePlace::kFirst ? 0 : last);
     if (mine) out.push_back({p.name, &p});
   }
-  // Megatron's tied output copy on the last stage; the HF-style family is never tied here.
-  if (embedding && !output && last > 0 && stage == last) out.push_back({kTiedOutputCopy, embedding});
+  // GPT's tied output copy on the last stage (TiedCopyNaming); the HF-style family is never tied here.
+  if (embedding && !output && stage == last) {
+    if (naming == TiedCopyNaming::kNxdt) out.push_back({kTiedOutputCopy, embedding});
+    else if (last > 0) out.push_back({kMegatronLmTiedCopy, embedding});
+  }
   return out;
 }
 

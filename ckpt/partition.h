@@ -149,17 +149,35 @@ std::vector<int64_t> StageBounds(int64_t layers, int pp, const std::vector<int64
 std::vector<int64_t> CutsOf(const std::vector<int64_t>& bounds);
 
 // A parameter as one pipeline stage holds it: its name in that stage's file
-// and the logical parameter it is a slice of (GPT's tied output copy on the
-// last stage of a pipeline is `word_embeddings.weight`, a slice of the
-// embedding: Megatron's initialize_word_embeddings).
+// and the logical parameter it is a slice of. GPT's tied output layer is a
+// copy of the embedding held under another name (TiedCopyNaming).
 struct StageParam {
   std::string name;
   const ParamRule* rule;
+  bool tied_copy() const { return name != rule->name; }
 };
-// The parameters stage `stage` of `bounds` holds, in module order.
-std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, const std::vector<int64_t>& bounds, int stage);
 
-inline constexpr const char* kTiedOutputCopy = "word_embeddings.weight";
+// How a tag names GPT's tied output layer (share_embeddings_and_output_weights).
+enum class TiedCopyNaming {
+  // NxDT's megatron GPT ties `language_model.output_layer.weight =
+  // word_embeddings_weight()` (NxDT models/megatron/gpt_model.py): torch's
+  // state_dict keeps both names of the shared parameter, so the last stage,
+  // pp = 1 included, holds it as language_model.output_layer.weight where an
+  // untied output layer would be; NxD's pipeline names a stage's parameters by
+  // their original names (pipeline/model.py local_state_dict), so at pp > 1
+  // the first stage holds the embedding and the last the output layer
+  // (run and read: tests/data/upstream/nxdt_megatron).
+  kNxdt,
+  // Megatron-LM and NNM (initialize_word_embeddings): with pp > 1 only, the
+  // last stage holds `word_embeddings.weight`. Read; shardkit wrote it before.
+  kMegatronLm,
+};
+inline constexpr const char* kTiedOutputCopy = "language_model.output_layer.weight";
+inline constexpr const char* kMegatronLmTiedCopy = "word_embeddings.weight";
+
+// The parameters stage `stage` of `bounds` holds, in module order.
+std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, const std::vector<int64_t>& bounds, int stage,
+                                        TiedCopyNaming naming = TiedCopyNaming::kNxdt);
 
 // The layer a parameter name belongs to ("...layers.17.mlp..." -> 17), or -1.
 int LayerOfName(const std::string& name);

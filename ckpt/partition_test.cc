@@ -1,6 +1,9 @@
 #include "ckpt/partition.h"
 
+#include <fstream>
+
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <map>
 
@@ -174,14 +177,61 @@ TEST(Partition, StagesOwnTheirLayersAndGptsTiedCopySitsOnTheLastStage) {
   EXPECT_EQ(first.front().name, "language_model.embedding.word_embeddings.weight");
   EXPECT_EQ(first.back().name, "language_model.encoder.layers.1.mlp.dense_4h_to_h.bias");
   EXPECT_EQ(last.front().name, "language_model.encoder.layers.2.input_layernorm.weight");
-  EXPECT_EQ(last.back().name, kTiedOutputCopy);
+  // NxDT's naming: the copy is the last stage's language_model.output_layer.weight.
+  EXPECT_EQ(last.back().name, "language_model.output_layer.weight");
+  EXPECT_TRUE(last.back().tied_copy());
   EXPECT_EQ(last.back().rule->name, "language_model.embedding.word_embeddings.weight");
   EXPECT_EQ(first.size() + last.size(), ps.size() + 1);
-  // One stage: no copy, the embedding serves as the output layer.
-  EXPECT_EQ(StageParameters(ps, StageBounds(f.layers, 1), 0).size(), ps.size());
+  // One stage holds both names, the copy where an untied output layer would be (NxDT's state_dict).
+  const auto one = StageParameters(ps, StageBounds(f.layers, 1), 0);
+  EXPECT_EQ(one.size(), ps.size() + 1);
+  EXPECT_EQ(one.front().name, "language_model.embedding.word_embeddings.weight");
+  EXPECT_EQ(one.back().name, "language_model.output_layer.weight");
+  EXPECT_TRUE(one.back().tied_copy());
+  // Megatron-LM's naming (NNM, shardkit before): word_embeddings.weight with pp > 1 only.
+  EXPECT_EQ(StageParameters(ps, bounds, 1, TiedCopyNaming::kMegatronLm).back().name, "word_embeddings.weight");
+  EXPECT_EQ(StageParameters(ps, StageBounds(f.layers, 1), 0, TiedCopyNaming::kMegatronLm).size(), ps.size());
   // Llama has its own output layer on the last stage and no copy.
   const auto lp = LogicalParameters(Llama());
   EXPECT_EQ(StageParameters(lp, StageBounds(5, 2), 1).back().name, "language_model.output_layer.weight");
+  EXPECT_FALSE(StageParameters(lp, StageBounds(5, 2), 1).back().tied_copy());
+}
+
+// NxDT's own Megatron GPT and Llama, built on CPU (tests/data/upstream/nxdt_megatron):
+// one stage holds exactly the state_dict's parameters, in its order and
+// shapes, GPT's tied output layer included. NxDT loads with a strict key check.
+TEST(Partition, OneStageHoldsWhatNxdtsModelsStateDictHolds) {
+  std::ifstream in(std::string(SHARDKIT_TEST_DATA) + "/upstream/nxdt_megatron/megatron_groups.json");
+  ASSERT_TRUE(in) << "missing fixture tests/data/upstream/nxdt_megatron/megatron_groups.json";
+  const nlohmann::json j = nlohmann::json::parse(in);
+  for (const char* model : {"gpt", "llama"}) {
+    const nlohmann::json& m = j.at("models").at(model);
+    const nlohmann::json& o = m.at("config_overrides");
+    ModelFormat f;
+    f.hidden = o.at("hidden_size"), f.ffn = o.at("ffn_hidden_size"), f.heads = o.at("num_attention_heads");
+    f.kv_heads = o.at("num_kv_heads"), f.layers = o.at("num_layers");
+    f.vocab_size = o.at("padded_vocab_size"), f.make_vocab_size_divisible_by = 1;
+    if (std::string(model) == "gpt") {
+      f.layernorm = f.gelu = f.bias = f.learned_positions = f.tied_output = true;
+      f.max_positions = o.at("max_position_embeddings");
+    }
+    std::vector<std::pair<std::string, std::vector<int64_t>>> want, got;
+    for (const auto& e : m.at("model").at("state_dict"))
+      if (e.at("kind") == "parameter") want.emplace_back(e.at("key"), e.at("shape").get<std::vector<int64_t>>());
+    const auto ps = LogicalParameters(f);
+    for (const StageParam& sp : StageParameters(ps, StageBounds(f.layers, 1), 0)) got.emplace_back(sp.name, LocalShape(*sp.rule, f, 1, 0));
+    EXPECT_EQ(got, want) << model;
+    // Each rank of tensor-parallel size 2 (buffers left out: the fixture lists parameters and buffers alike).
+    for (int r = 0; r < 2; ++r) {
+      std::vector<std::pair<std::string, std::vector<int64_t>>> rank_want, rank_got;
+      for (const auto& e : m.at("tp2").at("tp_rank_" + std::to_string(r)).at("state_dict"))
+        if (!e.at("key").get<std::string>().ends_with("inv_freq")) rank_want.emplace_back(e.at("key"), e.at("shape").get<std::vector<int64_t>>());
+      const auto ps2 = LogicalParameters(f, 2);  // StageParams point into it
+      for (const StageParam& sp : StageParameters(ps2, StageBounds(f.layers, 1), 0))
+        rank_got.emplace_back(sp.name, LocalShape(*sp.rule, f, 2, r));
+      EXPECT_EQ(rank_got, rank_want) << model << " tp rank " << r;
+    }
+  }
 }
 
 TEST(Partition, ModelFormatRoundTripsThroughJsonAndBadFieldsAreNamed) {

@@ -160,6 +160,10 @@ class Planner {
     // A run's first holder (stage, tp rank) sums it; every ZeRO-1 shard of
     // that holder sums its part.
     for (const Run& run : s->runs) {
+      if (sp.tied_copy()) {  // GPT's tied output copy: the embedding's holder sums it
+        s->primary.push_back(false);
+        continue;
+      }
       const auto holder = first_holder_.try_emplace({rule.name, f, run.logical}, p, t).first->second;
       s->primary.push_back(holder == std::make_pair(p, t));
     }
@@ -194,8 +198,12 @@ class Planner {
   PlannedFile OptimFile(const std::vector<ckpt::StageParam>& stage, int t, int p, int d, int unit) {
     PlannedFile pf;
     std::vector<std::string> names;
-    for (const auto& sp : stage) names.push_back(sp.name);
-    const ckpt::Grouping g = ckpt::FamilyGrouping(fmt_, names, target_grouping_);
+    std::string same_stage_copy;  // GPT's tied copy beside the embedding (pp = 1)
+    for (const auto& sp : stage) {
+      names.push_back(sp.name);
+      if (sp.tied_copy() && to_.pp == 1) same_stage_copy = sp.name;
+    }
+    const ckpt::Grouping g = ckpt::FamilyGrouping(fmt_, ckpt::GroupedNames(names, same_stage_copy, target_grouping_), target_grouping_);
     ckpt::OptimizerFile of;
     of.zero1 = to_.zero1;
     of.param_groups = ckpt::ParamGroupsFor(src_.ParamGroups(), g);
@@ -205,6 +213,8 @@ class Planner {
       const int64_t shard = to_.zero1 ? ckpt::Zero1ShardRows(local[0], to_.dp) : local[0];
       ckpt::ParamState ps;
       ps.step = src_.Step(sp.rule->name);
+      // GPT's tied copy: a step of its own, as every parameter's state has (not the embedding's, shared).
+      if (sp.tied_copy() && ps.step.is_tensor()) ps.step = Value(ps.step.as_tensor().Clone());
       ps.shape = local;
       auto tensor = [&](StateField f) {
         auto s = Slice(sp, f, t, p, d * shard, shard);

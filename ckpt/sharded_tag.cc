@@ -312,6 +312,11 @@ class ShardedTagBuilder {
     t_->layout_.stage_bounds = bounds;
   }
 
+  static bool SameBytes(const Tensor& a, const Tensor& b) {
+    return a.dtype() == b.dtype() && a.shape() == b.shape() && a.is_contiguous() && b.is_contiguous() &&
+           std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+  }
+
   const Tensor* FindTensor(const std::string& suffix, int t = 0) {
     for (int p = 0; p < t_->layout_.grid.pp; ++p)
       for (const auto& [k, v] : At(t, p).model.as_dict().items)
@@ -344,7 +349,9 @@ class ShardedTagBuilder {
       f.layernorm = FindTensor("input_layernorm.bias") != nullptr;
       f.bias = FindTensor("self_attention.dense.bias") != nullptr;
       if (const Tensor* pos = FindTensor("position_embeddings.weight")) f.learned_positions = true, f.max_positions = pos->shape()[0];
-      f.tied_output = FindTensor("output_layer.weight") == nullptr;
+      // Tied: no output layer (Megatron-LM's naming), or one equal to the embedding (NxDT's).
+      const Tensor* out = FindTensor("output_layer.weight");
+      f.tied_output = out == nullptr || SameBytes(*out, *emb);
       TakeRecordedConfig();
       if (!hints_.heads) throw Error(why + "so give --heads (model.num_attention_heads)");
       f.heads = *hints_.heads;
@@ -377,6 +384,13 @@ class ShardedTagBuilder {
     }
     if (const std::string why = L.format.CheckTensorParallel(tp); !why.empty()) throw Error(t_->dir_ + ": " + why);
     t_->params_ = LogicalParameters(L.format, tp);
+    // GPT's tied output copy: NxDT's language_model.output_layer.weight on the last stage, or
+    // Megatron-LM's word_embeddings.weight there (pp > 1) and nothing at pp = 1.
+    if (L.format.tied_output) {
+      const Dict& last = At(0, L.grid.pp - 1).model.as_dict();
+      L.tied_naming = last.Find(kMegatronLmTiedCopy) || (L.grid.pp == 1 && !last.Find(kTiedOutputCopy)) ? TiedCopyNaming::kMegatronLm
+                                                                                                          : TiedCopyNaming::kNxdt;
+    }
   }
 
   // Every model file holds exactly its stage's parameters, shaped by the rules.
@@ -384,7 +398,7 @@ class ShardedTagBuilder {
     const TagLayout& L = t_->layout_;
     std::map<std::tuple<std::string, StateField, int64_t>, int> owner;
     for (int p = 0; p < L.grid.pp; ++p) {
-      const auto stage = StageParameters(t_->params_, L.stage_bounds, p);
+      const auto stage = StageParameters(t_->params_, L.stage_bounds, p, L.tied_naming);
       for (int t = 0; t < L.grid.tp; ++t) {
         const std::string where = Path(Rel("model", {0, t, p}));
         const Dict& d = At(t, p).model.as_dict();
@@ -404,14 +418,20 @@ class ShardedTagBuilder {
             if (x.shape() != want)
               throw Error(where + ": '" + name + "' has shape " + ShapeOf(x) + " but " + L.format.Describe() + " at tp " +
                           std::to_string(L.grid.tp) + " gives tp rank " + std::to_string(t) + " " + ShapeString(want));
-            if (name != kTiedOutputCopy) AddRuns(*sp.rule, StateField::kParam, t, x, FileOf(x, Rel("model", {0, t, p})), 0,
-                                                 want[0], want[0], owner, x.dtype(), where + ": '" + name + "'");
+            if (!sp.tied_copy()) {
+              AddRuns(*sp.rule, StateField::kParam, t, x, FileOf(x, Rel("model", {0, t, p})), 0, want[0], want[0], owner, x.dtype(),
+                      where + ": '" + name + "'");
+            } else if (const Value* e = At(t, 0).model.as_dict().Find(sp.rule->name); !e || !e->is_tensor() || !SameBytes(x, e->as_tensor())) {
+              // A tied copy is read from the embedding; one that differs would be lost silently.
+              throw Error(where + ": '" + name + "' is GPT's tied output layer (share_embeddings_and_output_weights), but it differs from " +
+                          Path(Rel("model", {0, t, 0})) + "'s '" + sp.rule->name + "'");
+            }
             prev = name;
             continue;
           }
           const int layer = LayerOfName(name);
           const bool known = std::any_of(t_->params_.begin(), t_->params_.end(), [&](const ParamRule& r) { return r.name == name; });
-          if (known || name == kTiedOutputCopy)
+          if (known || name == kMegatronLmTiedCopy)
             throw Error(where + ": '" + name + "' belongs to another pipeline stage: stage " + std::to_string(p) + " holds layers " +
                         std::to_string(L.stage_bounds[p]) + ".." + std::to_string(L.stage_bounds[p + 1] - 1) +
                         (p == 0 ? " and the embedding" : "") + (p + 1 == L.grid.pp ? " and the final norm and output layer" : ""));
@@ -516,9 +536,13 @@ class ShardedTagBuilder {
     std::map<std::tuple<std::string, StateField, int64_t>, int> owner;
     bool first = true;
     for (int p = 0; p < L.grid.pp; ++p) {
-      const auto stage = StageParameters(t_->params_, L.stage_bounds, p);
+      const auto stage = StageParameters(t_->params_, L.stage_bounds, p, L.tied_naming);
       std::vector<std::string> names;
-      for (const auto& sp : stage) names.push_back(sp.name);
+      std::string same_stage_copy;  // GPT's tied copy beside the embedding (pp = 1)
+      for (const auto& sp : stage) {
+        names.push_back(sp.name);
+        if (sp.tied_copy() && L.grid.pp == 1) same_stage_copy = sp.name;
+      }
       for (int t = 0; t < L.grid.tp; ++t) {
         for (int d = 0; d < files; ++d) {
           const std::string rel = Rel("optim", {d, t, p}), where = Path(rel);
@@ -533,7 +557,7 @@ class ShardedTagBuilder {
             static const std::set<std::string> kKnown{"state", "param_groups", "base_state", "shape_info", "sharded_master_weights"};
             if (!kKnown.count(key)) throw Error(where + ": holds '" + key + "', which ckpt-reshard does not know how to re-lay");
           }
-          const Grouping order = Ids(top.At("param_groups"), names, where, first);
+          const Grouping order = Ids(top.At("param_groups"), names, same_stage_copy, where, first);
           if (first) t_->param_groups_ = top.At("param_groups"), L.master_weights = top.Find("sharded_master_weights") != nullptr, first = false;
           if (zero1 && !AsDict(top.At("state"), where + ": 'state'").items.empty())
             throw Error(where + ": ZeRO-1 'state' is not empty; its entries have no known place in a re-laid file");
@@ -546,7 +570,8 @@ class ShardedTagBuilder {
                         " has " + std::to_string(order.order.size()));
           for (size_t id = 0; id < order.order.size(); ++id) {
             const std::string& name = order.order[id].name;
-            const ParamRule& rule = *stage[std::find(names.begin(), names.end(), name) - names.begin()].rule;
+            const StageParam& sp = stage[std::find(names.begin(), names.end(), name) - names.begin()];
+            const ParamRule& rule = *sp.rule;
             const std::string at = where + ": parameter id " + std::to_string(id) + " (" + name + ")";
             const Value* e = EntryById(state, id);
             if (!e) throw Error(at + " has no state");
@@ -566,7 +591,7 @@ class ShardedTagBuilder {
                 for (const auto& x : s->as_seq().items) dims.push_back(AsInteger(x, at + " shape_info"));
               if (dims != local) throw Error(at + ": shape_info is " + (s ? ShapeString(dims) : "missing") + ", not its local shape " + ShapeString(local));
             }
-            if (name == kTiedOutputCopy) continue;  // the embedding's state, all-reduced alike: read from the embedding
+            if (sp.tied_copy()) continue;  // the embedding's state, updated alike: read from the embedding
             if (!t_->steps_.count(rule.name)) t_->steps_[rule.name] = entry.At("step");
             const std::pair<StateField, const Value*> fields[] = {{StateField::kExpAvg, &entry.At("exp_avg")},
                                                                    {StateField::kExpAvgSq, &entry.At("exp_avg_sq")},
@@ -589,7 +614,8 @@ class ShardedTagBuilder {
   // file's param_groups list (ids numbered 0, 1, ... across groups, as torch
   // does). The first file decides among the rules that fit (NxDT's default
   // first); every other file must fit the same rule.
-  Grouping Ids(const Value& groups, const std::vector<std::string>& names, const std::string& where, bool first) {
+  Grouping Ids(const Value& groups, const std::vector<std::string>& names, const std::string& same_stage_copy, const std::string& where,
+               bool first) {
     const std::vector<size_t> sizes = NonEmpty(ParamGroupSizes(groups, where + ": param_groups"));
     const ModelFormat& f = t_->layout_.format;
     std::vector<GroupingRule> rules{GroupingRule::kNxdt, GroupingRule::kNxdtLayerNormDecay};
@@ -599,7 +625,7 @@ class ShardedTagBuilder {
     if (manifest_ && manifest_->optimizer_grouping) rules = {*manifest_->optimizer_grouping};
     for (GroupingRule r : rules) {
       if (!first && r != t_->layout_.grouping) continue;
-      Grouping g = FamilyGrouping(f, names, r);
+      Grouping g = FamilyGrouping(f, GroupedNames(names, same_stage_copy, r), r);
       if (NonEmpty(g.GroupSizes()) == sizes) {
         if (first) t_->layout_.grouping = r;
         return g;

@@ -87,6 +87,7 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
     throw ckpt::Error("internal: the tied embedding's communicator does not match the pipeline");
   first_layer_ = static_cast<int>(pp_.bounds[pp_.stage]), end_layer_ = static_cast<int>(pp_.bounds[pp_.stage + 1]);
   for (const ckpt::StageParam& sp : ckpt::StageParameters(logical_, pp_.bounds, pp_.stage)) {
+    if (sp.tied_copy()) tied_copy_ = sp.name;
     index_[sp.name] = layout_.size();
     layout_.push_back(*sp.rule);
     layout_.back().name = sp.name;
@@ -139,7 +140,6 @@ void Model::InitWeights() {
   std::vector<float> whole;
   // Every parameter is drawn in the model's order on every stage, so the random stream is the one
   // process's; a stage keeps what it holds (the last stage's tied output copy is the embedding).
-  const bool tied_copy = params_.count(ckpt::kTiedOutputCopy) > 0;
   for (const auto& p : logical_) {
     if (p.name.ends_with(".bias")) continue;  // zeros
     const bool here = params_.count(p.name) > 0;
@@ -168,7 +168,7 @@ void Model::InitWeights() {
       }
     };
     if (here) slice_into(p.name);
-    if (tied_copy && p.name == Name(Module::kEmbedding)) slice_into(ckpt::kTiedOutputCopy);
+    if (!tied_copy_.empty() && p.name == Name(Module::kEmbedding)) slice_into(tied_copy_);
   }
 }
 
@@ -196,7 +196,12 @@ void Model::ReduceReplicaGrads() {
         if (c_.bias) sum_all(tp_.kv_comm, grad(ckpt::BiasOf(Name(m, l))));
       }
     }
-  if (pp_.embedding_comm) sum_all(pp_.embedding_comm, grad(pp_.first() ? Name(Module::kEmbedding) : ckpt::kTiedOutputCopy));
+  if (pp_.embedding_comm) sum_all(pp_.embedding_comm, grad(pp_.first() ? Name(Module::kEmbedding) : tied_copy_));
+  if (pp_.size == 1 && !tied_copy_.empty()) {  // both on this stage: each takes the sum
+    float* a = reinterpret_cast<float*>(grad(Name(Module::kEmbedding)).mutable_data());
+    float* b = reinterpret_cast<float*>(grad(tied_copy_).mutable_data());
+    for (int64_t i = 0, n = grad(tied_copy_).numel(); i < n; ++i) a[i] = b[i] = a[i] + b[i];
+  }
   // Under sequence parallelism each rank's norms saw its own rows only (Megatron's
   // allreduce of sequence-parallel gradients).
   if (SequenceParallel())
@@ -211,7 +216,7 @@ void Model::SumOverModel(double* x, size_t n) const {
 
 std::string Model::OutputWeight() const {
   if (!c_.tied_output) return Name(Module::kOutput);
-  return pp_.size > 1 ? ckpt::kTiedOutputCopy : Name(Module::kEmbedding);
+  return tied_copy_;
 }
 
 int64_t Model::CountedRows(const std::string& name) const {
@@ -219,7 +224,7 @@ int64_t Model::CountedRows(const std::string& name) const {
   if (at == index_.end()) throw ckpt::Error("model has no parameter '" + name + "'");
   const ckpt::ParamRule* p = &layout_[at->second];
   const int64_t rows = param(name).dim() ? param(name).shape()[0] : 1;
-  if (name == ckpt::kTiedOutputCopy) return 0;
+  if (name == tied_copy_) return 0;
   if (p->split == ckpt::SplitDim::kReplicated) return tp_.rank == 0 ? rows : 0;  // norms, row-parallel biases, positions
   if (!tp_.kv_comm) return rows;
   // Replicated KV heads count on their first holder only.
@@ -332,6 +337,9 @@ void Model::LoadStateDict(const ckpt::Value& sd) {
   const ckpt::Dict& d = sd.as_dict();
   for (const auto& p : layout_) {
     const ckpt::Value* v = d.Find(p.name);
+    // GPT's tied output copy as Megatron-LM names it (shardkit's tags before): word_embeddings.weight
+    // on the last stage, nothing at pp = 1.
+    if (!v && p.name == tied_copy_) v = d.Find(pp_.size > 1 ? ckpt::kMegatronLmTiedCopy : Name(Module::kEmbedding));
     if (!v) throw ckpt::Error("state dict has no '" + p.name + "'");
     const ckpt::Tensor& t = v->as_tensor();
     const std::vector<int64_t>& want = param(p.name).shape();

@@ -30,8 +30,9 @@
 // Pipeline parallelism: a model built for stage s holds layers [bounds[s],
 // bounds[s+1]) (numbered globally, as in the checkpoint), the embeddings on
 // the first stage and the final norm and output layer on the last (GPT's
-// tied output there is `word_embeddings.weight`, a copy of the embedding
-// whose gradient is summed with the first stage's). ForwardStage takes the
+// tied output there is `language_model.output_layer.weight`, as NxDT names
+// it, a copy of the embedding whose gradient is summed with the embedding's,
+// on the same stage when pp = 1). ForwardStage takes the
 // tokens or the previous stage's hidden states and gives the next stage's
 // input or the loss, returning the micro-batch's activations; BackwardStage
 // consumes them, so a pipeline schedule can keep several in flight.
@@ -223,6 +224,9 @@ class Model {
   // The checkpoint format this model reads and writes (its family, heads, KV replication).
   const ckpt::ModelFormat& format() const { return format_; }
   const std::vector<ckpt::ParamRule>& layout() const { return layout_; }
+  // GPT's tied output copy when this stage also holds the embedding it
+  // copies (pp = 1), else "".
+  std::string SameStageTiedCopy() const { return pp_.size == 1 ? tied_copy_ : std::string(); }
   // This rank's vocabulary columns of the last Forward's logits [N, vocab / tp].
   const std::vector<float>& logits() const { return last_.logits; }
   // Bytes of activations held for backward after the last Forward.
@@ -308,6 +312,7 @@ class Model {
   std::vector<ckpt::ParamRule> logical_;  // every parameter of the model
   std::vector<ckpt::ParamRule> layout_;   // this stage's
   std::map<std::string, size_t> index_;   // name -> position in layout_
+  std::string tied_copy_;                 // GPT's tied output copy on this stage, if it holds one
   // Flat buffers of this rank's parameters and gradients (module order); params_ and grads_ view them.
   std::shared_ptr<ckpt::Storage> flat_params_, flat_grads_;
   std::map<std::string, ckpt::Tensor> params_, grads_;

@@ -25,10 +25,18 @@ AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp) : c_(c), dp_(dp) {
   for (const auto& p : m.layout()) names.push_back(p.name), shapes[p.name] = &m.param(p.name).shape();
   // NxDT's grouping for the model's family, with do_layer_norm_weight_decay as NxDT means it there (ckpt::FamilyGrouping).
   const ckpt::ModelFormat& f = m.format();
+  const ckpt::GroupingRule rule = c.do_layer_norm_weight_decay ? ckpt::GroupingRule::kNxdtLayerNormDecay : ckpt::GroupingRule::kNxdt;
+  // A tied copy NeMo does not list takes the embedding's values after every step.
+  if (const std::string copy = m.SameStageTiedCopy(); !copy.empty()) {
+    names = ckpt::GroupedNames(names, copy, rule);
+    if (std::find(names.begin(), names.end(), copy) == names.end())
+      mirror_ = {copy, ckpt::ParamName(f, ckpt::Module::kEmbedding)};
+    else
+      copy_slot_ = copy;
+  }
   format_ = f, names_ = names;
   megatron_ = f.family != ckpt::ModelFamily::kHfLlama;
-  const ckpt::Grouping grouping = ckpt::FamilyGrouping(
-      f, names, c.do_layer_norm_weight_decay ? ckpt::GroupingRule::kNxdtLayerNormDecay : ckpt::GroupingRule::kNxdt);
+  const ckpt::Grouping grouping = ckpt::FamilyGrouping(f, names, rule);
   group_decays_ = grouping.group_decays;
   for (const auto& entry : grouping.order) {
     order_.push_back(entry.name);
@@ -151,6 +159,12 @@ double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
   return norm;
 }
 
+void AdamW::MirrorTiedCopy(Model& m) const {
+  if (mirror_.first.empty()) return;
+  const ckpt::Tensor& from = m.param(mirror_.second);
+  std::memcpy(m.param(mirror_.first).mutable_data(), from.data(), from.nbytes());
+}
+
 void AdamW::Step(Model& m, double lr) {
   ++step_;
   const double bc1 = 1 - std::pow(c_.beta1, static_cast<double>(step_));
@@ -180,7 +194,7 @@ void AdamW::Step(Model& m, double lr) {
       }
     });
   }
-  if (!Sharded()) return;
+  if (!Sharded()) return MirrorTiedCopy(m);
   // Every rank's updated rows back into the whole parameters: one all-gather of the segments.
   const size_t segment = offset_.back();
   std::vector<float> mine(segment, 0.0f), all(segment * dp_size_);
@@ -199,6 +213,7 @@ void AdamW::Step(Model& m, double lr) {
       std::copy_n(all.data() + r * segment + offset_[i], (hi - lo) * s.row_elems, whole + lo * s.row_elems);
     }
   }
+  MirrorTiedCopy(m);
 }
 
 ckpt::Value AdamW::StateDict(double lr) const {
@@ -258,16 +273,26 @@ std::vector<size_t> AdamW::FileIds(const ckpt::Value& groups) {
   }
   std::erase_if(got, [](const auto& ids) { return ids.empty(); });
   if (got == want) return ids;
-  // Grouped by name (Megatron-style names only): each file id is a parameter of the name split.
+  // What shardkit's trainer wrote before (Megatron-style names only), read by name: grouped by name,
+  // and at pp = 1 without GPT's tied output copy, whose state is then the embedding's.
   if (megatron_) {
-    const ckpt::Grouping split = ckpt::FamilyGrouping(format_, names_, ckpt::GroupingRule::kNameSplit);
-    std::vector<std::vector<int64_t>> theirs(split.groups);
-    for (size_t j = 0; j < split.order.size(); ++j) theirs[split.order[j].group].push_back(static_cast<int64_t>(j));
-    std::erase_if(theirs, [](const auto& g) { return g.empty(); });
-    if (got == theirs) {
-      for (size_t j = 0; j < split.order.size(); ++j)
-        ids[std::find(order_.begin(), order_.end(), split.order[j].name) - order_.begin()] = j;
-      regrouped_ = split.id + " (" + split.description + ")";
+    const std::string emb = ckpt::ParamName(format_, ckpt::Module::kEmbedding);
+    std::vector<std::string> without_copy = names_;
+    std::erase_if(without_copy, [&](const std::string& n) { return n == copy_slot_; });
+    const ckpt::GroupingRule rule = c_.do_layer_norm_weight_decay ? ckpt::GroupingRule::kNxdtLayerNormDecay : ckpt::GroupingRule::kNxdt;
+    std::vector<ckpt::Grouping> older = {ckpt::FamilyGrouping(format_, names_, ckpt::GroupingRule::kNameSplit)};
+    if (without_copy.size() != names_.size())
+      older.push_back(ckpt::FamilyGrouping(format_, without_copy, rule)),
+          older.push_back(ckpt::FamilyGrouping(format_, without_copy, ckpt::GroupingRule::kNameSplit));
+    for (const ckpt::Grouping& g : older) {
+      std::vector<std::vector<int64_t>> theirs(g.groups);
+      for (size_t j = 0; j < g.order.size(); ++j) theirs[g.order[j].group].push_back(static_cast<int64_t>(j));
+      std::erase_if(theirs, [](const auto& x) { return x.empty(); });
+      if (got != theirs) continue;
+      std::map<std::string, size_t> file_id;
+      for (size_t j = 0; j < g.order.size(); ++j) file_id[g.order[j].name] = j;
+      for (size_t i = 0; i < order_.size(); ++i) ids[i] = file_id.count(order_[i]) ? file_id[order_[i]] : file_id.at(emb);
+      regrouped_ = g.id + " (" + g.description + ")" + (g.order.size() < order_.size() ? ", without GPT's tied output copy" : "");
       return ids;
     }
   }

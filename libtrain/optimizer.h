@@ -113,6 +113,9 @@ class AdamW {
   ckpt::ModelFormat format_;
   std::vector<std::string> names_;  // module order
   std::string regrouped_;
+  std::pair<std::string, std::string> mirror_;  // a tied copy without a slot, and the parameter it copies
+  std::string copy_slot_;                       // a tied copy with a slot of its own (pp = 1)
+  void MirrorTiedCopy(Model& m) const;
   std::vector<Slot> slot_;          // id -> where its state lies
   std::vector<ckpt::Tensor> m_, v_, master_;  // master_ empty without master_weights
   std::vector<std::vector<float>> grad_shard_;  // with Sharded(): this rank's reduced gradient rows

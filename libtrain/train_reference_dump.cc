@@ -98,6 +98,7 @@ int main(int argc, char** argv) {
       m.ZeroGrad();
       losses.push_back(m.Forward(tk, tg, B, T, dropout_key + static_cast<uint64_t>(s)));
       m.Backward();
+      m.ReduceReplicaGrads();  // GPT's tied output copy and the embedding: each takes the sum
       if (s == 0) {  // the raw forward/backward of the initial weights
         d.Set("logits", ckpt::Value(Floats(m.logits(), {B, T, c.vocab})));
         d.Set("grads", train::CopyForGradCheck(m));

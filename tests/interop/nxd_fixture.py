@@ -171,11 +171,16 @@ def stage_bounds(layers, pp, cuts=None):
     return [sum(sizes[:i]) for i in range(pp + 1)]
 
 
-TIED = "word_embeddings.weight"
+# GPT's tied output copy as NxDT names it: the last stage's (pp = 1 included)
+# language_model.output_layer.weight (NxDT gpt_model.py ties it; torch's
+# state_dict keeps both names: tests/data/upstream/nxdt_megatron). Megatron-LM
+# and NNM name it word_embeddings.weight, on the last stage of a pipeline only.
+TIED = "language_model.output_layer.weight"
+MEGATRON_LM_TIED = "word_embeddings.weight"
 EMBEDDING = "language_model.embedding.word_embeddings.weight"
 
 
-def stage_params(c, bounds, p):
+def stage_params(c, bounds, p, naming="nxdt"):
     """[(name in stage p's files, logical name)] in module order."""
     pp = len(bounds) - 1
     out = []
@@ -188,9 +193,20 @@ def stage_params(c, bounds, p):
             keep = p == pp - 1
         if keep:
             out.append((name, name))
-    if c["gpt"] and pp > 1 and p == pp - 1:
-        out.append((TIED, EMBEDDING))
+    if c["gpt"] and p == pp - 1:
+        if naming == "nxdt":
+            out.append((TIED, EMBEDDING))
+        elif pp > 1:
+            out.append((MEGATRON_LM_TIED, EMBEDDING))
     return out
+
+
+def grouped_names(names, one_group, c):
+    """The names NeMo's function lists: get_all_params_for_weight_decay_optimization
+    (one group) takes module.parameters(), so GPT's tied copy beside its embedding is left out."""
+    if one_group and c["gpt"] and EMBEDDING in names:
+        return [n for n in names if n != TIED]
+    return names
 
 
 def param_groups(ids_by_group):
@@ -218,7 +234,7 @@ def tag_name(c, step, consumed, style):
     return f"megatron_{'gpt' if c['gpt'] else 'llama'}--step={step}-consumed_samples={consumed}.ckpt"
 
 
-def write_tag(parent, full, tp=1, pp=1, dp=1, zero1=False, cuts=None, master=True, style="nxdt", tag=None):
+def write_tag(parent, full, tp=1, pp=1, dp=1, zero1=False, cuts=None, master=True, style="nxdt", tag=None, naming="nxdt"):
     """Writes `full` at the layout under `parent` as NxD would save it and
     returns the tag path (`tag` names the folder, else NxDT's or NxD's
     (`style` "nxd": step_N) naming). `master`: False leaves ZeRO-1's
@@ -233,8 +249,8 @@ def write_tag(parent, full, tp=1, pp=1, dp=1, zero1=False, cuts=None, master=Tru
     bounds = stage_bounds(c["layers"], pp, cuts)
     step = full["step"]
     for p in range(pp):
-        names = stage_params(c, bounds, p)
-        order = nxdt_order([n for n, _ in names], full["one_group"])
+        names = stage_params(c, bounds, p, naming)
+        order = nxdt_order(grouped_names([n for n, _ in names], full["one_group"], c), full["one_group"])
         logical = dict(names)
         for t in range(tp):
             def local(kind, n):
@@ -320,7 +336,7 @@ def read_full(tag, c):
             model = torch.load(os.path.join(tag, "model", rank_file(t, p)))
             names = list(model)
             for n in names:
-                if n != TIED:
+                if n not in (TIED, MEGATRON_LM_TIED) or not c["gpt"]:
                     parts[n]  # merged in model order
                 l = megatron_layer(n)
                 if l >= 0:
@@ -331,8 +347,8 @@ def read_full(tag, c):
             groups[(t, p)] = pg
             ids = [i for g in pg for i in g["params"]]
             if len(pg) == 1:
-                order = nxdt_order(names, True)
-            assert ids == list(range(len(names))), (tag, t, p, ids)
+                order = nxdt_order(grouped_names(names, True, c), True)
+            assert ids == list(range(len(order))), (tag, t, p, ids)
             for gi, g in enumerate(pg):
                 assert g["params"] == [i for i, (_, x) in enumerate(order) if x == gi], (tag, t, p, gi)
             for sh in shards[1:]:
@@ -364,11 +380,13 @@ def read_full(tag, c):
                     steps.add(float(st.pop("step")))
                     has_master.add(False)
                 st["params"] = model[n]
-                if n == TIED:
+                if n in (TIED, MEGATRON_LM_TIED) and c["gpt"]:
                     tied.setdefault(t, st)
                 else:
                     for k, x in st.items():
                         parts[n][k].append(x)
+            if c["gpt"] and TIED in names and TIED not in [n for n, _ in order]:  # no optimizer slot: its weights only
+                tied.setdefault(t, {"params": model[TIED]})
         first_layers.append(min(layers) if layers else None)
     assert len(has_master) == 1, (tag, "master weights on some ranks only")
     out = {"params": collections.OrderedDict(), "master": collections.OrderedDict() if True in has_master else None,

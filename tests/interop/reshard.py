@@ -206,11 +206,11 @@ class Reshard(TempDirTest):
 
     # Running.
 
-    def source(self, c, layout, full=None, name="src", style="nxdt", **kw):
+    def source(self, c, layout, full=None, name="src", style="nxdt", naming="nxdt", **kw):
         full = full or make_full(c, tp=layout.tp, **kw)
         parent = os.path.join(self.dir, name)
         os.makedirs(parent, exist_ok=True)
-        return full, layout.write(parent, full, style=style)
+        return full, layout.write(parent, full, style=style, naming=naming)
 
     def check(self, c, a, b, style="nxdt", **kw):
         """Writes the model at layout a with torch, reshards it to b and checks
@@ -263,6 +263,63 @@ class Reshard(TempDirTest):
 
     def test_gpt_pp3_to_pp1_drops_the_tied_copy(self):
         self.check(GPT, L(2, 3), L(4, 1))
+
+    def test_gpt_megatron_lm_naming_is_read_and_written_as_nxdt_names_it(self):
+        """Megatron-LM's (NNM's, shardkit's before) tied copy, word_embeddings.weight on the last stage of a
+        pipeline and nothing at pp = 1, re-laid as NxDT writes it: language_model.output_layer.weight on the
+        last stage, pp = 1 included, with its own optimizer slot."""
+        for a, b in ((L(2, 2), L(1, 1)), (L(1, 1), L(2, 2)), (L(1, 1, 2, True), L(1, 1, 2, True))):
+            with self.subTest(a=a, b=b):
+                full, src = self.source(GPT, a, name=f"legacy_{a.tp}{a.pp}{a.dp}", naming="megatron-lm")
+                names = list(torch.load(os.path.join(src, "model", f"dp_rank_00_tp_rank_00_pp_rank_0{a.pp - 1}.pt")))
+                self.assertNotIn("language_model.output_layer.weight", names)
+                dst = os.path.join(self.out, f"legacy_{a.tp}{a.pp}{a.dp}")
+                r = reshard(src, dst, *b.args(), *format_args(GPT))
+                self.assertEqual(r.returncode, 0, r.stderr)
+                want = b.write(os.path.join(self.dir, f"want_{a.tp}{a.pp}{a.dp}"), full, master=a.zero1 and b.zero1)
+                self.assert_same_tag(dst, want)
+                last = torch.load(os.path.join(dst, "model", f"dp_rank_00_tp_rank_00_pp_rank_0{b.pp - 1}.pt"))
+                self.assertEqual(list(last)[-1], "language_model.output_layer.weight")
+
+    def test_gpt_output_layer_unlike_the_embedding_is_kept_as_an_untied_one(self):
+        """Without a manifest, an output layer equal to the embedding is NxDT's tied copy; one that
+        differs is an untied model's, and is carried, not replaced by the embedding."""
+        full, src = self.source(GPT, L(1, 1, 1, True), master=None)
+        path = os.path.join(src, "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+        model = torch.load(path)
+        out = model["language_model.output_layer.weight"] = model["language_model.output_layer.weight"].clone()
+        out[3, 1] += 1
+        torch.save(model, path)
+        dst = os.path.join(self.out, "dst")
+        r = reshard(src, dst, *L(1, 1, 1, True).args(), *format_args(GPT), "--weights_only")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        got = torch.load(os.path.join(dst, "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
+        self.assertTrue(torch.equal(got["language_model.output_layer.weight"], out))
+        self.assertFalse(torch.equal(got["language_model.output_layer.weight"], got["language_model.embedding.word_embeddings.weight"]))
+        with open(os.path.join(dst, "manifest.json")) as f:
+            self.assertFalse(json.load(f)["model"]["share_embeddings_and_output_weights"])
+
+    def test_gpt_tied_copy_that_differs_from_the_embedding_is_refused(self):
+        """A tag whose manifest records tied embeddings holds the output layer as a copy; one that
+        differs would be lost when the copy is read from the embedding, so it is refused."""
+        _, src = self.source(GPT, L(1, 1))
+        ours = os.path.join(self.out, "ours")
+        r = reshard(src, ours, *L(1, 1).args(), *format_args(GPT))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        rel = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+        model = torch.load(os.path.join(ours, rel))
+        model["language_model.output_layer.weight"] = model["language_model.output_layer.weight"].clone()
+        model["language_model.output_layer.weight"][3, 1] += 1
+        torch.save(model, os.path.join(ours, rel))
+        with open(os.path.join(ours, "manifest.json")) as f:
+            manifest = json.load(f)
+        with open(os.path.join(ours, rel), "rb") as f:
+            data = f.read()
+        manifest["files"][rel] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        with open(os.path.join(ours, "manifest.json"), "w") as f:
+            json.dump(manifest, f)
+        self.refused(ours, os.path.join(self.out, "dst"), [*L(2, 1).args()],
+                     r"'language_model.output_layer.weight' is GPT's tied output layer .* but it differs from")
 
     def test_gpt_explicit_pipeline_cuts(self):
         self.check(GPT, L(1, 1), L(2, 3, cuts=[1, 4]))  # stages [0], [1, 2, 3], [4]

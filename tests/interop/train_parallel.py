@@ -192,8 +192,9 @@ class DataParallel(TempDirTest):
         self.train("one", 1, [*extra, f"model.make_vocab_size_divisible_by={8 * tp}"], conf)
         self.train("many", tp * pp * dp, [*extra, *many_extra], conf, tp=tp, pp=pp)
         self.assert_same_losses("one", "many")
-        # A pipeline alone sums nothing in another order, except the tied embedding's two gradient parts.
-        exact = tp * dp == 1 and name != "tiny_gpt"
+        # A pipeline alone sums nothing in another order: GPT's tied embedding and output copy sum their
+        # gradients as one sum of two parts on one stage as on two.
+        exact = tp * dp == 1
         self.assert_same_state(self.tag("one", STEPS, name), self.tag("many", STEPS, name), rtol, 1e-5, exact=exact)
         model = os.path.join(self.tag("many", STEPS, name), "model")
         self.assertEqual(sorted(os.listdir(model)), sorted(f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt" for p in range(pp) for t in range(tp)))
@@ -297,14 +298,20 @@ class DataParallel(TempDirTest):
         self.assert_merges_to_one_process("tiny_llama", 2, 2, True, 1e-3, pp=2)
 
     def test_gpt_pp2_tied_embedding_matches_one_process(self):
-        # The last stage's output layer is `word_embeddings.weight`, a copy of the first stage's embedding
-        # (Megatron's initialize_word_embeddings); their gradients are summed, so the copies stay equal.
+        # The last stage's output layer is `language_model.output_layer.weight`, a copy of the first stage's
+        # embedding, as NxDT's pipeline names it (NxD pipeline/model.py local_state_dict); their gradients are
+        # summed, so the copies stay equal.
         parts = self.check_tensor_parallel(GPT_CONF, "tiny_gpt", [], 1, 1, 1e-2, pp=2)
-        self.assertIn("language_model.embedding.word_embeddings.weight", parts[0])
-        self.assertNotIn("word_embeddings.weight", parts[0])
-        self.assertIn("word_embeddings.weight", parts[1])
-        self.assertNotIn("language_model.output_layer.weight", parts[1])
-        self.assertTrue(torch.equal(parts[0]["language_model.embedding.word_embeddings.weight"], parts[1]["word_embeddings.weight"]))
+        emb, out = "language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight"
+        self.assertIn(emb, parts[0])
+        self.assertNotIn(out, parts[0])
+        self.assertIn(out, parts[1])
+        self.assertNotIn("word_embeddings.weight", parts[1])
+        self.assertTrue(torch.equal(parts[0][emb], parts[1][out]))
+        # One process holds both names, equal, as NxDT's state_dict has them.
+        one = torch.load(os.path.join(self.tag("one", STEPS, "tiny_gpt"), "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
+        self.assertEqual(list(one)[-1], out)
+        self.assertTrue(torch.equal(one[emb], one[out]))
 
     def test_a_tag_with_other_pipeline_cuts_is_refused_with_the_reshard_command(self):
         extra = ["model.num_layers=3", "distributed_strategy.zero1=False"]

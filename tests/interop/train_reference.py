@@ -113,11 +113,23 @@ def forward(params, cfg, tokens, drop=lambda x, layer, site: x):
     return x @ p(out).T
 
 
+EMB = "language_model.embedding.word_embeddings.weight"
+OUT = "language_model.output_layer.weight"
+
+
 def nxdt_groups(params, names, decay_norms=False):
     """torch AdamW groups as NxDT's megatron models build them (NeMo's rule:
-    megatron_partition.nxdt_order), weight decay 0 in the group of biases."""
+    megatron_partition.nxdt_order), weight decay 0 in the group of biases. A
+    tied parameter is listed once: updated once with its summed gradient, as
+    the training core does (NeMo lists it under both names, and torch's plain
+    AdamW would then step it twice)."""
     order = nxdt_order(names, decay_norms)
-    groups = [{"params": [params[n] for n, g in order if g == gi]} for gi in range(2)]
+    seen = set()
+    groups = [{"params": []} for _ in range(2)]
+    for n, gi in order:
+        if id(params[n]) not in seen:
+            seen.add(id(params[n]))
+            groups[gi]["params"].append(params[n])
     groups = [g for g in groups if g["params"]]
     for gi, g in enumerate(groups):
         g["weight_decay"] = 0.1 if gi == 0 else 0.0
@@ -164,7 +176,11 @@ class TrainingCoreMatchesTorch(TempDirTest):
         run(TRAIN_DUMP, self.dir, *flags)
         params = torch.load(os.path.join(self.dir, "weights.pt"), weights_only=True)
         res = torch.load(os.path.join(self.dir, "result.pt"))
-        return {k: v.clone().requires_grad_(True) for k, v in params.items()}, res
+        params = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+        if res["config"]["tied"]:  # NxDT's GPT: one parameter under both names (NxDT gpt_model.py)
+            self.assertTrue(torch.equal(params[OUT], params[EMB]))
+            params[OUT] = params[EMB]
+        return params, res
 
     def check(self, *flags, drop=lambda x, layer, site: x):
         params, res = self.load(*flags)
@@ -193,7 +209,7 @@ class TrainingCoreMatchesTorch(TempDirTest):
         self.assertIn("language_model.encoder.final_layernorm.bias", params)
         self.assertEqual(params["language_model.embedding.position_embeddings.weight"].shape, (12, 32))
         self.assertEqual(params["language_model.encoder.layers.0.mlp.dense_h_to_4h.weight"].shape, (48, 32))  # unfused
-        self.assertNotIn("language_model.output_layer.weight", params)
+        self.assertIs(params[OUT], params[EMB])  # written under both names, as NxDT's state_dict has it
         self.check("--gpt")
 
     def test_gpt_blocks_with_rope_gqa_and_untied_output(self):
@@ -220,7 +236,7 @@ class TrainingCoreMatchesTorch(TempDirTest):
             logits = forward(params, res["config"], tokens)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
             loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
+            norm = torch.nn.utils.clip_grad_norm_([q for g in opt.param_groups for q in g["params"]], clip)  # each once
             lr = sched(step)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -231,13 +247,18 @@ class TrainingCoreMatchesTorch(TempDirTest):
         # Parameters and AdamW moments after the steps; optimizer ids count over group 0 then group 1.
         for n in names:
             self.close(f"{n} after {steps} steps", res["final"][n], params[n].detach(), 1e-3)
+        # Ours number every name NxDT's groups list (a tied parameter under both), one id each.
         ours, ref = res["optim"], opt.state_dict()
-        self.assertEqual([g["params"] for g in ours["param_groups"]], [g["params"] for g in ref["param_groups"]])
+        order = nxdt_order(names, decay_norms)
+        want = [[i for i, (_, g) in enumerate(order) if g == gi] for gi in range(2)]
+        self.assertEqual([g["params"] for g in ours["param_groups"]], [ids for ids in want if ids])
         self.assertEqual([g["weight_decay"] for g in ours["param_groups"]], [g["weight_decay"] for g in ref["param_groups"]])
-        for pid, st in ref["state"].items():
+        ref_pid = {id(q): i for i, q in enumerate(q for g in opt.param_groups for q in g["params"])}
+        for pid, (n, _) in enumerate(order):
+            st = ref["state"][ref_pid[id(params[n])]]
             self.assertEqual(float(ours["state"][pid]["step"]), float(st["step"]))
-            self.close(f"exp_avg {pid}", ours["state"][pid]["exp_avg"], st["exp_avg"], 1e-3)
-            self.close(f"exp_avg_sq {pid}", ours["state"][pid]["exp_avg_sq"], st["exp_avg_sq"], 1e-3)
+            self.close(f"exp_avg {n}", ours["state"][pid]["exp_avg"], st["exp_avg"], 1e-3)
+            self.close(f"exp_avg_sq {n}", ours["state"][pid]["exp_avg_sq"], st["exp_avg_sq"], 1e-3)
         self.assertLess(res["losses"][-1].item(), res["losses"][0].item())
 
     def test_adamw_with_clipping_and_cosine_schedule(self):

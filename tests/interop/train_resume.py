@@ -283,7 +283,15 @@ class TrainAndResume(TempDirTest):
         model = torch.load(self.final_file("killed", "model", "tiny_gpt"))
         self.assertIn("language_model.embedding.position_embeddings.weight", model)
         self.assertIn("language_model.encoder.layers.1.mlp.dense_4h_to_h.bias", model)
-        self.assertNotIn("language_model.output_layer.weight", model)
+        # NxDT's tied output layer: both names, equal (NxDT gpt_model.py; torch's state_dict keeps both).
+        self.assertEqual(list(model)[-1], "language_model.output_layer.weight")
+        self.assertTrue(torch.equal(model["language_model.output_layer.weight"], model["language_model.embedding.word_embeddings.weight"]))
+        # NeMo's groups list it under both names: group 0 ends with it, group 1 holds the biases.
+        optim = torch.load(self.final_file("killed", "optim", "tiny_gpt"))
+        names = [n for n in model if not n.endswith("inv_freq")]
+        self.assertEqual([g["params"] for g in optim["param_groups"]],
+                         [[i for i, (_, g) in enumerate(nxdt_order(names, False)) if g == gi] for gi in range(2)])
+        self.assertEqual(nxdt_order(names, False)[len(optim["param_groups"][0]["params"]) - 1][0], "language_model.output_layer.weight")
 
     def test_mixed_precision_without_master_weights_restarts_them_from_bf16_as_nxdt_does(self):
         a, b, stderr = self.kill_and_resume("False", MIXED)
