@@ -44,23 +44,30 @@ const Value* EntryById(const Dict& by_id, size_t id) {
   return nullptr;
 }
 
-std::vector<size_t> ParamGroupSizes(const Value& groups, const std::string& where) {
+std::vector<size_t> ParamGroupSizes(const Value& groups, const std::string& where, std::vector<int64_t>* ids_out) {
   if (!groups.is_seq() || groups.as_seq().items.empty())
     throw Error(where + " must list the optimizer's parameter groups, found " +
                 (groups.is_seq() ? "an empty list" : "a " + groups.kind_name()));
   std::vector<size_t> sizes;
-  int64_t next = 0;
+  std::vector<int64_t> all;
+  std::vector<std::string> group_of;
   for (size_t g = 0; g < groups.as_seq().items.size(); ++g) {
     const std::string at = where + "[" + std::to_string(g) + "]";
     const Value& group = groups.as_seq().items[g];
     if (!group.is_dict()) throw Error(at + " is a " + group.kind_name() + ", not a dict");
     const Value& ids = group.as_dict().At("params");
     if (!ids.is_seq()) throw Error(at + ".params is a " + ids.kind_name() + ", not a list of ids");
-    for (const Value& id : ids.as_seq().items)
-      if (AsInteger(id, at + ".params item") != next++)
-        throw Error(at + ".params is not numbered in order (torch numbers group 0's ids from 0, then group 1's)");
+    for (const Value& id : ids.as_seq().items) all.push_back(AsInteger(id, at + ".params item")), group_of.push_back(at);
     sizes.push_back(ids.as_seq().items.size());
   }
+  const int64_t n = static_cast<int64_t>(all.size());
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t id = all[k];
+    if (id == k || (id > k && id < n && all[id] == id)) continue;
+    throw Error(group_of[k] + ".params is not numbered in order (torch numbers group 0's ids from 0, then group 1's; a parameter "
+                "listed twice takes its later position's id)");
+  }
+  if (ids_out) *ids_out = std::move(all);
   return sizes;
 }
 

@@ -46,8 +46,13 @@ std::string Zero1OneShardMessage(const std::string& where, int64_t dp);
 
 // The sizes of the groups a `param_groups` list holds, after checking that
 // their ids run 0, 1, ... across the groups in order, as torch numbers them.
+// A parameter a group lists twice (NeMo lists GPT's tied weight under the
+// embedding and the output layer) has, in torch's numbering, the later
+// position's id at both positions (Optimizer.state_dict's pack_group; run:
+// tests/data/upstream/nxdt_megatron): position k holds k, or an id j > k whose
+// own position holds j. `ids`, when given, receives the id of every position.
 // Throws ckpt::Error naming `where`.
-std::vector<size_t> ParamGroupSizes(const Value& param_groups, const std::string& where);
+std::vector<size_t> ParamGroupSizes(const Value& param_groups, const std::string& where, std::vector<int64_t>* ids = nullptr);
 
 // `param_groups` for the grouping `to`, hyperparameters from `source` (a
 // param_groups list): a decaying group takes the first source group whose

@@ -557,7 +557,8 @@ class ShardedTagBuilder {
             static const std::set<std::string> kKnown{"state", "param_groups", "base_state", "shape_info", "sharded_master_weights"};
             if (!kKnown.count(key)) throw Error(where + ": holds '" + key + "', which ckpt-reshard does not know how to re-lay");
           }
-          const Grouping order = Ids(top.At("param_groups"), names, same_stage_copy, where, first);
+          std::vector<int64_t> file_ids;  // each position's id in the file (torch's: shared by a parameter listed twice)
+          const Grouping order = Ids(top.At("param_groups"), names, same_stage_copy, where, first, &file_ids);
           if (first) t_->param_groups_ = top.At("param_groups"), L.master_weights = top.Find("sharded_master_weights") != nullptr, first = false;
           if (zero1 && !AsDict(top.At("state"), where + ": 'state'").items.empty())
             throw Error(where + ": ZeRO-1 'state' is not empty; its entries have no known place in a re-laid file");
@@ -565,16 +566,30 @@ class ShardedTagBuilder {
           const Dict* masters = top.Find("sharded_master_weights") ? &AsDict(top.At("sharded_master_weights"), where + ": masters") : nullptr;
           if ((masters != nullptr) != L.master_weights) throw Error(where + ": has master weights where other files have none, or the reverse");
           const Dict* shapes = zero1 ? &AsDict(top.At("shape_info"), where + ": 'shape_info'") : nullptr;
-          if (state.items.size() != order.order.size())
-            throw Error(where + ": holds state for " + std::to_string(state.items.size()) + " parameters, but stage " + std::to_string(p) +
-                        " has " + std::to_string(order.order.size()));
+          // GPT's tied weight listed twice (NeMo's groups at pp = 1): torch gives both positions the
+          // later one's id, so a plain state dict keys its state once, by that id; a ZeRO-1 one keys its
+          // shards by position, and NxD's gradient hook leaves the copy's shard without state (both
+          // observed: tests/data/upstream/nxdt_megatron). The state is read from the embedding's position.
+          std::set<int64_t> claimed;
+          for (size_t id = 0; id < order.order.size(); ++id) {
+            const int64_t shared = file_ids[id];
+            if (shared == static_cast<int64_t>(id)) continue;
+            const StageParam& a = stage[std::find(names.begin(), names.end(), order.order[id].name) - names.begin()];
+            const StageParam& b = stage[std::find(names.begin(), names.end(), order.order[shared].name) - names.begin()];
+            if (!b.tied_copy() || b.rule != a.rule)
+              throw Error(where + ": param_groups give parameter " + std::to_string(id) + " (" + a.name + ") the id of parameter " +
+                          std::to_string(shared) + " (" + b.name + "): torch shares an id only between two names of one tied parameter");
+          }
           for (size_t id = 0; id < order.order.size(); ++id) {
             const std::string& name = order.order[id].name;
             const StageParam& sp = stage[std::find(names.begin(), names.end(), name) - names.begin()];
             const ParamRule& rule = *sp.rule;
             const std::string at = where + ": parameter id " + std::to_string(id) + " (" + name + ")";
-            const Value* e = EntryById(state, id);
+            const int64_t key = zero1 ? static_cast<int64_t>(id) : file_ids[id];
+            const Value* e = EntryById(state, static_cast<size_t>(key));
+            if (!e && sp.tied_copy()) continue;  // read from the embedding
             if (!e) throw Error(at + " has no state");
+            claimed.insert(key);
             const Dict& entry = AsDict(*e, at);
             for (const auto& [k, _] : entry.items)
               if (!k.is_str() || (k.as_str() != "step" && k.as_str() != "exp_avg" && k.as_str() != "exp_avg_sq"))
@@ -605,6 +620,10 @@ class ShardedTagBuilder {
               AddRuns(rule, field, t, x, FileOf(x, rel), d * shard, (d + 1) * shard, rows, owner, x.dtype(), fat);
             }
           }
+          for (const auto& [k, _] : state.items)
+            if (!k.is_int() || !claimed.count(k.as_int()))
+              throw Error(where + ": holds state for id " + (k.is_int() ? std::to_string(k.as_int()) : "'?'") + ", which none of stage " +
+                          std::to_string(p) + "'s " + std::to_string(order.order.size()) + " parameters has");
         }
       }
     }
@@ -615,8 +634,8 @@ class ShardedTagBuilder {
   // does). The first file decides among the rules that fit (NxDT's default
   // first); every other file must fit the same rule.
   Grouping Ids(const Value& groups, const std::vector<std::string>& names, const std::string& same_stage_copy, const std::string& where,
-               bool first) {
-    const std::vector<size_t> sizes = NonEmpty(ParamGroupSizes(groups, where + ": param_groups"));
+               bool first, std::vector<int64_t>* file_ids) {
+    const std::vector<size_t> sizes = NonEmpty(ParamGroupSizes(groups, where + ": param_groups", file_ids));
     const ModelFormat& f = t_->layout_.format;
     std::vector<GroupingRule> rules{GroupingRule::kNxdt, GroupingRule::kNxdtLayerNormDecay};
     if (f.family != ModelFamily::kHfLlama) rules.push_back(GroupingRule::kNameSplit);

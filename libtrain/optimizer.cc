@@ -254,7 +254,7 @@ ckpt::Value AdamW::StateDict(double lr) const {
   return f.ToValue();
 }
 
-std::vector<size_t> AdamW::FileIds(const ckpt::Value& groups) {
+std::vector<size_t> AdamW::FileIds(const ckpt::Value& groups, bool zero1) {
   // The ids each non-empty group must list, as StateDict writes them.
   std::vector<std::vector<int64_t>> want(group_decays_.size());
   for (size_t i = 0; i < order_.size(); ++i) want[group_[i]].push_back(static_cast<int64_t>(i));
@@ -273,6 +273,25 @@ std::vector<size_t> AdamW::FileIds(const ckpt::Value& groups) {
   }
   std::erase_if(got, [](const auto& ids) { return ids.empty(); });
   if (got == want) return ids;
+  // GPT's tied weight listed twice at pp = 1, numbered as torch numbers it: the embedding's position
+  // holds the copy's id (Optimizer.state_dict's pack_group). A plain state dict keys the weight's state
+  // by that id; a ZeRO-1 one by position, the copy's shard without state and with a stale master
+  // (NxD's gradient hook; tests/data/upstream/nxdt_megatron): both are read from the embedding's.
+  if (!copy_slot_.empty()) {
+    const size_t e = std::find(order_.begin(), order_.end(), ckpt::ParamName(format_, ckpt::Module::kEmbedding)) - order_.begin();
+    const size_t c = std::find(order_.begin(), order_.end(), copy_slot_) - order_.begin();
+    std::vector<int64_t> flat;
+    std::vector<size_t> got_sizes, want_sizes;
+    for (const auto& g : got) flat.insert(flat.end(), g.begin(), g.end()), got_sizes.push_back(g.size());
+    for (const auto& g : want) want_sizes.push_back(g.size());
+    bool torch_shared = got_sizes == want_sizes && e < flat.size() && c < flat.size() && flat[e] == static_cast<int64_t>(c);
+    for (size_t k = 0; torch_shared && k < flat.size(); ++k) torch_shared = flat[k] == static_cast<int64_t>(k) || k == e;
+    if (torch_shared) {
+      if (zero1) ids[c] = e;
+      else ids[e] = c;
+      return ids;
+    }
+  }
   // What shardkit's trainer wrote before (Megatron-style names only), read by name: grouped by name,
   // and at pp = 1 without GPT's tied output copy, whose state is then the embedding's.
   if (megatron_) {
@@ -323,7 +342,7 @@ bool AdamW::LoadStateDict(const ckpt::Value& sd) {
       throw ckpt::Error("optimizer " + key + " of " + what(i) + " is " + std::string(ckpt::DTypeName(t.dtype())));
     ckpt::CastInto(t, dst);
   };
-  const std::vector<size_t> file_id = FileIds(top.At("param_groups"));
+  const std::vector<size_t> file_id = FileIds(top.At("param_groups"), zero1);
   int64_t step = -1;
   for (size_t i = 0; i < order_.size(); ++i) {
     const ckpt::Value* s = ckpt::EntryById(state, file_id[i]);

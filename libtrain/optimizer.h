@@ -101,7 +101,7 @@ class AdamW {
   std::span<float> Gradient(Model& m, size_t i);
   // The file's optimizer id of each of ours: the same ids, or those of the
   // name split. Throws ckpt::Error when the file's groups fit neither.
-  std::vector<size_t> FileIds(const ckpt::Value& param_groups);
+  std::vector<size_t> FileIds(const ckpt::Value& param_groups, bool zero1);
 
   AdamWConfig c_;
   Comm* dp_ = nullptr;

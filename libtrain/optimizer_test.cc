@@ -196,6 +196,56 @@ TEST(AdamW, StateGroupedByNameIsReadByName) {
   EXPECT_EQ(same.regrouped(), "");
 }
 
+// Dicts and lists copied (Values share their containers); tensors shared.
+ckpt::Value Copy(const ckpt::Value& v) {
+  if (v.is_seq()) {
+    std::vector<ckpt::Value> items;
+    for (const auto& x : v.as_seq().items) items.push_back(Copy(x));
+    return ckpt::Value::NewSeq(v.as_seq().kind, std::move(items));
+  }
+  if (v.is_dict()) {
+    ckpt::Value d = ckpt::Value::NewDict(v.as_dict().ordered);
+    for (const auto& [k, x] : v.as_dict().items) d.as_dict().items.emplace_back(k, Copy(x));
+    return d;
+  }
+  return v;
+}
+
+// NxDT's GPT at pp = 1 lists the tied weight twice; torch numbers both
+// positions with the copy's id. Its plain state dict keys the weight's state
+// by that id; its ZeRO-1 one keys shards by position, the copy's shard without
+// state and with a stale master weight (tests/data/upstream/nxdt_megatron).
+TEST(AdamW, TorchsNumberingOfTheTiedWeightListedTwiceIsRead) {
+  ModelConfig gpt = Small(false);
+  gpt.layernorm = gpt.gelu = gpt.bias = gpt.learned_positions = gpt.tied_output = true;
+  gpt.max_positions = 16;
+  Model m(gpt);
+  for (bool zero1 : {false, true}) {
+    AdamWConfig c;
+    c.zero1 = zero1, c.master_weights = zero1, c.master_weights_in_ckpt = zero1;
+    AdamW a(m, c);
+    TrainStep(m, a);
+    const ckpt::Value ours = a.StateDict(1e-2);
+    const int64_t e = std::find(a.order().begin(), a.order().end(), "language_model.embedding.word_embeddings.weight") - a.order().begin();
+    const int64_t copy = std::find(a.order().begin(), a.order().end(), "language_model.output_layer.weight") - a.order().begin();
+    ASSERT_LT(copy, static_cast<int64_t>(a.order().size()));
+    const ckpt::Value theirs = Copy(ours);
+    auto& groups = theirs.as_dict().At("param_groups").as_seq().items;
+    groups[0].as_dict().At("params").as_seq().items[e] = ckpt::Value(copy);
+    auto& state = theirs.as_dict().At(zero1 ? "base_state" : "state").as_dict();
+    std::erase_if(state.items, [&](const auto& kv) { return kv.first.as_int() == (zero1 ? copy : e); });
+    if (zero1) {
+      auto& masters = theirs.as_dict().At("sharded_master_weights").as_dict();
+      ckpt::Tensor stale = ckpt::Tensor::Zeros(ckpt::DType::kFloat32, ckpt::EntryById(masters, copy)->as_tensor().shape());
+      for (auto& [k, v] : masters.items)
+        if (k.as_int() == copy) v = ckpt::Value(stale);
+    }
+    AdamW b(m, c);
+    b.LoadStateDict(theirs);
+    EXPECT_TRUE(ckpt::DeepEqual(b.StateDict(1e-2), ours)) << "zero1 " << zero1;
+  }
+}
+
 TEST(AdamW, AShardFromMoreDataParallelRanksIsNamed) {
   Model m(Small(false));
   AdamWConfig zero1;

@@ -27,7 +27,7 @@ import zlib
 import torch
 
 from canon import BIN, RESHARD, TempDirTest, VERIFY
-from megatron_partition import rank_file
+from megatron_partition import nxdt_order, rank_file
 from nxd_fixture import at_vocab, is_vocab, make_full, read_full, stage_bounds, write_tag
 
 
@@ -320,6 +320,46 @@ class Reshard(TempDirTest):
             json.dump(manifest, f)
         self.refused(ours, os.path.join(self.out, "dst"), [*L(2, 1).args()],
                      r"'language_model.output_layer.weight' is GPT's tied output layer .* but it differs from")
+
+    def test_gpt_optimizer_numbered_as_torch_numbers_a_parameter_listed_twice(self):
+        """NxDT's GPT at pp = 1 lists the tied weight twice in group 0. torch gives both positions the
+        later one's id, so a plain state dict keys the weight's state once, by that id; a ZeRO-1 one
+        keys shards by position, and NxD's gradient hook leaves the copy's shard without state and its
+        master weight stale (tests/data/upstream/nxdt_megatron). Read as the same state."""
+        for layout, to in ((L(1, 1), L(2, 1)), (L(1, 1, 2, True), L(2, 1, 2, True))):
+            with self.subTest(layout=layout):
+                name = f"torch_ids_{layout.dp}"
+                full, src = self.source(GPT, layout, name=name)
+                reference = os.path.join(self.out, name + "_ref")
+                r = reshard(src, reference, *to.args(), *format_args(GPT))
+                self.assertEqual(r.returncode, 0, r.stderr)
+                model = torch.load(os.path.join(src, "model", rank_file(0, 0)))
+                order = [n for n, _ in nxdt_order(list(model), False)]
+                emb, copy = 0, order.index("language_model.output_layer.weight")
+                for d in range(layout.dp):
+                    path = os.path.join(src, "optim", rank_file(0, 0, d))
+                    osd = torch.load(path)
+                    ids = osd["param_groups"][0]["params"]
+                    self.assertEqual((ids[emb], ids[-1]), (emb, copy))  # ours: one id a position
+                    ids[emb] = copy
+                    if layout.zero1:
+                        del osd["base_state"][copy]
+                        osd["sharded_master_weights"][copy] = torch.zeros_like(osd["sharded_master_weights"][copy])  # stale
+                    else:
+                        del osd["state"][emb]
+                    torch.save(osd, path)
+                dst = os.path.join(self.out, name)
+                r = reshard(src, dst, *to.args(), *format_args(GPT))
+                self.assertEqual(r.returncode, 0, r.stderr)
+                for rel, data in files(reference, bookkeeping=False).items():
+                    if data is not None and rel.endswith(".pt"):
+                        self.assert_same(rel, torch.load(os.path.join(dst, rel)), torch.load(os.path.join(reference, rel)))
+                # A shared id between two different parameters is refused.
+                osd = torch.load(os.path.join(src, "optim", rank_file(0, 0)))
+                osd["param_groups"][0]["params"][1] = copy
+                torch.save(osd, os.path.join(src, "optim", rank_file(0, 0)))
+                self.refused(src, os.path.join(self.out, name + "_bad"), [*to.args(), *format_args(GPT)],
+                             r"torch shares an id only between two names of one tied parameter")
 
     def test_gpt_explicit_pipeline_cuts(self):
         self.check(GPT, L(1, 1), L(2, 3, cuts=[1, 4]))  # stages [0], [1, 2, 3], [4]
