@@ -139,6 +139,7 @@ struct RankOptimizer {
   std::vector<ckpt::ParamInfo> params;
   std::vector<SourceOptimizer> sources;  // by ZeRO-1 dp rank, or the one plain state dict
   ckpt::Grouping from;
+  std::string same_stage_copy;  // GPT's tied output copy the conversion adds beside the embedding (pp = 1)
 };
 
 // The entries of a config mapping: a plain dict, or omegaconf's DictConfig as
@@ -184,7 +185,11 @@ struct Target {
 Target TargetFor(const std::vector<RankOptimizer>& ranks, bool do_layer_norm_weight_decay) {
   Target t{do_layer_norm_weight_decay, {}, {}, {}};
   for (const auto& r : ranks) {
-    t.by_rank.push_back(ckpt::NxdtGrouping(NamesOf(r.params), do_layer_norm_weight_decay));
+    // The conversion's names: NNM's, and at pp = 1 GPT's tied output copy NxDT lists beside the embedding.
+    std::vector<std::string> names = NamesOf(r.params);
+    if (!r.same_stage_copy.empty()) names.push_back(r.same_stage_copy);
+    const ckpt::GroupingRule rule = do_layer_norm_weight_decay ? ckpt::GroupingRule::kNxdtLayerNormDecay : ckpt::GroupingRule::kNxdt;
+    t.by_rank.push_back(ckpt::NxdtGrouping(ckpt::GroupedNames(names, r.same_stage_copy, rule), do_layer_norm_weight_decay));
     std::set<std::string> decays;
     for (const auto& s : t.by_rank.back().order)
       if (t.by_rank.back().group_decays[s.group]) decays.insert(s.name);
@@ -372,6 +377,8 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
           std::string name;
           int local;
           ShiftLayerIndex(StripModelPrefix(k.as_str()), offset[c][p], &name, &local);
+          // GPT's tied output copy: Megatron-LM's last-stage word_embeddings.weight is NxDT's output layer (ckpt/partition.h).
+          if (name == ckpt::kMegatronLmTiedCopy) name = ckpt::kTiedOutputCopy;
           if (const std::string gate = UnmergedSwigluGate(name); !gate.empty()) {
             Value* g = model.as_dict().Find(gate);
             if (!g) throw Error(chunks[unit][c].where + ": '" + k.as_str() + "' (the SwiGLU up projection) comes before or without its gate " + gate);
@@ -387,11 +394,20 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
           model.as_dict().items.emplace_back(Value(name), v);
           if (!IsBuffer(name)) params.push_back({name, v.as_tensor().shape()});
         }
+      // One stage of a GPT with tied embeddings: NxDT's state_dict holds the embedding under the output
+      // layer's name too (NxDT gpt_model.py; tests/data/upstream/nxdt_megatron); Megatron-LM's has nothing.
+      std::string same_stage_copy;
+      if (pp == 1 && !model.as_dict().Find(ckpt::kTiedOutputCopy))
+        if (const Value* emb = model.as_dict().Find("language_model.embedding.word_embeddings.weight")) {
+          model.as_dict().items.emplace_back(Value(std::string(ckpt::kTiedOutputCopy)), *emb);
+          same_stage_copy = ckpt::kTiedOutputCopy;
+          if (t == 0) plan.renames[p].push_back({"model.language_model.embedding.word_embeddings.weight", std::string(ckpt::kTiedOutputCopy) + " (GPT's tied output layer, as NxDT's state_dict names it too)"});
+        }
       const ckpt::RankCoord rank{0, t, p};
       AddFile(plan, "model/" + ckpt::RankFileName(rank), model, true, opts.save_xser, in.path, unit);
       if (opts.weights_only) continue;
 
-      RankOptimizer ro{unit, params, {}, {}};
+      RankOptimizer ro{unit, params, {}, {}, same_stage_copy};
       if (src.zero1_dp() > 0) {
         for (int d = 0; d < src.zero1_dp(); ++d) {
           ro.sources.push_back(Zero1Optimizer(in.zero1[d], in.zero1_paths[d], src.zero1_dp()));

@@ -5,6 +5,7 @@
 
 #include "ckpt/error.h"
 #include "ckpt/optimizer_state.h"
+#include "ckpt/partition.h"
 #include "ckpt/tensor.h"
 
 namespace convert {
@@ -86,7 +87,10 @@ std::string Misfit(const Grouping& g, const std::vector<size_t>& file_sizes, con
 }
 
 // {id: x} renumbered through `to_target` and sorted by the new id.
-Value Renumbered(const Value& by_id, const std::vector<int64_t>& to_target, const std::string& where) {
+// `also`: (source id, target id) pairs whose entry is written a second time
+// (GPT's tied output copy, from the embedding's).
+Value Renumbered(const Value& by_id, const std::vector<int64_t>& to_target, const std::string& where,
+                 const std::vector<std::pair<int64_t, int64_t>>& also) {
   std::vector<std::pair<int64_t, Value>> out;
   for (const auto& [k, v] : DictAt(by_id, where).items) {
     const int64_t id = ckpt::AsInteger(k, where + " key");
@@ -94,6 +98,8 @@ Value Renumbered(const Value& by_id, const std::vector<int64_t>& to_target, cons
       throw Error(where + ": parameter id " + std::to_string(id) + " is out of range (the rank has " + std::to_string(to_target.size()) +
                   " parameters)");
     out.emplace_back(to_target[id], v);
+    for (const auto& [from, to] : also)
+      if (from == id) out.emplace_back(to, v.is_tensor() ? Value(v.as_tensor().Clone()) : v);
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   Value d = Value::NewDict(by_id.as_dict().ordered);
@@ -162,14 +168,29 @@ Value RegroupOptimizerState(const SourceOptimizer& so, const Grouping& from, con
   std::map<std::string, int64_t> target_id;
   for (size_t i = 0; i < to.order.size(); ++i) target_id[to.order[i].name] = static_cast<int64_t>(i);
   std::vector<int64_t> to_target;
-  for (const auto& s : from.order) to_target.push_back(target_id.at(s.name));
+  std::map<std::string, int64_t> source_id;
+  for (const auto& s : from.order) {
+    const auto it = target_id.find(s.name);
+    if (it == target_id.end()) throw Error(so.where + ": '" + s.name + "' has no place in the grouping written (" + to.id + ")");
+    source_id[s.name] = static_cast<int64_t>(to_target.size());
+    to_target.push_back(it->second);
+  }
+  // GPT's tied output copy NxDT lists beside the embedding (pp = 1): the embedding's state, again.
+  std::vector<std::pair<int64_t, int64_t>> also;
+  for (size_t i = 0; i < to.order.size(); ++i) {
+    if (source_id.count(to.order[i].name)) continue;
+    const auto emb = source_id.find("language_model.embedding.word_embeddings.weight");
+    if (to.order[i].name != ckpt::kTiedOutputCopy || emb == source_id.end())
+      throw Error(so.where + ": holds no state for '" + to.order[i].name + "'");
+    also.emplace_back(emb->second, static_cast<int64_t>(i));
+  }
   const ckpt::Dict& in = so.state_dict.as_dict();
   Value out = Value::NewDict(in.ordered);
   for (const auto& [k, v] : in.items) {
     const std::string key = k.is_str() ? k.as_str() : "";
     if (key == "param_groups") out.as_dict().items.emplace_back(k, ckpt::ParamGroupsFor(v, to));
     else if (key == "state" || key == "base_state" || key == "shape_info" || key == "sharded_master_weights")
-      out.as_dict().items.emplace_back(k, Renumbered(v, to_target, so.where + "['" + key + "']"));
+      out.as_dict().items.emplace_back(k, Renumbered(v, to_target, so.where + "['" + key + "']", also));
     else out.as_dict().items.emplace_back(k, v);  // anything else, as it is
   }
   return out;

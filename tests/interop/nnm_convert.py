@@ -71,7 +71,7 @@ def keeps_decay(entry):
     """NxDT's do_layer_norm_weight_decay that decays exactly what NNM decayed
     on this rank (False first, as nnm2nxdt-ckpt tries it), or None when
     neither setting does."""
-    names = [n for n, _ in entry["model"] if not n.endswith("inv_freq")]
+    names = [n for n, _ in entry["model"] if not n.endswith("inv_freq") and n in entry["optim_names"]]
     decayed = {n for n, g in zip(entry["optim_names"], entry["optim_groups"]) if g == 0}
     if decayed == {n for n in names if not nemo_no_decay(n)}:
         return False
@@ -112,11 +112,18 @@ class NnmToNxdt(TempDirTest):
         without decay NNM's first with weight_decay 0, or its first group
         with weight_decay 0 when NNM had none)."""
         names = [n for n, _ in entry["model"] if not n.endswith("inv_freq")]
+        if one_group:  # module.parameters(): GPT's tied copy (the one name NNM's ids lack) once
+            names = [n for n in names if n in entry["optim_names"]]
         order = nxdt_order(names, one_group)
         ids = {n: i for i, (n, _) in enumerate(order)}
         to_nxdt = [ids[n] for n in entry["optim_names"]]
         osd = entry["optimizer"]
         state = {to_nxdt[i]: s for i, s in sorted(osd["state"].items(), key=lambda kv: to_nxdt[kv[0]])}
+        # GPT's tied output copy NxDT lists beside the embedding (pp = 1): the embedding's state again.
+        for n, i in ids.items():
+            if n not in entry["optim_names"]:
+                state[i] = state[ids["language_model.embedding.word_embeddings.weight"]]
+        state = dict(sorted(state.items()))
         src = osd["param_groups"]
         groups = []
         for g in range(2):
@@ -143,8 +150,16 @@ class NnmToNxdt(TempDirTest):
                     z = load(os.path.join(tag, "optim", rank_file(t, p, d)), xser)
                     src = e["zero1"][d]
                     self.assertEqual(sorted(z), sorted(src))
-                    self.assert_same("base_state", z["base_state"], {to_nxdt[i]: s for i, s in sorted(src["base_state"].items(), key=lambda kv: to_nxdt[kv[0]])})
-                    self.assert_same("shape_info", z["shape_info"], {to_nxdt[i]: s for i, s in sorted(src["shape_info"].items(), key=lambda kv: to_nxdt[kv[0]])})
+                    # GPT's tied copy at pp = 1 (the one id NNM's lack): the embedding's entry again.
+                    copies = {i: to_nxdt[entry_id] for i in want["state"] if i not in to_nxdt
+                              for entry_id, n in enumerate(e["optim_names"]) if n == "language_model.embedding.word_embeddings.weight"}
+
+                    def renumbered(d):
+                        out = {to_nxdt[i]: s for i, s in d.items()}
+                        out.update({c: out[emb] for c, emb in copies.items()})
+                        return dict(sorted(out.items()))
+                    self.assert_same("base_state", z["base_state"], renumbered(src["base_state"]))
+                    self.assert_same("shape_info", z["shape_info"], renumbered(src["shape_info"]))
                     self.assert_same("param_groups", z["param_groups"], want["param_groups"])
             else:
                 self.assert_same(f"optim {t},{p}", load(os.path.join(tag, "optim", rank_file(t, p)), xser), want)
@@ -217,6 +232,19 @@ class NnmToNxdt(TempDirTest):
         self.assertIn("optimizer grouping found: nnm-layernorm", err)
         self.assertIn("optimizer grouping written: nxdt-biases-apart", err)
         self.assertRegex(err, r"\d+ parameters that did not decay in NNM start decaying, e.g. \S+layernorm.weight")
+
+    def test_gpt_one_stage_gains_nxdts_tied_output_layer(self):
+        """NNM's GPT at pp = 1 holds the embedding only; NxDT's state_dict holds it under the output layer's
+        name too, and NeMo's groups list it twice (tests/data/upstream/nxdt_megatron): the conversion writes
+        both, the copy's optimizer state the embedding's. Checked against the fixture's expectation."""
+        for zero1_dp in (0, 2):
+            with self.subTest(zero1_dp=zero1_dp):
+                out, _ = self.roundtrip(dict(LLAMA, gpt=True, layers=2), 2, 1, groups="nxdt", zero1_dp=zero1_dp)
+                model = torch.load(os.path.join(out, "model", rank_file(1, 0)))
+                self.assertEqual(list(model)[-1], "language_model.output_layer.weight")
+                self.assertTrue(torch.equal(model["language_model.output_layer.weight"],
+                                            model["language_model.embedding.word_embeddings.weight"]))
+                shutil.rmtree(self.dir + "/nnm"), shutil.rmtree(out)
 
     def test_checkpoint_dir_names_the_tag_and_picks_the_newest_file(self):
         nnm, ckdir = os.path.join(self.dir, "nnm"), os.path.join(self.dir, "ckpts")

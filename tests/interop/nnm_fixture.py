@@ -216,7 +216,10 @@ def split_layers(n_layers, parts):
 
 
 def global_name(local_key, offset):
-    """The NxDT name of a local key: layer index shifted by the chunk's offset."""
+    """The NxDT name of a local key: layer index shifted by the chunk's offset;
+    Megatron-LM's tied copy on the last stage is NxDT's output layer."""
+    if local_key == "word_embeddings.weight":
+        return "language_model.output_layer.weight"
     parts = local_key.split(".")
     for i in range(len(parts) - 1):
         if parts[i] == "layers" and parts[i + 1].isdigit():
@@ -321,6 +324,8 @@ def make_nnm(root, c, tp=1, pp=1, vpp=1, zero1_dp=0, xser=False, steps=2, step=7
                     g = global_name(k, chunk_offsets[v])
                     model.append((g, x.detach()))
                     name_of[id(x)] = g
+            if c["gpt"] and pp == 1:  # NxDT's state_dict holds the tied embedding under the output layer's name too
+                model.append(("language_model.output_layer.weight", dict(model)["language_model.embedding.word_embeddings.weight"]))
             osd = shard_from_full(from_full, chunks, chunk_offsets, groups, t, tp, c) if from_full else opt.state_dict()
             entry = {"model": model, "optim_names": [name_of[id(q)] for q in params], "optimizer": osd,
                      "optim_groups": [g for g, grp in enumerate(groups) for _ in grp["params"]],
@@ -384,7 +389,7 @@ def shard_from_full(full, chunks, offsets, groups, t, tp, c):
             for k, x in chunk.state_dict(keep_vars=True).items():
                 g = global_name(k, offsets[v])
                 # GPT's tied copy on the last stage is the embedding (Megatron all-reduces their gradients).
-                g_full = "language_model.embedding.word_embeddings.weight" if g == "word_embeddings.weight" else g
+                g_full = "language_model.embedding.word_embeddings.weight" if g == "language_model.output_layer.weight" and c["gpt"] else g
                 x.copy_(megatron_partition.split(g_full, full_sd[g_full].detach(), t, tp, c))
                 source[id(x)] = (g_full, full_sd[g_full])
     state, param_groups, i = {}, [], 0
