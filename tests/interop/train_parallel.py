@@ -26,7 +26,8 @@ import unittest
 import torch
 
 from canon import BIN, RESHARD, TOKENIZE, TRAIN, TempDirTest, VERIFY, run
-from megatron_partition import merge_tag
+from megatron_partition import is_buffer, merge, merge_tag
+from train_reference import forward
 from train_resume import CONF, GPT_CONF, TEXT, losses, start_until
 
 STEPS = 20
@@ -296,6 +297,46 @@ class DataParallel(TempDirTest):
         optim = os.listdir(os.path.join(self.tag("many", STEPS), "optim"))
         self.assertEqual(len(optim), 8)
         self.assert_merges_to_one_process("tiny_llama", 2, 2, True, 1e-3, pp=2)
+
+    def test_resume_after_a_tp_change_that_pads_the_vocabulary_further(self):
+        """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp (Megatron-LM's
+        _vocab_size_with_padding, as NxDT's data module computes padded_vocab_size), and the padding
+        rows take part in the softmax. The byte tokenizer's 264 tokens: 264 rows at tp 1, 272 at tp 2.
+        ckpt-reshard keeps the real rows and writes the rows a larger padding adds as zeros (weights and
+        optimizer state; rows a smaller padding has no place for are dropped). The first step at tp 2
+        then has the loss Megatron's cross-entropy gives over all 272 logits of the resharded weights
+        (torch, below), not the loss over the 264 real ones."""
+        extra = ["distributed_strategy.zero1=False"]
+        self.train("one", 1, extra, steps=10)
+        checkpoints = os.path.join(self.dir, "two", "checkpoints")
+        run(RESHARD, self.tag("one", 10), "--checkpoint_dir", checkpoints, "--tp", 2, "--pp", 1)
+        tag = self.tag("two", 10)
+        shards = [torch.load(os.path.join(tag, "model", f"dp_rank_00_tp_rank_{t:02d}_pp_rank_00.pt")) for t in range(2)]
+        optim = [torch.load(os.path.join(tag, "optim", f"dp_rank_00_tp_rank_{t:02d}_pp_rank_00.pt")) for t in range(2)]
+        c = dict(hidden=64, ffn=172, heads=4, kv_heads=4, layers=2, vocab=272, seq=64, gpt=False)
+        full = {n: merge(n, [s[n] for s in shards], c) for n in shards[0] if not is_buffer(n)}
+        emb, out = "language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight"
+        for n in (emb, out):
+            self.assertEqual(full[n].shape, (272, 64))
+            self.assertTrue(full[n][:264].abs().sum() > 0)
+            self.assertFalse(full[n][264:].any(), n)  # the added padding rows
+        names = [n for n in shards[0] if not is_buffer(n)]  # optimizer ids: module order, one group
+        for n in (emb, out):  # their moments too: tp rank 1's last 8 rows are rows 264..271
+            self.assertTrue(optim[1]["state"][names.index(n)]["exp_avg"][:-8].any(), n)
+            self.assertFalse(optim[1]["state"][names.index(n)]["exp_avg"][-8:].any(), n)
+        r = self.train("two", 2, [*extra, f"exp_manager.resume_from_checkpoint={tag}"], steps=11, tp=2)
+        self.assertIn("resumed from " + tag, r.stderr)
+        got = losses(os.path.join(self.dir, "two"))[11]
+        # Step 11's batch: samples 160..175 of the run's order.
+        out_text = run(TOKENIZE, "--samples", os.path.join(self.dir, "data", "text_document"), 64, 1234, 160, 16).stdout
+        batch = torch.tensor([[int(x) for x in line.split()] for line in out_text.strip().split("\n")])
+        with torch.no_grad():
+            logits = forward(full, dict(c, rotary_dim=16), batch[:, :-1])
+            targets = batch[:, 1:].reshape(-1)
+            padded = torch.nn.functional.cross_entropy(logits.reshape(-1, 272), targets).item()
+            real_only = torch.nn.functional.cross_entropy(logits.reshape(-1, 272)[:, :264], targets).item()
+        self.assertLess(abs(got - padded), 1e-5 * padded, (got, padded))
+        self.assertGreater(abs(real_only - padded), 100 * 1e-5 * padded, "the padding rows' effect is below the tolerance")
 
     def test_gpt_pp2_tied_embedding_matches_one_process(self):
         # The last stage's output layer is `language_model.output_layer.weight`, a copy of the first stage's
