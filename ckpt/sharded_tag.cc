@@ -606,7 +606,23 @@ class ShardedTagBuilder {
                 for (const auto& x : s->as_seq().items) dims.push_back(AsInteger(x, at + " shape_info"));
               if (dims != local) throw Error(at + ": shape_info is " + (s ? ShapeString(dims) : "missing") + ", not its local shape " + ShapeString(local));
             }
-            if (sp.tied_copy()) continue;  // the embedding's state, updated alike: read from the embedding
+            if (sp.tied_copy()) {  // the embedding's state, updated alike: read from the embedding
+              // Beside the embedding (pp = 1), its moments must be the embedding's: a copy that
+              // differs would be lost. Not its master weight: NxD's gradient hook leaves that stale.
+              const auto emb = std::find_if(order.order.begin(), order.order.end(), [&](const OptimizerSlot& s) { return s.name == rule.name; });
+              if (emb != order.order.end()) {
+                const size_t pos = emb - order.order.begin();
+                const Value* theirs = EntryById(state, static_cast<size_t>(zero1 ? static_cast<int64_t>(pos) : file_ids[pos]));
+                for (const char* field : {"exp_avg", "exp_avg_sq"}) {
+                  const Value* a = entry.Find(field);
+                  const Value* b = theirs && theirs->is_dict() ? theirs->as_dict().Find(field) : nullptr;
+                  if (a && b && a->is_tensor() && b->is_tensor() && !SameBytes(a->as_tensor(), b->as_tensor()))
+                    throw Error(at + ": GPT's tied output layer has an " + field + " that differs from the embedding's (parameter id " +
+                                std::to_string(pos) + "): the copy's state would be lost");
+                }
+              }
+              continue;
+            }
             if (!t_->steps_.count(rule.name)) t_->steps_[rule.name] = entry.At("step");
             const std::pair<StateField, const Value*> fields[] = {{StateField::kExpAvg, &entry.At("exp_avg")},
                                                                    {StateField::kExpAvgSq, &entry.At("exp_avg_sq")},

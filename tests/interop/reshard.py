@@ -361,6 +361,20 @@ class Reshard(TempDirTest):
                 self.refused(src, os.path.join(self.out, name + "_bad"), [*to.args(), *format_args(GPT)],
                              r"torch shares an id only between two names of one tied parameter")
 
+    def test_gpt_tied_copy_whose_moments_differ_is_refused(self):
+        for layout in (L(1, 1), L(1, 1, 2, True)):
+            with self.subTest(layout=layout):
+                _, src = self.source(GPT, layout, name=f"moments_{layout.dp}")
+                model = torch.load(os.path.join(src, "model", rank_file(0, 0)))
+                copy = [n for n, _ in nxdt_order(list(model), False)].index("language_model.output_layer.weight")
+                path = os.path.join(src, "optim", rank_file(0, 0, layout.dp - 1))
+                osd = torch.load(path)
+                st = osd["base_state" if layout.zero1 else "state"][copy]
+                st["exp_avg_sq"] = st["exp_avg_sq"] + 1
+                torch.save(osd, path)
+                self.refused(src, os.path.join(self.out, f"moments_{layout.dp}"), [*L(2, 1, layout.dp, layout.zero1).args(), *format_args(GPT)],
+                             r"GPT's tied output layer has an exp_avg_sq that differs from the embedding's")
+
     def test_gpt_explicit_pipeline_cuts(self):
         self.check(GPT, L(1, 1), L(2, 3, cuts=[1, 4]))  # stages [0], [1, 2, 3], [4]
 
