@@ -255,7 +255,9 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   m.learned_positions = choice("model.position_embedding_type", "rope", {"rope", "learned_absolute"}) == "learned_absolute";
   choice("model.transformer_block_type", "pre_ln", {"pre_ln"});
   m.bias = r.Bool("model.has_bias", false);
-  m.tied_output = r.Bool("model.share_embeddings_and_output_weights", false);
+  // NxDT's megatron models tie unless told not to (megatron_gpt_model.py ModelModule.model_provider_func:
+  // share_embeddings_and_output_weights defaults to True); an HF-style model's config.json decides.
+  m.tied_output = hf ? hf->tied_output : r.Bool("model.share_embeddings_and_output_weights", true);
   m.max_positions = r.Int("model.max_position_embeddings", hf ? hf->max_positions : c.seq_length, 1, 1 << 24);
   if (m.learned_positions && c.seq_length > m.max_positions)
     r.Fail("model.max_position_embeddings", std::to_string(m.max_positions) + " is shorter than data.seq_length (" +

@@ -53,6 +53,15 @@ class TrainerFaults : public ::testing::Test {
   ckpt::testing::TempDir dir_{"trainer_test"};
 };
 
+// NxDT's megatron models tie the output layer to the embedding unless the
+// config says otherwise (megatron_gpt_model.py ModelModule.model_provider_func).
+TEST_F(TrainerFaults, MegatronModelsTieTheirEmbeddingsUnlessToldNotTo) {
+  EXPECT_TRUE(Config().model.tied_output);
+  const TrainConfig untied = LoadTrainConfig(dir_.path() + "/conf.yaml", {"+exp_manager.explicit_log_dir=" + dir_.path() + "/run",
+                                                                          "+model.share_embeddings_and_output_weights=False"});
+  EXPECT_FALSE(untied.model.tied_output);
+}
+
 // The trainer's files go through the Env it is given: a full disk while the step-4 checkpoint is
 // written fails the run with an error naming the file, leaves no tag at step 4 that looks complete,
 // and the rerun resumes from step 2 and ends where an uninterrupted run ends.

@@ -11,14 +11,21 @@ Regenerate (upstream sources extracted as in README.md; NOT vendored here; Debia
     git --git-dir=<xla git dir>  archive v2.9.0 torch_xla/distributed | tar -x -C /tmp/up/xla
     export SHARDKIT_NXD_SRC=/tmp/up/nxd/src SHARDKIT_NXDT_SRC=/tmp/up/nxdt/src \\
            SHARDKIT_NEMO_SRC=/tmp/up/nemo SHARDKIT_XLA_SRC=/tmp/up/xla PYTHONDONTWRITEBYTECODE=1
+    G='/tmp/nxdt_load/gpt/checkpoints/tiny_gpt--step=4-consumed_samples=32.0.ckpt'
+    L='/tmp/nxdt_load/llama/checkpoints/tiny_llama--step=4-consumed_samples=32.0.ckpt'
     nice -n 19 /usr/bin/python3 loads_shardkit.py \\
-        --tag gpt   conf/tiny_gpt.yaml   '/tmp/nxdt_load/gpt/checkpoints/tiny_gpt--step=4-consumed_samples=32.0.ckpt' \\
-        --tag llama conf/tiny_llama.yaml '/tmp/nxdt_load/llama/checkpoints/tiny_llama--step=4-consumed_samples=32.0.ckpt' \\
-                    model.num_kv_heads=2 distributed_strategy.zero1=True \\
+        --tag gpt conf/tiny_gpt.yaml "$G" \\
+        --tag llama conf/tiny_llama.yaml "$L" model.num_kv_heads=2 distributed_strategy.zero1=True \\
         > loads_shardkit.out.txt
-
 (config paths are relative to the shardkit repo root; trailing key=value words are OmegaConf
-dot-list overrides, as on NxDT's command line).  Exit status is non-zero if any load fails.
+dot-list overrides, as on NxDT's command line: the ones the tags were trained with, e.g.
+shardkit-train conf/tiny_llama.yaml model.num_kv_heads=2 distributed_strategy.zero1=True.)
+An earlier run found that conf/tiny_llama.yaml did not set share_embeddings_and_output_weights, whose
+NxDT default is True (megatron_gpt_model.py L116), while shardkit-train defaulted to False: NxDT then
+built a tied model and the strict key check still passed (both names exist), the embedding silently
+taking the output layer's values. shardkit-train now defaults to True as NxDT does and the config
+says False. --probe NAME CONF TAG [overrides] loads into what NxDT builds from other overrides and
+reports without failing. Exit status is non-zero if a --tag load fails.
 
 Per tag, two resume routes run on freshly built model + optimizer objects:
 
@@ -83,11 +90,14 @@ STUBS = [
     "neuronx_distributed.optimizer package: __init__ skipped (as all packages in megatron_env); its two names "
     "(NeuronZero1Optimizer, NeuronEPZero1Optimizer) set from the real zero_redundancy_optimizer.py, as its __init__ does",
     "neuronx_distributed.pipeline.NxDPPModel -> placeholder class (checkpoint.py only uses it in isinstance; pp = 1)",
-    "NxDT nemo.utils.logging (nlp_overrides) -> a logger whose messages are recorded in this report",
+    "NxDT nemo.utils.logging (nlp_overrides) -> a logger whose messages are recorded in this report; NxD's "
+    "checkpoint.py logger (real get_logger) has its stdout handler replaced by a recorder (no timestamps)",
     "NxDT nlp_overrides Float16Module -> fresh class nothing is an instance of (NxDT's models are not wrapped in it)",
     "Lightning Strategy.load_optimizer_state_dict (lightning 2.5.0, not installed) restated: "
     "for optimizer, opt_state in zip(self.optimizers, optimizer_states): optimizer.load_state_dict(opt_state) "
     "(its _optimizer_to_device(optimizer, root_device) is a CPU no-op here)",
+    "model.use_cpu_initialization=True added when the config leaves it unset (shardkit's do): NxDT's default False "
+    "initialises on xm.xla_device(); only where the initial values are made changes (they are overwritten by the load)",
     "torch.optim.AdamW (NeMo's 'adamw' = torch.optim.AdamW) -> generate.AdamWDifferentiableKw: accepts "
     "differentiable=False (torch 1.13 Optimizer.__setstate__ adds it to defaults; torch_xla init_zero passes it back)",
     "ZeRO-1 device -> generate.zero1_class (device stand-in, see README): on CPU, torch_xla's "
@@ -160,6 +170,11 @@ def setup_env():
     import importlib
     ckpt = importlib.import_module("neuronx_distributed.trainer.checkpoint")
     nxd = types.SimpleNamespace(load_checkpoint=ckpt.load_checkpoint)  # as neuronx_distributed/__init__ exports it
+    nxd_rec = Recorder()  # NxD's logger prints timestamps to stdout: record its messages instead
+    for h in list(ckpt.logger.handlers):
+        ckpt.logger.removeHandler(h)
+    ckpt.logger.addHandler(nxd_rec)
+    ckpt.logger.propagate = False
 
     rec = Recorder()
     nemo_log = logging.getLogger("nxdt.nemo.utils.logging")
@@ -188,6 +203,7 @@ def setup_env():
     ns.ckpt, ns.nxd = ckpt, nxd
     ns.io_load, ns.load_model_state_dict, ns.key_patterns, ns.base_load_state_dict = io_load, lmsd, keys_ign, base_lsd
     ns.nemo_log_records = rec
+    ns.nxd_log_records = nxd_rec
     return ns
 
 
@@ -247,21 +263,15 @@ def build(ns, cfg, padded_vocab):
     optim = cfg.model.optim
     defaults = dict(lr=float(optim.lr), weight_decay=float(optim.get("weight_decay", 0.0)),
                     betas=tuple(float(b) for b in optim.get("betas", (0.9, 0.999))))
-    if nxd_config["optimizer_config"]["zero_one_enabled"]:
-        init = ns.initialize_optimizer_from_class
-        init.__globals__["NeuronZero1Optimizer"] = gen.zero1_class(ns)
-        lvl = logging.getLogger().level
-        logging.getLogger().setLevel(logging.ERROR)
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            zopt = init(nxd_config, gen.AdamWDifferentiableKw, groups, **defaults)
-        logging.getLogger().setLevel(lvl)
-        warns = sorted({str(x.message).split(";")[0] for x in w})
-    else:
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            zopt = gen.AdamWDifferentiableKw(groups, **defaults)
-        warns = sorted({str(x.message).split(";")[0] for x in w})
+    init = ns.initialize_optimizer_from_class  # NxD, both branches (ZeRO-1 or optimizer_class(params))
+    init.__globals__["NeuronZero1Optimizer"] = gen.zero1_class(ns)
+    lvl = logging.getLogger().level
+    logging.getLogger().setLevel(logging.ERROR)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        zopt = init(nxd_config, gen.AdamWDifferentiableKw, groups, **defaults)
+    logging.getLogger().setLevel(lvl)
+    warns = sorted({str(x.message).split(";")[0] for x in w})
     opt = ns.nxd_optim.NxDOptimizer(zopt, nxd_config)
     return types.SimpleNamespace(model=model, wrapped=wrapped, lm=lm, opt=opt, zopt=zopt, nxd_config=nxd_config,
                                  groups=groups, defaults=defaults, warns=warns)
@@ -297,7 +307,10 @@ def check_model(out, b, file_sd, label):
                f" (after the cast load_state_dict does: {', '.join(sorted(casts)) or 'none'})"
                + (f"; model keys not in file: {extra}" if extra else ""))
     for k in bad:
-        out.append(f"      DIFFERS: {k}")
+        m = sd[k]
+        eq = [k2 for k2, v2 in file_sd.items() if k2 != k and list(v2.shape) == list(m.shape)
+              and same_bytes(m, v2.to(m.dtype))]
+        out.append(f"      DIFFERS: {k}" + (f" -- it holds the file's {eq}" if eq else ""))
         ok = False
     return ok
 
@@ -317,6 +330,16 @@ def check_optimizer(out, b, file_opt, label):
                    f"{ {k: v for k, v in sorted(gm.items()) if k != 'params'} }"
                    + (f"; differ from file: {diff}" if diff else "; = file's"))
     if not hasattr(b.zopt, "base_optimizer"):
+        st = b.zopt.state
+        dropped = sorted(k for k in file_opt if k not in ("state", "param_groups"))
+        out.append(f"      plain {type(b.zopt).__mro__[1].__name__}: parameters with Adam state after load: "
+                   f"{sum(1 for p in {id(q): q for g in mine for q in g['params']}.values() if p in st)}"
+                   f"/{len({id(q) for g in mine for q in g['params']})} (file top-level 'state' = "
+                   f"{file_opt['state']!r}); file keys torch's load_state_dict does not read: {dropped}")
+        if dropped:
+            out.append("      => the file's Adam moments (in base_state) are NOT loaded: the optimizer restarts its "
+                       "moments from zero")
+            ok = False
         return ok
     base = b.zopt.base_optimizer
     shards = [s for g in base.param_groups for s in g["params"]]
@@ -382,13 +405,12 @@ def check_optimizer(out, b, file_opt, label):
         out.append(f"      shard data == file sharded_master_weights[file id] (bytes after cast; {', '.join(mcasts)}): "
                    f"{'all ' + str(len(shards)) + ' equal' if nbad == 0 else f'{nbad} DIFFER'}")
         ok &= nbad == 0
-        # model parameters after ZeRO-1's allgather of the loaded masters
-        nbad = 0
-        for p, param, names in pos:
-            if not same_bytes(param.data, smw[ids[p]].to(param.dtype)):
-                nbad += 1
-        out.append(f"      model parameters == their position's master weight after allgather_weights_and_update_"
-                   f"full_parameter: {'all equal' if nbad == 0 else f'{nbad} differ'}")
+        # which values the model parameters hold at the end
+        n_master = sum(1 for p, param, names in pos if same_bytes(param.data, smw[ids[p]].to(param.dtype)))
+        out.append(f"      model parameters at the end equal their position's fp32 master weight: {n_master}/{len(pos)} "
+                   f"positions" + (" (ZeRO-1 load_state_dict's allgather_weights_and_update_full_parameter ran last)"
+                                   if n_master == len(pos) else
+                                   " (the model file's values were loaded after the optimizer's allgather)"))
     return ok
 
 
@@ -410,6 +432,7 @@ def run_route(ns, route, cfg, tag_path, file_model, file_opt, out):
     ckdir, tag = os.path.dirname(tag_path), os.path.basename(tag_path)
     ok = True
     ns.nemo_log_records.msgs.clear()
+    ns.nxd_log_records.msgs.clear()
     if route == "nxdt":
         out.append("  route nxdt: NLPCheckpointIO.load_checkpoint -> NLPDDPStrategy.load_model_state_dict -> "
                    "optimizer.load_state_dict(optimizer_states[0])")
@@ -418,6 +441,8 @@ def run_route(ns, route, cfg, tag_path, file_model, file_opt, out):
             io_self = types.SimpleNamespace(_weight_init_only=False, ptl_version="2.5.0")
             xser = ns.ckpt.create_checkpoint_storage(ckdir).is_checkpoint_xser(tag)
             ck = ns.io_load(io_self, tag_path, xser)
+            for m in ns.nxd_log_records.msgs:
+                out.append(f"         NxD log: {m}")
             out.append(f"    OK   {step} (xser={xser}): keys {sorted(ck)}; state_dict {len(ck['state_dict'])} "
                        f"tensors; optimizer_states {len(ck['optimizer_states'])}; global_step {ck.get('global_step')}, "
                        f"consumed_samples {ck.get('consumed_samples')}")
@@ -500,6 +525,8 @@ def run_route(ns, route, cfg, tag_path, file_model, file_opt, out):
             ok = False
         finally:
             del b.wrapped.load_state_dict, b.opt.load_state_dict
+        for m in ns.nxd_log_records.msgs:
+            out.append(f"         NxD log: {m}")
         for c in calls:
             out.append(f"         NxD called {c}")
         if not ok:
@@ -628,22 +655,33 @@ def check_blobs():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tag", nargs="+", action="append", required=True, metavar="NAME CONF TAG [k=v ...]")
+    ap.add_argument("--tag", nargs="+", action="append", default=[], metavar="NAME CONF TAG [k=v ...]",
+                    help="a load that must pass (sets the exit status)")
+    ap.add_argument("--probe", nargs="+", action="append", default=[], metavar="NAME CONF TAG [k=v ...]",
+                    help="same, reported only (does not set the exit status)")
     args = ap.parse_args()
     ns = setup_env()
     body = []
     ok = True
-    for t in args.tag:
+    summary = []
+    for kind, t in [("tag", t) for t in args.tag] + [("probe", t) for t in args.probe]:
         if len(t) < 3:
-            raise SystemExit("--tag needs NAME CONF TAG_PATH [key=value ...]")
+            raise SystemExit(f"--{kind} needs NAME CONF TAG_PATH [key=value ...]")
         name, conf, tag_path, *over = t
+        if kind == "probe":
+            body.append(f"# probe {name}: reported only; its outcome does not set the exit status")
         try:
-            ok &= run_tag(ns, name, conf, os.path.abspath(tag_path.rstrip("/")), over, body)
+            r = run_tag(ns, name, conf, os.path.abspath(tag_path.rstrip("/")), over, body)
         except Exception as e:  # noqa: BLE001
             body.append(f"  {name}: FAIL (harness error) {type(e).__name__}: {e}")
             body.extend("    " + l for l in traceback.format_exc().rstrip().splitlines()[-8:])
-            ok = False
+            r = False
+        if kind == "tag":
+            ok &= r
+        summary.append(f"#   {kind} {name}: {'PASS' if r else 'FAIL'} ({' '.join(over) or 'no overrides'})")
         body.append("")
+    body.append("# summary:")
+    body.extend(summary)
     ran = check_blobs()
     head = ["# loads_shardkit: NxDT/NxD resume code run on shardkit checkpoint tags (CPU, unmodified upstream)",
             f"# torch {torch.__version__}",
