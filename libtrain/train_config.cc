@@ -250,11 +250,15 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
     }
     r.Fail(key, "'" + v + "' is not supported (supported: " + list + ")");
   };
-  m.layernorm = choice("model.normalization", "rmsnorm", {"rmsnorm", "layernorm"}) == "layernorm";
-  m.gelu = choice("model.activation", "swiglu", {"swiglu", "gelu"}) == "gelu";
-  m.learned_positions = choice("model.position_embedding_type", "rope", {"rope", "learned_absolute"}) == "learned_absolute";
+  // A key left out means what NxDT's megatron models take for it (megatron_gpt_model.py
+  // ModelModule.model_provider_func: layernorm, gelu, learned_absolute, has_bias True, hidden_dropout
+  // 0.1); an HF-style model is a Llama.
+  m.layernorm = choice("model.normalization", hf ? "rmsnorm" : "layernorm", {"rmsnorm", "layernorm"}) == "layernorm";
+  m.gelu = choice("model.activation", hf ? "swiglu" : "gelu", {"swiglu", "gelu"}) == "gelu";
+  m.learned_positions =
+      choice("model.position_embedding_type", hf ? "rope" : "learned_absolute", {"rope", "learned_absolute"}) == "learned_absolute";
   choice("model.transformer_block_type", "pre_ln", {"pre_ln"});
-  m.bias = r.Bool("model.has_bias", false);
+  m.bias = r.Bool("model.has_bias", !hf);
   // NxDT's megatron models tie unless told not to (megatron_gpt_model.py ModelModule.model_provider_func:
   // share_embeddings_and_output_weights defaults to True); an HF-style model's config.json decides.
   m.tied_output = hf ? hf->tied_output : r.Bool("model.share_embeddings_and_output_weights", true);
@@ -264,7 +268,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
                                                 std::to_string(c.seq_length) + ")");
   for (auto [key, dst] : {std::pair{"model.hidden_dropout", &m.hidden_dropout}, std::pair{"model.attention_dropout", &m.attention_dropout},
                            std::pair{"model.ffn_dropout", &m.ffn_dropout}}) {
-    const double v = r.Number(key, 0.0);
+    const double v = r.Number(key, !hf && std::string(key) == "model.hidden_dropout" ? 0.1 : 0.0);
     if (!(v >= 0 && v < 1)) r.Fail(key, std::to_string(v) + " is not a probability in [0, 1)");
     *dst = static_cast<float>(v);
   }

@@ -53,10 +53,17 @@ class TrainerFaults : public ::testing::Test {
   ckpt::testing::TempDir dir_{"trainer_test"};
 };
 
-// NxDT's megatron models tie the output layer to the embedding unless the
-// config says otherwise (megatron_gpt_model.py ModelModule.model_provider_func).
-TEST_F(TrainerFaults, MegatronModelsTieTheirEmbeddingsUnlessToldNotTo) {
-  EXPECT_TRUE(Config().model.tied_output);
+// A key the config leaves out means what NxDT's megatron models take for it
+// (megatron_gpt_model.py ModelModule.model_provider_func): a tied GPT.
+TEST_F(TrainerFaults, MegatronDefaultsAreNxdts) {
+  const ModelConfig m = Config().model;
+  EXPECT_TRUE(m.tied_output);
+  EXPECT_TRUE(m.layernorm);
+  EXPECT_TRUE(m.gelu);
+  EXPECT_TRUE(m.learned_positions);
+  EXPECT_TRUE(m.bias);
+  EXPECT_FLOAT_EQ(m.hidden_dropout, 0.1f);
+  EXPECT_FLOAT_EQ(m.attention_dropout, 0.0f);
   const TrainConfig untied = LoadTrainConfig(dir_.path() + "/conf.yaml", {"+exp_manager.explicit_log_dir=" + dir_.path() + "/run",
                                                                           "+model.share_embeddings_and_output_weights=False"});
   EXPECT_FALSE(untied.model.tied_output);

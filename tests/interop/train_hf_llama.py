@@ -30,7 +30,9 @@ TEXT = "/usr/share/common-licenses/GPL-3"
 # The same sizes in the Megatron-style family (the config's model_source switched, its sizes given as keys).
 AS_MEGATRON = ["model_source=megatron", "+model.ffn_hidden_size=128", "+model.num_attention_heads=4", "+model.num_kv_heads=1",
                "+model.vocab_size=260", "+model.make_vocab_size_divisible_by=1", "model.do_layer_norm_weight_decay=False",
-               "+model.share_embeddings_and_output_weights=False"]  # NxDT's megatron models tie by default
+               # NxDT's megatron models default to a GPT (tied, LayerNorm, GeLU, learned positions, biases, dropout 0.1).
+               "+model.share_embeddings_and_output_weights=False", "+model.normalization=rmsnorm", "+model.activation=swiglu",
+               "+model.position_embedding_type=rope", "+model.has_bias=False", "+model.hidden_dropout=0.0"]
 
 
 def mpirun(n):

@@ -34,7 +34,7 @@ STEPS = 20
 # Dropout everywhere Megatron puts it: masks are keyed on global sample positions, so a rank
 # drawing them for its share of the batch draws what one process does.
 # (tiny_gpt.yaml has them already.)
-DROPOUT = ["+model.hidden_dropout=0.1", "+model.attention_dropout=0.1", "+model.ffn_dropout=0.1"]
+DROPOUT = ["model.hidden_dropout=0.1", "+model.attention_dropout=0.1", "+model.ffn_dropout=0.1"]
 LOSS_RTOL = 1e-5
 MASTER_ATOL = 3e-5  # below a tenth of one AdamW step at the LR's floor (3e-4)
 GRAD_NORM_RTOL = 1e-4  # ZeRO-1 dp 3 with the ranks' sums of squares not all-reduced: 4.3e-1 (measured once)

@@ -359,7 +359,7 @@ class TrainAndResume(TempDirTest):
             (["+model.transformer_block_type=post_ln"], "model.transformer_block_type: 'post_ln' is not supported (supported: pre_ln)"),
             (["data.tokenizer.library=huggingface", "+data.tokenizer.type=no/such/dir"],
              "data.tokenizer: no/such/dir: no tokenizer.json or vocab.json there"),
-            (["+model.hidden_dropout=1.0"], "model.hidden_dropout: 1.000000 is not a probability in [0, 1)"),
+            (["model.hidden_dropout=1.0"], "model.hidden_dropout: 1.000000 is not a probability in [0, 1)"),
             (["model.position_embedding_type=learned_absolute", "model.max_position_embeddings=32"],
              "model.max_position_embeddings: 32 is shorter than data.seq_length (64)"),
         ]
