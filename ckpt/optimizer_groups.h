@@ -85,6 +85,10 @@ enum class GroupingRule {
   // followed NeMo. Read and carried through; the trainer reads it by name.
   kNameSplit,
 };
+// NxDT's rule for a model.do_layer_norm_weight_decay setting.
+inline GroupingRule NxdtGroupingRule(bool do_layer_norm_weight_decay) {
+  return do_layer_norm_weight_decay ? GroupingRule::kNxdtLayerNormDecay : GroupingRule::kNxdt;
+}
 const char* GroupingRuleName(GroupingRule r);  // "nxdt", "nxdt-layer-norm-decay", "name-split"
 bool ParseGroupingRule(std::string_view s, GroupingRule* r);
 

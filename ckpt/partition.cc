@@ -292,6 +292,14 @@ std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, c
   return out;
 }
 
+std::string SameStageTiedCopy(const std::vector<StageParam>& stage) {
+  for (const StageParam& copy : stage)
+    if (copy.tied_copy())
+      for (const StageParam& p : stage)
+        if (p.name == copy.rule->name) return copy.name;
+  return "";
+}
+
 int LayerOfName(const std::string& name) {
   static const std::string kLayers = ".layers.";
   const size_t at = name.find(kLayers);

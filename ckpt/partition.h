@@ -179,6 +179,10 @@ inline constexpr const char* kMegatronLmTiedCopy = "word_embeddings.weight";
 std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, const std::vector<int64_t>& bounds, int stage,
                                         TiedCopyNaming naming = TiedCopyNaming::kNxdt);
 
+// GPT's tied output copy when `stage` also holds the embedding it copies
+// (pp = 1), else "".
+std::string SameStageTiedCopy(const std::vector<StageParam>& stage);
+
 // The layer a parameter name belongs to ("...layers.17.mlp..." -> 17), or -1.
 int LayerOfName(const std::string& name);
 

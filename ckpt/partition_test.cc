@@ -188,6 +188,8 @@ TEST(Partition, StagesOwnTheirLayersAndGptsTiedCopySitsOnTheLastStage) {
   EXPECT_EQ(one.front().name, "language_model.embedding.word_embeddings.weight");
   EXPECT_EQ(one.back().name, "language_model.output_layer.weight");
   EXPECT_TRUE(one.back().tied_copy());
+  EXPECT_EQ(SameStageTiedCopy(one), "language_model.output_layer.weight");
+  EXPECT_EQ(SameStageTiedCopy(last), "");  // the embedding is on stage 0
   // Megatron-LM's naming (NNM, shardkit before): word_embeddings.weight with pp > 1 only.
   EXPECT_EQ(StageParameters(ps, bounds, 1, TiedCopyNaming::kMegatronLm).back().name, "word_embeddings.weight");
   EXPECT_EQ(StageParameters(ps, StageBounds(f.layers, 1), 0, TiedCopyNaming::kMegatronLm).size(), ps.size());

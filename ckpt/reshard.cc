@@ -121,8 +121,7 @@ class Planner {
  public:
   Planner(const ckpt::LogicalState& src, const ckpt::ModelFormat& format, ckpt::RankGrid to, std::vector<int64_t> bounds, size_t chunk,
           ckpt::FingerprintCollector* fp)
-      : src_(src), fmt_(format), to_(to), bounds_(std::move(bounds)), chunk_(chunk), fp_(fp),
-        target_grouping_(src.layout().grouping) {
+      : src_(src), fmt_(format), to_(to), bounds_(std::move(bounds)), chunk_(chunk), fp_(fp) {
     rules_ = ckpt::LogicalParameters(fmt_, to.tp);
     for (const auto& t : ckpt::LogicalTensors(src)) logical_numel_[t.name] = t.numel;
   }
@@ -198,12 +197,9 @@ class Planner {
   PlannedFile OptimFile(const std::vector<ckpt::StageParam>& stage, int t, int p, int d, int unit) {
     PlannedFile pf;
     std::vector<std::string> names;
-    std::string same_stage_copy;  // GPT's tied copy beside the embedding (pp = 1)
-    for (const auto& sp : stage) {
-      names.push_back(sp.name);
-      if (sp.tied_copy() && to_.pp == 1) same_stage_copy = sp.name;
-    }
-    const ckpt::Grouping g = ckpt::FamilyGrouping(fmt_, ckpt::GroupedNames(names, same_stage_copy, target_grouping_), target_grouping_);
+    for (const auto& sp : stage) names.push_back(sp.name);
+    const ckpt::GroupingRule rule = src_.layout().grouping;  // carried through
+    const ckpt::Grouping g = ckpt::FamilyGrouping(fmt_, ckpt::GroupedNames(names, ckpt::SameStageTiedCopy(stage), rule), rule);
     ckpt::OptimizerFile of;
     of.zero1 = to_.zero1;
     of.param_groups = ckpt::ParamGroupsFor(src_.ParamGroups(), g);
@@ -237,7 +233,6 @@ class Planner {
   std::vector<int64_t> bounds_;
   size_t chunk_;
   ckpt::FingerprintCollector* fp_;
-  ckpt::GroupingRule target_grouping_;
   std::vector<ParamRule> rules_;
   std::map<std::string, uint64_t> logical_numel_;
   std::map<std::tuple<std::string, StateField, int64_t>, std::pair<int, int>> first_holder_;

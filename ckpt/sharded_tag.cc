@@ -538,11 +538,11 @@ class ShardedTagBuilder {
     for (int p = 0; p < L.grid.pp; ++p) {
       const auto stage = StageParameters(t_->params_, L.stage_bounds, p, L.tied_naming);
       std::vector<std::string> names;
-      std::string same_stage_copy;  // GPT's tied copy beside the embedding (pp = 1)
-      for (const auto& sp : stage) {
-        names.push_back(sp.name);
-        if (sp.tied_copy() && L.grid.pp == 1) same_stage_copy = sp.name;
-      }
+      for (const auto& sp : stage) names.push_back(sp.name);
+      const std::string same_stage_copy = SameStageTiedCopy(stage);
+      auto stage_param = [&](const std::string& name) -> const StageParam& {
+        return stage[std::find(names.begin(), names.end(), name) - names.begin()];
+      };
       for (int t = 0; t < L.grid.tp; ++t) {
         for (int d = 0; d < files; ++d) {
           const std::string rel = Rel("optim", {d, t, p}), where = Path(rel);
@@ -574,15 +574,15 @@ class ShardedTagBuilder {
           for (size_t id = 0; id < order.order.size(); ++id) {
             const int64_t shared = file_ids[id];
             if (shared == static_cast<int64_t>(id)) continue;
-            const StageParam& a = stage[std::find(names.begin(), names.end(), order.order[id].name) - names.begin()];
-            const StageParam& b = stage[std::find(names.begin(), names.end(), order.order[shared].name) - names.begin()];
+            const StageParam& a = stage_param(order.order[id].name);
+            const StageParam& b = stage_param(order.order[shared].name);
             if (!b.tied_copy() || b.rule != a.rule)
               throw Error(where + ": param_groups give parameter " + std::to_string(id) + " (" + a.name + ") the id of parameter " +
                           std::to_string(shared) + " (" + b.name + "): torch shares an id only between two names of one tied parameter");
           }
           for (size_t id = 0; id < order.order.size(); ++id) {
             const std::string& name = order.order[id].name;
-            const StageParam& sp = stage[std::find(names.begin(), names.end(), name) - names.begin()];
+            const StageParam& sp = stage_param(name);
             const ParamRule& rule = *sp.rule;
             const std::string at = where + ": parameter id " + std::to_string(id) + " (" + name + ")";
             const int64_t key = zero1 ? static_cast<int64_t>(id) : file_ids[id];

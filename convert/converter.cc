@@ -127,7 +127,7 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   ci.consumed_samples = plan.consumed_samples;
   ci.grid = plan.grid;
   if (plan.optimizer)
-    ci.optimizer_grouping = plan.do_layer_norm_weight_decay ? ckpt::GroupingRule::kNxdtLayerNormDecay : ckpt::GroupingRule::kNxdt;
+    ci.optimizer_grouping = ckpt::NxdtGroupingRule(plan.do_layer_norm_weight_decay);
   ckpt::CommitStaged(env, staged, *a.group, ci);
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return sum;

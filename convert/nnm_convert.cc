@@ -188,7 +188,7 @@ Target TargetFor(const std::vector<RankOptimizer>& ranks, bool do_layer_norm_wei
     // The conversion's names: NNM's, and at pp = 1 GPT's tied output copy NxDT lists beside the embedding.
     std::vector<std::string> names = NamesOf(r.params);
     if (!r.same_stage_copy.empty()) names.push_back(r.same_stage_copy);
-    const ckpt::GroupingRule rule = do_layer_norm_weight_decay ? ckpt::GroupingRule::kNxdtLayerNormDecay : ckpt::GroupingRule::kNxdt;
+    const ckpt::GroupingRule rule = ckpt::NxdtGroupingRule(do_layer_norm_weight_decay);
     t.by_rank.push_back(ckpt::NxdtGrouping(ckpt::GroupedNames(names, r.same_stage_copy, rule), do_layer_norm_weight_decay));
     std::set<std::string> decays;
     for (const auto& s : t.by_rank.back().order)

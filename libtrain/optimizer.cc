@@ -25,7 +25,7 @@ AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp) : c_(c), dp_(dp) {
   for (const auto& p : m.layout()) names.push_back(p.name), shapes[p.name] = &m.param(p.name).shape();
   // NxDT's grouping for the model's family, with do_layer_norm_weight_decay as NxDT means it there (ckpt::FamilyGrouping).
   const ckpt::ModelFormat& f = m.format();
-  const ckpt::GroupingRule rule = c.do_layer_norm_weight_decay ? ckpt::GroupingRule::kNxdtLayerNormDecay : ckpt::GroupingRule::kNxdt;
+  const ckpt::GroupingRule rule = ckpt::NxdtGroupingRule(c.do_layer_norm_weight_decay);
   // A tied copy NeMo does not list takes the embedding's values after every step.
   if (const std::string copy = m.SameStageTiedCopy(); !copy.empty()) {
     names = ckpt::GroupedNames(names, copy, rule);
@@ -35,7 +35,6 @@ AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp) : c_(c), dp_(dp) {
       copy_slot_ = copy;
   }
   format_ = f, names_ = names;
-  megatron_ = f.family != ckpt::ModelFamily::kHfLlama;
   const ckpt::Grouping grouping = ckpt::FamilyGrouping(f, names, rule);
   group_decays_ = grouping.group_decays;
   for (const auto& entry : grouping.order) {
@@ -237,8 +236,8 @@ ckpt::Value AdamW::StateDict(double lr) const {
     auto& d = pg.as_dict();
     // NeMo's groups carry is_expert, after the no-decay group's weight_decay, as its dict literals
     // order them (utils.py get_params_for_weight_decay_optimization); no MoE here.
-    if (megatron_ && !group_decays_[g]) d.Set("weight_decay", ckpt::Value(0.0));
-    if (megatron_) d.Set("is_expert", ckpt::Value(false));
+    if (Megatron() && !group_decays_[g]) d.Set("weight_decay", ckpt::Value(0.0));
+    if (Megatron()) d.Set("is_expert", ckpt::Value(false));
     d.Set("lr", ckpt::Value(lr));
     // A list, as NxD's saves have it (torch_xla's container rewrite turns AdamW's tuple into one).
     d.Set("betas", ckpt::Value::List({ckpt::Value(c_.beta1), ckpt::Value(c_.beta2)}));
@@ -294,11 +293,11 @@ std::vector<size_t> AdamW::FileIds(const ckpt::Value& groups, bool zero1) {
   }
   // What shardkit's trainer wrote before (Megatron-style names only), read by name: grouped by name,
   // and at pp = 1 without GPT's tied output copy, whose state is then the embedding's.
-  if (megatron_) {
+  if (Megatron()) {
     const std::string emb = ckpt::ParamName(format_, ckpt::Module::kEmbedding);
     std::vector<std::string> without_copy = names_;
     std::erase_if(without_copy, [&](const std::string& n) { return n == copy_slot_; });
-    const ckpt::GroupingRule rule = c_.do_layer_norm_weight_decay ? ckpt::GroupingRule::kNxdtLayerNormDecay : ckpt::GroupingRule::kNxdt;
+    const ckpt::GroupingRule rule = ckpt::NxdtGroupingRule(c_.do_layer_norm_weight_decay);
     std::vector<ckpt::Grouping> older = {ckpt::FamilyGrouping(format_, names_, ckpt::GroupingRule::kNameSplit)};
     if (without_copy.size() != names_.size())
       older.push_back(ckpt::FamilyGrouping(format_, without_copy, rule)),

@@ -109,8 +109,8 @@ class AdamW {
   std::vector<std::string> order_;  // id -> name
   std::vector<int> group_;          // id -> group index
   std::vector<bool> group_decays_;  // group index -> weight decay applies
-  bool megatron_ = true;            // Megatron-style family: NeMo's groups (is_expert)
   ckpt::ModelFormat format_;
+  bool Megatron() const { return format_.family != ckpt::ModelFamily::kHfLlama; }  // NeMo's groups (is_expert)
   std::vector<std::string> names_;  // module order
   std::string regrouped_;
   std::pair<std::string, std::string> mirror_;  // a tied copy without a slot, and the parameter it copies
