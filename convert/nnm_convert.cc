@@ -8,6 +8,7 @@
 #include <set>
 
 #include "ckpt/error.h"
+#include "ckpt/model_family.h"
 #include "ckpt/optimizer_groups.h"
 #include "ckpt/training_state.h"
 #include "convert/nnm_optimizer.h"
@@ -398,10 +399,12 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
       // layer's name too (NxDT gpt_model.py; tests/data/upstream/nxdt_megatron); Megatron-LM's has nothing.
       std::string same_stage_copy;
       if (pp == 1 && !model.as_dict().Find(ckpt::kTiedOutputCopy))
-        if (const Value* emb = model.as_dict().Find("language_model.embedding.word_embeddings.weight")) {
+        if (const Value* emb = model.as_dict().Find(ckpt::ParamName(ckpt::ModelFormat{}, ckpt::Module::kEmbedding))) {
           model.as_dict().items.emplace_back(Value(std::string(ckpt::kTiedOutputCopy)), *emb);
           same_stage_copy = ckpt::kTiedOutputCopy;
-          if (t == 0) plan.renames[p].push_back({"model.language_model.embedding.word_embeddings.weight", std::string(ckpt::kTiedOutputCopy) + " (GPT's tied output layer, as NxDT's state_dict names it too)"});
+          if (t == 0)
+            plan.renames[p].push_back({"model." + ckpt::ParamName(ckpt::ModelFormat{}, ckpt::Module::kEmbedding),
+                                       std::string(ckpt::kTiedOutputCopy) + " (GPT's tied output layer, as NxDT's state_dict names it too)"});
         }
       const ckpt::RankCoord rank{0, t, p};
       AddFile(plan, "model/" + ckpt::RankFileName(rank), model, true, opts.save_xser, in.path, unit);

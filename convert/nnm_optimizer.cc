@@ -5,6 +5,7 @@
 
 #include "ckpt/error.h"
 #include "ckpt/optimizer_state.h"
+#include "ckpt/model_family.h"
 #include "ckpt/partition.h"
 #include "ckpt/tensor.h"
 
@@ -179,7 +180,7 @@ Value RegroupOptimizerState(const SourceOptimizer& so, const Grouping& from, con
   std::vector<std::pair<int64_t, int64_t>> also;
   for (size_t i = 0; i < to.order.size(); ++i) {
     if (source_id.count(to.order[i].name)) continue;
-    const auto emb = source_id.find("language_model.embedding.word_embeddings.weight");
+    const auto emb = source_id.find(ckpt::ParamName(ckpt::ModelFormat{}, ckpt::Module::kEmbedding));  // NNM's: Megatron-style
     if (to.order[i].name != ckpt::kTiedOutputCopy || emb == source_id.end())
       throw Error(so.where + ": holds no state for '" + to.order[i].name + "'");
     also.emplace_back(emb->second, static_cast<int64_t>(i));
