@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <random>
 
-#include "ckpt/pt_file.h"
+#include "ckpt/pt/pt_file.h"
 
 namespace {
 

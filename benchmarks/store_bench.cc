@@ -21,7 +21,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "ckpt/checkpoint_store.h"
+#include "ckpt/store/checkpoint_store.h"
 
 namespace {
 

@@ -10,12 +10,12 @@
 #include <mutex>
 #include <random>
 
-#include "ckpt/error.h"
-#include "ckpt/output_guard.h"
-#include "ckpt/progress.h"
-#include "ckpt/pt_file.h"
-#include "ckpt/tag_writer.h"
-#include "ckpt/xser.h"
+#include "ckpt/util/error.h"
+#include "ckpt/store/output_guard.h"
+#include "ckpt/util/progress.h"
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/store/tag_writer.h"
+#include "ckpt/pt/xser.h"
 #include "convert/nnm_convert.h"
 #include "convert/nnm_source.h"
 

@@ -15,9 +15,9 @@
 #include <functional>
 #include <string>
 
-#include "ckpt/env.h"
-#include "ckpt/rank_grid.h"
-#include "ckpt/writer_group.h"
+#include "ckpt/util/env.h"
+#include "ckpt/shard/rank_grid.h"
+#include "ckpt/store/writer_group.h"
 
 namespace convert {
 

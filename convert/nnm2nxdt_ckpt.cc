@@ -16,11 +16,11 @@
 #include <optional>
 #include <thread>
 
-#include "ckpt/mpi_group.h"
-#include "ckpt/cli.h"
-#include "ckpt/error.h"
-#include "ckpt/layout.h"
-#include "ckpt/progress.h"
+#include "ckpt/util/mpi_group.h"
+#include "tools/common/cli.h"
+#include "ckpt/util/error.h"
+#include "ckpt/store/layout.h"
+#include "ckpt/util/progress.h"
 #include "convert/converter.h"
 #include "convert/nnm_convert.h"
 

@@ -23,10 +23,10 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/error.h"
-#include "ckpt/layout.h"
-#include "ckpt/tag_writer.h"
-#include "ckpt/value.h"
+#include "ckpt/util/error.h"
+#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_writer.h"
+#include "ckpt/pt/value.h"
 #include "convert/nnm_source.h"
 
 namespace convert {

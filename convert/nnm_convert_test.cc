@@ -2,8 +2,8 @@
 
 #include <gtest/gtest.h>
 
-#include "ckpt/error.h"
-#include "ckpt/test_util.h"
+#include "ckpt/util/error.h"
+#include "ckpt/util/test_util.h"
 
 namespace convert {
 namespace {

@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <map>
 
-#include "ckpt/error.h"
-#include "ckpt/optimizer_state.h"
-#include "ckpt/model_family.h"
-#include "ckpt/partition.h"
-#include "ckpt/tensor.h"
+#include "ckpt/util/error.h"
+#include "ckpt/shard/optimizer_state.h"
+#include "ckpt/shard/model_family.h"
+#include "ckpt/shard/partition.h"
+#include "ckpt/pt/tensor.h"
 
 namespace convert {
 namespace {

@@ -5,7 +5,7 @@
 #include <map>
 #include <regex>
 
-#include "ckpt/error.h"
+#include "ckpt/util/error.h"
 
 namespace convert {
 namespace {

@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/env.h"
-#include "ckpt/layout.h"
+#include "ckpt/util/env.h"
+#include "ckpt/store/layout.h"
 
 namespace convert {
 

@@ -4,8 +4,8 @@
 
 #include <fstream>
 
-#include "ckpt/error.h"
-#include "ckpt/test_util.h"
+#include "ckpt/util/error.h"
+#include "ckpt/util/test_util.h"
 
 namespace convert {
 namespace {

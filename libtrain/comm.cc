@@ -12,8 +12,8 @@
 #include <exception>
 #include <mutex>
 
-#include "ckpt/error.h"
-#include "ckpt/mpi_group.h"
+#include "ckpt/util/error.h"
+#include "ckpt/util/mpi_group.h"
 
 namespace train {
 namespace {

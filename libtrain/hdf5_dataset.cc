@@ -6,9 +6,9 @@
 #include <cstdio>
 #include <mutex>
 
-#include "ckpt/env.h"
-#include "ckpt/error.h"
-#include "ckpt/hdf5_lock.h"
+#include "ckpt/util/env.h"
+#include "ckpt/util/error.h"
+#include "ckpt/util/hdf5_lock.h"
 
 namespace train {
 namespace {

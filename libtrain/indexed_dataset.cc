@@ -7,7 +7,7 @@
 #include <random>
 #include <map>
 
-#include "ckpt/error.h"
+#include "ckpt/util/error.h"
 
 namespace train {
 namespace {

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/env.h"
+#include "ckpt/util/env.h"
 
 namespace train {
 

@@ -5,9 +5,9 @@
 #include <cstring>
 #include <random>
 
-#include "ckpt/dtype_cast.h"
-#include "ckpt/snapshot.h"
-#include "ckpt/test_util.h"
+#include "ckpt/pt/dtype_cast.h"
+#include "ckpt/store/snapshot.h"
+#include "ckpt/util/test_util.h"
 
 namespace train {
 namespace {

@@ -7,12 +7,12 @@
 
 #include <tbb/parallel_for.h>
 
-#include "ckpt/dtype_cast.h"
-#include "ckpt/error.h"
-#include "ckpt/optimizer_groups.h"
-#include "ckpt/optimizer_state.h"
-#include "ckpt/partition.h"
-#include "ckpt/model_family.h"
+#include "ckpt/pt/dtype_cast.h"
+#include "ckpt/util/error.h"
+#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/shard/optimizer_state.h"
+#include "ckpt/shard/partition.h"
+#include "ckpt/shard/model_family.h"
 #include "libtrain/comm.h"
 
 namespace train {

@@ -25,7 +25,7 @@
 #include <utility>
 #include <vector>
 
-#include "ckpt/value.h"
+#include "ckpt/pt/value.h"
 #include "libtrain/model.h"
 
 namespace train {

@@ -5,12 +5,12 @@
 #include <cstring>
 #include <random>
 
-#include "ckpt/dtype_cast.h"
-#include "ckpt/error.h"
-#include "ckpt/model_family.h"
-#include "ckpt/optimizer_groups.h"
-#include "ckpt/optimizer_state.h"
-#include "ckpt/test_util.h"
+#include "ckpt/pt/dtype_cast.h"
+#include "ckpt/util/error.h"
+#include "ckpt/shard/model_family.h"
+#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/shard/optimizer_state.h"
+#include "ckpt/util/test_util.h"
 
 namespace train {
 namespace {

@@ -14,9 +14,9 @@
 #include <iostream>
 #include <sstream>
 
-#include "ckpt/cli.h"
-#include "ckpt/error.h"
-#include "ckpt/output_guard.h"
+#include "tools/common/cli.h"
+#include "ckpt/util/error.h"
+#include "ckpt/store/output_guard.h"
 #include "libtrain/hdf5_dataset.h"
 #include "libtrain/indexed_dataset.h"
 

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/error.h"
-#include "ckpt/resume.h"
+#include "ckpt/util/error.h"
+#include "ckpt/store/resume.h"
 #include "libtrain/comm.h"
 #include "libtrain/trainer.h"
 #include "migrate/yaml_tree.h"

@@ -4,7 +4,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "ckpt/error.h"
+#include "ckpt/util/error.h"
 
 namespace train {
 namespace {

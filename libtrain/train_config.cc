@@ -1,10 +1,10 @@
 #include "libtrain/train_config.h"
 
-#include "ckpt/env.h"
+#include "ckpt/util/env.h"
 
-#include "ckpt/value_json.h"
+#include "ckpt/pt/value_json.h"
 
-#include "ckpt/model_family.h"
+#include "ckpt/shard/model_family.h"
 
 #include <filesystem>
 
@@ -13,8 +13,8 @@
 #include <optional>
 #include <sstream>
 
-#include "ckpt/error.h"
-#include "ckpt/layout.h"
+#include "ckpt/util/error.h"
+#include "ckpt/store/layout.h"
 #include "libtrain/tokenizer_vocab.h"
 #include "migrate/interpolation.h"
 #include "migrate/overrides.h"

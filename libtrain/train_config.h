@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "ckpt/rank_grid.h"
+#include "ckpt/shard/rank_grid.h"
 #include "libtrain/model.h"
 #include "libtrain/optimizer.h"
 

@@ -12,10 +12,10 @@
 #include <random>
 #include <string>
 
-#include "ckpt/cli.h"
-#include "ckpt/error.h"
-#include "ckpt/pt_file.h"
-#include "ckpt/snapshot.h"
+#include "tools/common/cli.h"
+#include "ckpt/util/error.h"
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/store/snapshot.h"
 #include "libtrain/model.h"
 #include "libtrain/optimizer.h"
 

@@ -1,7 +1,7 @@
 #include "libtrain/trainer.h"
 
-#include "ckpt/mpi_group.h"
-#include "ckpt/model_family.h"
+#include "ckpt/util/mpi_group.h"
+#include "ckpt/shard/model_family.h"
 
 #include <unistd.h>
 
@@ -12,14 +12,14 @@
 #include <random>
 #include <nlohmann/json.hpp>
 
-#include "ckpt/checkpoint_store.h"
-#include "ckpt/error.h"
-#include "ckpt/progress.h"
-#include "ckpt/reshard.h"
-#include "ckpt/sharded_tag.h"
-#include "ckpt/pt_file.h"
-#include "ckpt/training_state.h"
-#include "ckpt/xser.h"
+#include "ckpt/store/checkpoint_store.h"
+#include "ckpt/util/error.h"
+#include "ckpt/util/progress.h"
+#include "ckpt/shard/reshard.h"
+#include "ckpt/shard/sharded_tag.h"
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/store/training_state.h"
+#include "ckpt/pt/xser.h"
 #include "libtrain/comm.h"
 #include "libtrain/hdf5_dataset.h"
 #include "libtrain/indexed_dataset.h"
@@ -361,7 +361,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     sched.carried = {{"base_lrs", ckpt::Value::List({ckpt::Value(c.optim.lr)})},
                      {"_last_lr", ckpt::Value::List({ckpt::Value(lr)})},
                      {"name", ckpt::Value(c.sched.name)}};
-    // What NxDT reads back (ckpt/training_state.h): global_step, epoch and lr_schedulers; the
+    // What NxDT reads back (ckpt/store/training_state.h): global_step, epoch and lr_schedulers; the
     // consumed samples also travel in the tag's name.
     ckpt::UserContent user{.epoch = 0, .global_step = global_step, .consumed_samples = static_cast<double>(consumed), .carried = {}};
     user.carried.emplace_back("lr_schedulers",

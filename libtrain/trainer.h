@@ -15,7 +15,7 @@
 #include <functional>
 #include <string>
 
-#include "ckpt/env.h"
+#include "ckpt/util/env.h"
 #include "libtrain/train_config.h"
 
 namespace train {

@@ -6,11 +6,11 @@
 #include <random>
 #include <string>
 
-#include "ckpt/error.h"
-#include "ckpt/fault_env.h"
-#include "ckpt/layout.h"
-#include "ckpt/tag_verify.h"
-#include "ckpt/test_util.h"
+#include "ckpt/util/error.h"
+#include "ckpt/util/fault_env.h"
+#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_verify.h"
+#include "ckpt/util/test_util.h"
 #include "libtrain/indexed_dataset.h"
 
 namespace train {

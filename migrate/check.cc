@@ -6,8 +6,8 @@
 #include <optional>
 #include <set>
 
-#include "ckpt/error.h"
-#include "ckpt/layout.h"
+#include "ckpt/util/error.h"
+#include "ckpt/store/layout.h"
 #include "migrate/interpolation.h"
 #include "migrate/schema.h"
 

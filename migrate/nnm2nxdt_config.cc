@@ -12,10 +12,10 @@
 #include <iostream>
 #include <sstream>
 
-#include "ckpt/cli.h"
-#include "ckpt/env.h"
-#include "ckpt/error.h"
-#include "ckpt/output_guard.h"
+#include "tools/common/cli.h"
+#include "ckpt/util/env.h"
+#include "ckpt/util/error.h"
+#include "ckpt/store/output_guard.h"
 #include "migrate/check.h"
 #include "migrate/migrate.h"
 #include "migrate/overrides.h"

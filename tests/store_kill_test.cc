@@ -12,9 +12,9 @@
 #include <random>
 #include <sstream>
 
-#include "ckpt/resume.h"
-#include "ckpt/tag_verify.h"
-#include "ckpt/test_util.h"
+#include "ckpt/store/resume.h"
+#include "ckpt/store/tag_verify.h"
+#include "ckpt/util/test_util.h"
 
 namespace ckpt {
 namespace {

@@ -20,17 +20,17 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "ckpt/cli.h"
-#include "ckpt/error.h"
-#include "ckpt/fingerprint.h"
-#include "ckpt/value_json.h"
-#include "ckpt/output_guard.h"
-#include "ckpt/progress.h"
-#include "ckpt/sharded_tag.h"
+#include "tools/common/cli.h"
+#include "ckpt/util/error.h"
+#include "ckpt/shard/fingerprint.h"
+#include "ckpt/pt/value_json.h"
+#include "ckpt/store/output_guard.h"
+#include "ckpt/util/progress.h"
+#include "ckpt/shard/sharded_tag.h"
 #include "tools/format_hints_cli.h"
 #include "tools/h5_state.h"
 #include "tools/hf_export.h"
-#include "ckpt/reshard.h"
+#include "ckpt/shard/reshard.h"
 
 namespace {
 

@@ -4,8 +4,8 @@
 #include <CLI/CLI.hpp>
 #include <iostream>
 
-#include "ckpt/cli.h"
-#include "ckpt/error.h"
+#include "tools/common/cli.h"
+#include "ckpt/util/error.h"
 #include "tools/inspect_lib.h"
 
 int main(int argc, char** argv) {

@@ -9,13 +9,13 @@
 #include <iostream>
 #include <random>
 
-#include "ckpt/checkpoint_store.h"
-#include "ckpt/cli.h"
-#include "ckpt/env.h"
-#include "ckpt/error.h"
-#include "ckpt/optimizer_state.h"
-#include "ckpt/pt_file.h"
-#include "ckpt/training_state.h"
+#include "ckpt/store/checkpoint_store.h"
+#include "tools/common/cli.h"
+#include "ckpt/util/env.h"
+#include "ckpt/util/error.h"
+#include "ckpt/shard/optimizer_state.h"
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/store/training_state.h"
 
 using ckpt::DType;
 using ckpt::Tensor;

@@ -5,8 +5,8 @@
 // parallel), missing and extra files, leftover temporaries and rank-grid
 // completeness. Exits 1 with the list of problems, 0 when all is well.
 // --fingerprints also recomputes every logical tensor's fingerprint from the
-// data and checks the manifest's (ckpt/fingerprint.h). --against compares
-// two tags of any layouts by their fingerprints (ckpt/tag_compare.h), or
+// data and checks the manifest's (ckpt/shard/fingerprint.h). --against compares
+// two tags of any layouts by their fingerprints (ckpt/shard/tag_compare.h), or
 // with --rtol/--atol as numbers within a tolerance.
 // --gc removes incomplete tags (no `done`) and leftover temporaries from a
 // checkpoint directory, refusing while a running job holds its lock.
@@ -17,15 +17,15 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "ckpt/checkpoint_store.h"
-#include "ckpt/cli.h"
-#include "ckpt/error.h"
-#include "ckpt/fingerprint.h"
-#include "ckpt/progress.h"
-#include "ckpt/sharded_tag.h"
-#include "ckpt/tag_compare.h"
-#include "ckpt/tag_verify.h"
-#include "ckpt/tag_writer.h"
+#include "ckpt/store/checkpoint_store.h"
+#include "tools/common/cli.h"
+#include "ckpt/util/error.h"
+#include "ckpt/shard/fingerprint.h"
+#include "ckpt/util/progress.h"
+#include "ckpt/shard/sharded_tag.h"
+#include "ckpt/shard/tag_compare.h"
+#include "ckpt/store/tag_verify.h"
+#include "ckpt/store/tag_writer.h"
 #include "tools/format_hints_cli.h"
 
 namespace {

@@ -2,7 +2,7 @@
 
 #include <filesystem>
 
-#include "ckpt/error.h"
+#include "ckpt/util/error.h"
 #include "migrate/interpolation.h"
 #include "migrate/yaml_tree.h"
 #include "tools/hf_state.h"

@@ -6,8 +6,8 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 
-#include "ckpt/logical_state.h"
-#include "ckpt/model_family.h"
+#include "ckpt/shard/logical_state.h"
+#include "ckpt/shard/model_family.h"
 
 namespace tools {
 

@@ -8,16 +8,16 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
-#include "ckpt/crc32.h"
-#include "ckpt/dtype_cast.h"
-#include "ckpt/error.h"
-#include "ckpt/model_family.h"
-#include "ckpt/fingerprint.h"
-#include "ckpt/hdf5_lock.h"
-#include "ckpt/optimizer_groups.h"
-#include "ckpt/pickle_reader.h"
-#include "ckpt/pickle_writer.h"
-#include "ckpt/value_json.h"
+#include "ckpt/util/crc32.h"
+#include "ckpt/pt/dtype_cast.h"
+#include "ckpt/util/error.h"
+#include "ckpt/shard/model_family.h"
+#include "ckpt/shard/fingerprint.h"
+#include "ckpt/util/hdf5_lock.h"
+#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/pt/pickle_reader.h"
+#include "ckpt/pt/pickle_writer.h"
+#include "ckpt/pt/value_json.h"
 
 namespace tools {
 namespace {

@@ -15,7 +15,7 @@
 // so bfloat16 and float16 are kept as their 16-bit patterns in uint16
 // datasets, unless exported as float32, which keeps `source_dtype`), and the
 // layout-free fingerprint of its logical bytes in the source dtype (`crc32`,
-// `numel`, as ckpt/fingerprint.h defines it). Each /optim/<name> group
+// `numel`, as ckpt/shard/fingerprint.h defines it). Each /optim/<name> group
 // carries the parameter's optimizer `step` and its `group` index.
 //
 // Root attributes: `format` ("shardkit-full-state"), `version`, `model` (the
@@ -24,7 +24,7 @@
 // `consumed_samples`, `model_dict_ordered`, `buffers` (rotary inv_freq and
 // the like), `param_groups` (a pickle, uint8: it keeps which objects the
 // groups share), `scheduler.pt` and `user_content.pt`. The other pickled
-// values are stored in the exact JSON form of ckpt/value_json.h; so an
+// values are stored in the exact JSON form of ckpt/pt/value_json.h; so an
 // import writes all of them back byte for byte. For readers,
 // `param_groups_readable` lists each group's hyperparameters and members.
 #pragma once
@@ -37,7 +37,7 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/logical_state.h"
+#include "ckpt/shard/logical_state.h"
 
 namespace tools {
 

@@ -8,11 +8,11 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 
-#include "ckpt/error.h"
-#include "ckpt/model_family.h"
-#include "ckpt/pt_file.h"
-#include "ckpt/storage.h"
-#include "ckpt/tensor.h"
+#include "ckpt/util/error.h"
+#include "ckpt/shard/model_family.h"
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/pt/storage.h"
+#include "ckpt/pt/tensor.h"
 
 namespace tools {
 namespace {

@@ -8,7 +8,7 @@
 //   model.safetensors     the same tensors (model-0000k-of-0000n.safetensors
 //                         with model.safetensors.index.json past the size)
 //
-// HF's names and layouts, from NxDT's logical tensors (ckpt/partition.h):
+// HF's names and layouts, from NxDT's logical tensors (ckpt/shard/partition.h):
 //   - Llama: query_key_value is per head [q_h; k_h; v_h]: NNM's HF converter
 //     (neuronx-nemo-megatron, convert_hf_checkpoint_to_nemo_llama.py,
 //     convert_state_dict_for_pp_rank) concatenates q, k, v and reorders them
@@ -35,9 +35,9 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/env.h"
-#include "ckpt/logical_state.h"
-#include "ckpt/model_family.h"
+#include "ckpt/util/env.h"
+#include "ckpt/shard/logical_state.h"
+#include "ckpt/shard/model_family.h"
 
 namespace tools {
 

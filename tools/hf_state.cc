@@ -6,10 +6,10 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "ckpt/error.h"
-#include "ckpt/input_guard.h"
-#include "ckpt/value_json.h"
-#include "ckpt/pt_file.h"
+#include "ckpt/util/error.h"
+#include "ckpt/store/input_guard.h"
+#include "ckpt/pt/value_json.h"
+#include "ckpt/pt/pt_file.h"
 
 namespace tools {
 

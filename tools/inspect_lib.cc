@@ -6,13 +6,13 @@
 #include <filesystem>
 #include <sstream>
 
-#include "ckpt/error.h"
-#include "ckpt/manifest.h"
-#include "ckpt/model_family.h"
-#include "ckpt/pt_file.h"
-#include "ckpt/tag_verify.h"
-#include "ckpt/value_json.h"
-#include "ckpt/xser.h"
+#include "ckpt/util/error.h"
+#include "ckpt/store/manifest.h"
+#include "ckpt/shard/model_family.h"
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/store/tag_verify.h"
+#include "ckpt/pt/value_json.h"
+#include "ckpt/pt/xser.h"
 
 namespace shardkit {
 namespace fs = std::filesystem;

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/env.h"
-#include "ckpt/value.h"
+#include "ckpt/util/env.h"
+#include "ckpt/pt/value.h"
 
 namespace shardkit {
 

@@ -2,9 +2,9 @@
 
 #include <gtest/gtest.h>
 
-#include "ckpt/error.h"
-#include "ckpt/pt_file.h"
-#include "ckpt/test_util.h"
+#include "ckpt/util/error.h"
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/util/test_util.h"
 
 namespace shardkit {
 namespace {

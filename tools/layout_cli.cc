@@ -18,18 +18,18 @@
 #include <optional>
 #include <thread>
 
-#include "ckpt/mpi_group.h"
-#include "ckpt/cli.h"
-#include "ckpt/error.h"
-#include "ckpt/rank_grid.h"
-#include "ckpt/output_guard.h"
-#include "ckpt/progress.h"
-#include "ckpt/model_family.h"
+#include "ckpt/util/mpi_group.h"
+#include "tools/common/cli.h"
+#include "ckpt/util/error.h"
+#include "ckpt/shard/rank_grid.h"
+#include "ckpt/store/output_guard.h"
+#include "ckpt/util/progress.h"
+#include "ckpt/shard/model_family.h"
 #include "tools/format_hints_cli.h"
 #include "tools/h5_state.h"
 #include "tools/hf_state.h"
 #include "tools/layout_cli.h"
-#include "ckpt/reshard.h"
+#include "ckpt/shard/reshard.h"
 
 namespace {
 

@@ -1,8 +1,8 @@
 // The shared command line of ckpt-reshard and ckpt-import (tools/layout_cli.cc).
 #pragma once
 
-#include "ckpt/env.h"
-#include "ckpt/reshard.h"
+#include "ckpt/util/env.h"
+#include "ckpt/shard/reshard.h"
 
 namespace tools {
 

@@ -1,6 +1,6 @@
 // libFuzzer target for the Hugging Face import's safetensors header parser
 // (tools/hf_state.h), the fingerprint pieces a rank record carries
-// (ckpt/fingerprint.h), and the path an HDF5 export's JSON attributes take on
+// (ckpt/shard/fingerprint.h), and the path an HDF5 export's JSON attributes take on
 // import (the bounded parse, canonical JSON to a Value tree, the plain-data
 // check that keeps calls out of the output, the model format), and an HF config.json. ckpt::Error is a correct rejection; a crash, UB, a
 // leak or any other exception is a finding.
@@ -8,12 +8,12 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "ckpt/error.h"
-#include "ckpt/fingerprint.h"
-#include "ckpt/model_family.h"
-#include "ckpt/partition.h"
-#include "ckpt/value.h"
-#include "ckpt/value_json.h"
+#include "ckpt/util/error.h"
+#include "ckpt/shard/fingerprint.h"
+#include "ckpt/shard/model_family.h"
+#include "ckpt/shard/partition.h"
+#include "ckpt/pt/value.h"
+#include "ckpt/pt/value_json.h"
 #include "tools/hf_state.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

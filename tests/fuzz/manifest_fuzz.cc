@@ -4,9 +4,9 @@
 #include <cstdint>
 #include <string>
 
-#include "ckpt/error.h"
-#include "ckpt/manifest.h"
-#include "ckpt/tag_writer.h"
+#include "ckpt/util/error.h"
+#include "ckpt/store/manifest.h"
+#include "ckpt/store/tag_writer.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);

@@ -5,10 +5,10 @@
 #include <cstdint>
 #include <string>
 
-#include "ckpt/error.h"
-#include "ckpt/pickle_reader.h"
-#include "ckpt/pt_file.h"
-#include "ckpt/value_json.h"
+#include "ckpt/util/error.h"
+#include "ckpt/pt/pickle_reader.h"
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/pt/value_json.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string bytes(reinterpret_cast<const char*>(data), size);

@@ -13,11 +13,11 @@
 #include <fstream>
 #include <string>
 
-#include "ckpt/error.h"
-#include "ckpt/pt_file.h"
-#include "ckpt/tensor.h"
-#include "ckpt/value_json.h"
-#include "ckpt/xser.h"
+#include "ckpt/util/error.h"
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/pt/tensor.h"
+#include "ckpt/pt/value_json.h"
+#include "ckpt/pt/xser.h"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "ckpt/error.h"
+#include "ckpt/util/error.h"
 #include "libtrain/train_config.h"
 #include "migrate/check.h"
 #include "migrate/migrate.h"

@@ -7,8 +7,8 @@
 #include <filesystem>
 #include <string>
 
-#include "ckpt/checkpoint_store.h"
-#include "ckpt/test_util.h"
+#include "ckpt/store/checkpoint_store.h"
+#include "ckpt/util/test_util.h"
 
 int main(int argc, char** argv) {
   if (argc != 5) {

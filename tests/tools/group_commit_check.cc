@@ -16,10 +16,10 @@
 #include <iostream>
 #include <thread>
 
-#include "ckpt/error.h"
-#include "ckpt/mpi_group.h"
-#include "ckpt/tag_writer.h"
-#include "ckpt/tensor.h"
+#include "ckpt/util/error.h"
+#include "ckpt/util/mpi_group.h"
+#include "ckpt/store/tag_writer.h"
+#include "ckpt/pt/tensor.h"
 
 int main(int argc, char** argv) {
   if (argc != 3) {

@@ -11,9 +11,9 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "ckpt/error.h"
-#include "ckpt/pt_file.h"
-#include "ckpt/value_json.h"
+#include "ckpt/util/error.h"
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/pt/value_json.h"
 
 int main(int argc, char** argv) {
   if (argc < 3) {

@@ -1,0 +1,39 @@
+#include "ckpt/pt/value_json.h"
+
+#include <gtest/gtest.h>
+
+#include "ckpt/util/test_util.h"
+
+namespace ckpt {
+
+TEST(ValueJson, RoundTripKeepsStorageSharingAndExactFloats) {
+  Tensor base = testing::Arange({6});
+  Value root = Value::NewDict(true);
+  root.as_dict().Set("a", Value(base));
+  root.as_dict().Set("b", Value(base.Narrow0(2, 4)));
+  root.as_dict().Set("nan", Value(std::nan("")));
+  root.as_dict().Set("tiny", Value(5e-324));
+  auto j = ValueToJson(root, {.tensor_bytes = true});
+  EXPECT_EQ(j["items"][1][1]["storage"], 0);  // same storage as "a"
+  EXPECT_EQ(j["items"][1][1]["offset"], 2);
+  EXPECT_EQ(j["items"][3][1]["bits"], "0000000000000001");
+  Value back = ValueFromJson(nlohmann::json::parse(j.dump()));
+  EXPECT_TRUE(DeepEqual(back, root));
+  EXPECT_EQ(back.as_dict().At("a").as_tensor().storage(), back.as_dict().At("b").as_tensor().storage());
+}
+
+TEST(ValueJson, ParseJsonBoundedRefusesDeepNestingAndKeepsTheRest) {
+  const std::string deep = std::string(20000, '[') + std::string(20000, ']');
+  const std::string e = testing::ErrorOf([&] { ParseJsonBounded(deep, "attr"); });
+  EXPECT_NE(e.find("attr: JSON nested deeper than 1000"), std::string::npos) << e;
+  const std::string ok = std::string(900, '[') + std::string(900, ']');
+  EXPECT_TRUE(ParseJsonBounded(ok, "attr").is_array());
+  EXPECT_TRUE(ParseJsonBounded("{not json", "attr").is_discarded());
+  try {
+    nlohmann::json::parse("[1]").at("tp");
+  } catch (const nlohmann::json::exception& err) {
+    EXPECT_EQ(JsonErrorText(err), "is array where an object with named fields is expected");
+  }
+}
+
+}  // namespace ckpt

@@ -1,0 +1,186 @@
+#include "ckpt/shard/model_family.h"
+
+#include <gtest/gtest.h>
+
+#include "ckpt/util/test_util.h"
+
+namespace ckpt {
+namespace {
+
+using testing::ErrorOf;
+
+// The tiny HF Llama of tests/data/upstream/hf_llama: hidden 64, 8 heads of 8, 2 KV heads.
+ModelFormat Tiny(int64_t m, HwBackend backend, bool fuse = true, bool qkv_linear = true) {
+  ModelFormat f;
+  f.family = ModelFamily::kHfLlama;
+  f.hidden = 64, f.ffn = 96, f.heads = 8, f.kv_heads = 2, f.layers = 4, f.vocab_size = 128;
+  f.fuse_qkv = fuse, f.qkv_linear = qkv_linear, f.kv_size_multiplier = m, f.hw_backend = backend;
+  return f;
+}
+
+std::vector<int64_t> Flat(const std::vector<std::vector<int64_t>>& per_rank) {
+  std::vector<int64_t> out;
+  for (const auto& v : per_rank) out.insert(out.end(), v.begin(), v.end());
+  return out;
+}
+
+// The head tables of tests/data/upstream/hf_llama/README.md, measured from the
+// converter's tags: Trn1 tp8 m4 queries Q0,Q4,Q1,Q5,Q2,Q6,Q3,Q7 with KV r % 2;
+// Trn1 tp4 m2 [Q0,Q1],[Q4,Q5],[Q2,Q3],[Q6,Q7]; Trn2 (runtime rule) tp4 m2
+// natural queries with KV r / 2.
+TEST(ModelFamily, HeadPlacementMatchesNxd) {
+  std::vector<std::vector<int64_t>> q, kv;
+  for (int r = 0; r < 8; ++r) q.push_back(QueryHeadsOfRank(Tiny(4, HwBackend::kTrn1), 8, r)), kv.push_back(KvHeadsOfRank(Tiny(4, HwBackend::kTrn1), 8, r));
+  EXPECT_EQ(Flat(q), (std::vector<int64_t>{0, 4, 1, 5, 2, 6, 3, 7}));
+  EXPECT_EQ(Flat(kv), (std::vector<int64_t>{0, 1, 0, 1, 0, 1, 0, 1}));
+  q.clear(), kv.clear();
+  for (int r = 0; r < 4; ++r) q.push_back(QueryHeadsOfRank(Tiny(2, HwBackend::kTrn1), 4, r)), kv.push_back(KvHeadsOfRank(Tiny(2, HwBackend::kTrn1), 4, r));
+  EXPECT_EQ(Flat(q), (std::vector<int64_t>{0, 1, 4, 5, 2, 3, 6, 7}));
+  EXPECT_EQ(Flat(kv), (std::vector<int64_t>{0, 1, 0, 1}));
+  q.clear(), kv.clear();
+  for (int r = 0; r < 4; ++r) q.push_back(QueryHeadsOfRank(Tiny(2, HwBackend::kTrn2), 4, r)), kv.push_back(KvHeadsOfRank(Tiny(2, HwBackend::kTrn2), 4, r));
+  EXPECT_EQ(Flat(q), (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(Flat(kv), (std::vector<int64_t>{0, 0, 1, 1}));
+  // m = 1: KV heads in order, one per rank at tp 2... here tp 2 holds one each.
+  EXPECT_EQ(KvHeadsOfRank(Tiny(1, HwBackend::kUnknown), 2, 1), (std::vector<int64_t>{1}));
+  EXPECT_EQ(QueryHeadsOfRank(Tiny(1, HwBackend::kUnknown), 2, 1), (std::vector<int64_t>{4, 5, 6, 7}));
+}
+
+TEST(ModelFamily, FusedRunsAreQueryThenKThenV) {
+  const ModelFormat f = Tiny(2, HwBackend::kTrn1);
+  const auto params = LogicalParameters(f, 4);
+  const ParamRule& qkv = params.at(1);
+  ASSERT_EQ(qkv.name, "model.layers.0.self_attn.qkv_proj.weight_qkv");
+  EXPECT_EQ(qkv.shape, (std::vector<int64_t>{64 + 16 + 16, 64}));
+  // Rank 1: queries 4, 5 (rows 32..47), K head 1 (rows 64 + 8..), V head 1 (rows 80 + 8..).
+  const auto runs = LocalRuns(qkv, f, 4, 1);
+  ASSERT_EQ(runs.size(), 3u);
+  EXPECT_EQ((std::vector<int64_t>{runs[0].local, runs[0].logical, runs[0].count}), (std::vector<int64_t>{0, 32, 16}));
+  EXPECT_EQ((std::vector<int64_t>{runs[1].local, runs[1].logical, runs[1].count}), (std::vector<int64_t>{16, 72, 8}));
+  EXPECT_EQ((std::vector<int64_t>{runs[2].local, runs[2].logical, runs[2].count}), (std::vector<int64_t>{24, 88, 8}));
+  EXPECT_EQ(LocalShape(qkv, f, 4, 1), (std::vector<int64_t>{32, 64}));
+  // Regions are never merged: tp 4 m 1 rank... (Trn1 m2 rank 3 holds Q6, Q7 then K1: logical 56..64 and 72.., apart anyway);
+  // at tp 8 m 4 rank 7 holds query 7 (rows 56..63) and K1 (rows 72..79): two runs.
+  const ModelFormat g = Tiny(4, HwBackend::kTrn1);
+  const auto r7 = LocalRuns(LogicalParameters(g, 8).at(1), g, 8, 7);
+  EXPECT_EQ(r7.size(), 3u);
+  // o_proj: columns of the same query heads.
+  const ParamRule& o = params.at(2);
+  ASSERT_EQ(o.name, "model.layers.0.self_attn.o_proj.weight");
+  EXPECT_EQ(o.split, SplitDim::kColumns);
+  const auto oruns = LocalRuns(o, f, 4, 2);
+  ASSERT_EQ(oruns.size(), 1u);
+  EXPECT_EQ(oruns[0].logical, 16);  // rank 2 holds Q2, Q3
+}
+
+TEST(ModelFamily, NamesAndStages) {
+  const auto params = LogicalParameters(Tiny(1, HwBackend::kUnknown, false, true), 2);
+  std::vector<std::string> names;
+  for (const auto& p : params) names.push_back(p.name);
+  EXPECT_EQ(names.front(), "model.embed_tokens.weight");
+  EXPECT_EQ(names.at(1), "model.layers.0.self_attn.qkv_proj.weight_q");
+  EXPECT_EQ(names.at(3), "model.layers.0.self_attn.qkv_proj.weight_v");
+  EXPECT_EQ(names.back(), "lm_head.weight");
+  const auto stage1 = StageParameters(params, {0, 2, 4}, 1);
+  EXPECT_EQ(stage1.front().name, "model.layers.2.self_attn.qkv_proj.weight_q");
+  EXPECT_EQ(stage1.back().name, "lm_head.weight");
+  EXPECT_EQ(stage1.at(stage1.size() - 2).name, "model.norm.weight");
+  EXPECT_EQ(StageParameters(params, {0, 2, 4}, 0).front().name, "model.embed_tokens.weight");
+  EXPECT_EQ(FamilyOfNames({"model.layers.0.mlp.down_proj.weight"}, "f"), ModelFamily::kHfLlama);
+  EXPECT_EQ(FamilyOfNames({"language_model.embedding.word_embeddings.weight", "x.inv_freq"}, "f"), ModelFamily::kMegatron);
+  const std::string mixed = ErrorOf([] { FamilyOfNames({"language_model.encoder.final_layernorm.weight", "lm_head.weight"}, "f.pt"); });
+  EXPECT_NE(mixed.find("f.pt: mixes model families"), std::string::npos) << mixed;
+  EXPECT_NE(mixed.find("lm_head.weight"), std::string::npos) << mixed;
+}
+
+TEST(ModelFamily, InfersReplicationFromEqualRanks) {
+  auto by = [](std::function<int(int)> slot) { return [slot](int a, int b) { return slot(a) == slot(b); }; };
+  KvReplicationSeen s = InferKvReplication(8, by([](int r) { return r % 2; }));
+  EXPECT_EQ(s.multiplier, 4);
+  EXPECT_EQ(s.backend, HwBackend::kTrn1);
+  EXPECT_EQ(s.groups, "[[0, 2, 4, 6], [1, 3, 5, 7]]");
+  s = InferKvReplication(4, by([](int r) { return r / 2; }));
+  EXPECT_EQ(s.multiplier, 2);
+  EXPECT_EQ(s.backend, HwBackend::kTrn2);
+  s = InferKvReplication(4, by([](int r) { return r; }));
+  EXPECT_EQ(s.multiplier, 1);
+  EXPECT_EQ(s.backend, HwBackend::kUnknown);
+  s = InferKvReplication(4, by([](int) { return 0; }));
+  EXPECT_EQ(s.multiplier, 4);
+  EXPECT_EQ(s.backend, HwBackend::kUnknown);
+  const std::string odd = ErrorOf([&] { InferKvReplication(4, by([](int r) { return r == 3 ? 1 : 0; })); });
+  EXPECT_NE(odd.find("[[0, 1, 2], [3]]"), std::string::npos) << odd;
+  const std::string mixed = ErrorOf([&] { InferKvReplication(4, by([](int r) { return r == 0 || r == 3 ? 0 : 1; })); });
+  EXPECT_NE(mixed.find("fit neither"), std::string::npos) << mixed;
+}
+
+TEST(ModelFamily, ReplicationProblems) {
+  EXPECT_EQ(KvReplicationProblem(Tiny(4, HwBackend::kTrn1), 8), "");
+  EXPECT_EQ(KvReplicationProblem(Tiny(1, HwBackend::kUnknown), 2), "");
+  // 2 KV heads x 1 over tp 4: not a whole head per rank.
+  EXPECT_NE(KvReplicationProblem(Tiny(1, HwBackend::kTrn1), 4).find("kv_size_multiplier 2 fits"), std::string::npos);
+  // Replication needs qkv_linear.
+  EXPECT_NE(KvReplicationProblem(Tiny(2, HwBackend::kTrn1, true, false), 4).find("qkv_linear"), std::string::npos);
+  // Two KV heads per rank with replication: refused, naming the multiplier that fits.
+  EXPECT_NE(KvReplicationProblem(Tiny(4, HwBackend::kTrn1), 4).find("use kv_size_multiplier 2"), std::string::npos);
+  EXPECT_TRUE(BackendMatters(Tiny(2, HwBackend::kUnknown), 4));
+  EXPECT_FALSE(BackendMatters(Tiny(2, HwBackend::kUnknown), 2));
+}
+
+TEST(ModelFamily, FusedAndSeparateAttentionMapRowForRow) {
+  const ModelFormat fused = Tiny(2, HwBackend::kTrn1), split = Tiny(2, HwBackend::kTrn1, false, true);
+  const auto to_split = LogicalRowsIn(fused, split);
+  const auto& k = to_split.at("model.layers.3.self_attn.qkv_proj.weight_k");
+  ASSERT_EQ(k.size(), 1u);
+  EXPECT_EQ(k[0].row, 0);
+  EXPECT_EQ(k[0].from.name, "model.layers.3.self_attn.qkv_proj.weight_qkv");
+  EXPECT_EQ(k[0].from.row, 64);
+  EXPECT_EQ(k[0].from.rows, 16);
+  const auto to_fused = LogicalRowsIn(split, fused);
+  const auto& qkv = to_fused.at("model.layers.0.self_attn.qkv_proj.weight_qkv");
+  ASSERT_EQ(qkv.size(), 3u);
+  EXPECT_EQ(qkv[0].from.name, "model.layers.0.self_attn.qkv_proj.weight_q");
+  EXPECT_EQ(qkv[2].from.name, "model.layers.0.self_attn.qkv_proj.weight_v");
+  EXPECT_EQ(qkv[2].row, 80);
+  EXPECT_EQ(to_fused.at("model.norm.weight").at(0).from.name, "model.norm.weight");
+}
+
+// Megatron's per-head [q_h; k_h; v_h] rows and padded vocabulary from the HF-style family's [Q; K; V].
+TEST(ModelFamily, AcrossFamiliesThroughHfTensors) {
+  ModelFormat hf = Tiny(1, HwBackend::kUnknown, true, true), mega = hf;
+  hf.kv_heads = mega.kv_heads = 8;
+  mega.family = ModelFamily::kMegatron, mega.make_vocab_size_divisible_by = 96;  // pads 128 to 192
+  const auto m = LogicalRowsIn(hf, mega);
+  const auto& qkv = m.at("language_model.encoder.layers.2.self_attention.query_key_value.weight");
+  ASSERT_EQ(qkv.size(), 24u);  // 8 heads x q, k, v
+  EXPECT_EQ(qkv[1].row, 8);    // head 0's k
+  EXPECT_EQ(qkv[1].from.name, "model.layers.2.self_attn.qkv_proj.weight_qkv");
+  EXPECT_EQ(qkv[1].from.row, 64);
+  const auto& emb = m.at("language_model.embedding.word_embeddings.weight");
+  ASSERT_EQ(emb.size(), 1u);
+  EXPECT_EQ(emb[0].from.rows, 128);  // rows 128..191 are padding: zeros
+  ModelFormat other = mega;
+  other.hidden = 32;
+  EXPECT_NE(ErrorOf([&] { LogicalRowsIn(hf, other); }).find("different models"), std::string::npos);
+}
+
+TEST(ModelFamily, MegatronReplicationBelowTpIsSaidToLoadInShardkitOnly) {
+  ModelFormat f = Tiny(1, HwBackend::kUnknown);
+  f.family = ModelFamily::kMegatron;  // 8 heads, 2 KV heads
+  EXPECT_EQ(MegatronKvReplicationNote(f, 2), "");
+  EXPECT_NE(MegatronKvReplicationNote(f, 4).find("2 KV heads over tp 4 are replicated by shardkit's rule"), std::string::npos);
+  EXPECT_EQ(MegatronKvReplicationNote(Tiny(2, HwBackend::kTrn1), 4), "");  // NxD's own replication
+}
+
+TEST(ModelFamily, FormatRoundTripsThroughJson) {
+  ModelFormat f = Tiny(4, HwBackend::kTrn2, false, true);
+  EXPECT_EQ(ModelFormat::FromJson(f.ToJson(), "m"), f);
+  auto old = nlohmann::json(ModelFormat{}.ToJson());
+  for (const char* k : {"model_family", "fuse_qkv", "qkv_linear", "kv_size_multiplier", "hw_backend"}) old.erase(k);
+  old["num_layers"] = 1, old["hidden_size"] = 8, old["ffn_hidden_size"] = 8, old["num_attention_heads"] = 2, old["num_kv_heads"] = 2,
+  old["vocab_size"] = 8;
+  EXPECT_EQ(ModelFormat::FromJson(old, "old manifest").family, ModelFamily::kMegatron);
+}
+
+}  // namespace
+}  // namespace ckpt

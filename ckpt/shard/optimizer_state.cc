@@ -1,0 +1,129 @@
+#include "ckpt/shard/optimizer_state.h"
+
+#include "ckpt/util/error.h"
+
+namespace ckpt {
+
+Value OptimizerFile::ToValue() const {
+  Value state = Value::NewDict(), shapes = Value::NewDict(), masters = Value::NewDict();
+  bool any_master = false;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamState& p = params[i];
+    const Value id(static_cast<int64_t>(i));
+    Value s = Value::NewDict();
+    s.as_dict().Set("step", p.step);
+    s.as_dict().Set("exp_avg", p.exp_avg);
+    s.as_dict().Set("exp_avg_sq", p.exp_avg_sq);
+    state.as_dict().items.emplace_back(id, std::move(s));
+    std::vector<Value> dims;
+    for (int64_t d : p.shape) dims.emplace_back(d);
+    // A list, not torch.Size: NxD saves through torch_xla's ToXlaTensorArena, which rewrites
+    // tuples and torch.Size into lists (NxD parallel_layers/utils.py move_all_tensor_to_cpu).
+    shapes.as_dict().items.emplace_back(id, Value::NewSeq(SeqKind::kList, dims));
+    if (p.master) masters.as_dict().items.emplace_back(id, *p.master), any_master = true;
+  }
+  Value out = Value::NewDict();
+  auto& d = out.as_dict();
+  if (!zero1) {
+    if (any_master) throw Error("a plain AdamW state dict has no place for master weights");
+    d.Set("state", state);
+    d.Set("param_groups", param_groups);
+    return out;
+  }
+  d.Set("state", Value::NewDict());
+  d.Set("param_groups", param_groups);
+  d.Set("base_state", state);
+  d.Set("shape_info", shapes);
+  if (any_master) d.Set("sharded_master_weights", masters);
+  return out;
+}
+
+const Value* EntryById(const Dict& by_id, size_t id) {
+  for (const auto& [k, v] : by_id.items)
+    if (k.is_int() && k.as_int() == static_cast<int64_t>(id)) return &v;
+  return nullptr;
+}
+
+std::vector<size_t> ParamGroupSizes(const Value& groups, const std::string& where, std::vector<int64_t>* ids_out) {
+  if (!groups.is_seq() || groups.as_seq().items.empty())
+    throw Error(where + " must list the optimizer's parameter groups, found " +
+                (groups.is_seq() ? "an empty list" : "a " + groups.kind_name()));
+  std::vector<size_t> sizes;
+  std::vector<int64_t> all;
+  std::vector<std::string> group_of;
+  for (size_t g = 0; g < groups.as_seq().items.size(); ++g) {
+    const std::string at = where + "[" + std::to_string(g) + "]";
+    const Value& group = groups.as_seq().items[g];
+    if (!group.is_dict()) throw Error(at + " is a " + group.kind_name() + ", not a dict");
+    const Value& ids = group.as_dict().At("params");
+    if (!ids.is_seq()) throw Error(at + ".params is a " + ids.kind_name() + ", not a list of ids");
+    for (const Value& id : ids.as_seq().items) all.push_back(AsInteger(id, at + ".params item")), group_of.push_back(at);
+    sizes.push_back(ids.as_seq().items.size());
+  }
+  const int64_t n = static_cast<int64_t>(all.size());
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t id = all[k];
+    if (id == k || (id > k && id < n && all[id] == id)) continue;
+    throw Error(group_of[k] + ".params is not numbered in order (torch numbers group 0's ids from 0, then group 1's; a parameter "
+                "listed twice takes its later position's id)");
+  }
+  if (ids_out) *ids_out = std::move(all);
+  return sizes;
+}
+
+Value ParamGroupsFor(const Value& source, const Grouping& to) {
+  if (!source.is_seq() || source.as_seq().items.empty()) throw Error("param_groups must be a non-empty list");
+  const auto& src = source.as_seq().items;
+  Value out = Value::List();
+  for (int g = 0; g < to.groups; ++g) {
+    Value ids = Value::List();
+    for (size_t i = 0; i < to.order.size(); ++i)
+      if (to.order[i].group == g) ids.as_seq().items.emplace_back(static_cast<int64_t>(i));
+    const bool decays = to.group_decays.at(g);
+    const Value* from = nullptr;
+    for (const Value& s : src) {
+      if (!s.is_dict()) throw Error("param_groups holds a " + s.kind_name() + ", not a dict");
+      const Value* wd = s.as_dict().Find("weight_decay");
+      const bool zero = wd && ((wd->is_float() && wd->as_float() == 0.0) || (wd->is_int() && wd->as_int() == 0));
+      if (zero != decays) {
+        from = &s;
+        break;
+      }
+    }
+    const bool borrowed = from == nullptr;
+    if (borrowed) from = &src[0];
+    Value pg = Value::NewDict(from->as_dict().ordered);
+    pg.as_dict().items = from->as_dict().items;
+    if (borrowed && !decays) pg.as_dict().Set("weight_decay", Value(0.0));
+    pg.as_dict().Set("params", ids);
+    out.as_seq().items.push_back(pg);
+  }
+  return out;
+}
+
+int64_t Zero1SavedAsOneShard(const Value& file) {
+  if (!file.is_dict()) return 0;
+  const Value* base = file.as_dict().Find("base_state");
+  const Value* shapes = file.as_dict().Find("shape_info");
+  if (!base || !shapes || !base->is_dict() || !shapes->is_dict()) return 0;
+  for (const auto& [id, entry] : base->as_dict().items) {
+    if (!id.is_int() || id.as_int() < 0) continue;
+    const Value* shape = EntryById(shapes->as_dict(), static_cast<size_t>(id.as_int()));
+    const Value* avg = entry.is_dict() ? entry.as_dict().Find("exp_avg") : nullptr;
+    if (!shape || !shape->is_seq() || shape->as_seq().items.empty() || !avg || !avg->is_tensor() || avg->as_tensor().shape().empty()) continue;
+    const Value& r = shape->as_seq().items[0];
+    if (!r.is_int()) continue;
+    const int64_t rows = r.as_int(), shard = avg->as_tensor().shape()[0];
+    if (shard > 0 && shard < rows) return (rows + shard - 1) / shard;
+  }
+  return 0;
+}
+
+std::string Zero1OneShardMessage(const std::string& where, int64_t dp) {
+  return where + ": NxDT saved a dp=" + std::to_string(dp) +
+         " ZeRO-1 optimizer as one shard; the other ranks' moments were never written (NxDT passes zero1_optimizer from "
+         "cfg.wrap_with_zero, which NxDT configs do not set). The model weights are complete: take them with a fresh optimizer "
+         "by --weights_only (ckpt-reshard, ckpt-export) or model.weight_init_only: True (shardkit-train, as NxDT)";
+}
+
+}  // namespace ckpt

@@ -1,0 +1,65 @@
+// The optimizer file schemas NxDT reads, in one typed form: torch's AdamW
+// state dict ({"state": {id: {step, exp_avg, exp_avg_sq}}, "param_groups"})
+// and torch-xla ZeRO-1's ({"state": {}, "param_groups", "base_state": {id:
+// shards}, "shape_info": {id: torch.Size}, optional
+// "sharded_master_weights"}). Ids are positions in the grouping's order.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/pt/value.h"
+
+namespace ckpt {
+
+struct ParamState {
+  Value step;                     // as torch keeps it (a 0-d float32 tensor)
+  Value exp_avg, exp_avg_sq;      // the whole local tensor, or this dp rank's ZeRO-1 shard
+  std::optional<Value> master;    // ZeRO-1 sharded_master_weights
+  std::vector<int64_t> shape;     // the unsharded local shape (ZeRO-1's shape_info)
+};
+
+struct OptimizerFile {
+  bool zero1 = false;
+  Value param_groups;               // ParamGroupsFor
+  std::vector<ParamState> params;   // by optimizer id
+  Value ToValue() const;
+};
+
+// The entry for optimizer id `id` in a {id: value} dict (state, base_state,
+// shape_info, sharded_master_weights); nullptr when absent.
+const Value* EntryById(const Dict& by_id, size_t id);
+
+// When `file` (a tag's only ZeRO-1 optimizer file of its tp/pp rank, no other
+// dp rank's beside it) holds shards with fewer rows than its shape_info says,
+// the dp degree it was sharded over (rows / shard rows); else 0. That is how
+// NxDT saves a ZeRO-1 optimizer at dp > 1: NxDT nlp_overrides.py
+// NLPCheckpointIO.save_checkpoint passes zero1_optimizer from the NNM key
+// cfg.wrap_with_zero, which no NxDT config sets, so NxD trainer/checkpoint.py
+// save_checkpoint writes dp rank 0's file only and the other ranks' moments
+// are lost; NxD load_checkpoint then hands that one shard to every rank.
+int64_t Zero1SavedAsOneShard(const Value& file);
+// The message for such a file.
+std::string Zero1OneShardMessage(const std::string& where, int64_t dp);
+
+// The sizes of the groups a `param_groups` list holds, after checking that
+// their ids run 0, 1, ... across the groups in order, as torch numbers them.
+// A parameter a group lists twice (NeMo lists GPT's tied weight under the
+// embedding and the output layer) has, in torch's numbering, the later
+// position's id at both positions (Optimizer.state_dict's pack_group; run:
+// tests/data/upstream/nxdt_megatron): position k holds k, or an id j > k whose
+// own position holds j. `ids`, when given, receives the id of every position.
+// Throws ckpt::Error naming `where`.
+std::vector<size_t> ParamGroupSizes(const Value& param_groups, const std::string& where, std::vector<int64_t>* ids = nullptr);
+
+// `param_groups` for the grouping `to`, hyperparameters from `source` (a
+// param_groups list): a decaying group takes the first source group whose
+// weight_decay is not 0, a non-decaying one the first whose weight_decay is 0;
+// without such a group, source group 0's (weight_decay set to 0 for a
+// non-decaying group). Every group of `to` is written, empty ones too (NeMo's
+// rule has none; NxDT's HF-style models keep theirs).
+Value ParamGroupsFor(const Value& source, const Grouping& to);
+
+}  // namespace ckpt

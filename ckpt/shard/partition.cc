@@ -1,0 +1,316 @@
+#include "ckpt/shard/partition.h"
+
+#include "ckpt/util/error.h"
+#include "ckpt/store/layout.h"
+#include <algorithm>
+
+#include "ckpt/shard/model_family.h"
+#include "ckpt/shard/optimizer_groups.h"
+
+namespace ckpt {
+namespace {
+
+std::string LayerName(int l, const std::string& leaf) {
+  return "language_model.encoder.layers." + std::to_string(l) + "." + leaf;
+}
+
+int64_t FieldInt(const nlohmann::json& j, const char* key, int64_t lo, int64_t hi, const std::string& where) {
+  if (!j.contains(key)) throw Error(where + ": model format has no '" + key + "'");
+  const auto& v = j.at(key);
+  if (!v.is_number_integer()) throw Error(where + ": model format '" + key + "' is not an integer");
+  const int64_t x = v.get<int64_t>();
+  if (x < lo || x > hi)
+    throw Error(where + ": model format '" + key + "' is " + std::to_string(x) + ", outside " + std::to_string(lo) + ".." + std::to_string(hi));
+  return x;
+}
+
+std::string FieldChoice(const nlohmann::json& j, const char* key, std::initializer_list<const char*> choices, const std::string& where) {
+  if (!j.contains(key) || !j.at(key).is_string()) throw Error(where + ": model format has no string '" + key + "'");
+  const std::string v = j.at(key).get<std::string>();
+  std::string all;
+  for (const char* c : choices) {
+    if (v == c) return v;
+    all += (all.empty() ? "" : ", ") + std::string(c);
+  }
+  throw Error(where + ": model format '" + key + "' is '" + v + "', not one of " + all);
+}
+
+bool FieldBool(const nlohmann::json& j, const char* key, const std::string& where) {
+  if (!j.contains(key) || !j.at(key).is_boolean()) throw Error(where + ": model format has no boolean '" + key + "'");
+  return j.at(key).get<bool>();
+}
+
+}  // namespace
+
+int64_t ModelFormat::PaddedVocab(int tp) const {
+  const int64_t multiple = make_vocab_size_divisible_by * tp;
+  return (vocab_size + multiple - 1) / multiple * multiple;
+}
+
+std::string ModelFormat::Describe() const {
+  std::string s = std::string(family == ModelFamily::kHfLlama ? "HF-style llama" : layernorm ? "gpt-style" : "llama-style") + ", " + std::to_string(layers) + " layers, hidden " +
+                  std::to_string(hidden) + ", ffn " + std::to_string(ffn) + ", " + std::to_string(heads) + " heads";
+  if (kv_heads != heads) s += " (" + std::to_string(kv_heads) + " KV)";
+  if (kv_size_multiplier > 1) s += std::string(", KV replicated x") + std::to_string(kv_size_multiplier) + " (" + BackendName(hw_backend) + ")";
+  return s + ", vocab " + std::to_string(vocab_size);
+}
+
+std::string ModelFormat::CheckTensorParallel(int tp) const {
+  auto no = [&](const std::string& what, int64_t n) {
+    return "tensor parallel degree " + std::to_string(tp) + " does not divide the " + what + " (" + std::to_string(n) + ")";
+  };
+  if (tp < 1 || tp > kMaxRanks) return "tensor parallel degree " + std::to_string(tp) + " is out of range";
+  if (heads % tp) return no("attention heads", heads);
+  if (family == ModelFamily::kHfLlama) {
+    if (ffn % tp) return no("FFN width", ffn);
+    // NxD's ParallelEmbedding and the converter split the vocabulary evenly, with no padding.
+    if (vocab_size % tp) return no("vocabulary", vocab_size) + " (the HF-style family does not pad it)";
+    if (tied_output) return "the HF-style family with tied embeddings (no lm_head.weight) is not supported";
+    return KvReplicationProblem(*this, tp);
+  }
+  if (kv_heads % tp && tp % kv_heads)
+    return no("KV heads", kv_heads) + ", and is not a multiple of them (NxD replicates KV heads only by a whole kv_size_multiplier)";
+  if (ffn % tp) return no("FFN width", ffn);
+  return "";
+}
+
+std::string ModelFormat::CheckSizes() const {
+  auto over = [](const char* what, int64_t v, int64_t max) {
+    return std::string(what) + " " + std::to_string(v) + " is beyond any model (at most " + std::to_string(max) + ")";
+  };
+  if (layers < 1 || layers > kMaxLayers) return over("the layer count", layers, kMaxLayers);
+  if (hidden < 1 || hidden > (1 << 20)) return over("the hidden size", hidden, 1 << 20);
+  if (ffn < 1 || ffn > (1 << 20)) return over("the FFN width", ffn, 1 << 20);
+  if (vocab_size < 1 || vocab_size > (1 << 24)) return over("the vocabulary", vocab_size, 1 << 24);
+  if (max_positions < 0 || max_positions > (1 << 24)) return over("max_position_embeddings", max_positions, 1 << 24);
+  if (!(rope_theta > 0 && rope_theta <= 1e12)) return "rope_theta " + std::to_string(rope_theta) + " is not in (0, 1e12]";
+  if (!(norm_eps > 0 && norm_eps < 1)) return "the norm epsilon " + std::to_string(norm_eps) + " is not in (0, 1)";
+  if (!(rotary_percentage > 0 && rotary_percentage <= 1)) return "rotary_percentage " + std::to_string(rotary_percentage) + " is not in (0, 1]";
+  return "";
+}
+
+nlohmann::ordered_json ModelFormat::ToJson() const {
+  return {{"num_layers", layers},
+          {"hidden_size", hidden},
+          {"ffn_hidden_size", ffn},
+          {"num_attention_heads", heads},
+          {"num_kv_heads", kv_heads},
+          {"vocab_size", vocab_size},
+          {"make_vocab_size_divisible_by", make_vocab_size_divisible_by},
+          {"normalization", layernorm ? "layernorm" : "rmsnorm"},
+          {"activation", gelu ? "gelu" : "swiglu"},
+          {"has_bias", bias},
+          {"position_embedding_type", learned_positions ? "learned_absolute" : "rope"},
+          {"max_position_embeddings", max_positions},
+          {"share_embeddings_and_output_weights", tied_output},
+          {"rope_theta", rope_theta},
+          {"layernorm_epsilon", norm_eps},
+          {"rotary_percentage", rotary_percentage},
+          {"model_family", FamilyName(family)},
+          {"fuse_qkv", fuse_qkv},
+          {"qkv_linear", qkv_linear},
+          {"kv_size_multiplier", kv_size_multiplier},
+          {"hw_backend", BackendName(hw_backend)}};
+}
+
+ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& where) {
+  if (!j.is_object()) throw Error(where + ": model format is not an object");
+  constexpr int64_t kBig = int64_t{1} << 40;
+  ModelFormat f;
+  f.layers = FieldInt(j, "num_layers", 1, 1 << 20, where);
+  f.hidden = FieldInt(j, "hidden_size", 1, kBig, where);
+  f.ffn = FieldInt(j, "ffn_hidden_size", 1, kBig, where);
+  f.heads = FieldInt(j, "num_attention_heads", 1, f.hidden, where);
+  f.kv_heads = FieldInt(j, "num_kv_heads", 1, f.heads, where);
+  f.vocab_size = FieldInt(j, "vocab_size", 1, kBig, where);
+  f.make_vocab_size_divisible_by = FieldInt(j, "make_vocab_size_divisible_by", 1, 1 << 20, where);
+  f.layernorm = FieldChoice(j, "normalization", {"rmsnorm", "layernorm"}, where) == "layernorm";
+  f.gelu = FieldChoice(j, "activation", {"swiglu", "gelu"}, where) == "gelu";
+  f.bias = FieldBool(j, "has_bias", where);
+  f.learned_positions = FieldChoice(j, "position_embedding_type", {"rope", "learned_absolute"}, where) == "learned_absolute";
+  f.max_positions = FieldInt(j, "max_position_embeddings", 0, kBig, where);
+  f.tied_output = FieldBool(j, "share_embeddings_and_output_weights", where);
+  // Absent from manifests written before they were recorded: the values those were trained with.
+  auto number = [&](const char* key, double dflt) {
+    if (!j.contains(key)) return dflt;
+    if (!j.at(key).is_number()) throw Error(where + ": model format '" + key + "' is not a number");
+    return j.at(key).get<double>();
+  };
+  f.rope_theta = number("rope_theta", f.rope_theta);
+  f.norm_eps = number("layernorm_epsilon", f.norm_eps);
+  f.rotary_percentage = number("rotary_percentage", f.rotary_percentage);
+  // Absent from manifests written before families were recorded: Megatron-style.
+  if (j.contains("model_family")) {
+    const std::string fam = FieldChoice(j, "model_family", {"megatron", "hf_llama"}, where);
+    f.family = *ParseFamily(fam);
+    f.fuse_qkv = FieldBool(j, "fuse_qkv", where);
+    f.qkv_linear = FieldBool(j, "qkv_linear", where);
+    f.kv_size_multiplier = FieldInt(j, "kv_size_multiplier", 1, 1 << 20, where);
+    const std::string hw = FieldChoice(j, "hw_backend", {"trn1", "trn2", "unknown"}, where);
+    f.hw_backend = ParseBackend(hw).value_or(HwBackend::kUnknown);
+  }
+  if (f.hidden % f.heads) throw Error(where + ": model format hidden_size " + std::to_string(f.hidden) + " is not a multiple of num_attention_heads");
+  if (f.heads % f.kv_heads) throw Error(where + ": model format num_attention_heads is not a multiple of num_kv_heads");
+  if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(where + ": model format: " + why);
+  return f;
+}
+
+std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
+  if (f.family == ModelFamily::kHfLlama) return HfLlamaParameters(f, tp);
+  const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), V = f.PaddedVocab(tp);
+  std::vector<ParamRule> p;
+  int layer = -1;
+  auto add = [&](std::string name, std::vector<int64_t> shape, SplitDim split, FusedRows fused = FusedRows::kPlain) {
+    ParamRule r{std::move(name), std::move(shape), split, fused};
+    r.layer = layer;
+    p.push_back(std::move(r));
+  };
+  // Column-parallel linears split their rows and biases alike; row-parallel
+  // ones split their columns and keep their biases whole.
+  auto column = [&](const std::string& name, int64_t out, FusedRows fused) {
+    add(name + ".weight", {out, H}, SplitDim::kRows, fused);
+    if (f.bias) add(name + ".bias", {out}, SplitDim::kRows, fused);
+  };
+  auto row = [&](const std::string& name, int64_t in) {
+    add(name + ".weight", {H, in}, SplitDim::kColumns);
+    if (f.bias) add(name + ".bias", {H}, SplitDim::kReplicated);
+  };
+  auto norm = [&](const std::string& name) {
+    add(name + ".weight", {H}, SplitDim::kReplicated);
+    p.back().norm = true;
+    if (f.layernorm) add(name + ".bias", {H}, SplitDim::kReplicated), p.back().norm = true;
+  };
+  add("language_model.embedding.word_embeddings.weight", {V, H}, SplitDim::kRows);
+  p.back().vocab = true;
+  p.back().place = StagePlace::kFirst;
+  if (f.learned_positions) {
+    add("language_model.embedding.position_embeddings.weight", {f.max_positions, H}, SplitDim::kReplicated);
+    p.back().place = StagePlace::kFirst;
+  }
+  for (layer = 0; layer < f.layers; ++layer) {
+    norm(LayerName(layer, "input_layernorm"));
+    if (f.kv_heads != f.heads) {
+      column(LayerName(layer, "self_attention.query"), H, FusedRows::kPlain);
+      column(LayerName(layer, "self_attention.key_value"), 2 * f.kv_heads * hd, FusedRows::kPerGroupKv);
+    } else {
+      column(LayerName(layer, "self_attention.query_key_value"), 3 * H, FusedRows::kPerHeadQkv);
+    }
+    row(LayerName(layer, "self_attention.dense"), H);
+    norm(LayerName(layer, "post_attention_layernorm"));
+    column(LayerName(layer, "mlp.dense_h_to_4h"), f.gelu ? F : 2 * F, f.gelu ? FusedRows::kPlain : FusedRows::kGateUp);
+    row(LayerName(layer, "mlp.dense_4h_to_h"), F);
+  }
+  layer = -1;
+  const size_t last = p.size();
+  norm("language_model.encoder.final_layernorm");
+  if (!f.tied_output) {
+    add("language_model.output_layer.weight", {V, H}, SplitDim::kRows);
+    p.back().vocab = true;
+  }
+  for (size_t i = last; i < p.size(); ++i) p[i].place = StagePlace::kLast;
+  return p;
+}
+
+std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank) {
+  if (p.split == SplitDim::kReplicated) return {{0, 0, p.shape.at(0)}};
+  if (p.fused == FusedRows::kQueryHeads || p.fused == FusedRows::kKvHeads || p.fused == FusedRows::kQkvHeads) return HeadRuns(p, f, tp, rank);
+  const int64_t extent = p.shape.at(p.split == SplitDim::kRows ? 0 : 1);
+  if (p.fused == FusedRows::kGateUp) {
+    const int64_t half = extent / 2 / tp;
+    return {{0, rank * half, half}, {half, extent / 2 + rank * half, half}};
+  }
+  if (p.fused == FusedRows::kPerGroupKv && f.kv_heads < tp) {
+    const int64_t group = extent / f.kv_heads;
+    return {{0, KvReplicasOf(f.kv_heads, tp, rank).group * group, group}};
+  }
+  const int64_t n = extent / tp;
+  return {{0, rank * n, n}};
+}
+
+KvReplicas KvReplicasOf(int64_t kv_heads, int tp, int rank) {
+  const int sharing = tp / static_cast<int>(kv_heads);
+  return {rank / sharing, rank / sharing * sharing, sharing};
+}
+
+std::vector<int64_t> LocalShape(const ParamRule& p, const ModelFormat& f, int tp, int rank) {
+  std::vector<int64_t> shape = p.shape;
+  if (p.split == SplitDim::kReplicated) return shape;
+  int64_t n = 0;
+  for (const Run& r : LocalRuns(p, f, tp, rank)) n += r.count;
+  shape[p.split == SplitDim::kRows ? 0 : 1] = n;
+  return shape;
+}
+
+std::vector<int64_t> StageBounds(int64_t layers, int pp, const std::vector<int64_t>& cuts) {
+  if (pp < 1 || pp > kMaxRanks) throw Error("pipeline parallel degree " + std::to_string(pp) + " is out of range");
+  if (pp > layers)
+    throw Error("pipeline parallel degree " + std::to_string(pp) + " exceeds the " + std::to_string(layers) +
+                " layers: every stage needs at least one layer");
+  std::vector<int64_t> b{0};
+  if (cuts.empty()) {
+    const int64_t base = layers / pp, rem = layers % pp;
+    for (int s = 0; s < pp; ++s) b.push_back(b.back() + base + (s >= pp - rem ? 1 : 0));
+    return b;
+  }
+  if (static_cast<int>(cuts.size()) != pp - 1)
+    throw Error("the pipeline cuts list " + std::to_string(cuts.size()) + " cuts; " + std::to_string(pp) + " stages need " +
+                std::to_string(pp - 1));
+  for (int64_t c : cuts) {
+    if (c <= b.back() || c >= layers)
+      throw Error("pipeline cuts must be ascending layer numbers between 1 and " + std::to_string(layers - 1) + " (got " +
+                  std::to_string(c) + ")");
+    b.push_back(c);
+  }
+  b.push_back(layers);
+  return b;
+}
+
+std::vector<int64_t> CutsOf(const std::vector<int64_t>& bounds) {
+  if (bounds.size() <= 2) return {};
+  return {bounds.begin() + 1, bounds.end() - 1};
+}
+
+std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, const std::vector<int64_t>& bounds, int stage,
+                                        TiedCopyNaming naming) {
+  const int last = static_cast<int>(bounds.size()) - 2;
+  std::vector<StageParam> out;
+  const ParamRule* embedding = nullptr;
+  bool output = false;
+  for (const ParamRule& p : logical) {
+    if (p.vocab && p.place == StagePlace::kFirst) embedding = &p;
+    if (p.vocab && p.place == StagePlace::kLast) output = true;
+    bool mine;
+    if (p.place == StagePlace::kLayer) mine = p.layer >= bounds[stage] && p.layer < bounds[stage + 1];
+    else mine = stage == (p.place == StagePlace::kFirst ? 0 : last);
+    if (mine) out.push_back({p.name, &p});
+  }
+  // GPT's tied output copy on the last stage (TiedCopyNaming); the HF-style family is never tied here.
+  if (embedding && !output && stage == last) {
+    if (naming == TiedCopyNaming::kNxdt) out.push_back({kTiedOutputCopy, embedding});
+    else if (last > 0) out.push_back({kMegatronLmTiedCopy, embedding});
+  }
+  return out;
+}
+
+std::string SameStageTiedCopy(const std::vector<StageParam>& stage) {
+  for (const StageParam& copy : stage)
+    if (copy.tied_copy())
+      for (const StageParam& p : stage)
+        if (p.name == copy.rule->name) return copy.name;
+  return "";
+}
+
+int LayerOfName(const std::string& name) {
+  static const std::string kLayers = ".layers.";
+  const size_t at = name.find(kLayers);
+  if (at == std::string::npos) return -1;
+  size_t i = at + kLayers.size();
+  int64_t v = 0;
+  size_t digits = 0;
+  for (; i < name.size() && name[i] >= '0' && name[i] <= '9' && digits < 9; ++i, ++digits) v = v * 10 + (name[i] - '0');
+  return digits > 0 && i < name.size() && name[i] == '.' ? static_cast<int>(v) : -1;
+}
+
+int64_t Zero1ShardRows(int64_t rows, int dp) { return (rows + dp - 1) / dp; }
+
+}  // namespace ckpt

@@ -1,0 +1,194 @@
+// The partition rules of a Megatron-style decoder checkpoint: for every
+// parameter name, how tensor parallelism splits it, how its fused rows are
+// laid out, which pipeline stage owns it and which optimizer group holds it.
+// This is the one copy of the rules (Megatron-LM core tensor_parallel/layers.py
+// and NxD's parallel layers state them per layer); the training core,
+// nnm2nxdt-ckpt, ckpt-reshard and export all read them from here.
+//
+// A rule maps each tensor-parallel rank's local tensor to pieces of the
+// logical (tp = 1) tensor along the split dim, so any two layouts can be
+// matched piece by piece without ever assembling the whole tensor:
+//   - rows (dim 0): vocab-parallel embedding and output layer, column-parallel
+//     linears (query_key_value, query, key_value, GPT's dense_h_to_4h) and
+//     their biases;
+//   - columns (dim 1): row-parallel linears (dense, dense_4h_to_h); their
+//     biases are whole;
+//   - replicated: norms and the learned position table.
+// The fused layout is an explicit kind, not Megatron's bare stride, because
+// the stride alone is ambiguous (key_value and dense_h_to_4h both say 2):
+//   - per-head [q_h; k_h; v_h] and per-group [k_g; v_g] rows are whole heads
+//     (groups) in the logical tensor, so a rank's rows are one contiguous run;
+//   - SwiGLU's [gate; up] logically: rank r holds [gate_r; up_r], two runs;
+//   - with fewer KV groups than tp ranks, each group is replicated over
+//     tp / kv_heads consecutive ranks: rank r holds group r / (tp / kv_heads),
+//     the group of its own query heads, so every layout computes the same
+//     model. This is shardkit's rule for Megatron's fused `key_value`, which
+//     neither NNM (Megatron requires kv_heads % tp == 0) nor NxD writes. NxD's
+//     own replication (GQAQKVColumnParallelLinear, modules/qkv_linear.py,
+//     _initialize_affine_weight: master_weight.repeat(kv_size_multiplier, 1))
+//     tiles the heads instead, so its rank r holds group r % kv_heads, on its
+//     separate weight_q/k/v; tags in that form are not read here yet.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace ckpt {
+
+// The model family a checkpoint's names and partitioning follow
+// (ckpt/shard/model_family.h states each): Megatron-style
+// (`language_model.encoder.layers.N...`, NNM and NxDT's megatron models) or
+// HF-style Llama (`model.layers.N...`, NxDT's `model_source: hf`).
+enum class ModelFamily { kMegatron, kHfLlama };
+// NxD's hardware backend, which decides how KV heads are replicated over tp
+// ranks (ckpt/shard/model_family.h); kUnknown when the data cannot tell and it does
+// not matter for the layout at hand.
+enum class HwBackend { kUnknown, kTrn1, kTrn2 };
+
+// What describes a checkpoint's model format, as NxDT's model config names
+// it; nothing about training (dropout, recompute, seeds). A manifest carries
+// it, so a tag can be resharded without its training config.
+struct ModelFormat {
+  int64_t hidden = 0, ffn = 0, heads = 0, kv_heads = 0, layers = 0;
+  int64_t vocab_size = 0;                    // the tokenizer's, before padding
+  int64_t make_vocab_size_divisible_by = 1;  // padded to a multiple of this times tp
+  bool layernorm = false;          // normalization: layernorm (else rmsnorm)
+  bool gelu = false;               // activation: gelu (else swiglu, fused [gate; up])
+  bool bias = false;               // has_bias: every linear layer has a bias
+  bool learned_positions = false;  // position_embedding_type: learned_absolute (else rope)
+  int64_t max_positions = 0;       // rows of the learned position table; with rope, the longest sequence
+  bool tied_output = false;        // share_embeddings_and_output_weights
+  // What the forward pass depends on beyond the tensors, so that an export
+  // describes the model that was trained (HF's config.json): the rotary base
+  // (HF rope_theta; NxDT megatron and NNM call it position_freq_base), the
+  // norm epsilon (layernorm_epsilon; HF rms_norm_eps / layer_norm_epsilon)
+  // and the share of each head's dimensions rope rotates. Manifests written
+  // before these were recorded read as the defaults, the values they were
+  // trained with.
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  double rotary_percentage = 1.0;
+  // The family, and what only the HF-style family varies: NxDT's
+  // model.fuse_qkv and model.qkv_linear (which attention tensors exist) and
+  // distributed_strategy.kv_replicator with the backend (how KV heads are
+  // replicated over tp ranks). Megatron-style tags keep the defaults.
+  ModelFamily family = ModelFamily::kMegatron;
+  bool fuse_qkv = true, qkv_linear = false;
+  int64_t kv_size_multiplier = 1;
+  HwBackend hw_backend = HwBackend::kUnknown;
+
+  int64_t head_dim() const { return hidden / heads; }
+  int64_t PaddedVocab(int tp) const;  // Megatron's _vocab_size_with_padding
+  std::string Describe() const;       // "llama-style, 4 layers, hidden 64, 4 heads (2 KV), vocab 250"
+  // Why the degrees cannot hold this model ("" when they can): tp must divide
+  // heads, KV heads (or be a multiple of them), ffn; pp at most the layers.
+  std::string CheckTensorParallel(int tp) const;
+  // Why the sizes are beyond any model ("" when they are not): at most
+  // kMaxLayers layers, hidden and FFN widths up to 2^20, a vocabulary up to
+  // 2^24. The largest published dense models have under 200 layers, widths
+  // under 2^17 and vocabularies under 2^18, so these refuse only hostile or
+  // mistyped input, before anything is planned or allocated for it.
+  std::string CheckSizes() const;
+  static constexpr int64_t kMaxLayers = 1 << 14;
+  nlohmann::ordered_json ToJson() const;
+  // Throws ckpt::Error naming `where` and the field.
+  static ModelFormat FromJson(const nlohmann::json& j, const std::string& where);
+  bool operator==(const ModelFormat&) const = default;
+};
+
+enum class SplitDim { kReplicated, kRows, kColumns };
+// kQueryHeads, kKvHeads and kQkvHeads are the HF-style family's, whose head
+// placement over tp ranks follows NxD's KV replication (ckpt/shard/model_family.h):
+// head blocks of head_dim rows (o_proj: columns) of the query, of K or V, or of
+// the logical [Q; K; V] (rank r holds [its q heads; its k heads; its v heads]).
+enum class FusedRows { kPlain, kPerHeadQkv, kPerGroupKv, kGateUp, kQueryHeads, kKvHeads, kQkvHeads };
+// Which pipeline stage holds a parameter outside the decoder layers.
+enum class StagePlace { kLayer, kFirst, kLast };
+
+// One logical parameter.
+struct ParamRule {
+  std::string name;             // NxDT's state-dict name
+  std::vector<int64_t> shape;   // logical: tp = 1, vocab padded for the tp it was made for
+  SplitDim split = SplitDim::kReplicated;
+  FusedRows fused = FusedRows::kPlain;
+  bool vocab = false;           // rows are the (padded) vocabulary
+  int layer = -1;               // the decoder layer it belongs to; -1 for embeddings, final norm, output
+  StagePlace place = StagePlace::kLayer;  // embeddings: the first stage; final norm and output: the last
+  bool norm = false;            // a norm's weight or bias
+};
+
+// Every logical parameter in module (state-dict) order, vocab padded for `tp`.
+std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp = 1);
+
+// One run of a rank's local tensor: `count` indices along the split dim
+// starting at local index `local` are logical indices from `logical`.
+struct Run {
+  int64_t local, logical, count;
+};
+// The runs of tp rank `rank` in local order (one whole run when replicated).
+std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank);
+// The local shape of tp rank `rank`'s slice.
+std::vector<int64_t> LocalShape(const ParamRule& p, const ModelFormat& f, int tp, int rank);
+
+// With fewer KV groups than tp ranks (kv_heads < tp), the KV group tp rank
+// `rank` holds, and the tp ranks [first, first + count) holding it with it.
+struct KvReplicas {
+  int64_t group;
+  int first, count;
+};
+KvReplicas KvReplicasOf(int64_t kv_heads, int tp, int rank);
+
+// Pipeline stages: the first layer of each stage and, last, the layer count.
+// No cuts: NxD's even split with the remainder on the last stages (10 layers
+// on 3 stages: 3, 3, 4). Cuts: the first layer of stages 1..pp-1, ascending.
+// Throws ckpt::Error naming what does not fit.
+std::vector<int64_t> StageBounds(int64_t layers, int pp, const std::vector<int64_t>& cuts = {});
+// The cuts of a stage split (StageBounds without its first and last entries).
+std::vector<int64_t> CutsOf(const std::vector<int64_t>& bounds);
+
+// A parameter as one pipeline stage holds it: its name in that stage's file
+// and the logical parameter it is a slice of. GPT's tied output layer is a
+// copy of the embedding held under another name (TiedCopyNaming).
+struct StageParam {
+  std::string name;
+  const ParamRule* rule;
+  bool tied_copy() const { return name != rule->name; }
+};
+
+// How a tag names GPT's tied output layer (share_embeddings_and_output_weights).
+enum class TiedCopyNaming {
+  // NxDT's megatron GPT ties `language_model.output_layer.weight =
+  // word_embeddings_weight()` (NxDT models/megatron/gpt_model.py): torch's
+  // state_dict keeps both names of the shared parameter, so the last stage,
+  // pp = 1 included, holds it as language_model.output_layer.weight where an
+  // untied output layer would be; NxD's pipeline names a stage's parameters by
+  // their original names (pipeline/model.py local_state_dict), so at pp > 1
+  // the first stage holds the embedding and the last the output layer
+  // (run and read: tests/data/upstream/nxdt_megatron).
+  kNxdt,
+  // Megatron-LM and NNM (initialize_word_embeddings): with pp > 1 only, the
+  // last stage holds `word_embeddings.weight`. Read; shardkit wrote it before.
+  kMegatronLm,
+};
+inline constexpr const char* kTiedOutputCopy = "language_model.output_layer.weight";
+inline constexpr const char* kMegatronLmTiedCopy = "word_embeddings.weight";
+
+// The parameters stage `stage` of `bounds` holds, in module order.
+std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, const std::vector<int64_t>& bounds, int stage,
+                                        TiedCopyNaming naming = TiedCopyNaming::kNxdt);
+
+// GPT's tied output copy when `stage` also holds the embedding it copies
+// (pp = 1), else "".
+std::string SameStageTiedCopy(const std::vector<StageParam>& stage);
+
+// The layer a parameter name belongs to ("...layers.17.mlp..." -> 17), or -1.
+int LayerOfName(const std::string& name);
+
+// ZeRO-1 (torch-xla's ZeroRedundancyOptimizer as NxD runs it): a parameter's
+// state is padded on dim 0 to a multiple of dp and cut in dp equal chunks;
+// dp rank d keeps chunk d. Returns the rows per chunk (dim 0 of every shard).
+int64_t Zero1ShardRows(int64_t rows, int dp);
+
+}  // namespace ckpt

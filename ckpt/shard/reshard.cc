@@ -1,0 +1,514 @@
+#include "ckpt/shard/reshard.h"
+
+#include "ckpt/shard/model_family.h"
+#include "ckpt/shard/renamed_state.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <map>
+#include <random>
+#include <tuple>
+
+#include "ckpt/util/error.h"
+#include "ckpt/shard/fingerprint.h"
+#include "ckpt/store/layout.h"
+#include "ckpt/shard/optimizer_state.h"
+#include "ckpt/store/output_guard.h"
+#include "ckpt/shard/partition.h"
+#include "ckpt/util/progress.h"
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/store/resume.h"
+#include "ckpt/store/tag_verify.h"
+#include "ckpt/store/tag_writer.h"
+
+namespace ckpt {
+namespace {
+
+constexpr int64_t kMaxRankFiles = int64_t{1} << 16;
+
+using ckpt::Error;
+using ckpt::ParamRule;
+using ckpt::Run;
+using ckpt::StateField;
+using ckpt::Value;
+using Clock = std::chrono::steady_clock;
+
+
+// One target tensor (or ZeRO-1 shard of one): the rows [row_lo, row_lo +
+// rows) of tp rank `runs`' local tensor of `rule`, copied from the source.
+struct TargetSlice {
+  const ckpt::LogicalState* src;
+  std::string name;  // the logical parameter read
+  StateField field;
+  ckpt::SplitDim split;
+  std::vector<Run> runs;
+  std::vector<int64_t> local;  // the unsharded local shape
+  int64_t row_lo, rows;        // rows of `local` this slice holds; past local[0] they are ZeRO-1 padding (zeros)
+  int64_t logical_width;       // dim 1 of the logical tensor (column splits)
+  size_t es;
+  // Fingerprints: runs[i] is summed into `fp` when primary[i] (its first
+  // holder in the target: replicas are summed once), up to logical_numel
+  // (vocab padding rows are not part of the logical tensor).
+  ckpt::FingerprintCollector* fp;
+  std::vector<char> primary;
+  uint64_t logical_numel;
+
+  // The run holding local index i along the split dim.
+  size_t RunHolding(int64_t i) const {
+    for (size_t k = 0; k < runs.size(); ++k)
+      if (i >= runs[k].local && i < runs[k].local + runs[k].count) return k;
+    return 0;
+  }
+
+  // Bytes [offset, offset + out.size()) of the slice, row-major.
+  void Produce(uint64_t offset, std::span<uint8_t> out) const {
+    const int64_t inner = local.empty() ? 1 : ckpt::ShapeNumel(local) / local[0];
+    uint64_t e = offset / es, n = out.size() / es;
+    uint8_t* o = out.data();
+    ckpt::Touched touched;
+    while (n > 0) {
+      const int64_t r = row_lo + static_cast<int64_t>(e / inner), c = static_cast<int64_t>(e % inner);
+      uint64_t take, flat;
+      size_t run_index = 0;
+      if (r >= local[0]) {  // ZeRO-1 padding
+        std::memset(o, 0, n * es);
+        break;
+      }
+      if (split == ckpt::SplitDim::kColumns) {  // the run holding local column c, to its end or the row's
+        run_index = RunHolding(c);
+        const Run* run = &runs[run_index];
+        take = std::min<uint64_t>(n, static_cast<uint64_t>(run->local + run->count - c));
+        flat = static_cast<uint64_t>(r * logical_width + run->logical + (c - run->local));
+      } else {
+        run_index = RunHolding(r);
+        const Run* run = &runs[run_index];
+        take = std::min<uint64_t>(n, static_cast<uint64_t>((run->local + run->count - r) * inner - c));
+        flat = static_cast<uint64_t>((run->logical + r - run->local) * inner + c);
+      }
+      src->Read(name, field, flat, {o, take * es}, &touched);
+      if (primary[run_index] && flat < logical_numel)
+        fp->Add(name, field, flat * es, {o, std::min<uint64_t>(take, logical_numel - flat) * es});
+      o += take * es, e += take, n -= take;
+    }
+  }
+};
+
+Value SliceTensor(std::shared_ptr<TargetSlice> s, ckpt::DType dtype) {
+  std::vector<int64_t> shape = s->local;
+  shape[0] = s->rows;
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
+  const uint64_t bytes = static_cast<uint64_t>(ckpt::ShapeNumel(shape)) * s->es;
+  auto storage = ckpt::Storage::Generated(bytes, [s](uint64_t off, std::span<uint8_t> out) { s->Produce(off, out); });
+  return Value(ckpt::Tensor(dtype, shape, strides, 0, storage));
+}
+
+struct PlannedFile {
+  ckpt::FileToWrite file;
+  uint64_t bytes = 0;  // tensor bytes
+  int unit = -1;       // rank files are spread over the processes; -1: rank 0
+};
+
+class Planner {
+ public:
+  Planner(const ckpt::LogicalState& src, const ckpt::ModelFormat& format, ckpt::RankGrid to, std::vector<int64_t> bounds, size_t chunk,
+          ckpt::FingerprintCollector* fp)
+      : src_(src), fmt_(format), to_(to), bounds_(std::move(bounds)), chunk_(chunk), fp_(fp) {
+    rules_ = ckpt::LogicalParameters(fmt_, to.tp);
+    for (const auto& t : ckpt::LogicalTensors(src)) logical_numel_[t.name] = t.numel;
+  }
+
+  std::vector<PlannedFile> Plan() {
+    std::vector<PlannedFile> out;
+    int unit = 0;
+    for (int p = 0; p < to_.pp; ++p) {
+      const auto stage = ckpt::StageParameters(rules_, bounds_, p);
+      for (int t = 0; t < to_.tp; ++t) {
+        out.push_back(ModelFile(stage, t, p, unit++));
+        if (!src_.layout().has_optimizer) continue;
+        for (int d = 0; d < (to_.zero1 ? to_.dp : 1); ++d) out.push_back(OptimFile(stage, t, p, d, unit++));
+      }
+    }
+    return out;
+  }
+
+ private:
+  std::shared_ptr<TargetSlice> Slice(const ckpt::StageParam& sp, StateField f, int t, int p, int64_t row_lo, int64_t rows) {
+    const ParamRule& rule = *sp.rule;
+    auto s = std::make_shared<TargetSlice>();
+    s->src = &src_;
+    s->name = rule.name;
+    s->field = f;
+    s->split = rule.split;
+    s->runs = ckpt::LocalRuns(rule, fmt_, to_.tp, t);
+    s->local = ckpt::LocalShape(rule, fmt_, to_.tp, t);
+    s->row_lo = row_lo;
+    s->rows = rows < 0 ? s->local[0] : rows;
+    s->logical_width = rule.shape.size() > 1 ? rule.shape[1] : 1;
+    s->es = ckpt::ElementSize(src_.dtype(rule.name, f));
+    s->fp = fp_;
+    s->logical_numel = logical_numel_.at(rule.name);
+    // A run's first holder (stage, tp rank) sums it; every ZeRO-1 shard of
+    // that holder sums its part.
+    for (const Run& run : s->runs) {
+      if (sp.tied_copy()) {  // GPT's tied output copy: the embedding's holder sums it
+        s->primary.push_back(false);
+        continue;
+      }
+      const auto holder = first_holder_.try_emplace({rule.name, f, run.logical}, p, t).first->second;
+      s->primary.push_back(holder == std::make_pair(p, t));
+    }
+    return s;
+  }
+
+  PlannedFile ModelFile(const std::vector<ckpt::StageParam>& stage, int t, int p, int unit) {
+    PlannedFile pf;
+    Value model = Value::NewDict(src_.model_dict_ordered());
+    auto& d = model.as_dict();
+    AddBuffersAfter("", d, p);
+    for (const auto& sp : stage) {
+      auto s = Slice(sp, StateField::kParam, t, p, 0, -1);
+      pf.bytes += static_cast<uint64_t>(ckpt::ShapeNumel(s->local)) * s->es;
+      d.Set(sp.name, SliceTensor(s, src_.dtype(sp.rule->name, StateField::kParam)));
+      AddBuffersAfter(sp.name, d, p);
+    }
+    pf.file = {"model/" + ckpt::RankFileName({0, t, p}), model, {.weights_only = true, .stream_chunk = chunk_}};
+    pf.unit = unit;
+    return pf;
+  }
+
+  // Stage p's buffers that followed `key` in the source (and those that followed them), in place.
+  void AddBuffersAfter(const std::string& key, ckpt::Dict& d, int p) const {
+    for (const auto& b : src_.buffers())
+      if (b.after == key && b.layer >= bounds_[p] && b.layer < bounds_[p + 1]) {
+        d.Set(b.name, b.value);
+        AddBuffersAfter(b.name, d, p);
+      }
+  }
+
+  PlannedFile OptimFile(const std::vector<ckpt::StageParam>& stage, int t, int p, int d, int unit) {
+    PlannedFile pf;
+    std::vector<std::string> names;
+    for (const auto& sp : stage) names.push_back(sp.name);
+    const ckpt::GroupingRule rule = src_.layout().grouping;  // carried through
+    const ckpt::Grouping g = ckpt::FamilyGrouping(fmt_, ckpt::GroupedNames(names, ckpt::SameStageTiedCopy(stage), rule), rule);
+    ckpt::OptimizerFile of;
+    of.zero1 = to_.zero1;
+    of.param_groups = ckpt::ParamGroupsFor(src_.ParamGroups(), g);
+    for (const auto& slot : g.order) {
+      const ckpt::StageParam& sp = stage[std::find(names.begin(), names.end(), slot.name) - names.begin()];
+      const auto local = ckpt::LocalShape(*sp.rule, fmt_, to_.tp, t);
+      const int64_t shard = to_.zero1 ? ckpt::Zero1ShardRows(local[0], to_.dp) : local[0];
+      ckpt::ParamState ps;
+      ps.step = src_.Step(sp.rule->name);
+      // GPT's tied copy: a step of its own, as every parameter's state has (not the embedding's, shared).
+      if (sp.tied_copy() && ps.step.is_tensor()) ps.step = Value(ps.step.as_tensor().Clone());
+      ps.shape = local;
+      auto tensor = [&](StateField f) {
+        auto s = Slice(sp, f, t, p, d * shard, shard);
+        pf.bytes += static_cast<uint64_t>(shard * (ckpt::ShapeNumel(local) / local[0])) * s->es;
+        return SliceTensor(s, src_.dtype(sp.rule->name, f));
+      };
+      ps.exp_avg = tensor(StateField::kExpAvg);
+      ps.exp_avg_sq = tensor(StateField::kExpAvgSq);
+      if (src_.layout().master_weights) ps.master = tensor(StateField::kMaster);
+      of.params.push_back(std::move(ps));
+    }
+    pf.file = {"optim/" + ckpt::RankFileName({d, t, p}), of.ToValue(), {.weights_only = false, .stream_chunk = chunk_}};
+    pf.unit = unit;
+    return pf;
+  }
+
+  const ckpt::LogicalState& src_;
+  const ckpt::ModelFormat& fmt_;  // the target's
+  ckpt::RankGrid to_;
+  std::vector<int64_t> bounds_;
+  size_t chunk_;
+  ckpt::FingerprintCollector* fp_;
+  std::vector<ParamRule> rules_;
+  std::map<std::string, uint64_t> logical_numel_;
+  std::map<std::tuple<std::string, StateField, int64_t>, std::pair<int, int>> first_holder_;
+};
+
+// The target's model format: the source's, with the HF-style family's attention options applied.
+ckpt::ModelFormat TargetFormat(const ckpt::ModelFormat& from, const ReshardArgs& a) {
+  ckpt::ModelFormat to = from;
+  const bool asked = a.out_kv_size_multiplier || a.out_hw_backend || a.out_fuse_qkv || a.out_qkv_linear;
+  if (a.out_model_family && *a.out_model_family != from.family) {
+    to.family = *a.out_model_family;
+    to.fuse_qkv = true, to.qkv_linear = false, to.kv_size_multiplier = 1, to.hw_backend = ckpt::HwBackend::kUnknown;  // NxDT's defaults
+    // The HF-style family does not pad the vocabulary; NxDT's megatron models pad to a multiple of 128 x tp.
+    to.make_vocab_size_divisible_by = to.family == ckpt::ModelFamily::kHfLlama ? 1 : 128;
+  }
+  if (!asked) return to;
+  if (to.family != ckpt::ModelFamily::kHfLlama)
+    throw Error("--out_kv_size_multiplier, --out_hw_backend, --out_fuse_qkv and --out_qkv_linear apply to HF-style tags (model_source: hf) only");
+  if (a.out_fuse_qkv) to.fuse_qkv = *a.out_fuse_qkv;
+  if (a.out_qkv_linear) to.qkv_linear = *a.out_qkv_linear;
+  if (a.out_kv_size_multiplier) to.kv_size_multiplier = *a.out_kv_size_multiplier;
+  if (a.out_hw_backend) to.hw_backend = *a.out_hw_backend;
+  return to;
+}
+
+std::string StagesString(const std::vector<int64_t>& b) {
+  std::string s;
+  for (size_t i = 0; i + 1 < b.size(); ++i) s += (i ? "/" : "") + std::to_string(b[i + 1] - b[i]);
+  return s;
+}
+
+}  // namespace
+
+std::string ResolveSourceTag(const std::string& src_arg, bool verify, ckpt::Env* env, const LogFn& log, int rank, bool weights_only) {
+  const std::string src = ckpt::WithoutTrailingSeparators(src_arg);
+  if (!env->IsDirectory(src)) throw Error(src + ": no such folder");
+  std::string tag = src;
+  if (ckpt::LooksLikeTag(env, src)) {
+    if (ckpt::IsModelOnlyFolder(env, src))
+      log(src + ": model/ alone (as NxD's checkpoint_converter.py writes it): read as a weights-only tag");
+    else if (!env->Exists(src + "/" + ckpt::kDoneMarker))
+      throw Error(src + ": has no `done` marker, so its save never finished; refusing to read an incomplete tag");
+  } else {
+    const auto newest = ckpt::FindLatestCheckpoint(env, src, verify, log);
+    if (!newest) throw Error(src + ": is neither a checkpoint tag (no model/ folder) nor a folder holding a complete tag");
+    log("source: " + *newest + " (the newest complete tag in " + src + ")");
+    tag = *newest;
+  }
+  if (verify && rank == 0) {
+    ckpt::TagReport rep = ckpt::VerifyTag(env, tag, {.checksums = true});
+    if (weights_only)
+      ckpt::DropOptimizerProblems(rep, [&](const ckpt::TagProblem& p) { log("note: " + p.file + ": " + p.what + " (not read: --weights_only)"); });
+    std::string what;
+    for (const auto& p : rep.problems) what += "\n  " + (p.file.empty() ? "" : p.file + ": ") + p.what;
+    if (!what.empty()) throw Error(tag + ": fails verification, so it is not read (--no_verify skips this):" + what);
+  }
+  return tag;
+}
+
+uint64_t CurrentRss() {
+  std::ifstream f("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  f >> size >> resident;
+  return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+uint64_t PeakRss() {
+  // VmHWM, not getrusage's ru_maxrss: Linux carries the latter over from the
+  // process that forked us, so a tool started by a large parent would report its size.
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  return 0;
+}
+
+ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log) {
+  const auto t0 = Clock::now();
+  ReshardSummary sum;
+  sum.src_tag = ResolveSourceTag(a.src, a.verify_source, env, log, a.group->rank(), a.weights_only);
+  const auto src = ckpt::ShardedTag::Open(env, sum.src_tag, a.hints, {.weights_only = a.weights_only, .trust_first_replica = a.trust_first_replica});
+  if (src->optimizer_skipped()) sum.notes.push_back("--weights_only: the source's optimizer state is not read; the target has none");
+  for (const auto& n : src->format_notes()) sum.notes.push_back(n);
+  sum.bytes_read = src->bytes();
+  // Named before `sum` is moved into the call: argument evaluation order is unspecified.
+  const std::string name = std::filesystem::path(sum.src_tag).filename().string();
+  return WriteInLayout(*src, name, a, env, log, t0, std::move(sum));
+}
+
+ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string& source_tag_name, const ReshardArgs& a, ckpt::Env* env,
+                             const LogFn& log, std::chrono::steady_clock::time_point t0, ReshardSummary sum) {
+  const ckpt::LogicalState* src = &source;
+  const ckpt::TagLayout& L = src->layout();
+  sum.format = L.format;
+  sum.from = L.grid;
+  sum.from_bounds = L.stage_bounds;
+
+  ckpt::RankGrid to;
+  to.tp = a.tp, to.pp = a.pp;
+  to.dp = a.dp.value_or(L.grid.dp);
+  to.zero1 = a.zero1.value_or(L.grid.zero1);
+  if (to.zero1 && to.dp < 1) throw Error("--dp must be at least 1");
+  if (int64_t{to.tp} * to.pp * to.dp > ckpt::kMaxRanks) throw Error("the target grid has more than " + std::to_string(ckpt::kMaxRanks) + " ranks");
+  // The plan holds an entry per tensor per rank file; a grid past any real job's (tp 64, pp 32,
+  // dp 32 with ZeRO-1 is 65,536 files) is refused before planning grows without bound.
+  if (const int64_t files = int64_t{to.tp} * to.pp * (to.zero1 ? to.dp : 1); files > kMaxRankFiles)
+    throw Error("the target grid tp=" + std::to_string(to.tp) + " pp=" + std::to_string(to.pp) + " dp=" + std::to_string(to.dp) +
+                (to.zero1 ? " with ZeRO-1" : "") + " needs " + std::to_string(files) + " rank files; one pass writes at most " +
+                std::to_string(kMaxRankFiles));
+  const ckpt::ModelFormat to_format = TargetFormat(L.format, a);
+  if (const std::string why = to_format.CheckTensorParallel(to.tp); !why.empty()) throw Error("--tp " + std::to_string(to.tp) + ": " + why);
+  if (ckpt::BackendMatters(to_format, to.tp) && to_format.hw_backend == ckpt::HwBackend::kUnknown)
+    throw Error("--tp " + std::to_string(to.tp) + " with kv_size_multiplier " + std::to_string(to_format.kv_size_multiplier) +
+                " lays KV heads out by the backend, which the source's data cannot tell; give --out_hw_backend trn1 or trn2");
+  if (to_format.family == ckpt::ModelFamily::kHfLlama &&
+      (to_format.kv_size_multiplier != L.format.kv_size_multiplier || (to_format.hw_backend != L.format.hw_backend && ckpt::BackendMatters(to_format, to.tp))))
+    sum.notes.push_back(std::string("KV replication: kv_size_multiplier ") + std::to_string(L.format.kv_size_multiplier) + " (" +
+                        ckpt::BackendName(L.format.hw_backend) + ") -> " + std::to_string(to_format.kv_size_multiplier) + " (" +
+                        ckpt::BackendName(to_format.hw_backend) + ")");
+  sum.format = to_format;
+  if (const std::string note = ckpt::MegatronKvReplicationNote(to_format, to.tp); !note.empty()) sum.notes.push_back("warning: " + note);
+  std::optional<ckpt::RenamedState> renamed;
+  if (!ckpt::SameLogicalNames(L.format, to_format)) {
+    if (to_format.family != L.format.family) {
+      if (L.has_optimizer)
+        throw Error(sum.src_tag + ": --out_model_family " + ckpt::FamilyName(to_format.family) +
+                    " re-lays weights only: the two families group optimizer state differently (ckpt::FamilyGrouping); pass --weights_only");
+      sum.notes.push_back(std::string("model family: ") + ckpt::FamilyName(L.format.family) + " -> " + ckpt::FamilyName(to_format.family) +
+                          (to_format.family == ckpt::ModelFamily::kMegatron ? " (vocabulary padded to a multiple of 128 x tp, NxDT's default)" : ""));
+    }
+    renamed.emplace(*src, to_format);
+    src = &*renamed;
+  }
+  sum.to = to;
+  sum.to_bounds = ckpt::StageBounds(L.format.layers, to.pp, a.pipeline_cuts);
+  if (L.master_weights && !to.zero1)
+    throw Error(sum.src_tag + ": holds fp32 master weights (ZeRO-1 sharded_master_weights), which a plain optimizer file cannot hold; "
+                "keep --zero1 (any --dp, 1 included)");
+  sum.vocab_rows_from = L.format.PaddedVocab(L.grid.tp);
+  sum.vocab_rows_to = to_format.PaddedVocab(to.tp);
+  if (sum.vocab_rows_to < sum.vocab_rows_from)
+    sum.notes.push_back("the vocabulary padding shrinks from " + std::to_string(sum.vocab_rows_from) + " to " +
+                        std::to_string(sum.vocab_rows_to) + " rows: the padding rows past it are dropped (no token uses them)");
+  if (sum.vocab_rows_to > sum.vocab_rows_from)
+    sum.notes.push_back("the vocabulary padding grows from " + std::to_string(sum.vocab_rows_from) + " to " +
+                        std::to_string(sum.vocab_rows_to) + " rows: the new padding rows are zero");
+  if (!L.format_from_manifest) sum.notes.push_back("model format (no manifest): " + L.format.Describe());
+  if (!L.has_optimizer && !a.weights_only) sum.notes.push_back("the source holds no optimizer state; the target has none either");
+  const bool xser = a.save_xser.value_or(src->xser());
+  sum.notes.push_back(std::string("container: ") + (xser ? "xser (X.pt, X.pt.tensors/tensor_<tid>.pt, X.pt.info.pt)" : "plain .pt") +
+                      (a.save_xser ? "" : ", as the source's"));
+
+  // The output, named as the trainer names tags with --checkpoint_dir.
+  if (a.dst.empty() == a.checkpoint_dir.empty()) throw Error("give exactly one of DST (the new tag folder) and --checkpoint_dir");
+  if (!a.dst.empty()) {
+    sum.dst_tag = ckpt::WithoutTrailingSeparators(a.dst);
+  } else {
+    ckpt::TagName tn;
+    const auto src_name = ckpt::ParseTagName(source_tag_name);
+    tn.name = src_name ? src_name->name : "megatron";
+    tn.step = src->step(), tn.consumed_samples = src->consumed_samples();
+    if (!src->consumed_samples_known())
+      sum.notes.push_back(source_tag_name + " records no consumed samples (NxD's own trainer keeps none); the new tag's name says 0");
+    sum.dst_tag = a.checkpoint_dir + "/" + ckpt::FormatTagName(tn);
+  }
+  ckpt::CheckOutputs({{sum.dst_tag, a.dst.empty() ? "--checkpoint_dir" : "DST", true}}, {{sum.src_tag, "SRC"}});
+
+  // Memory: each writing thread holds one chunk of output and the source
+  // pages it was copied from (plus up to a large folio mapped past each end
+  // of what it read), all released after every chunk.
+  const uint64_t base = CurrentRss() + src->ReadMemory();
+  const uint64_t min_chunk = 256 << 10, slack = 4 << 20, min_thread = 2 * min_chunk + slack;
+  const uint64_t usable = a.memory_budget > base ? a.memory_budget - base : 0;
+  if (usable < uint64_t(a.threads) * min_thread)
+    throw Error("--memory_budget " + ckpt::HumanBytes(a.memory_budget) + " is smaller than one slice: the process already holds " +
+                ckpt::HumanBytes(base) + " (the source's index and read caches) and each of " + std::to_string(a.threads) + " writing thread(s) needs " +
+                ckpt::HumanBytes(min_thread) + " at least; give at least " + ckpt::HumanBytes(base + uint64_t(a.threads) * min_thread));
+  sum.stream_chunk = std::clamp<uint64_t>((usable / a.threads - slack) / 2 / 4096 * 4096, min_chunk, uint64_t{64} << 20);
+
+  ckpt::FingerprintCollector fingerprints;
+  Planner planner(*src, to_format, to, sum.to_bounds, sum.stream_chunk, &fingerprints);
+  std::vector<PlannedFile> plan = planner.Plan();
+  for (const char* f : {ckpt::kSchedulerFile, ckpt::kUserContentFile})
+    if (auto v = src->TagFile(f)) plan.push_back({{f, std::move(*v), {}}, 0, -1});
+
+  if (a.group->rank() == 0) {
+    log("resharding " + sum.src_tag + ": " + L.grid.ToString() + ", stages " + StagesString(L.stage_bounds) + " -> " + to.ToString() +
+        ", stages " + StagesString(sum.to_bounds));
+    for (const auto& n : sum.notes) log("note: " + n);
+  }
+  if (a.dry_run) {
+    uint64_t bytes = 0;
+    for (const auto& f : plan) bytes += f.bytes;
+    sum.files = static_cast<int>(plan.size());
+    sum.bytes_written = bytes;
+    if (a.group->rank() == 0)
+      for (const auto& f : plan) log("would write " + f.file.relpath + " (" + ckpt::HumanBytes(f.bytes) + " of tensors)");
+    sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    sum.peak_rss = PeakRss();
+    return sum;
+  }
+
+  // The whole output must fit before any of it is written: a hostile or mistyped source
+  // declaring a huge model ends here, not after filling the disk.
+  if (a.group->rank() == 0) {
+    uint64_t bytes = 0;
+    for (const auto& f : plan) bytes += f.bytes;
+    const std::filesystem::path dst(sum.dst_tag);
+    const std::string parent = dst.has_parent_path() ? dst.parent_path().string() : ".";
+    if (env->IsDirectory(parent))
+      if (const uint64_t free = env->AvailableBytes(parent); bytes > free)
+        throw Error(sum.dst_tag + ": the output needs " + ckpt::HumanBytes(bytes) + " of tensors, but " + parent + " has " + ckpt::HumanBytes(free) +
+                    " free; nothing was written");
+  }
+  const ckpt::StagedTag staged = ckpt::StageFor(sum.dst_tag, a.tool);
+  if (a.group->rank() == 0) ckpt::PrepareTarget(env, staged, a.overwrite, log);
+  const std::string save_id = ckpt::BeginStaged(env, staged, *a.group, a.tool);
+
+  auto write_and_commit = [&] {
+    std::vector<ckpt::FileToWrite> mine;
+    std::vector<uint64_t> tensor_bytes;  // what the progress bar counts
+    std::stable_sort(plan.begin(), plan.end(), [](const auto& x, const auto& y) { return x.bytes > y.bytes; });  // big first: balance
+    for (auto& f : plan) {
+      if (!ckpt::WritesUnit(f.unit, a.group->rank(), a.group->size())) continue;
+      if (!xser || f.unit < 0) {  // tag-level files (scheduler, user content) are plain .pt in either container, as NxD writes them
+        mine.push_back(f.file), tensor_bytes.push_back(f.bytes);
+        continue;
+      }
+      for (auto& part : ckpt::XserFiles(f.file)) {
+        tensor_bytes.push_back(part.value.is_tensor() ? part.value.as_tensor().nbytes() : 0);
+        mine.push_back(std::move(part));
+      }
+    }
+    sum.files = static_cast<int>(mine.size());
+    sum.bytes_written = ckpt::WriteRankFilesReporting(env, staged.staging, a.group->rank(), save_id, mine, tensor_bytes, a.progress_bar, log, t0,
+                                                      [&] { return fingerprints.ToJson(); });
+    ckpt::CommitInfo ci;
+    ci.save_id = save_id;
+    ci.step = src->step();
+    ci.consumed_samples = src->consumed_samples();
+    ci.grid = to;
+    ci.model = to_format;
+    if (src->layout().has_optimizer) ci.optimizer_grouping = src->layout().grouping;
+    ci.complete_manifest = [&](const std::vector<ckpt::RankRecord>& records, ckpt::Manifest& m) {
+      ckpt::FingerprintCollector all;
+      for (size_t r = 0; r < records.size(); ++r)
+        all.MergeJson(records[r].extra, ckpt::RankRecordPath(staged.staging, static_cast<int>(r)));
+      m.tensors = all.Finish(ckpt::LogicalTensors(*src));
+      // What the source says it holds is what was written: a source whose
+      // data no longer match its recorded fingerprints leaves no `done`.
+      if (const auto& want = src->recorded_fingerprints())
+        for (const auto& [name, fields] : *m.tensors)
+          for (const auto& [field, f] : fields) {
+            const auto n = want->find(name);
+            if (n == want->end() || !n->second.count(field)) continue;
+            if (!(n->second.at(field) == f))
+              throw Error(src->path() + ": " + name + " " + field + " reads with fingerprint " + ckpt::CrcHex(f.crc32) +
+                          ", but the source records " + ckpt::CrcHex(n->second.at(field).crc32) + ": its data changed since it was written");
+          }
+    };
+    // Rank 0 commits for the group; a source that no longer matches its
+    // fingerprints leaves nothing behind.
+    ckpt::CommitStaged(env, staged, *a.group, ci);
+  };
+  try {
+    write_and_commit();
+  } catch (const Error&) {
+    // A write that failed (a full disk) leaves nothing behind. Under mpirun
+    // the tool aborts the group instead: its peers may still be writing, and
+    // the staging folder has no `done` either way.
+    if (a.group->size() == 1 && env->Exists(staged.staging)) ckpt::DeleteTag(env, staged.staging);
+    throw;
+  }
+  sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  sum.peak_rss = PeakRss();
+  return sum;
+}
+
+}  // namespace ckpt

@@ -1,0 +1,128 @@
+// ShardedTag reads a checkpoint tag of any layout as logical tensors: it maps
+// every rank file, learns the layout (degrees, stage split, model format,
+// optimizer form), checks every tensor against the partition rules
+// (ckpt/shard/partition.h), and indexes where each run of each logical tensor's
+// elements lies in which mapped file. A reader then copies any range of a
+// logical tensor without assembling it, so tools that re-lay a checkpoint
+// (ckpt-reshard, export) need memory for what they copy, not for the model.
+//
+// The layout comes from the tag's manifest when it has one; NxD's own tags
+// have none, and then the degrees come from the rank-file names (tp, pp) and
+// the optimizer files (dp, ZeRO-1), the stage split from the layer numbers in
+// each stage's file, and the model format from tensor shapes plus what
+// shapes cannot tell (FormatHints: heads, KV heads, the unpadded vocabulary).
+//
+// Optimizer state: torch's AdamW state dict (`state`), or torch-xla ZeRO-1's
+// (`base_state` of dim-0 shards, `shape_info`, optional
+// `sharded_master_weights`); ids are tied to parameters by NxDT's grouping
+// (OptimizerOrder), checked against the file's `param_groups`.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ckpt/shard/logical_state.h"
+
+namespace ckpt {
+
+struct TagReadOptions {
+  // Read the model only; optimizer files are not opened (a fresh optimizer
+  // follows). The way past an optimizer that cannot be read, such as the
+  // one-shard ZeRO-1 state NxDT writes at dp > 1 (Zero1SavedAsOneShard).
+  bool weights_only = false;
+  // Replicated tensors (norms on every tp rank, KV heads NxD replicates) are
+  // compared across their holders, and a difference is refused; with this,
+  // the first holder's copy is read and the others are not compared.
+  bool trust_first_replica = false;
+};
+
+class ShardedTag final : public LogicalState {
+ public:
+  // Throws ckpt::Error naming the file, key and problem for anything that is
+  // not a complete, consistent tag. Rank files are plain .pt or xser (the
+  // whole tag one or the other, as NxD's loader decides per tag:
+  // checkpoint_storage.py is_checkpoint_xser), each tensor file mapped;
+  // model files may list their entries in any order (names are the keys).
+  static std::unique_ptr<ShardedTag> Open(Env* env, const std::string& tag_dir, const FormatHints& hints = {},
+                                          const TagReadOptions& opts = {});
+
+  const std::string& path() const override { return dir_; }
+  const TagLayout& layout() const override { return layout_; }
+  // The logical parameters, vocab padded as this tag pads it.
+  const std::vector<ParamRule>& params() const override { return params_; }
+  bool Has(const std::string& name, StateField f) const override { return index_.count({name, f}) > 0; }
+  DType dtype(const std::string& name, StateField f) const override;
+  // Copies logical (row-major) elements [begin, begin + out.size() / element
+  // size) of `name`'s `f` into `out`. Elements past what the tag holds (vocab
+  // rows beyond its padding) read as zero. Thread-safe.
+  void Read(const std::string& name, StateField f, uint64_t begin, std::span<uint8_t> out, Touched* touched) const override;
+  // The optimizer `step` entry of a logical parameter (as its first holder wrote it).
+  const Value& Step(const std::string& name) const override;
+  // `param_groups` of the first optimizer file: the hyperparameters.
+  const Value& ParamGroups() const override { return param_groups_; }
+  using Buffer = StateBuffer;
+  const std::vector<Buffer>& buffers() const override { return buffers_; }
+  bool model_dict_ordered() const override { return ordered_; }
+  // Bytes of every rank file (with xser, of every tensor file too).
+  uint64_t bytes() const { return bytes_; }
+  // Whether the rank files are xser (X.pt + X.pt.tensors/) rather than plain .pt.
+  bool xser() const override { return xser_; }
+  // The tag has optimizer files that were not read (TagReadOptions::weights_only).
+  bool optimizer_skipped() const { return optimizer_skipped_; }
+  int64_t step() const override { return step_; }
+  // The fingerprints the manifest records (ckpt/shard/fingerprint.h), if any.
+  const std::optional<TensorFingerprints>& recorded_fingerprints() const override { return recorded_; }
+  double consumed_samples() const override { return consumed_; }
+  bool consumed_samples_known() const override { return consumed_known_; }
+  // What the model format was taken from besides tensor shapes (the job config an NxDT tag records).
+  const std::vector<std::string>& format_notes() const { return format_notes_; }
+  std::optional<Value> TagFile(const std::string& name) const override;
+
+ private:
+  struct Extent {
+    uint64_t begin, end;  // logical elements
+    const uint8_t* data;  // element `begin`
+    const MappedFile* file;
+    int64_t stride = 1;  // elements between consecutive logical elements in storage (a transposed tensor's rows)
+  };
+  // Copies `n` elements of `e` from its element `from` into `out`.
+  static void CopyOut(const Extent& e, uint64_t from, uint64_t n, size_t es, uint8_t* out, Touched* touched);
+  struct Index {
+    DType dtype = DType::kFloat32;
+    bool typed = false;
+    std::vector<Extent> extents;  // sorted, disjoint
+  };
+  struct Key {
+    std::string name;
+    StateField field;
+    bool operator<(const Key& o) const { return name != o.name ? name < o.name : field < o.field; }
+  };
+
+  Env* env_ = nullptr;
+  std::string dir_;
+  TagLayout layout_;
+  std::vector<ParamRule> params_;
+  std::map<Key, Index> index_;
+  std::map<std::string, Value> steps_;
+  Value param_groups_;
+  std::vector<Buffer> buffers_;
+  std::vector<std::shared_ptr<const MappedFile>> files_;
+  std::vector<Value> held_;  // xser rank files: their tensors keep the tensor files mapped
+  bool ordered_ = false;
+  bool xser_ = false, optimizer_skipped_ = false;
+  uint64_t bytes_ = 0;
+  int64_t step_ = 0;
+  double consumed_ = 0;
+  bool consumed_known_ = true;
+  std::vector<std::string> format_notes_;
+  std::optional<TensorFingerprints> recorded_;
+
+  friend class ShardedTagBuilder;
+};
+
+}  // namespace ckpt

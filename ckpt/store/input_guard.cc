@@ -1,0 +1,58 @@
+#include "ckpt/store/input_guard.h"
+
+#include <filesystem>
+#include <vector>
+
+#include "ckpt/util/error.h"
+#include "ckpt/store/output_guard.h"
+
+namespace ckpt {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool Under(const std::string& dir, const std::string& p) {
+  return p == dir || (p.size() > dir.size() && p.compare(0, dir.size(), dir) == 0 && (dir == "/" || p[dir.size()] == '/'));
+}
+
+// The folders `path` may resolve into: the root itself and, for a Hugging
+// Face cache snapshot (<cache>/snapshots/<rev>), the cache's blobs/.
+std::vector<std::string> AllowedRoots(const std::string& root) {
+  const std::string real = ResolvedPath(root);
+  std::vector<std::string> roots{real};
+  const fs::path r(real);
+  if (r.has_parent_path() && r.parent_path().filename() == "snapshots")
+    roots.push_back((r.parent_path().parent_path() / "blobs").string());
+  return roots;
+}
+
+}  // namespace
+
+bool ResolvesInside(const std::string& root, const std::string& path) {
+  const std::string real = ResolvedPath(path);
+  for (const std::string& r : AllowedRoots(root))
+    if (Under(r, real)) return true;
+  return false;
+}
+
+void RequireInside(const std::string& root, const std::string& path) {
+  if (ResolvesInside(root, path)) return;
+  throw Error(path + ": resolves to " + ResolvedPath(path) + ", outside " + root +
+              " (a symbolic link out of the folder); shardkit opens nothing outside the folder you named. "
+              "Copy the file into the folder, or name the folder it really lives in");
+}
+
+ConfinedFolder::ConfinedFolder(std::string root, std::string dir) : root_(std::move(root)), dir_(std::move(dir)) {
+  RequireInside(root_, dir_);
+}
+
+void ConfinedFolder::Require(const std::string& name) const {
+  if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+    throw Error(dir_ + ": '" + name + "' is not a file name of the folder");
+  const std::string path = dir_ + "/" + name;
+  std::error_code ec;
+  // Not a link: a name in a folder that resolves inside root is inside root.
+  if (fs::is_symlink(fs::symlink_status(path, ec)) || ec) RequireInside(root_, path);
+}
+
+}  // namespace ckpt

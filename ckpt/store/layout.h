@@ -1,0 +1,59 @@
+// The NxDT checkpoint layout: rank file names, tag names and markers, and the
+// markers (the rank grid, in rank_grid.h, says which files a tag holds). This is the one place
+// that knows these rules; the store, resume, verify and every tool use it.
+//
+//   <checkpoint_dir>/<name>--step=S-consumed_samples=C.ckpt/
+//     checkpoint                         "1": the save has begun
+//     model/dp_rank_00_tp_rank_TT_pp_rank_PP.pt
+//     optim/dp_rank_DD_tp_rank_TT_pp_rank_PP.pt   (DD = 00 unless ZeRO-1)
+//     scheduler.pt, user_content.pt
+//     manifest.json                      shardkit: sizes, checksums, grid
+//     done                               "1": every file of every rank is durable
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckpt/shard/rank_grid.h"
+
+namespace ckpt {
+
+inline constexpr const char* kCheckpointMarker = "checkpoint";
+inline constexpr const char* kDoneMarker = "done";
+inline constexpr const char* kNewestFile = "newest";  // NxD 2.16's top-level list of tags
+inline constexpr const char* kManifestFile = "manifest.json";
+inline constexpr const char* kSchedulerFile = "scheduler.pt";
+inline constexpr const char* kUserContentFile = "user_content.pt";
+
+// "dp_rank_00_tp_rank_03_pp_rank_01.pt"; {:02d} is a minimum width.
+std::string RankFileName(const RankCoord& r);
+// Parses a rank file name. An expert-parallel one (dp_rank_.._ep_rank_..) throws
+// ckpt::Error: it is not read yet, and taking it for another rank's file would be wrong.
+std::optional<RankCoord> ParseRankFileName(const std::string& name);
+
+// A tag the store set aside rather than delete: <tag>.damaged[-N] (it failed
+// verification) or <tag>.superseded[-N] (a later save took its name). Kept on
+// disk, never a candidate for resume, retention or --gc.
+inline constexpr const char* kDamagedSuffix = ".damaged";
+inline constexpr const char* kSupersededSuffix = ".superseded";
+bool IsSetAsideTagName(const std::string& dir_name);
+
+// The step of a tag NxD's own llama example names step_<N>
+// (examples/training/llama/tp_pp_llama_hf_pretrain/run_llama_nxd.py); its user
+// content is free-form, so the name is what tells the step.
+std::optional<int64_t> ParseNxdStepTagName(const std::string& dir_name);
+
+struct TagName {
+  std::string name;         // e.g. "megatron_llama"
+  int64_t step = 0;
+  double consumed_samples = 0;
+  bool last = false;        // "-last" suffix
+};
+
+// "<name>--step=S-consumed_samples=C.ckpt", C printed as a float ("5120.0").
+std::string FormatTagName(const TagName& t);
+std::optional<TagName> ParseTagName(const std::string& dir_name);
+
+}  // namespace ckpt

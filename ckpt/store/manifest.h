@@ -1,0 +1,78 @@
+// manifest.json: what a committed tag holds. For every file (path relative to
+// the tag) its size and CRC-32, plus the step, consumed samples,
+// rank grid and world size. NxD ignores the file; shardkit uses it to verify
+// a tag and to pick a resume point without trusting modification times.
+// CRC-32 because the writer already has it: the zip format needs every
+// record's CRC, and the whole-file CRC follows from those by combination
+// (crc32_combine), so the manifest costs no second pass over the data.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <nlohmann/json.hpp>
+#include <span>
+#include <string>
+
+#include "ckpt/util/env.h"
+#include "ckpt/store/layout.h"
+#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/shard/partition.h"
+
+namespace ckpt {
+
+struct FileDigest {
+  uint64_t size = 0;
+  uint32_t crc32 = 0;
+  bool operator==(const FileDigest&) const = default;
+};
+
+// One logical tensor's fingerprint: its element type, element count and the
+// CRC-32 of its bytes in row-major order. "Logical" is the unsharded tensor
+// with vocab rows up to the real vocabulary and no ZeRO-1 padding, so the
+// fingerprint is the same in every layout (ckpt/shard/fingerprint.h computes it).
+struct TensorFingerprint {
+  std::string dtype;  // DTypeName
+  uint64_t numel = 0;
+  uint32_t crc32 = 0;
+  bool operator==(const TensorFingerprint&) const = default;
+};
+// By logical parameter name, then field ("param", "exp_avg", "exp_avg_sq", "master").
+using TensorFingerprints = std::map<std::string, std::map<std::string, TensorFingerprint>>;
+
+nlohmann::ordered_json FingerprintsToJson(const TensorFingerprints& t);
+// Throws ckpt::Error naming `where`, the tensor and the field when malformed.
+TensorFingerprints FingerprintsFromJson(const nlohmann::json& j, const std::string& where);
+
+struct Manifest {
+  int64_t step = 0;
+  double consumed_samples = 0;
+  RankGrid grid;
+  int world_size = 1;
+  // The model format, when the writer knew it (the trainer, converter and
+  // reshard do): lets ckpt-reshard work without the training config.
+  std::optional<ModelFormat> model;
+  // How the optimizer files group parameters, when the writer wrote them.
+  std::optional<GroupingRule> optimizer_grouping;
+  std::map<std::string, FileDigest> files;
+  // Every logical tensor's fingerprint, when the writer computed them as it
+  // wrote (ckpt-reshard does): ckpt-verify --against compares them.
+  std::optional<TensorFingerprints> tensors;
+
+  nlohmann::ordered_json ToJson() const;
+  // Throws ckpt::Error naming `source` and the bad field.
+  static Manifest FromJson(const nlohmann::json& j, const std::string& source);
+  static Manifest Load(Env* env, const std::string& path);
+  void Save(Env* env, const std::string& path) const;  // atomic
+};
+
+// One file's {"size", "crc32"} entry (a manifest's or a rank record's);
+// throws ckpt::Error naming `where` when malformed.
+FileDigest DigestFromJson(const nlohmann::json& entry, const std::string& where);
+
+std::string CrcHex(uint32_t crc);
+// Size and CRC-32 of a file as it is on disk (mapped a chunk at a time, each
+// released once summed, so memory stays small whatever the file's size).
+FileDigest DigestFile(Env* env, const std::string& path);
+
+}  // namespace ckpt

@@ -1,0 +1,89 @@
+#include "ckpt/store/resume.h"
+
+#include "ckpt/util/error.h"
+#include "ckpt/store/tag_verify.h"
+
+namespace ckpt {
+namespace {
+
+std::string Describe(const TagReport& r) {
+  std::string s;
+  for (size_t i = 0; i < r.problems.size() && i < 3; ++i)
+    s += (i ? "; " : "") + (r.problems[i].file.empty() ? "" : r.problems[i].file + ": ") + r.problems[i].what;
+  if (r.problems.size() > 3) s += "; and " + std::to_string(r.problems.size() - 3) + " more";
+  return s;
+}
+
+// The optimizer files are not read: their problems are told, not counted.
+void DropOptimizerProblems(TagReport& r, const std::string& tag, const LogFn& log) {
+  DropOptimizerProblems(r, [&](const TagProblem& p) {
+    if (log) log("resume: " + tag + ": " + p.file + ": " + p.what + " (not read: weights only)");
+  });
+}
+
+}  // namespace
+
+std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& checkpoint_dir, bool verify_checksums,
+                                                const LogFn& log, std::vector<DamagedTag>* damaged, bool weights_only) {
+  if (!env->IsDirectory(checkpoint_dir)) return std::nullopt;
+  for (const TagEntry& t : ListTags(env, checkpoint_dir)) {
+    if (!t.has_done && !t.listed_in_newest) {
+      if (log) log("resume: skipping " + t.dir_name + ": no done marker (incomplete save)");
+      continue;
+    }
+    TagReport r = VerifyTag(env, t.path, {.checksums = verify_checksums});
+    if (!r.has_done && t.listed_in_newest)  // NxD 2.16 marked completion with `newest`, not `done`
+      std::erase_if(r.problems, [](const TagProblem& p) { return p.file == "done"; });
+    if (weights_only) DropOptimizerProblems(r, t.dir_name, log);
+    if (!r.ok()) {
+      if (log) log("resume: skipping " + t.dir_name + ": " + Describe(r) + " (kept as evidence)");
+      if (damaged) damaged->push_back({t.path, Describe(r)});
+      continue;
+    }
+    if (r.checked_without_manifest && log)
+      log("resume: " + t.dir_name + " has no manifest.json; checked without one (every zip record's CRC-32, every pickle "
+          "and tensor: " + std::to_string(r.files_checked) + " files), so damage a manifest would catch inside a record's "
+          "bounds cannot be ruled out");
+    return t.path;
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> ResolveResume(Env* env, const std::string& checkpoint_dir, const ResumeOptions& opts,
+                                         const LogFn& log, std::vector<DamagedTag>* damaged) {
+  if (!opts.resume_from_checkpoint.empty()) {
+    std::string path = opts.resume_from_checkpoint;
+    if (!env->IsDirectory(path) && env->IsDirectory(checkpoint_dir + "/" + path)) path = checkpoint_dir + "/" + path;
+    if (!env->IsDirectory(path)) throw Error("resume_from_checkpoint: " + opts.resume_from_checkpoint + ": no such checkpoint");
+    TagReport r = VerifyTag(env, path, {.checksums = opts.verify_checksums});
+    if (opts.weights_only) DropOptimizerProblems(r, path, log);
+    if (!r.ok()) throw Error("resume_from_checkpoint: " + path + " is not a complete, intact checkpoint: " + Describe(r));
+    return path;
+  }
+  if (!opts.resume_if_exists) return std::nullopt;
+  std::vector<DamagedTag> found;
+  auto latest = FindLatestCheckpoint(env, checkpoint_dir, opts.verify_checksums, log, &found, opts.weights_only);
+  if (damaged) damaged->insert(damaged->end(), found.begin(), found.end());
+  if (latest) {
+    if (log) log("resume: from " + *latest);
+    return latest;
+  }
+  if (!found.empty()) {
+    std::string list;
+    for (const auto& d : found) list += "\n  " + d.path + ": " + d.problem;
+    if (!opts.start_over_damaged)
+      throw DamagedCheckpoints("resume: every complete checkpoint in " + checkpoint_dir + " is damaged:" + list +
+                               "\nnothing was changed; to start from scratch beside them, set "
+                               "exp_manager.resume_past_damaged_checkpoints: True");
+    if (log) log("resume: warning: every complete checkpoint is damaged (kept):" + list + "\nstarting from scratch as asked");
+    return std::nullopt;
+  }
+  if (opts.resume_ignore_no_checkpoint) {
+    if (log) log("resume: warning: no complete checkpoint in " + checkpoint_dir + "; starting from scratch");
+    return std::nullopt;
+  }
+  throw Error("resume_if_exists: no complete checkpoint in " + checkpoint_dir +
+              " (set resume_ignore_no_checkpoint to start from scratch)");
+}
+
+}  // namespace ckpt

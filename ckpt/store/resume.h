@@ -1,0 +1,65 @@
+// Choosing where a restarted job resumes, with NxDT exp_manager semantics but
+// without its weaknesses: only tags with `done` (or listed in NxD 2.16's
+// `newest` file) are candidates; they are ordered by the step in their name,
+// mtime only as a tie-break; each is checked against its manifest (sizes
+// always, every byte's CRC-32 when asked, as the trainer asks) and a failing
+// one is skipped, with the reason logged, in favour of the next. Tags that
+// fail are reported, so the caller keeps them as evidence; when complete
+// tags exist and every one fails, resuming stops (DamagedCheckpoints) unless
+// starting over them was asked for explicitly.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckpt/util/error.h"
+
+#include "ckpt/util/env.h"
+
+namespace ckpt {
+
+using LogFn = std::function<void(const std::string&)>;
+
+struct DamagedTag {
+  std::string path;
+  std::string problem;
+};
+
+// Every complete tag failed verification and starting over them was not asked for.
+class DamagedCheckpoints : public Error {
+ public:
+  using Error::Error;
+};
+
+// The newest tag under `checkpoint_dir` that verifies, or nullopt. Complete
+// tags that fail verification on the way are appended to `damaged`.
+std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& checkpoint_dir, bool verify_checksums,
+                                                const LogFn& log, std::vector<DamagedTag>* damaged = nullptr, bool weights_only = false);
+
+struct ResumeOptions {
+  bool resume_if_exists = false;
+  // With resume_if_exists and nothing to resume: start fresh with a warning.
+  bool resume_ignore_no_checkpoint = false;
+  // An explicit tag path (or a tag name inside checkpoint_dir); always wins.
+  std::string resume_from_checkpoint = "";
+  bool verify_checksums = false;
+  // With resume_if_exists, when complete tags exist but none verifies: start
+  // from scratch (the damaged tags stay) instead of stopping.
+  bool start_over_damaged = false;
+  // Only the model is read (NxDT's model.weight_init_only): problems of
+  // optim/ files do not make a tag damaged.
+  bool weights_only = false;
+};
+
+// The tag to resume from, or nullopt to start fresh. Throws ckpt::Error when
+// resume_if_exists finds nothing and resume_ignore_no_checkpoint is off, or
+// when an explicit resume_from_checkpoint is missing, incomplete or damaged;
+// DamagedCheckpoints (naming each tag and its problem) when complete tags
+// exist and all fail verification, unless start_over_damaged. Damaged tags
+// found are appended to `damaged`.
+std::optional<std::string> ResolveResume(Env* env, const std::string& checkpoint_dir, const ResumeOptions& opts,
+                                         const LogFn& log, std::vector<DamagedTag>* damaged = nullptr);
+
+}  // namespace ckpt

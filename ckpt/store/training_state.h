@@ -1,0 +1,85 @@
+// The two small files of a tag that say where training stands, in typed form,
+// so the trainer, nnm2nxdt-ckpt, ckpt-reshard and ckpt-sample read and write
+// one schema:
+//   user_content.pt  NxDT saves the Lightning checkpoint dict minus model and
+//                    optimizer here (NxDT nlp_overrides.py
+//                    NLPCheckpointIO.save_checkpoint; Lightning 2.5.0
+//                    CheckpointConnector.dump_checkpoint): epoch,
+//                    global_step, pytorch-lightning_version, loops,
+//                    callbacks, lr_schedulers, hparams_name,
+//                    hyper_parameters. No consumed_samples: NxDT takes that
+//                    from the tag's name (ConsumedSamplesFromTagPath).
+//                    shardkit's own tags add consumed_samples, and write
+//                    lr_schedulers as NxDT restores it (LrSchedulerEntry).
+//   scheduler.pt     a torch LR scheduler's state_dict (NxD's own trainer;
+//                    shardkit writes it too, NxDT ignores it); only
+//                    `last_epoch` is interpreted.
+// The optimizer's schema is OptimizerFile (ckpt/shard/optimizer_state.h).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ckpt/pt/value.h"
+
+namespace ckpt {
+
+struct UserContent {
+  int64_t epoch = 0;
+  int64_t global_step = 0;
+  std::optional<double> consumed_samples;  // shardkit's and NNM-converted tags'; NxDT's have none
+  std::vector<std::pair<std::string, Value>> carried;  // other entries, in order (loops, lr_schedulers, ...)
+
+  // A dict: epoch, global_step, consumed_samples (when set), then `carried`.
+  Value ToValue() const;
+  // Throws ckpt::Error naming `where` and the key when `v` is not a dict with
+  // a whole-number global_step (epoch may be missing: 0), or when
+  // consumed_samples, loops' step count or lr_schedulers is there but malformed.
+  static UserContent FromValue(const Value& v, const std::string& where);
+
+  // The step NxDT resumes at: Lightning's loops
+  // fit_loop["epoch_loop.automatic_optimization.optim_progress"]
+  // .optimizer.step.total.completed, else global_step (NxDT
+  // nlp_overrides.py restore_training_state sets the latter first, and the
+  // loops' state overrides it).
+  int64_t ResumeStep() const;
+  // lr_schedulers[0] (a torch scheduler's state_dict, whose entries NxDT's
+  // restore applies over the YAML's), if the tag has one.
+  const Value* LrScheduler() const;
+  // Its last_epoch: where the LR schedule stands.
+  std::optional<int64_t> LrSchedulerStep() const;
+  // A carried entry by key, or null.
+  const Value* Carried(const std::string& key) const;
+};
+
+// lr_schedulers[0] as NxDT restores it: only torch's generic
+// _LRScheduler.state_dict entries (base_lrs, last_epoch, verbose,
+// _step_count, _get_lr_called_within_step, _last_lr), since every entry
+// overrides the scheduler's own (a saved max_steps would override the YAML).
+// `next_lr`: the LR of the step after last_epoch, as torch's _last_lr holds it.
+Value LrSchedulerEntry(double base_lr, int64_t last_epoch, double next_lr);
+
+// The consumed samples NxDT takes from a tag's path (NxDT
+// lightning_modules/data/base.py _extract_consumed_samples_from_ckpt):
+// int(float(first match of consumed_samples\=([0-9]+.[0-9]+))), or nullopt
+// where NxDT warns and assumes 0. So "=56" does not parse; "=56.0" does.
+std::optional<int64_t> ConsumedSamplesFromTagPath(const std::string& path);
+
+struct SchedulerState {
+  int64_t last_epoch = 0;
+  std::vector<std::pair<std::string, Value>> carried;  // other entries, in order
+
+  // A dict: the entries in order, last_epoch where it was (first for a new state).
+  Value ToValue() const;
+  // Throws ckpt::Error naming `where` when `v` is not a dict with a
+  // whole-number last_epoch.
+  static SchedulerState FromValue(const Value& v, const std::string& where);
+
+ private:
+  size_t last_epoch_at_ = 0;  // its position among the entries
+};
+
+}  // namespace ckpt

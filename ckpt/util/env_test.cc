@@ -1,0 +1,91 @@
+#include "ckpt/util/env.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "ckpt/util/error.h"
+
+namespace ckpt {
+namespace {
+
+std::string TempDir() {
+  auto d = std::filesystem::temp_directory_path() / ("env_test_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(d);
+  return d.string();
+}
+
+std::string ReadAll(const std::string& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+TEST(Env, AtomicWriteReplacesWholeFile) {
+  const std::string dir = TempDir(), path = dir + "/f.bin";
+  auto* env = Env::Default();
+  WriteFileAtomically(env, path, [](WritableFile& f) { f.Append({reinterpret_cast<const uint8_t*>("old"), 3}); });
+  WriteFileAtomically(env, path, [](WritableFile& f) {
+    std::string big(3 << 20, 'x');  // larger than the write buffer
+    f.Append({reinterpret_cast<const uint8_t*>(big.data()), big.size()});
+    EXPECT_EQ(f.Size(), big.size());
+  });
+  EXPECT_EQ(ReadAll(path), std::string(3 << 20, 'x'));
+  EXPECT_FALSE(env->Exists(TempPathFor(path)));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Env, AppendableFileKeepsWhatTheFileHeld) {
+  const std::string dir = TempDir(), path = dir + "/metrics.jsonl";
+  auto* env = Env::Default();
+  for (const std::string line : {"{\"step\": 1}\n", "{\"step\": 2}\n"}) {
+    auto f = env->NewAppendableFile(path);
+    const uint64_t before = f->Size();
+    f->Append({reinterpret_cast<const uint8_t*>(line.data()), line.size()});
+    EXPECT_EQ(f->Size(), before + line.size());
+    f->Close();
+  }
+  EXPECT_EQ(ReadAll(path), "{\"step\": 1}\n{\"step\": 2}\n");
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Env, FailedAtomicWriteKeepsOldFileAndRemovesTemp) {
+  const std::string dir = TempDir(), path = dir + "/f.bin";
+  auto* env = Env::Default();
+  WriteFileAtomically(env, path, [](WritableFile& f) { f.Append({reinterpret_cast<const uint8_t*>("old"), 3}); });
+  EXPECT_THROW(WriteFileAtomically(env, path,
+                                   [](WritableFile& f) {
+                                     f.Append({reinterpret_cast<const uint8_t*>("new"), 3});
+                                     throw Error("injected failure");
+                                   }),
+               Error);
+  EXPECT_EQ(ReadAll(path), "old");
+  EXPECT_FALSE(env->Exists(TempPathFor(path)));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Env, ErrorsNameThePath) {
+  try {
+    Env::Default()->MapFile("/nonexistent/x.pt");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/x.pt: cannot open"), std::string::npos);
+  }
+}
+
+TEST(Env, WriteToFullDiskReportsEnospc) {
+  if (!std::filesystem::exists("/dev/full")) GTEST_FAIL() << "/dev/full missing";
+  auto f = Env::Default()->NewWritableFile("/dev/full");
+  std::string big(2 << 20, 'x');
+  try {
+    f->Append({reinterpret_cast<const uint8_t*>(big.data()), big.size()});
+    f->Sync();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace ckpt
