@@ -8,7 +8,7 @@
 # MPIRUN_ARGS.
 set -euo pipefail
 root=$(cd "$(dirname "$0")" && pwd)
-train="$root/build/libtrain/shardkit-train"
+train="$root/build/bin/shardkit-train"
 [ -x "$train" ] || bash "$root/scripts/build.sh" "$root/build"
 conf="${CONF:-$root/conf/tiny_llama.yaml}"
 world=$("$train" --world_size "$conf" "$@")

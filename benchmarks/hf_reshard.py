@@ -119,7 +119,7 @@ def main():
     ap.add_argument("--memory_budget", default="512M")
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args()
-    reshard = os.path.join(a.build, "tools", "ckpt-reshard")
+    reshard = os.path.join(a.build, "bin", "ckpt-reshard")
     work = tempfile.mkdtemp(prefix="hf_reshard_", dir=a.dir)
     try:
         src, cfg = os.path.join(work, "src"), os.path.join(work, "config.json")

@@ -101,7 +101,7 @@ def main():
         with open(script, "w") as f:
             f.write(BASELINE)
         ours_out, base_out, cp_out = (os.path.join(work, n) for n in ("ours.ckpt", "base.ckpt", "cp"))
-        convert = os.path.join(a.build, "convert", "nnm2nxdt-ckpt")
+        convert = os.path.join(a.build, "bin", "nnm2nxdt-ckpt")
         jobs = {
             "shardkit nnm2nxdt-ckpt": (ours_out, [convert, "--tp", "4", "--pp", "2", "--n_layers", str(a.layers),
                                                   "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", ours_out]),

@@ -50,7 +50,7 @@ def main():
     torch.set_num_threads(os.cpu_count())
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         env = dict(os.environ, SHARDKIT_BENCH_MIB=str(args.mib), SHARDKIT_BENCH_DIR=d)
-        out = subprocess.run([os.path.join(args.build, "benchmarks", "pt_io_bench"), "--benchmark_format=json"],
+        out = subprocess.run([os.path.join(args.build, "bin", "pt_io_bench"), "--benchmark_format=json"],
                              env=env, check=True, capture_output=True, text=True).stdout
         res = {b["name"].split("/")[0]: b for b in json.loads(out)["benchmarks"]}
         ours = os.path.join(d, "ours.pt")

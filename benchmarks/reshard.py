@@ -377,7 +377,7 @@ def main():
         raise SystemExit(f"{a.dir}: {free / 2**30:.1f} GiB free, --gib {gib} needs about {gib * per_gib / 2**30:.1f}")
     hidden, layers = pick_model(gib, a.hidden)
     budget = parse_size(a.memory_budget)
-    tool = os.path.join(a.build, "tools", "ckpt-reshard")
+    tool = os.path.join(a.build, "bin", "ckpt-reshard")
     hints = ["--heads", str(HEADS), "--kv_heads", str(HEADS), "--vocab_size", str(VOCAB),
              "--make_vocab_size_divisible_by", str(DIVISIBLE)]
     print(f"model: Llama, hidden {hidden}, ffn {FFN[hidden]}, {HEADS} heads, {layers} layers, vocab {VOCAB} "

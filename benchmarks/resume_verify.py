@@ -38,10 +38,10 @@ def main():
     ap.add_argument("--build", default=os.path.join(HERE, "..", "build"))
     ap.add_argument("--runs", type=int, default=3)
     a = ap.parse_args()
-    train, verify = os.path.join(a.build, "libtrain", "shardkit-train"), os.path.join(a.build, "tools", "ckpt-verify")
+    train, verify = os.path.join(a.build, "bin", "shardkit-train"), os.path.join(a.build, "bin", "ckpt-verify")
     work = tempfile.mkdtemp(prefix="resume_verify.", dir=os.environ.get("TMPDIR", "/tmp"))
     os.makedirs(os.path.join(work, "data"))
-    subprocess.run([os.path.join(a.build, "libtrain", "shardkit-tokenize"), "/usr/share/common-licenses/GPL-3",
+    subprocess.run([os.path.join(a.build, "bin", "shardkit-tokenize"), "/usr/share/common-licenses/GPL-3",
                     os.path.join(work, "data", "text_document")], check=True, capture_output=True)
     base = [train, CONF, "exp_manager.explicit_log_dir=run", "exp_manager.async_checkpointing=False", *MODEL]
     subprocess.run(base + ["trainer.max_steps=1"], cwd=work, check=True, capture_output=True)

@@ -58,7 +58,7 @@ def run(build, work, tp, pp, dp, zero1, steps, name, **kw):
     shutil.rmtree(log_dir, ignore_errors=True)
     world = tp * pp * dp
     mpi = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(world)] if world > 1 else []
-    cmd = [*mpi, os.path.join(build, "libtrain", "shardkit-train"), CONF, *overrides(MODEL, tp, pp, dp, zero1, steps, log_dir, **kw)]
+    cmd = [*mpi, os.path.join(build, "bin", "shardkit-train"), CONF, *overrides(MODEL, tp, pp, dp, zero1, steps, log_dir, **kw)]
     subprocess.run(cmd, cwd=work, check=True, capture_output=True, text=True)
     with open(os.path.join(log_dir, "timing.json")) as f:
         return json.load(f)["ranks"]
@@ -111,7 +111,7 @@ def main():
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="train_parallel_")
     os.makedirs(os.path.join(work, "data"))
-    subprocess.run([os.path.join(args.build, "libtrain", "shardkit-tokenize"), TEXT, os.path.join(work, "data", "text_document")],
+    subprocess.run([os.path.join(args.build, "bin", "shardkit-tokenize"), TEXT, os.path.join(work, "data", "text_document")],
                    check=True, capture_output=True)
     print(f"model: hidden {MODEL['hidden']}, {MODEL['layers']} layers, {MODEL['heads']} heads, seq {MODEL['seq']}, "
           f"{MODEL['global_batch']} sequences per step in micro-batches of {MODEL['micro']}; {args.steps} steps, mean per step\n")

@@ -29,7 +29,7 @@ SHAPES = {
 
 def ours(build, model, recompute=""):
     env = dict(os.environ, SHARDKIT_BENCH_MODEL=model, SHARDKIT_BENCH_RECOMPUTE=recompute)
-    out = subprocess.run([os.path.join(build, "benchmarks", "train_bench"), "--benchmark_format=json"], env=env,
+    out = subprocess.run([os.path.join(build, "bin", "train_bench"), "--benchmark_format=json"], env=env,
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out)["benchmarks"][0]
 

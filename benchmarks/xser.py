@@ -42,8 +42,8 @@ def main():
     if a.gib * 2**30 * 4.5 > free:
         raise SystemExit(f"{a.dir}: {free / 2**30:.1f} GiB free; --gib {a.gib} needs about {a.gib * 4.5:.1f}")
     hidden, layers = pick_model(a.gib)
-    reshard = os.path.join(a.build, "tools", "ckpt-reshard")
-    export = os.path.join(a.build, "tools", "ckpt-export")
+    reshard = os.path.join(a.build, "bin", "ckpt-reshard")
+    export = os.path.join(a.build, "bin", "ckpt-export")
     hints = ["--heads", str(HEADS), "--kv_heads", str(HEADS), "--vocab_size", str(VOCAB), "--make_vocab_size_divisible_by", str(DIVISIBLE)]
     work = tempfile.mkdtemp(dir=a.dir, prefix="xser_bench_")
     try:

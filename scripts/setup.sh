@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PACKAGES=(
-  build-essential cmake g++ clang libclang-rt-14-dev pkg-config
+  build-essential cmake ninja-build g++ clang libclang-rt-14-dev pkg-config
   libhdf5-dev libzip-dev nlohmann-json3-dev libyaml-cpp-dev libtbb-dev
   libeigen3-dev libopenmpi-dev openmpi-bin libcli11-dev libxxhash-dev libdeflate-dev zlib1g-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev

@@ -1,26 +1,39 @@
 #!/usr/bin/env bash
-# The whole test suite: install, build, run ctest; then every unit test (the
-# zip and pickle tests among them) under ASan+UBSan, then the libFuzzer
-# targets (.pt readers, xser, YAML configs, manifests and rank records) for a
-# bounded time on seed corpora; then a short round of kill trials (random
-# SIGKILLs of multi-process jobs: tests/kill_trials.py; KILL_TRIALS sets the
-# count per job, default 5).
+# The whole test suite, on a fresh machine:
+#  1. install (setup.sh);
+#  2. the release build, and ctest: the interop tests (our binaries against
+#     real torch and upstream fixtures) and the fault tests;
+#  3. one clang build with ASan + UBSan: every unit test (the zip and pickle
+#     tests among them), then the libFuzzer targets (.pt readers, xser, YAML
+#     configs, manifests and rank records) for a bounded time on seed corpora,
+#     two at a time;
+#  4. a short round of kill trials (random SIGKILLs of multi-process jobs:
+#     tests/kill_trials.py; KILL_TRIALS sets the count per job, default 5).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+start=$(date +%s)
+phase() { echo "== $* (at $(($(date +%s) - start)) s)"; }
 bash "$root/scripts/setup.sh"
 
-bash "$root/scripts/build.sh" "$root/build"
+phase "release build, then ctest: interop and fault tests"
+# The release build: products, test programs, interop and fault tests. The unit
+# tests run once, below, under the sanitizers.
+bash "$root/scripts/build.sh" "$root/build" -DSHARDKIT_UNIT_TESTS=OFF
 (cd "$root/build" && ctest --output-on-failure -j 2 --timeout 900 --no-tests=error)
 
-# Every unit test (the zip and pickle tests among them) again under ASan + UBSan.
+# One clang build serves both: every unit test (the zip and pickle tests among
+# them) again under ASan + UBSan, and the libFuzzer targets. It builds only
+# what it runs (the targets unit_tests and fuzzers).
+phase "sanitizer build (ASan + UBSan, clang): unit tests and libFuzzer targets"
+CC=clang CXX=clang++ BUILD_TARGETS="unit_tests fuzzers" \
+  bash "$root/scripts/build.sh" "$root/build-asan" -DSHARDKIT_FUZZ=ON -DCMAKE_BUILD_TYPE=Debug \
+  "-DCMAKE_CXX_FLAGS_DEBUG=-gline-tables-only" "-DCMAKE_C_FLAGS_DEBUG=-gline-tables-only"  # file:line in reports, less to compile
 # --no-tests=error: an empty selection must fail, not pass.
-echo "== sanitizer build (ASan + UBSan): unit tests"
-bash "$root/scripts/build.sh" "$root/build-asan" -DSHARDKIT_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
 (cd "$root/build-asan" && ctest --output-on-failure -j 2 --timeout 900 --no-tests=error -L unit)
 
-echo "== libFuzzer: .pt readers, xser, YAML configs, manifests and rank records"
-CC=clang CXX=clang++ bash "$root/scripts/build.sh" "$root/build-fuzz" -DSHARDKIT_FUZZ=ON -DCMAKE_BUILD_TYPE=Debug
-bash "$root/tests/fuzz/run_fuzz.sh" "$root/build-fuzz" "${FUZZ_SECONDS:-60}"
+phase "libFuzzer: .pt readers, xser, YAML configs, manifests and rank records"
+bash "$root/tests/fuzz/run_fuzz.sh" "$root/build-asan" "${FUZZ_SECONDS:-60}"
 
-echo "== kill trials: training (4 ranks), ckpt-reshard and nnm2nxdt-ckpt (2 ranks each), SIGKILLed at random"
+phase "kill trials: training (4 ranks), ckpt-reshard and nnm2nxdt-ckpt (2 ranks each), SIGKILLed at random"
 /usr/bin/python3 "$root/tests/kill_trials.py" --build "$root/build" --trials "${KILL_TRIALS:-5}"
+echo "test.sh: every phase passed in $(($(date +%s) - start)) s"

@@ -68,10 +68,10 @@ class Job:
         self.name, self.build, self.work = name, build, work
 
     def bin(self, *p):
-        return os.path.join(self.build, *p)
+        return os.path.join(self.build, "bin", *p)
 
     def verify(self, tag):
-        return subprocess.run([self.bin("tools", "ckpt-verify"), tag], capture_output=True, text=True).returncode == 0
+        return subprocess.run([self.bin("ckpt-verify"), tag], capture_output=True, text=True).returncode == 0
 
 
 class Reshard(Job):
@@ -94,7 +94,7 @@ class Reshard(Job):
         self.ref = tree(ref)
 
     def command(self, out):
-        return [*MPI, "-np", "2", self.bin("tools", "ckpt-reshard"), self.src, out, "--tp", "1", "--pp", "2", "--dp", "1", "--zero1",
+        return [*MPI, "-np", "2", self.bin("ckpt-reshard"), self.src, out, "--tp", "1", "--pp", "2", "--dp", "1", "--zero1",
                 "--no_verify", "--threads", "1", *self.hints]
 
     def out(self, trial):
@@ -139,7 +139,7 @@ class Convert(Reshard):
         self.run_reference()
 
     def command(self, out):
-        return [*MPI, "-np", "2", self.bin("convert", "nnm2nxdt-ckpt"), "--tp", "2", "--pp", "2", "--nnm_ckpt_path", self.nnm,
+        return [*MPI, "-np", "2", self.bin("nnm2nxdt-ckpt"), "--tp", "2", "--pp", "2", "--nnm_ckpt_path", self.nnm,
                 "--nxdt_ckpt_path", out, "--threads", "1"]
 
 
@@ -149,7 +149,7 @@ class Train(Job):
 
     def prepare(self):
         os.makedirs(os.path.join(self.work, "data"))
-        subprocess.run([self.bin("libtrain", "shardkit-tokenize"), "/usr/share/common-licenses/GPL-3",
+        subprocess.run([self.bin("shardkit-tokenize"), "/usr/share/common-licenses/GPL-3",
                         os.path.join(self.work, "data", "text_document")], check=True, capture_output=True)
         self.seconds = 1e9
         for run in ("ref", "ref2"):  # the quicker of two: kill times within a whole run
@@ -160,7 +160,7 @@ class Train(Job):
         self.ref = self.final("ref")
 
     def command(self, run):
-        return [*MPI, "-np", "4", self.bin("libtrain", "shardkit-train"), os.path.join(ROOT, "conf", "tiny_llama.yaml"),
+        return [*MPI, "-np", "4", self.bin("shardkit-train"), os.path.join(ROOT, "conf", "tiny_llama.yaml"),
                 f"exp_manager.explicit_log_dir={run}", "trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2",
                 "distributed_strategy.zero1=True", "exp_manager.async_checkpointing=True", f"trainer.max_steps={self.steps}",
                 f"+model.optim.sched.max_steps={self.steps}", "data.global_batch_size=8", "data.micro_batch_size=2",
@@ -263,7 +263,7 @@ class TrainHf(Train):
     """NxDT's model_source: hf (conf/hf_llama.yaml): xser, ZeRO-1 with fp32 masters in the tag, one KV head replicated over tp 2."""
 
     def command(self, run):
-        return [*MPI, "-np", "4", self.bin("libtrain", "shardkit-train"), os.path.join(ROOT, "conf", "hf_llama.yaml"),
+        return [*MPI, "-np", "4", self.bin("shardkit-train"), os.path.join(ROOT, "conf", "hf_llama.yaml"),
                 f"exp_manager.explicit_log_dir={run}", "trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2",
                 "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=True", f"trainer.max_steps={self.steps}",
                 "data.global_batch_size=8", "data.micro_batch_size=2",

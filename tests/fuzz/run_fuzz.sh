@@ -6,6 +6,8 @@
 #   hf_fuzz        safetensors headers and fingerprint pieces, SECONDS / 2
 #   xser_fuzz      xser reference trees and their info.pt, SECONDS / 2
 # Usage: run_fuzz.sh BUILD_DIR SECONDS. Fails on any crash, leak, UB or timeout.
+# Targets run two at a time (one per core, FUZZ_JOBS sets it); each keeps its
+# own time budget.
 # -entropic=0: entropic scheduling spends ~90% of the time in its own
 # bookkeeping on pt_fuzz's ~80k features (measured: 21 vs 765 exec/s).
 set -euo pipefail
@@ -67,32 +69,48 @@ cat >"$tmp/seeds/manifest/tensors.json" <<'JSON'
  "tensors": {"w": {"param": {"dtype": "bfloat16", "numel": 16, "crc32": "0a1b2c3d"}}}}
 JSON
 
-passed=0 failed=0
-fuzz() {  # NAME SECONDS MAX_LEN
+fuzz() {  # NAME SECONDS MAX_LEN: runs one target, leaves its report in $tmp/work/NAME/report
   local name=$1 secs=$2 max_len=$3 rc=0
   mkdir -p "$tmp/work/$name"
-  (cd "$tmp/work/$name" && "$build/tests/fuzz/$name" -max_total_time="$secs" -entropic=0 -print_funcs=0 -max_len="$max_len" \
+  local log=$tmp/work/$name/fuzz.log report=$tmp/work/$name/report
+  (cd "$tmp/work/$name" && "$build/bin/$name" -max_total_time="$secs" -entropic=0 -print_funcs=0 -max_len="$max_len" \
     -rss_limit_mb=4096 -timeout=20 -print_final_stats=1 . "$tmp/seeds/${name%_fuzz}" >fuzz.log 2>&1) || rc=$?
-  local log=$tmp/work/$name/fuzz.log
-  grep -E "INITED|DONE|stat::number_of_executed_units|stat::peak_rss" "$log" | sed "s/^/$name: /" || true
-  local units
-  units=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
-  if [ "$rc" -ne 0 ] || [ -z "$units" ] || [ "$units" -le 1000 ]; then
-    echo "fuzz: $name failed (libFuzzer exit $rc, ${units:-0} executions)"
-    grep -A40 -E "ERROR|SUMMARY|==[0-9]+==" "$log" | head -80 || true
-    for a in "$tmp/work/$name"/crash-* "$tmp/work/$name"/leak-* "$tmp/work/$name"/timeout-* "$tmp/work/$name"/oom-*; do
-      [ -e "$a" ] && { echo "artifact $a:"; xxd "$a" | head -20; }
-    done
-    failed=$((failed + 1))
-  else
-    echo "fuzz: $name: $units inputs in ${secs}s, no finding"
-    passed=$((passed + 1))
-  fi
+  {
+    grep -E "INITED|DONE|stat::number_of_executed_units|stat::peak_rss" "$log" | sed "s/^/$name: /" || true
+    local units
+    units=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+    if [ "$rc" -ne 0 ] || [ -z "$units" ] || [ "$units" -le 1000 ]; then
+      echo "fuzz: $name failed (libFuzzer exit $rc, ${units:-0} executions)"
+      grep -A40 -E "ERROR|SUMMARY|==[0-9]+==" "$log" | head -80 || true
+      for a in "$tmp/work/$name"/crash-* "$tmp/work/$name"/leak-* "$tmp/work/$name"/timeout-* "$tmp/work/$name"/oom-*; do
+        [ -e "$a" ] && { echo "artifact $a:"; xxd "$a" | head -20; }
+      done
+      true
+    else
+      echo "fuzz: $name: $units inputs in ${secs}s, no finding"
+    fi
+  } >"$report"
 }
-fuzz pt_fuzz "$seconds" 65536
-fuzz yaml_fuzz "$seconds" 8192
-fuzz manifest_fuzz $((seconds / 2)) 8192
-fuzz hf_fuzz $((seconds / 2)) 8192
-fuzz xser_fuzz $((seconds / 2)) 16384
+# Two lanes of about equal length: pt (S) then manifest (S/2); yaml (S), hf and xser (S/2 each).
+jobs=${FUZZ_JOBS:-2}
+lane_a() { fuzz pt_fuzz "$seconds" 65536; fuzz manifest_fuzz $((seconds / 2)) 8192; }
+lane_b() { fuzz yaml_fuzz "$seconds" 8192; fuzz hf_fuzz $((seconds / 2)) 8192; fuzz xser_fuzz $((seconds / 2)) 16384; }
+if [ "$jobs" -ge 2 ]; then
+  lane_a & a=$!
+  lane_b & b=$!
+  wait $a || true; wait $b || true  # each lane's reports say how it went
+else
+  lane_a; lane_b
+fi
+passed=0 failed=0
+for name in pt_fuzz yaml_fuzz manifest_fuzz hf_fuzz xser_fuzz; do
+  report=$tmp/work/$name/report
+  if [ -s "$report" ]; then cat "$report"; else echo "fuzz: $name left no report"; fi
+  if [ -s "$report" ] && grep -q "^fuzz: $name: .* no finding$" "$report"; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1))
+  fi
+done
 echo "fuzz: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

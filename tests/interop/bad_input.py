@@ -689,7 +689,7 @@ class BadInput(TempDirTest):
     # -- ckpt-verify and ckpt-inspect -------------------------------------
     def sample_tag(self):
         d = os.path.join(self.dir, "ckpts")
-        run(os.path.join(BIN, "tools", "ckpt-sample"), d)
+        run(os.path.join(BIN, "bin", "ckpt-sample"), d)
         return d, glob.glob(os.path.join(d, "*.ckpt"))[0]
 
     def test_ckpt_verify(self):

@@ -15,19 +15,19 @@ import unittest
 import torch
 
 BIN = os.environ.get("SHARDKIT_BIN", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
-PT_CANONICAL = os.path.join(BIN, "tests", "pt_canonical")
-INSPECT = os.path.join(BIN, "tools", "ckpt-inspect")
-VERIFY = os.path.join(BIN, "tools", "ckpt-verify")
-RESHARD = os.path.join(BIN, "tools", "ckpt-reshard")
-EXPORT = os.path.join(BIN, "tools", "ckpt-export")
-IMPORT = os.path.join(BIN, "tools", "ckpt-import")
-SAMPLE = os.path.join(BIN, "tools", "ckpt-sample")
-STRESS = os.path.join(BIN, "tests", "ckpt_store_stress")
-CONFIG = os.path.join(BIN, "migrate", "nnm2nxdt-config")
-TRAIN_DUMP = os.path.join(BIN, "libtrain", "train_reference_dump")
-TOKENIZE = os.path.join(BIN, "libtrain", "shardkit-tokenize")
-TRAIN = os.path.join(BIN, "libtrain", "shardkit-train")
-CONVERT = os.path.join(BIN, "convert", "nnm2nxdt-ckpt")
+PT_CANONICAL = os.path.join(BIN, "bin", "pt_canonical")
+INSPECT = os.path.join(BIN, "bin", "ckpt-inspect")
+VERIFY = os.path.join(BIN, "bin", "ckpt-verify")
+RESHARD = os.path.join(BIN, "bin", "ckpt-reshard")
+EXPORT = os.path.join(BIN, "bin", "ckpt-export")
+IMPORT = os.path.join(BIN, "bin", "ckpt-import")
+SAMPLE = os.path.join(BIN, "bin", "ckpt-sample")
+STRESS = os.path.join(BIN, "bin", "ckpt_store_stress")
+CONFIG = os.path.join(BIN, "bin", "nnm2nxdt-config")
+TRAIN_DUMP = os.path.join(BIN, "bin", "train_reference_dump")
+TOKENIZE = os.path.join(BIN, "bin", "shardkit-tokenize")
+TRAIN = os.path.join(BIN, "bin", "shardkit-train")
+CONVERT = os.path.join(BIN, "bin", "nnm2nxdt-ckpt")
 
 _DTYPE_NAMES = {
     torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16",

@@ -24,7 +24,7 @@ from canon import BIN, RESHARD, VERIFY, TempDirTest
 from nxd_fixture import make_full, write_tag
 from reshard import GPT, format_args
 
-CHECK = os.path.join(BIN, "tests", "group_commit_check")
+CHECK = os.path.join(BIN, "bin", "group_commit_check")
 # Not the launcher's doing: mpirun keeps the job when one process exits non-zero.
 MPI = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "orte_abort_on_non_zero_status", "0"]
 END_WITHIN = 10.0  # seconds, the bound for peers of a failed rank

@@ -31,7 +31,7 @@ import generate  # noqa: E402  (run_converter, the stand-ins, the commits)
 import upstream_env as ue  # noqa: E402
 
 BIN = os.environ.get("SHARDKIT_BIN", os.path.join(HERE, "..", "..", "..", "..", "build"))
-TOOLS = os.path.join(BIN, "tools")
+TOOLS = os.path.join(BIN, "bin")
 CONFIG = {"gqa": "full_gqa/config.json", "mha": "full_mha/config.json"}
 
 def reshard(src, tp, pp, m, fused, out_flags, expect):

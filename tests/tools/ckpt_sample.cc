@@ -1,8 +1,8 @@
 // ckpt-sample DIR [--steps N] [--save-top-k K]: writes a small Llama-shaped
 // checkpoint (TP=PP=DP=1) through the checkpoint store: NxDT tags
 // sample--step=S-consumed_samples=C.ckpt with model/, optim/, scheduler.pt,
-// user_content.pt, manifest.json and done. The main job inspects and verifies
-// it; later the training core replaces it.
+// user_content.pt, manifest.json and done. A test-only program: the interop
+// tests read, inspect, corrupt and verify what it writes.
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstring>
