@@ -108,6 +108,30 @@ void CheckInterpolationChains(const YAML::Node& cfg, std::vector<std::string>* p
 
 }  // namespace
 
+std::vector<std::string> CheckAtLaunch(const YAML::Node& cfg) {
+  std::vector<std::string> found;
+  const auto tp = IntAt(cfg, "distributed_strategy.tensor_model_parallel_size").value_or(1);
+  const auto pp = IntAt(cfg, "distributed_strategy.pipeline_model_parallel_size").value_or(1);
+  const auto devices = IntAt(cfg, "trainer.devices"), nodes = IntAt(cfg, "trainer.num_nodes");
+  // Degrees past a million ranks are nonsense (CheckNxdt refuses them), and their products would overflow.
+  auto sane = [&](long long v) { return v >= 1 && v <= ckpt::kMaxRanks; };
+  if (!devices || !sane(*devices) || !sane(nodes.value_or(1)) || !sane(tp) || !sane(pp)) return found;
+  const long long world = *devices * nodes.value_or(1);
+  const std::string named_world = "trainer.devices (" + std::to_string(*devices) + ") * trainer.num_nodes (" +
+                                  std::to_string(nodes.value_or(1)) + ") = " + std::to_string(world) + ", the world size";
+  try {
+    const int dp = ckpt::RankGrid::ForWorld(world, tp, pp, false, "distributed_strategy", named_world).dp;
+    const auto gbs = IntAt(cfg, "data.global_batch_size"), mbs = IntAt(cfg, "data.micro_batch_size");
+    if (gbs && mbs && sane(*mbs) && *gbs % *mbs == 0 && *gbs % (*mbs * dp))
+      found.push_back("data.global_batch_size (" + std::to_string(*gbs) + ") is not a multiple of data.micro_batch_size (" +
+                      std::to_string(*mbs) + ") * data-parallel size (" + std::to_string(dp) + ") = " + std::to_string(*mbs * dp) +
+                      " at " + named_world);
+  } catch (const ckpt::Error& e) {
+    found.push_back(e.what());
+  }
+  return found;
+}
+
 std::vector<std::string> CheckNxdt(const YAML::Node& cfg) {
   std::vector<std::string> problems;
   for (const char* s : {"model_source", "trainer", "exp_manager", "distributed_strategy", "data", "model", "precision"})
@@ -126,27 +150,13 @@ std::vector<std::string> CheckNxdt(const YAML::Node& cfg) {
 
   const auto tp = IntAt(cfg, "distributed_strategy.tensor_model_parallel_size").value_or(1);
   const auto pp = IntAt(cfg, "distributed_strategy.pipeline_model_parallel_size").value_or(1);
-  const auto devices = IntAt(cfg, "trainer.devices"), nodes = IntAt(cfg, "trainer.num_nodes");
   if (tp < 1 || pp < 1 || tp > ckpt::kMaxRanks || pp > ckpt::kMaxRanks)
     problems.push_back("distributed_strategy: tensor and pipeline parallel sizes must be from 1 to " + std::to_string(ckpt::kMaxRanks));
-  // Degrees past a million ranks are nonsense, and their products would overflow.
-  auto sane = [&](long long v) { return v >= 1 && v <= ckpt::kMaxRanks; };
-  if (devices && sane(*devices) && sane(nodes.value_or(1)) && sane(tp) && sane(pp)) {
-    const long long world = *devices * nodes.value_or(1);
-    try {
-      const int dp = ckpt::RankGrid::ForWorld(world, tp, pp, false, "distributed_strategy",
-                                              "trainer.devices (" + std::to_string(*devices) + ") * trainer.num_nodes (" +
-                                                  std::to_string(nodes.value_or(1)) + ") = " + std::to_string(world) + ", the world size")
-                         .dp;
-      const auto gbs = IntAt(cfg, "data.global_batch_size"), mbs = IntAt(cfg, "data.micro_batch_size");
-      if (gbs && mbs && sane(*mbs) && *gbs % (*mbs * dp))
-        problems.push_back("data.global_batch_size (" + std::to_string(*gbs) + ") is not a multiple of data.micro_batch_size (" +
-                           std::to_string(*mbs) + ") * data-parallel size (" + std::to_string(dp) + ") = " +
-                           std::to_string(*mbs * dp));
-    } catch (const ckpt::Error& e) {
-      problems.push_back(e.what());
-    }
-  }
+  // What holds for every world size; CheckAtLaunch checks the world the config names.
+  const auto gbs = IntAt(cfg, "data.global_batch_size"), mbs = IntAt(cfg, "data.micro_batch_size");
+  if (gbs && mbs && *mbs >= 1 && *mbs <= ckpt::kMaxRanks && *gbs % *mbs)
+    problems.push_back("data.global_batch_size (" + std::to_string(*gbs) + ") is not a multiple of data.micro_batch_size (" +
+                       std::to_string(*mbs) + ")");
   const auto layers = IntAt(cfg, "model.num_layers");
   const bool cuts = Has(cfg, "model.pipeline_cuts") && !Find(cfg, "model.pipeline_cuts").IsNull();
   if (layers && pp >= 1 && *layers % pp && !cuts)

@@ -20,17 +20,33 @@ std::vector<std::string> CheckWith(const std::string& path, const std::string& v
   return CheckNxdt(n);
 }
 
+std::vector<std::string> AtLaunchWith(const std::string& path, const std::string& value) {
+  YAML::Node n = LoadYaml(kGood, "c");
+  Set(n, path, YAML::Load(value));
+  return CheckAtLaunch(n);
+}
+
 TEST(Check, AcceptsAConsistentConfig) { EXPECT_EQ(CheckNxdt(LoadYaml(kGood, "c")), std::vector<std::string>{}); }
 
 TEST(Check, EachRuleHasAPreciseMessage) {
   YAML::Node n = LoadYaml(kGood, "c");
   Erase(n, "precision");
   EXPECT_EQ(CheckNxdt(n), std::vector<std::string>{"missing required section 'precision'"});
-  EXPECT_EQ(CheckWith("trainer.devices", "12"),
+  // The named world's arithmetic is settled at launch (launch scripts set the
+  // sizes): reported by CheckAtLaunch, not a problem.
+  EXPECT_EQ(CheckAtLaunch(LoadYaml(kGood, "c")), std::vector<std::string>{});
+  EXPECT_EQ(CheckWith("trainer.devices", "12"), std::vector<std::string>{});
+  EXPECT_EQ(AtLaunchWith("trainer.devices", "12"),
             std::vector<std::string>{"distributed_strategy: tensor_model_parallel_size (8) * pipeline_model_parallel_size (2) = 16 "
                                      "does not divide trainer.devices (12) * trainer.num_nodes (2) = 24, the world size (24)"});
-  EXPECT_EQ(CheckWith("data.global_batch_size", "10"),
-            std::vector<std::string>{"data.global_batch_size (10) is not a multiple of data.micro_batch_size (1) * data-parallel size (4) = 4"});
+  EXPECT_EQ(CheckWith("data.global_batch_size", "10"), std::vector<std::string>{});
+  EXPECT_EQ(AtLaunchWith("data.global_batch_size", "10"),
+            std::vector<std::string>{"data.global_batch_size (10) is not a multiple of data.micro_batch_size (1) * data-parallel size (4) = 4 "
+                                     "at trainer.devices (32) * trainer.num_nodes (2) = 64, the world size"});
+  // Not a multiple of the micro batch is wrong at any world size.
+  EXPECT_EQ(CheckWith("data.micro_batch_size", "3"),
+            std::vector<std::string>{"data.global_batch_size (64) is not a multiple of data.micro_batch_size (3)"});
+  EXPECT_EQ(AtLaunchWith("data.micro_batch_size", "3"), std::vector<std::string>{});
   EXPECT_EQ(CheckWith("model.num_layers", "31"),
             std::vector<std::string>{"model.num_layers (31) does not divide evenly over pipeline_model_parallel_size (2); give model.pipeline_cuts or change the sizes"});
   YAML::Node cuts = LoadYaml(kGood, "c");

@@ -377,6 +377,7 @@ Migration Migrate(const YAML::Node& nnm, const MigrateOptions& opts) {
   result.config = Ordered(out, "");
   report.check_problems = CheckNxdt(result.config);
   report.set_at_launch = SetAtLaunch(result.config);
+  report.at_launch = CheckAtLaunch(result.config);
   return result;
 }
 
@@ -400,6 +401,7 @@ nlohmann::ordered_json Report::ToJson() const {
   j["warnings"] = warnings;
   j["check"] = check_problems;
   j["set_at_launch"] = set_at_launch;
+  j["at_launch"] = at_launch;
   return j;
 }
 
@@ -423,6 +425,9 @@ std::string Report::Summary() const {
     for (const auto& k : set_at_launch) o << " " << k;
     o << "\n";
   }
+  for (const auto& p : at_launch)
+    o << "  warning: as written, " << p << "; launch scripts set these sizes (trainer.devices, trainer.num_nodes, "
+         "the batch sizes) and NxD checks them when the job starts\n";
   return o.str();
 }
 

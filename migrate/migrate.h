@@ -28,6 +28,7 @@ struct Report {
   std::vector<std::string> warnings;
   std::vector<std::string> check_problems;  // --check run on the output
   std::vector<std::string> set_at_launch;   // ??? values, carried over (SetAtLaunch)
+  std::vector<std::string> at_launch;       // the named world's arithmetic, settled at launch (CheckAtLaunch)
 
   nlohmann::ordered_json ToJson() const;
   std::string Summary() const;  // the human report for stderr

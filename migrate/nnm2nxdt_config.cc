@@ -61,6 +61,9 @@ int main(int argc, char** argv) {
       for (const auto& p : problems) std::cerr << check_path << ": " << p << "\n";
       for (const auto& k : migrate::SetAtLaunch(cfg))
         std::cerr << check_path << ": " << k << ": ??? (mandatory): to be set at launch with an override (" << k << "=...)\n";
+      for (const auto& p : migrate::CheckAtLaunch(cfg))
+        std::cerr << check_path << ": at launch: as written, " << p
+                  << "; set trainer.devices, trainer.num_nodes or the batch sizes to match when launching\n";
       if (problems.empty()) std::cerr << check_path << ": ok\n";
       return problems.empty() ? 0 : 1;
     }

@@ -57,6 +57,35 @@ class ConfigCli(TempDirTest):
         self.assertEqual(c.returncode, 0, c.stderr)
         self.assertIn(f"{out}: data.data_prefix: ??? (mandatory): to be set at launch with an override (data.data_prefix=...)", c.stderr)
 
+    def test_nnms_own_example_configs_migrate_with_exit_0(self):
+        """NNM's example configs as NNM ships them (neuronx-nemo-megatron f4743ce,
+        nemo/examples/nlp/language_modeling/conf/) migrate with no extra arguments.
+        Mistral's and Llama 70B's name 32 x 2 devices (dp 64) with a global batch of
+        8, which their launch scripts override: a warning for launch, not an error."""
+        configs = os.path.join(HERE, "..", "data", "configs")
+        world_mismatch = "data.global_batch_size (8) is not a multiple of data.micro_batch_size (4) * data-parallel size (64) = 256"
+        for name, at_launch in (("nnm_megatron_gpt_config", False), ("megatron_llama_config", False),
+                                ("megatron_mistral_config", True), ("megatron_llama_70b_config", True)):
+            with self.subTest(name):
+                out, rep = self.path(name + ".nxdt.yaml"), self.path(name + ".json")
+                p = run(os.path.join(configs, name + ".yaml"), "-o", out, "--report", rep)
+                self.assertEqual(p.returncode, 0, p.stderr)
+                with open(rep) as f:
+                    report = json.load(f)
+                self.assertEqual(report["check"], [])
+                self.assertEqual(report["set_at_launch"], ["data.data_prefix"])
+                self.assertEqual([m.split(" at ")[0] for m in report["at_launch"]], [world_mismatch] if at_launch else [])
+                self.assertEqual(p.stderr.count("launch scripts set these sizes"), int(at_launch))
+                c = run("--check", out)
+                self.assertEqual(c.returncode, 0, c.stderr)
+                self.assertEqual(c.stderr.count(": at launch: as written, " + world_mismatch), int(at_launch), c.stderr)
+        # A value wrong at any world size is still refused: nothing written.
+        out = self.path("bad.yaml")
+        p = run(os.path.join(configs, "megatron_mistral_config.yaml"), "-o", out, "model.micro_batch_size=3")
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn("data.global_batch_size (8) is not a multiple of data.micro_batch_size (3)", p.stderr)
+        self.assertFalse(os.path.exists(out))
+
     def test_stdin_to_stdout(self):
         with open(NNM) as f:
             p = run("model.data.data_prefix=[1.0,/data/x]", stdin=f.read())
