@@ -143,29 +143,10 @@ struct RankOptimizer {
   std::string same_stage_copy;  // GPT's tied output copy the conversion adds beside the embedding (pp = 1)
 };
 
-// The entries of a config mapping: a plain dict, or omegaconf's DictConfig as
-// pickled (NeMo's save_hyperparameters("cfg") keeps the model config as one,
-// and Lightning's checkpoint stores it under hyper_parameters): its state's
-// `_content` maps each key to a node whose `_val` is the value.
-const Value* ConfigEntry(const Value& cfg, const std::string& key) {
-  const Value* content = &cfg;
-  if (cfg.is_object()) {
-    const Object& o = cfg.as_object();
-    content = o.state && o.state->is_dict() ? o.state->as_dict().Find("_content") : nullptr;
-  }
-  const Value* v = content && content->is_dict() ? content->as_dict().Find(key) : nullptr;
-  if (v && v->is_object()) {
-    const Object& node = v->as_object();
-    if (const Value* val = node.state && node.state->is_dict() ? node.state->as_dict().Find("_val") : nullptr) return val;
-  }
-  return v;
-}
-
 // hyper_parameters.cfg.<key> of a Lightning checkpoint, when recorded.
 const Value* HyperParameter(const Value& checkpoint, const char* key) {
-  const Value* hp = checkpoint.as_dict().Find("hyper_parameters");
-  const Value* cfg = hp ? ConfigEntry(*hp, "cfg") : nullptr;
-  return cfg ? ConfigEntry(*cfg, key) : nullptr;
+  const Value* cfg = ckpt::RecordedJobConfig(checkpoint);
+  return cfg ? ckpt::ConfigEntry(*cfg, key) : nullptr;
 }
 
 std::vector<std::string> NamesOf(const std::vector<ckpt::ParamInfo>& params) {
@@ -461,7 +442,9 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
   if (!opts.weights_only) {  // step and schedule, also for an input without optimizer state
     const Dict& top = inputs[0].checkpoint.as_dict();
     ckpt::UserContent user{.epoch = plan.epoch, .global_step = plan.global_step, .consumed_samples = plan.consumed_samples, .carried = {}};
-    for (const char* key : {"loops", "lr_schedulers", "pytorch-lightning_version"})
+    // NNM's model config (hyper_parameters.cfg) goes where NxDT keeps its own, so the tag
+    // describes its model to ckpt-reshard and ckpt-export (heads, KV heads, rope base, epsilon).
+    for (const char* key : {"loops", "lr_schedulers", "pytorch-lightning_version", "hparams_name", "hyper_parameters"})
       if (const Value* v = top.Find(key)) user.carried.emplace_back(key, *v);
     ckpt::SchedulerState sched;
     if (const Value* ls = top.Find("lr_schedulers"); ls && ls->is_seq() && !ls->as_seq().items.empty() && ls->as_seq().items[0].is_dict()) {

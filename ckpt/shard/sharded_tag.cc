@@ -803,19 +803,19 @@ class ShardedTagBuilder {
     if (const std::string bad = f.CheckSizes(); !bad.empty()) throw Error(t_->dir_ + ": " + bad);
   }
 
-  // An NxDT tag records its job's whole config in user_content.pt
+  // An NxDT tag records its job's model config in user_content.pt
   // (hyper_parameters.cfg, NxDT nlp_overrides.py save_checkpoint keeps
-  // Lightning's hyper_parameters): heads and KV heads come from there when
-  // no hint gives them, and a hint that contradicts it is refused.
+  // Lightning's hyper_parameters), and nnm2nxdt-ckpt carries NNM's there:
+  // heads and KV heads come from there when no hint gives them, and a hint
+  // that contradicts it is refused. A plain dict or omegaconf's DictConfig.
   void TakeRecordedConfig() {
     const Value* uc = UserContentFile();
-    const Value* hp = uc && uc->is_dict() ? uc->as_dict().Find("hyper_parameters") : nullptr;
-    const Value* cfg = hp && hp->is_dict() ? hp->as_dict().Find("cfg") : nullptr;
-    if (!cfg || !cfg->is_dict()) return;
+    const Value* cfg = uc ? RecordedJobConfig(*uc) : nullptr;
+    if (!cfg) return;
     // The first of `keys` the config holds as a number gives `hint` (an int hint takes integers only).
     auto take = [&]<typename T>(std::initializer_list<const char*> keys, std::optional<T>& hint, const char* flag, bool note) {
       for (const char* key : keys) {
-        const Value* v = cfg->as_dict().Find(key);
+        const Value* v = ConfigEntry(*cfg, key);
         if (!v || !(v->is_int() || (std::is_floating_point_v<T> && v->is_float()))) continue;
         const T x = v->is_int() ? static_cast<T>(v->as_int()) : static_cast<T>(v->as_float());
         if (hint && *hint != x)

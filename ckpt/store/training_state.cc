@@ -113,6 +113,26 @@ Value LrSchedulerEntry(double base_lr, int64_t last_epoch, double next_lr) {
   return v;
 }
 
+const Value* ConfigEntry(const Value& cfg, const std::string& key) {
+  const Value* content = &cfg;
+  if (cfg.is_object()) {
+    const Object& o = cfg.as_object();
+    content = o.state && o.state->is_dict() ? o.state->as_dict().Find("_content") : nullptr;
+  }
+  const Value* v = content && content->is_dict() ? content->as_dict().Find(key) : nullptr;
+  if (v && v->is_object()) {
+    const Object& node = v->as_object();
+    if (const Value* val = node.state && node.state->is_dict() ? node.state->as_dict().Find("_val") : nullptr) return val;
+  }
+  return v;
+}
+
+const Value* RecordedJobConfig(const Value& checkpoint) {
+  const Value* hp = checkpoint.is_dict() ? checkpoint.as_dict().Find("hyper_parameters") : nullptr;
+  const Value* cfg = hp ? ConfigEntry(*hp, "cfg") : nullptr;
+  return cfg && (cfg->is_dict() || cfg->is_object()) ? cfg : nullptr;
+}
+
 std::optional<int64_t> ConsumedSamplesFromTagPath(const std::string& path) {
   // Python's re.findall(r"consumed_samples\=([0-9]+.[0-9]+)", path)[0]: the '.' is any character.
   static const std::regex re(R"(consumed_samples=([0-9]+.[0-9]+))");

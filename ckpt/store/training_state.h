@@ -55,6 +55,17 @@ struct UserContent {
   const Value* Carried(const std::string& key) const;
 };
 
+// One entry of a job config as Lightning checkpoints hold it: a plain dict
+// (as some writers store it), or omegaconf's DictConfig as pickled (NeMo's
+// ModelPT.__init__ save_hyperparameters("cfg") keeps the model config as one,
+// and Lightning's _dump_checkpoint stores dict(hparams) under
+// hyper_parameters): its state's `_content` maps each key to a node whose
+// `_val` is the value (nested configs stay DictConfig objects). Null when absent.
+const Value* ConfigEntry(const Value& cfg, const std::string& key);
+// hyper_parameters.cfg of a Lightning checkpoint dict (NNM's rank files,
+// NxDT's user_content.pt), or null.
+const Value* RecordedJobConfig(const Value& checkpoint);
+
 // lr_schedulers[0] as NxDT restores it: only torch's generic
 // _LRScheduler.state_dict entries (base_lrs, last_epoch, verbose,
 // _step_count, _get_lr_called_within_step, _last_lr), since every entry

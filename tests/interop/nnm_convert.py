@@ -17,7 +17,7 @@ import unittest
 
 import torch
 
-from canon import BIN, CONFIG, CONVERT, TOKENIZE, TRAIN, TempDirTest, VERIFY, run
+from canon import BIN, CONFIG, CONVERT, RESHARD, TOKENIZE, TRAIN, TempDirTest, VERIFY, run
 from megatron_partition import merge_tag, nemo_no_decay, nxdt_order, rank_file
 from nnm_fixture import lr_scheduler_state, make_hf_converted, make_nnm
 import train_reference
@@ -214,6 +214,26 @@ class NnmToNxdt(TempDirTest):
 
     def test_pp1_mp_rank_folders_with_gqa(self):
         self.roundtrip(dict(LLAMA, kv_heads=2, layers=3), 2, 1)
+
+    def test_the_converted_tag_describes_its_model_to_the_tools(self):
+        """NNM's model config (hyper_parameters.cfg, an omegaconf DictConfig) is carried into
+        user_content.pt, where NxDT keeps its own: ckpt-reshard needs no --heads/--kv_heads."""
+        c = dict(LLAMA, kv_heads=2, layers=2)
+        full, _ = make_nnm(None, c, write=False)  # one process's run, cut as NNM saves it: replicas equal
+        nnm, out = os.path.join(self.dir, "nnm"), os.path.join(self.dir, "out.ckpt")
+        make_nnm(nnm, c, tp=2, pp=2, from_full=full[(0, 0)])
+        self.convert("--tp", 2, "--pp", 2, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out)
+        cfg = torch.load(os.path.join(out, "user_content.pt"))["hyper_parameters"]["cfg"]
+        self.assertEqual((type(cfg).__name__, cfg["num_attention_heads"], cfg["num_kv_heads"]), ("DictConfig", 4, 2))
+        resharded = os.path.join(self.dir, "tp1.ckpt")
+        p = run(RESHARD, out, resharded, "--tp", 1, "--pp", 1)
+        self.assertIn("num_attention_heads 4 from the job config in user_content.pt", p.stdout + p.stderr)
+        self.assertIn("num_kv_heads 2 from the job config in user_content.pt", p.stdout + p.stderr)
+        run(VERIFY, resharded, "--against", out)
+        # A hint that contradicts the recorded config is refused, naming both.
+        p = run(RESHARD, out, os.path.join(self.dir, "bad.ckpt"), "--tp", 1, "--pp", 1, "--heads", 2, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--heads 2 contradicts", p.stderr)
 
     def test_single_file_xser_in_and_out(self):
         self.roundtrip(dict(LLAMA, layers=2), 1, 1, xser_in=True, xser_out=True)

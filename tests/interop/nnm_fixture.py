@@ -370,9 +370,18 @@ def make_nnm(root, c, tp=1, pp=1, vpp=1, zero1_dp=0, xser=False, steps=2, step=7
 
 def hyper_parameters(c, tp, pp, zero1_dp, grouping):
     """The model config NNM records under hyper_parameters.cfg (the keys the converter reads)."""
-    return {"num_layers": c["layers"], "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-            "normalization": "layernorm" if c["gpt"] else "rmsnorm", "do_layer_norm_weight_decay": grouping == "one",
-            "wrap_with_zero": bool(zero1_dp), "flexible_pipeline_parallel_stages": c["layers"] % pp != 0}
+    cfg = {"num_layers": c["layers"], "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+           "normalization": "layernorm" if c["gpt"] else "rmsnorm", "do_layer_norm_weight_decay": grouping == "one",
+           "wrap_with_zero": bool(zero1_dp), "flexible_pipeline_parallel_stages": c["layers"] % pp != 0,
+           # The model section's sizes, as NNM's YAML gives them (megatron_llama_config.yaml's keys).
+           "encoder_seq_length": c["seq"], "max_position_embeddings": c["seq"], "hidden_size": c["hidden"],
+           "ffn_hidden_size": c["ffn"], "num_attention_heads": c["heads"], "layernorm_epsilon": 1e-5,
+           "make_vocab_size_divisible_by": 8, "position_embedding_type": "learned_absolute" if c["gpt"] else "rope",
+           "activation": "gelu" if c["gpt"] else "swiglu", "has_bias": bool(c["gpt"]),
+           "share_embeddings_and_output_weights": bool(c["gpt"])}
+    if c["kv_heads"] != c["heads"]:
+        cfg["num_kv_heads"] = c["kv_heads"]  # as NNM's megatron_llama_70b_config.yaml (absent: every head has its own KV)
+    return cfg
 
 
 def shard_from_full(full, chunks, offsets, groups, t, tp, c):
