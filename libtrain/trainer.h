@@ -1,5 +1,5 @@
 // The training loop of one rank of an Open MPI job (one process when the
-// world is 1): builds the rank's part of the model (either family, ckpt/
+// world is 1): builds the rank's part of the model (either family, ckpt/shard/
 // model_family.h) on the config's tensor, pipeline and data parallel grid,
 // resumes by itself (NxDT exp_manager semantics through the checkpoint store;
 // a tag of other degrees refused or, with resume_reshard, re-laid by all

@@ -8,7 +8,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup.sh"
-bash "$root/scripts/build.sh" "$root/build"
+bash "$root/scripts/build.sh" "$root/build" -DSHARDKIT_UNIT_TESTS=OFF  # the programs; the test command builds the unit tests
 bin=$root/build/bin
 work=$(mktemp -d)
 cd "$work"
