@@ -43,12 +43,6 @@
 
 namespace ckpt {
 
-struct Snapshot {
-  TagName tag;
-  RankGrid grid;
-  std::vector<FileToWrite> files;  // this rank's files
-};
-
 struct StoreOptions {
   std::string dir;  // the checkpoint directory holding the tags
   int save_top_k = -1;

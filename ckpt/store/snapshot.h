@@ -13,8 +13,20 @@
 #include <vector>
 
 #include "ckpt/pt/value.h"
+#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_writer.h"
 
 namespace ckpt {
+
+// One rank's part of a save, taken for the checkpoint store
+// (CheckpointStore::Save): the tag it belongs to and this rank's files,
+// whose tensors a sync save may share with training and an async one copies
+// (CopyForSnapshot).
+struct Snapshot {
+  TagName tag;
+  RankGrid grid;
+  std::vector<FileToWrite> files;  // this rank's files
+};
 
 // Which tensors a snapshot copies (see CopyForSnapshot); empty: all.
 using TensorFilter = std::function<bool(size_t)>;
