@@ -13,56 +13,14 @@
 #include "ckpt/shard/model_family.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/shard/sharded_tag.h"
+#include "ckpt/shard/fake_state.h"
 #include "ckpt/util/test_util.h"
 
 namespace ckpt {
 namespace {
 
+using testing::FakeState;
 using testing::TempDir;
-
-// A source holding float32 weights only: element i of tensor `name` is Value(name, i).
-class FakeState final : public LogicalState {
- public:
-  FakeState(std::string path, const ModelFormat& f) : path_(std::move(path)) {
-    layout_.grid = {1, 1, 1, false};
-    layout_.stage_bounds = StageBounds(f.layers, 1);
-    layout_.format = f;
-    layout_.format_from_manifest = true;
-    params_ = LogicalParameters(f, 1);
-  }
-  // Exact in float32, and different for every tensor and element that matters here.
-  static float ValueOf(const std::string& name, uint64_t i) {
-    return static_cast<float>(Crc32({reinterpret_cast<const uint8_t*>(name.data()), name.size()}) % 1000) * 65536.0f +
-           static_cast<float>(i % 65536);
-  }
-  const std::string& path() const override { return path_; }
-  const TagLayout& layout() const override { return layout_; }
-  const std::vector<ParamRule>& params() const override { return params_; }
-  bool Has(const std::string&, StateField f) const override { return f == StateField::kParam; }
-  DType dtype(const std::string&, StateField) const override { return DType::kFloat32; }
-  void Read(const std::string& name, StateField, uint64_t begin, std::span<uint8_t> out, Touched*) const override {
-    for (size_t k = 0; k < out.size() / 4; ++k) {
-      const float v = ValueOf(name, begin + k);
-      std::memcpy(out.data() + 4 * k, &v, 4);
-    }
-  }
-  const Value& Step(const std::string&) const override { return none_; }
-  const Value& ParamGroups() const override { return none_; }
-  const std::vector<StateBuffer>& buffers() const override { return buffers_; }
-  bool model_dict_ordered() const override { return true; }
-  int64_t step() const override { return 3; }
-  double consumed_samples() const override { return 24; }
-  const std::optional<TensorFingerprints>& recorded_fingerprints() const override { return fingerprints_; }
-  std::optional<Value> TagFile(const std::string&) const override { return std::nullopt; }
-
- private:
-  std::string path_;
-  TagLayout layout_;
-  std::vector<ParamRule> params_;
-  Value none_;
-  std::vector<StateBuffer> buffers_;
-  std::optional<TensorFingerprints> fingerprints_;
-};
 
 ModelFormat HfLlama(int64_t heads, int64_t kv, int64_t m, HwBackend backend, bool fused = true) {
   ModelFormat f;

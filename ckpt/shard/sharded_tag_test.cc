@@ -1,0 +1,88 @@
+// ShardedTag: a tag on disk read as logical tensors, whatever its parallel
+// layout; rank files it cannot trust are refused, naming them.
+#include "ckpt/shard/sharded_tag.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/shard/fake_state.h"
+#include "ckpt/util/test_util.h"
+
+namespace ckpt {
+namespace {
+
+using testing::ErrorOf;
+using testing::FakeState;
+using testing::SmallLlama;
+using testing::TempDir;
+using testing::WriteFake;
+
+// Every element of every parameter `tag` holds, against the fake's values (up to the real vocabulary).
+void ExpectFakesValues(const LogicalState& tag) {
+  for (const auto& p : tag.params()) {
+    const uint64_t n = static_cast<uint64_t>(ShapeNumel(p.shape));
+    std::vector<uint8_t> got(n * 4);
+    tag.Read(p.name, StateField::kParam, 0, got, nullptr);
+    for (uint64_t i = 0; i < n; ++i) {
+      float v;
+      std::memcpy(&v, got.data() + 4 * i, 4);
+      ASSERT_EQ(v, FakeState::ValueOf(p.name, i)) << p.name << " element " << i;
+    }
+  }
+}
+
+TEST(ShardedTag, ReadsTheLogicalTensorsOfAnyLayout) {
+  TempDir dir("sharded_tag");
+  const FakeState src(dir / "src", SmallLlama());
+  for (auto [tp, pp] : {std::pair{1, 1}, {2, 2}, {4, 1}}) {
+    const std::string out = dir / ("tp" + std::to_string(tp) + "pp" + std::to_string(pp));
+    ReshardArgs a;
+    a.tp = tp, a.pp = pp;
+    WriteFake(src, out, a);
+    const auto tag = ShardedTag::Open(Env::Default(), out);
+    EXPECT_EQ(std::pair(tag->layout().grid.tp, tag->layout().grid.pp), std::pair(tp, pp));
+    EXPECT_TRUE(tag->layout().format_from_manifest);
+    EXPECT_EQ(tag->layout().format.kv_heads, 2);
+    ASSERT_EQ(tag->params().size(), src.params().size());
+    ExpectFakesValues(*tag);
+  }
+}
+
+TEST(ShardedTag, AMissingRankFileIsRefusedNamingIt) {
+  TempDir dir("sharded_tag");
+  ReshardArgs a;
+  a.tp = 2, a.pp = 2;
+  WriteFake(FakeState(dir / "src", SmallLlama()), dir / "out", a);
+  const std::string gone = "model/" + RankFileName({0, 1, 1});
+  std::filesystem::remove(dir / ("out/" + gone));
+  const std::string err = ErrorOf([&] { ShardedTag::Open(Env::Default(), dir / "out"); });
+  EXPECT_NE(err.find(RankFileName({0, 1, 1})), std::string::npos) << err;
+}
+
+TEST(ShardedTag, ReplicasThatDifferAreRefusedUnlessTheFirstIsTrusted) {
+  TempDir dir("sharded_tag");
+  ReshardArgs a;
+  a.tp = 2, a.pp = 1;
+  WriteFake(FakeState(dir / "src", SmallLlama()), dir / "out", a);
+  // tp rank 1's copy of a norm (replicated on every tp rank) gets one element changed.
+  const std::string norm = "language_model.encoder.layers.1.input_layernorm.weight";
+  const std::string file = dir / ("out/model/" + RankFileName({0, 1, 0}));
+  Value m = LoadPt(file);
+  Tensor t = m.as_dict().At(norm).as_tensor().Clone();
+  reinterpret_cast<float*>(t.mutable_data())[3] += 1.0f;
+  m.as_dict().Set(norm, Value(t));
+  SavePt(file, m, {.weights_only = true});
+  const std::string err = ErrorOf([&] {
+    const auto tag = ShardedTag::Open(Env::Default(), dir / "out");
+    ExpectFakesValues(*tag);
+  });
+  EXPECT_NE(err.find(norm), std::string::npos) << err;
+  EXPECT_NE(err.find("tp ranks 0 and 1 hold different copies"), std::string::npos) << err;
+  // Trusted, tp rank 0's copy is read: the fake's values.
+  ExpectFakesValues(*ShardedTag::Open(Env::Default(), dir / "out", {}, {.trust_first_replica = true}));
+}
+
+}  // namespace
+}  // namespace ckpt

@@ -1,0 +1,131 @@
+// The tag writer's protocol, one step at a time: begin, each rank's files and
+// completion record, the commit that merges them into the manifest and only
+// then writes `done`; what may be deleted as a tag; xser's parts; which rank
+// writes which unit. The store's end-to-end behaviour is checkpoint_store_test's.
+#include "ckpt/store/tag_writer.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <tuple>
+#include <set>
+#include <sstream>
+
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/util/crc32.h"
+#include "ckpt/util/test_util.h"
+
+namespace ckpt {
+namespace {
+
+using testing::Arange;
+using testing::ErrorOf;
+using testing::TempDir;
+
+std::string ReadText(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+FileToWrite ModelFile(const std::string& relpath, int64_t n) {
+  Value m = Value::NewDict();
+  m.as_dict().Set("w", Value(Arange({n})));
+  return {relpath, m, {.weights_only = true}};
+}
+
+TEST(TagWriter, CommitMergesEveryRanksRecordAndWritesDoneLast) {
+  TempDir dir("tag_writer");
+  Env* env = Env::Default();
+  const std::string tag = dir / "t.ckpt";
+  BeginTag(env, tag, "run/step=3");
+  EXPECT_TRUE(env->Exists(tag + "/" + kCheckpointMarker));
+  const auto d0 = WriteRankFiles(env, tag, 0, "run/step=3", {ModelFile("model/dp_rank_00_tp_rank_00_pp_rank_00.pt", 5)});
+  const auto d1 = WriteRankFiles(env, tag, 1, "run/step=3", {ModelFile("model/dp_rank_00_tp_rank_01_pp_rank_00.pt", 7)});
+  // Each rank's vote is its record; without rank 1's the commit would wait.
+  const RankRecord r1 = ParseRankRecord(ReadText(RankRecordPath(tag, 1)), "rank 1");
+  EXPECT_EQ(r1.save_id, "run/step=3");
+  EXPECT_EQ(r1.files, d1);
+  EXPECT_FALSE(env->Exists(tag + "/" + kDoneMarker));
+
+  CommitInfo info;
+  info.save_id = "run/step=3", info.step = 3, info.consumed_samples = 24, info.grid = {2, 1, 1, false}, info.world_size = 2;
+  info.rank_timeout = std::chrono::milliseconds(2000);
+  CommitTag(env, tag, info);
+  EXPECT_TRUE(env->Exists(tag + "/" + kDoneMarker));
+  const Manifest m = Manifest::Load(env, tag + "/" + kManifestFile);
+  EXPECT_EQ(std::tuple(m.step, m.consumed_samples, m.world_size), std::tuple(int64_t{3}, 24.0, 2));
+  ASSERT_EQ(m.files.size(), 2u);
+  // The manifest's digests are the bytes on disk.
+  for (const auto& [rel, digest] : m.files) {
+    EXPECT_EQ(digest, DigestFile(env, tag + "/" + rel)) << rel;
+    EXPECT_EQ(digest, (d0.count(rel) ? d0 : d1).at(rel)) << rel;
+  }
+}
+
+TEST(TagWriter, ARecordOfAnotherSaveDoesNotCommit) {
+  TempDir dir("tag_writer");
+  Env* env = Env::Default();
+  const std::string tag = dir / "t.ckpt";
+  BeginTag(env, tag, "run/step=4");
+  WriteRankFiles(env, tag, 0, "run/step=3", {ModelFile("model/dp_rank_00_tp_rank_00_pp_rank_00.pt", 5)});
+  CommitInfo info;
+  info.save_id = "run/step=4", info.grid = {1, 1, 1, false}, info.rank_timeout = std::chrono::milliseconds(300);
+  EXPECT_NE(ErrorOf([&] { CommitTag(env, tag, info); }), "");
+  EXPECT_FALSE(env->Exists(tag + "/" + kDoneMarker));
+}
+
+TEST(TagWriter, NotATagNamesWhatATagDoesNotHold) {
+  TempDir dir("tag_writer");
+  Env* env = Env::Default();
+  env->CreateDirs(dir / "tag/model");
+  WriteMarker(env, dir / "tag/done");
+  EXPECT_EQ(NotATag(env, dir / "tag"), "");
+  env->CreateDirs(dir / "user");
+  WriteMarker(env, dir / "user/notes.txt");
+  EXPECT_EQ(NotATag(env, dir / "user"), "it has no checkpoint marker (.shardkit, checkpoint, done or manifest.json); "
+                                        "it holds what a checkpoint tag does not: notes.txt");
+  // A marker does not make a user's file part of a tag: replacing it would delete it.
+  WriteMarker(env, dir / "user/done");
+  EXPECT_EQ(NotATag(env, dir / "user"), "it holds what a checkpoint tag does not: notes.txt");
+  EXPECT_NE(ErrorOf([&] { BeginTag(env, dir / "user", "s"); }).find("is not a checkpoint tag"), std::string::npos);
+  EXPECT_TRUE(env->Exists(dir / "user/notes.txt"));
+}
+
+TEST(TagWriter, ParseRankRecordNamesWhatIsMalformed) {
+  EXPECT_EQ(ParseRankRecord(R"({"save_id": "s", "files": {"a.pt": {"size": 3, "crc32": "0000002a"}}})", "r").files.at("a.pt").crc32,
+            42u);
+  EXPECT_NE(ErrorOf([] { ParseRankRecord("{", "rank_00001.json"); }).find("rank_00001.json"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { ParseRankRecord(R"({"save_id": 7, "files": {}})", "rank_00001.json"); }).find("rank_00001.json"),
+            std::string::npos);
+}
+
+TEST(TagWriter, XserPartsAreTheTensorsThenTheReferenceFileAndItsInfo) {
+  Value m = Value::NewDict();
+  m.as_dict().Set("a", Value(Arange({4})));
+  m.as_dict().Set("b", Value(Arange({2, 3})));
+  const auto parts = XserFiles({"model/x.pt", m, {.weights_only = true}});
+  std::vector<std::string> names;
+  for (const auto& p : parts) names.push_back(p.relpath);
+  EXPECT_EQ(names, (std::vector<std::string>{"model/x.pt.tensors/tensor_0.pt", "model/x.pt.tensors/tensor_1.pt", "model/x.pt",
+                                             "model/x.pt.info.pt"}));
+  EXPECT_EQ(parts[1].value.as_tensor().shape(), (std::vector<int64_t>{2, 3}));
+  // Dealt over 2 dp ranks, every part is written once, the reference file and info by bin 0.
+  std::multiset<std::string> written;
+  for (int bin = 0; bin < 2; ++bin)
+    for (const auto& p : XserFilesOfBin({"model/x.pt", m, {.weights_only = true}}, 2, bin)) written.insert(p.relpath);
+  EXPECT_EQ(written, std::multiset<std::string>(names.begin(), names.end()));
+}
+
+TEST(TagWriter, EveryUnitIsWrittenByExactlyOneRank) {
+  for (int world : {1, 2, 3, 8})
+    for (int unit = 0; unit < 17; ++unit) {
+      int writers = 0;
+      for (int rank = 0; rank < world; ++rank) writers += WritesUnit(unit, rank, world);
+      EXPECT_EQ(writers, 1) << unit << " of world " << world;
+    }
+}
+
+}  // namespace
+}  // namespace ckpt
