@@ -38,14 +38,16 @@ class FakeState final : public LogicalState {
   bool Has(const std::string&, StateField f) const override { return f == StateField::kParam; }
   DType dtype(const std::string&, StateField) const override { return DType::kFloat32; }
   void Read(const std::string& name, StateField, uint64_t begin, std::span<uint8_t> out, Touched*) const override {
+    const auto changed = changed_.find(name);  // once per read: no allocation per element
     for (size_t k = 0; k < out.size() / 4; ++k) {
-      const auto changed = changed_.find({name, begin + k});
-      const float v = changed != changed_.end() ? changed->second : ValueOf(name, begin + k);
+      float v = ValueOf(name, begin + k);
+      if (changed != changed_.end())
+        if (const auto at = changed->second.find(begin + k); at != changed->second.end()) v = at->second;
       std::memcpy(out.data() + 4 * k, &v, 4);
     }
   }
   // Element `i` of `name` reads as `v` instead.
-  void Change(const std::string& name, uint64_t i, float v) { changed_[{name, i}] = v; }
+  void Change(const std::string& name, uint64_t i, float v) { changed_[name][i] = v; }
   const Value& Step(const std::string&) const override { return none_; }
   const Value& ParamGroups() const override { return none_; }
   const std::vector<StateBuffer>& buffers() const override { return buffers_; }
@@ -62,7 +64,7 @@ class FakeState final : public LogicalState {
   Value none_;
   std::vector<StateBuffer> buffers_;
   std::optional<TensorFingerprints> fingerprints_;
-  std::map<std::pair<std::string, uint64_t>, float> changed_;
+  std::map<std::string, std::map<uint64_t, float>> changed_;
 };
 
 // Writes `src` as a tag at `dst` in the parallel layout of `a` (its dst
