@@ -160,6 +160,80 @@ std::string SharedSaveId(Comm& world, const std::string& what) {
   return id;
 }
 
+// Where a resumed run stands, as NxDT resumes it.
+struct ResumePoint {
+  int64_t step = 0, consumed = 0;
+  std::optional<int64_t> schedule_step;  // where the LR schedule stands, when the tag says so (else at `step`)
+};
+
+// Loads this rank's model and optimizer files of `tag` (each plain .pt or
+// xser, like NxD's load_checkpoint) and reads where training stands.
+ResumePoint RestoreFromTag(ckpt::Env* env, const std::string& tag, const TrainConfig& c, ckpt::RankCoord coord, Model& model,
+                           AdamW& adamw, const std::function<void(const std::string&)>& log) {
+  ResumePoint at;
+  try {
+    const std::string model_file = "model/" + ckpt::RankFileName({0, coord.tp, coord.pp});
+    const std::string optim_file = OptimFile(c.grid, coord);
+    // Each file as it is, plain .pt or xser, like NxD's load_checkpoint.
+    model.LoadStateDict(ckpt::LoadTagFile(env, tag, model_file));
+    adamw.ResetMasterWeights(model);
+    if (c.weight_init_only)
+      log("info: model.weight_init_only: " + tag + "'s optimizer state is not read; the optimizer starts fresh, as in NxDT");
+    else if (!env->IsDirectory(tag + "/optim"))  // weights only, e.g. converted from NNM's HF import
+      log("info: " + tag + " holds no optimizer state; the optimizer starts fresh");
+    else if (!env->Exists(tag + "/" + optim_file))
+      throw ckpt::Error(optim_file + " is missing (this rank's optimizer state)");
+    else {
+      if (!adamw.LoadStateDict(ckpt::LoadTagFile(env, tag, optim_file)) && c.optim.master_weights)
+        log("info: the checkpoint holds no master weights (use_master_weights_in_ckpt was off); they restart from its "
+            "bfloat16 parameters, as in NxDT");
+      if (!adamw.regrouped().empty())
+        log("info: " + optim_file + " groups its parameters as " + adamw.regrouped() +
+            "; its state was read by name, and this run groups them as NxDT does (saved so from now on)");
+    }
+    if (env->Exists(tag + "/" + ckpt::kUserContentFile)) {
+      // As NxDT resumes: the step from Lightning's loops (else global_step), the schedule from
+      // lr_schedulers[0], consumed samples from the tag's name; our own tags agree on all three.
+      const std::string path = tag + "/" + ckpt::kUserContentFile;
+      const std::string name = std::filesystem::path(tag).filename().string();
+      ckpt::Value content = ckpt::LoadTagFile(env, tag, ckpt::kUserContentFile);
+      // NxD's own trainer saves free-form user content (its llama example: total_steps, batch_idx,
+      // cli_args) and names tags step_<N>: the step comes from the name, the schedule from scheduler.pt.
+      const auto nxd_step = ckpt::ParseNxdStepTagName(name);
+      if (nxd_step && content.is_dict() && !content.as_dict().Find("global_step")) {
+        log("info: " + path + " is NxD's free-form user content (no global_step); the step is " + std::to_string(*nxd_step) +
+            ", from the tag's name");
+        ckpt::Value v = ckpt::Value::NewDict();
+        v.as_dict().Set("global_step", ckpt::Value(*nxd_step));
+        content = v;
+      }
+      const ckpt::UserContent uc = ckpt::UserContent::FromValue(content, path);
+      at.step = uc.ResumeStep();
+      if (const auto from_name = ckpt::ConsumedSamplesFromTagPath(name)) {
+        at.consumed = *from_name;
+      } else if (uc.consumed_samples) {
+        at.consumed = static_cast<int64_t>(*uc.consumed_samples);
+      } else {
+        log("warning: " + name + " names no consumed_samples=N.N and its user content records none; assuming 0, as NxDT does");
+      }
+      if (const auto lr_step = uc.LrSchedulerStep()) {
+        at.schedule_step = *lr_step;
+      } else if (env->Exists(tag + "/" + ckpt::kSchedulerFile)) {  // shardkit's older tags, NxD's own trainer
+        at.schedule_step =
+            ckpt::SchedulerState::FromValue(ckpt::LoadTagFile(env, tag, ckpt::kSchedulerFile), tag + "/" + ckpt::kSchedulerFile).last_epoch;
+      } else {
+        at.schedule_step = 0;
+        log("warning: " + path + " holds no lr_schedulers; the LR schedule restarts from warmup, as NxDT's does");
+      }
+    } else {
+      log("info: " + tag + " holds no " + ckpt::kUserContentFile + " (weights only); training starts at step 0");
+    }
+  } catch (const ckpt::Error& e) {
+    throw ckpt::Error(tag + ": cannot resume: " + e.what());
+  }
+  return at;
+}
+
 }  // namespace
 
 TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std::string&)>& say, ckpt::Env* env) {
@@ -228,23 +302,15 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     // A tag cut for other degrees is refused, or with resume_reshard resharded for this run by every
     // rank together (each writes its share of the files, rank 0 commits) and resumed from. Rank 0
     // decides what to do and every rank follows, so all take the same collectives.
-    const ckpt::ReshardArgs plan = ReshardFor(*tag, c);
-    std::string action;  // "" (resume as it is), "reuse", "reshard", or "!" and the error
+    const ckpt::ReshardArgs reshard = ReshardFor(*tag, c);
+    std::string action;  // "" (as it is), "reuse", "reshard", or "!" and the error
     if (rank0) {
       try {
-        if (const std::string why = LayoutMismatch(env, *tag, c); !why.empty()) {
-          if (!c.resume_reshard) {
-            action = "!" + *tag + ": " + why + ". " + ReshardAdvice(*tag, c);
-          } else if (env->Exists(plan.dst)) {  // resharded by an earlier start; anything else there is not ours to replace
-            const bool ours = env->Exists(plan.dst + "/" + ckpt::kDoneMarker) && LayoutMismatch(env, plan.dst, c).empty();
-            action = ours ? "reuse" : "!" + *tag + ": " + why + ", and " + plan.dst + ", where resume_reshard would write this run's "
-                                                                                      "copy, already holds something else; move it away";
-            if (ours) log("resume: " + *tag + ": " + why + "; resuming from " + plan.dst + ", resharded for it by an earlier start");
-          } else {
-            action = "reshard";
-            log("resume: " + *tag + ": " + why + "; resharding it into " + plan.dst);
-          }
-        }
+        const ckpt::ResumePlan plan = ckpt::PlanResume(env, *tag, c.resume_reshard, reshard.dst,
+                                                       [&](const std::string& dir) { return LayoutMismatch(env, dir, c); },
+                                                       ReshardAdvice(*tag, c));
+        action = plan.kind == ckpt::ResumePlan::Kind::kReshard ? "reshard" : plan.kind == ckpt::ResumePlan::Kind::kReuse ? "reuse" : "";
+        if (!plan.note.empty()) log("resume: " + plan.note);
       } catch (const ckpt::Error& e) {
         action = "!" + std::string(e.what());
       }
@@ -252,74 +318,16 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     pc.world->Broadcast(&action, 0);
     if (!action.empty() && action[0] == '!') throw ckpt::Error(action.substr(1));
     if (action == "reshard") {
-      ckpt::ReshardArgs a = plan;
+      ckpt::ReshardArgs a = reshard;
       a.group = &ckpt::WorldGroup();  // the job's ranks write the resharded tag together
       a.progress_bar = false;
       ckpt::RunReshard(a, env, log);  // returns on every rank once rank 0 has committed it
     }
-    if (!action.empty()) tag = plan.dst;
+    if (!action.empty()) tag = reshard.dst;
   }
   if (tag) {
-    try {
-      const std::string model_file = "model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp});
-      const std::string optim_file = OptimFile(c.grid, pc.coord);
-      // Each file as it is, plain .pt or xser, like NxD's load_checkpoint.
-      model.LoadStateDict(ckpt::LoadTagFile(env, *tag, model_file));
-      adamw.ResetMasterWeights(model);
-      if (c.weight_init_only)
-        log("info: model.weight_init_only: " + *tag + "'s optimizer state is not read; the optimizer starts fresh, as in NxDT");
-      else if (!env->IsDirectory(*tag + "/optim"))  // weights only, e.g. converted from NNM's HF import
-        log("info: " + *tag + " holds no optimizer state; the optimizer starts fresh");
-      else if (!env->Exists(*tag + "/" + optim_file))
-        throw ckpt::Error(optim_file + " is missing (this rank's optimizer state)");
-      else {
-        if (!adamw.LoadStateDict(ckpt::LoadTagFile(env, *tag, optim_file)) && c.optim.master_weights)
-          log("info: the checkpoint holds no master weights (use_master_weights_in_ckpt was off); they restart from its "
-              "bfloat16 parameters, as in NxDT");
-        if (!adamw.regrouped().empty())
-          log("info: " + optim_file + " groups its parameters as " + adamw.regrouped() +
-              "; its state was read by name, and this run groups them as NxDT does (saved so from now on)");
-      }
-      if (env->Exists(*tag + "/" + ckpt::kUserContentFile)) {
-        // As NxDT resumes: the step from Lightning's loops (else global_step), the schedule from
-        // lr_schedulers[0], consumed samples from the tag's name; our own tags agree on all three.
-        const std::string path = *tag + "/" + ckpt::kUserContentFile;
-        const std::string name = std::filesystem::path(*tag).filename().string();
-        ckpt::Value content = ckpt::LoadTagFile(env, *tag, ckpt::kUserContentFile);
-        // NxD's own trainer saves free-form user content (its llama example: total_steps, batch_idx,
-        // cli_args) and names tags step_<N>: the step comes from the name, the schedule from scheduler.pt.
-        const auto nxd_step = ckpt::ParseNxdStepTagName(name);
-        if (nxd_step && content.is_dict() && !content.as_dict().Find("global_step")) {
-          log("info: " + path + " is NxD's free-form user content (no global_step); the step is " + std::to_string(*nxd_step) +
-              ", from the tag's name");
-          ckpt::Value v = ckpt::Value::NewDict();
-          v.as_dict().Set("global_step", ckpt::Value(*nxd_step));
-          content = v;
-        }
-        const ckpt::UserContent uc = ckpt::UserContent::FromValue(content, path);
-        step = uc.ResumeStep();
-        if (const auto from_name = ckpt::ConsumedSamplesFromTagPath(name)) {
-          consumed = *from_name;
-        } else if (uc.consumed_samples) {
-          consumed = static_cast<int64_t>(*uc.consumed_samples);
-        } else {
-          log("warning: " + name + " names no consumed_samples=N.N and its user content records none; assuming 0, as NxDT does");
-        }
-        if (const auto at = uc.LrSchedulerStep()) {
-          schedule_step = *at;
-        } else if (env->Exists(*tag + "/" + ckpt::kSchedulerFile)) {  // shardkit's older tags, NxD's own trainer
-          schedule_step = ckpt::SchedulerState::FromValue(ckpt::LoadTagFile(env, *tag, ckpt::kSchedulerFile), *tag + "/" + ckpt::kSchedulerFile)
-                              .last_epoch;
-        } else {
-          schedule_step = 0;
-          log("warning: " + path + " holds no lr_schedulers; the LR schedule restarts from warmup, as NxDT's does");
-        }
-      } else {
-        log("info: " + *tag + " holds no " + ckpt::kUserContentFile + " (weights only); training starts at step 0");
-      }
-    } catch (const ckpt::Error& e) {
-      throw ckpt::Error(*tag + ": cannot resume: " + e.what());
-    }
+    const ResumePoint at = RestoreFromTag(env, *tag, c, pc.coord, model, adamw, log);
+    step = at.step, consumed = at.consumed, schedule_step = at.schedule_step;
     result.resumed_from = *tag;
     log("resumed from " + *tag + " at step " + std::to_string(step) + ", " + std::to_string(consumed) + " samples consumed");
   }

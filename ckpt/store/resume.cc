@@ -86,4 +86,17 @@ std::optional<std::string> ResolveResume(Env* env, const std::string& checkpoint
               " (set resume_ignore_no_checkpoint to start from scratch)");
 }
 
+ResumePlan PlanResume(Env* env, const std::string& tag, bool resume_reshard, const std::string& reshard_dst,
+                      const std::function<std::string(const std::string&)>& mismatch, const std::string& advice) {
+  const std::string why = mismatch(tag);
+  if (why.empty()) return {ResumePlan::Kind::kAsIs, tag, ""};
+  if (!resume_reshard) throw Error(tag + ": " + why + ". " + advice);
+  if (!env->Exists(reshard_dst)) return {ResumePlan::Kind::kReshard, reshard_dst, tag + ": " + why + "; resharding it into " + reshard_dst};
+  // Resharded by an earlier start; anything else there is not ours to replace.
+  if (env->Exists(reshard_dst + "/" + kDoneMarker) && mismatch(reshard_dst).empty())
+    return {ResumePlan::Kind::kReuse, reshard_dst, tag + ": " + why + "; resuming from " + reshard_dst + ", resharded for it by an earlier start"};
+  throw Error(tag + ": " + why + ", and " + reshard_dst + ", where resume_reshard would write this run's copy, already holds something "
+              "else; move it away");
+}
+
 }  // namespace ckpt

@@ -62,4 +62,24 @@ struct ResumeOptions {
 std::optional<std::string> ResolveResume(Env* env, const std::string& checkpoint_dir, const ResumeOptions& opts,
                                          const LogFn& log, std::vector<DamagedTag>* damaged = nullptr);
 
+// What a job does with the tag it resumes from, when the tag may be cut for
+// another parallel layout than the job's (the trainer's
+// exp_manager.resume_reshard, shardkit's own key):
+//  - kAsIs: the tag fits; load it;
+//  - kReuse: it does not, but `reshard_dst` holds a complete copy resharded
+//    for this job by an earlier start; load that;
+//  - kReshard: it does not; reshard it into `reshard_dst` (which does not
+//    exist), then load that.
+// Throws ckpt::Error (the tag, why it does not fit, and `advice`) when it
+// does not fit and resharding was not asked for, and when `reshard_dst`
+// holds anything but such a copy (which is not ours to replace).
+// `mismatch(dir)`: why the tag in `dir` does not fit the job ("" when it does).
+struct ResumePlan {
+  enum class Kind { kAsIs, kReuse, kReshard } kind = Kind::kAsIs;
+  std::string load;  // the tag to load: `tag` or `reshard_dst`
+  std::string note;  // what was decided, for the log ("" for kAsIs)
+};
+ResumePlan PlanResume(Env* env, const std::string& tag, bool resume_reshard, const std::string& reshard_dst,
+                      const std::function<std::string(const std::string&)>& mismatch, const std::string& advice);
+
 }  // namespace ckpt
