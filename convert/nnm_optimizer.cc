@@ -8,6 +8,7 @@
 #include "ckpt/shard/model_family.h"
 #include "ckpt/shard/partition.h"
 #include "ckpt/pt/tensor.h"
+#include "convert/nnm_grouping.h"
 
 namespace convert {
 namespace {
@@ -144,7 +145,7 @@ Grouping FindSourceGrouping(const std::vector<ckpt::ParamInfo>& params, const So
   for (const auto& p : params) shapes[p.name] = p.shape;
   std::vector<Grouping> fits;
   std::string tried;
-  for (auto& g : ckpt::NnmGroupingCandidates(params)) {
+  for (auto& g : NnmGroupingCandidates(params)) {
     const std::string why = Misfit(g, sizes, shapes, so);
     if (why.empty()) fits.push_back(std::move(g));
     else tried += "\n  " + g.id + " (" + g.description + "): " + why;

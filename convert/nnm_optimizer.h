@@ -1,6 +1,6 @@
 // The optimizer state of one NNM (tp, pp) rank, mapped to NxDT.
 //
-// NNM's optimizer ids number its parameter groups (ckpt/shard/optimizer_groups.h),
+// NNM's optimizer ids number its parameter groups (convert/nnm_grouping.h),
 // and NNM groups by module class, which a file does not record. So the
 // grouping is read from the file: of every grouping NNM can produce, the one
 // whose group count and sizes, then every moment's shape (for ZeRO-1 the

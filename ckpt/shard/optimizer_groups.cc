@@ -4,7 +4,6 @@
 #include <set>
 
 namespace ckpt {
-namespace {
 
 std::string_view ModuleOf(std::string_view name) {
   const size_t dot = name.rfind('.');
@@ -16,10 +15,8 @@ std::string_view LeafOf(std::string_view name) {
   return dot == std::string_view::npos ? name : name.substr(dot + 1);
 }
 
-// Group 0 (decays) then group 1 (does not), each in module order. With
-// `drop_empty` (NeMo's filter), an empty group is left out.
 Grouping TwoGroups(std::string id, std::string description, const std::vector<std::string>& names,
-                   const std::function<bool(size_t)>& in_group_1, bool drop_empty = false) {
+                   const std::function<bool(size_t)>& in_group_1, bool drop_empty) {
   Grouping g{std::move(id), std::move(description), 0, {}, {}};
   for (int group = 0; group < 2; ++group) {
     const size_t before = g.order.size();
@@ -38,10 +35,7 @@ Grouping OneGroup(std::string id, std::string description, const std::vector<std
   return g;
 }
 
-// The name rule other NeMo versions use: biases and norm modules' parameters apart.
 bool NamedNormOrBias(std::string_view name) { return LeafOf(name) == "bias" || ModuleOf(name).ends_with("norm"); }
-
-}  // namespace
 
 const char* GroupingRuleName(GroupingRule r) {
   switch (r) {
@@ -75,30 +69,6 @@ bool Grouping::SameTies(const Grouping& o) const {
   for (size_t i = 0; i < order.size(); ++i)
     if (order[i].name != o.order[i].name || order[i].group != o.order[i].group) return false;
   return groups == o.groups && group_decays == o.group_decays;
-}
-
-std::vector<Grouping> NnmGroupingCandidates(const std::vector<ParamInfo>& params) {
-  std::vector<std::string> names;
-  std::set<std::string_view> norm_modules;  // modules holding a 1-D `weight`: NNM's norm classes
-  for (const auto& p : params) {
-    names.push_back(p.name);
-    if (LeafOf(p.name) == "weight" && p.shape.size() == 1) norm_modules.insert(ModuleOf(p.name));
-  }
-  auto is_bias = [&](size_t i) { return LeafOf(names[i]) == "bias"; };
-  std::vector<Grouping> out;
-  out.push_back(TwoGroups("nnm-rmsnorm",
-                          "NNM's class rule with a norm outside apex.normalization's classes, as NNM's Llama builds it "
-                          "(FastRMSNorm): norm weights decay, only biases are in group 1",
-                          names, is_bias));
-  out.push_back(TwoGroups("nnm-layernorm",
-                          "NNM's class rule with apex.normalization's norm classes, as NNM's GPT builds it "
-                          "(MixedFusedLayerNorm): norm parameters and biases are in group 1",
-                          names, [&](size_t i) { return is_bias(i) || norm_modules.count(ModuleOf(names[i])) > 0; }));
-  out.push_back(OneGroup("one-group", "one group, everything decays (do_layer_norm_weight_decay)", names));
-  out.push_back(TwoGroups("name-based",
-                          "by name: biases and parameters of modules named '*norm' are in group 1 (other NeMo versions)",
-                          names, [&](size_t i) { return NamedNormOrBias(names[i]); }));
-  return out;
 }
 
 Grouping NxdtGrouping(const std::vector<std::string>& params, bool do_layer_norm_weight_decay) {

@@ -16,21 +16,11 @@
 //    biases stay apart, and empty groups are dropped. NxDT's HF-style models
 //    group by name instead (NxdtHfGrouping). Both were run on CPU:
 //    tests/data/upstream/nxdt_megatron/ and tests/data/upstream/hf_llama/.
-//  - The source (what NNM wrote): NNM's rule decides by module *class*, not by
-//    name (get_params_for_weight_decay_optimization in NNM's
-//    nemo/collections/nlp/modules/common/megatron/utils.py). A module that is
-//    an apex.normalization FusedLayerNorm, FastLayerNorm or MixedFusedRMSNorm
-//    puts all its parameters in group 1; any other module puts its `bias` in
-//    group 1 and the rest in group 0. GPT's MixedFusedLayerNorm passes that
-//    check; Llama's norm, apex.transformer.layers.layer_norm.FastRMSNorm
-//    (imported as MixedFusedRMSNorm in NNM's transformer.py), does not, so a
-//    Llama's norm weights decay and its group 1 is empty. A file does not
-//    record classes, so NnmGroupingCandidates lists every grouping NNM can
-//    produce and the caller keeps the ones the file's group sizes and moment
-//    shapes fit.
+//  - What NNM wrote: convert/nnm_grouping.h (NnmGroupingCandidates).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -60,19 +50,18 @@ struct Grouping {
   bool SameTies(const Grouping& o) const;      // every id tied to the same parameter in the same group
 };
 
-// Every grouping NNM can produce for these parameters (module order, every
-// model chunk of the rank in order):
-//  - "nnm-rmsnorm": NNM's class rule with a norm class outside apex.normalization
-//    (Llama's FastRMSNorm): only biases in group 1, which may be empty;
-//  - "nnm-layernorm": NNM's class rule with apex.normalization's classes (GPT's
-//    MixedFusedLayerNorm): every parameter of a norm module, and every bias, in
-//    group 1. A file names no classes; a norm module is told by its structure:
-//    every NNM norm class holds a 1-D `weight` (and maybe a `bias`), which no
-//    other NNM module does;
-//  - "one-group": `do_layer_norm_weight_decay` (get_all_params_for_weight_decay_optimization);
-//  - "name-based": biases, and parameters of modules whose name ends in
-//    "norm", in group 1: the convention of other NeMo versions and of NxDT.
-std::vector<Grouping> NnmGroupingCandidates(const std::vector<ParamInfo>& params);
+// Building groupings (here, and for readers of other writers' groupings,
+// convert/nnm_grouping.h). Names are parameter names, "a.b.weight":
+std::string_view ModuleOf(std::string_view name);  // "a.b"
+std::string_view LeafOf(std::string_view name);    // "weight"
+// Group 0 (decays) then group 1 (does not), each in the order of `names`.
+// With `drop_empty` (NeMo's filter), an empty group is left out.
+Grouping TwoGroups(std::string id, std::string description, const std::vector<std::string>& names,
+                   const std::function<bool(size_t)>& in_group_1, bool drop_empty = false);
+Grouping OneGroup(std::string id, std::string description, const std::vector<std::string>& names);
+// The name rule other NeMo versions and NxD's llama example use: biases and
+// parameters of modules whose name ends in "norm" are apart.
+bool NamedNormOrBias(std::string_view name);
 
 // Which grouping a tag's optimizer files follow.
 enum class GroupingRule {

@@ -15,19 +15,20 @@ import unittest
 import torch
 
 BIN = os.environ.get("SHARDKIT_BIN", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
-PT_CANONICAL = os.path.join(BIN, "bin", "pt_canonical")
-INSPECT = os.path.join(BIN, "bin", "ckpt-inspect")
-VERIFY = os.path.join(BIN, "bin", "ckpt-verify")
-RESHARD = os.path.join(BIN, "bin", "ckpt-reshard")
-EXPORT = os.path.join(BIN, "bin", "ckpt-export")
-IMPORT = os.path.join(BIN, "bin", "ckpt-import")
-SAMPLE = os.path.join(BIN, "bin", "ckpt-sample")
-STRESS = os.path.join(BIN, "bin", "ckpt_store_stress")
-CONFIG = os.path.join(BIN, "bin", "nnm2nxdt-config")
-TRAIN_DUMP = os.path.join(BIN, "bin", "train_reference_dump")
-TOKENIZE = os.path.join(BIN, "bin", "shardkit-tokenize")
-TRAIN = os.path.join(BIN, "bin", "shardkit-train")
-CONVERT = os.path.join(BIN, "bin", "nnm2nxdt-ckpt")
+PROGRAMS = os.path.join(BIN, "bin")  # every program the build makes, products and test programs
+PT_CANONICAL = os.path.join(PROGRAMS, "pt_canonical")
+INSPECT = os.path.join(PROGRAMS, "ckpt-inspect")
+VERIFY = os.path.join(PROGRAMS, "ckpt-verify")
+RESHARD = os.path.join(PROGRAMS, "ckpt-reshard")
+EXPORT = os.path.join(PROGRAMS, "ckpt-export")
+IMPORT = os.path.join(PROGRAMS, "ckpt-import")
+SAMPLE = os.path.join(PROGRAMS, "ckpt-sample")
+STRESS = os.path.join(PROGRAMS, "ckpt_store_stress")
+CONFIG = os.path.join(PROGRAMS, "nnm2nxdt-config")
+TRAIN_DUMP = os.path.join(PROGRAMS, "train_reference_dump")
+TOKENIZE = os.path.join(PROGRAMS, "shardkit-tokenize")
+TRAIN = os.path.join(PROGRAMS, "shardkit-train")
+CONVERT = os.path.join(PROGRAMS, "nnm2nxdt-ckpt")
 
 _DTYPE_NAMES = {
     torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16",
