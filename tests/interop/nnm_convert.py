@@ -222,9 +222,10 @@ class NnmToNxdt(TempDirTest):
         full, _ = make_nnm(None, c, write=False)  # one process's run, cut as NNM saves it: replicas equal
         nnm, out = os.path.join(self.dir, "nnm"), os.path.join(self.dir, "out.ckpt")
         make_nnm(nnm, c, tp=2, pp=2, from_full=full[(0, 0)])
-        self.convert("--tp", 2, "--pp", 2, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out)
+        first = self.convert("--tp", 2, "--pp", 2, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out)
         cfg = torch.load(os.path.join(out, "user_content.pt"))["hyper_parameters"]["cfg"]
         self.assertEqual((type(cfg).__name__, cfg["num_attention_heads"], cfg["num_kv_heads"]), ("DictConfig", 4, 2))
+        self.assertNotIn("will need --heads", first.stderr)
         resharded = os.path.join(self.dir, "tp1.ckpt")
         p = run(RESHARD, out, resharded, "--tp", 1, "--pp", 1)
         self.assertIn("num_attention_heads 4 from the job config in user_content.pt", p.stdout + p.stderr)
@@ -234,6 +235,12 @@ class NnmToNxdt(TempDirTest):
         p = run(RESHARD, out, os.path.join(self.dir, "bad.ckpt"), "--tp", 1, "--pp", 1, "--heads", 2, check=False)
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertIn("--heads 2 contradicts", p.stderr)
+        # Without it (weights only: no user_content.pt), the converter says so before writing.
+        p = self.convert("--tp", 2, "--pp", 2, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path",
+                         os.path.join(self.dir, "weights.ckpt"), "--weights_only")
+        self.assertIn("note: the output will not record the model's heads (--weights_only writes no user_content.pt): "
+                      "ckpt-reshard and ckpt-export of it will need --heads", p.stderr)
+        self.assertLess(p.stderr.index("will need --heads"), p.stderr.index("wrote "))
 
     def test_single_file_xser_in_and_out(self):
         self.roundtrip(dict(LLAMA, layers=2), 1, 1, xser_in=True, xser_out=True)
