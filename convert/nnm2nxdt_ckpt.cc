@@ -19,7 +19,7 @@
 #include "ckpt/util/mpi_group.h"
 #include "tools/common/cli.h"
 #include "ckpt/util/error.h"
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 #include "ckpt/util/progress.h"
 #include "convert/converter.h"
 #include "convert/nnm_convert.h"

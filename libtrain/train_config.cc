@@ -14,7 +14,7 @@
 #include <sstream>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 #include "libtrain/tokenizer_vocab.h"
 #include "migrate/interpolation.h"
 #include "migrate/overrides.h"

@@ -104,7 +104,7 @@ std::string ReshardAdvice(const std::string& tag, const TrainConfig& c) {
 // (weights only) needs only tp and the stages to match.
 std::string LayoutMismatch(ckpt::Env* env, const std::string& tag, const TrainConfig& c) {
   const auto t = ckpt::ShardedTag::Open(env, tag, HintsOf(c), {.weights_only = c.weight_init_only});
-  const ckpt::TagLayout& L = t->layout();
+  const ckpt::TagDescription& L = t->layout();
   const ckpt::RankGrid &was = L.grid, &run = c.grid;
   // Optimizer files must be cut as this run cuts them: in dp ZeRO-1 shards, or whole (plain, or
   // ZeRO-1 over one rank, whose one shard is the whole state).

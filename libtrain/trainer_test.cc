@@ -8,7 +8,7 @@
 
 #include "ckpt/util/error.h"
 #include "ckpt/util/fault_env.h"
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 #include "ckpt/store/tag_verify.h"
 #include "ckpt/util/test_util.h"
 #include "libtrain/indexed_dataset.h"

@@ -257,7 +257,7 @@ ExportSummary WriteH5State(const ckpt::LogicalState& src, const std::string& tag
                            const ExportOptions& o) {
   std::lock_guard<std::mutex> lock(ckpt::Hdf5Lock());
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-  const ckpt::TagLayout& L = src.layout();
+  const ckpt::TagDescription& L = src.layout();
   const ckpt::ModelFormat& format = L.format;
   const bool optimizer = L.has_optimizer && !o.weights_only;
 
@@ -448,7 +448,7 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
     throw Error(path + ": is not a shardkit full-state export (no format attribute '" + kH5Format + "')");
   if (const int64_t v = GetInt(file, "version", path); v != kH5Version)
     throw Error(path + ": format version " + std::to_string(v) + ", this build reads " + std::to_string(kH5Version));
-  ckpt::TagLayout& L = s->layout_;
+  ckpt::TagDescription& L = s->layout_;
   L.format = ckpt::ModelFormat::FromJson(ParseJson(GetString(file, "model", path), path + ": attribute 'model'"), path + ": attribute 'model'");
   L.format_from_manifest = true;
   try {

@@ -76,7 +76,7 @@ class H5State final : public ckpt::LogicalState {
   ~H5State() override;
 
   const std::string& path() const override { return path_; }
-  const ckpt::TagLayout& layout() const override { return layout_; }
+  const ckpt::TagDescription& layout() const override { return layout_; }
   const std::vector<ckpt::ParamRule>& params() const override { return params_; }
   bool Has(const std::string& name, ckpt::StateField f) const override { return tensors_.count({name, f}) > 0; }
   ckpt::DType dtype(const std::string& name, ckpt::StateField f) const override;
@@ -116,7 +116,7 @@ class H5State final : public ckpt::LogicalState {
 
   std::string path_, tag_name_;
   int64_t file_ = -1;
-  ckpt::TagLayout layout_;
+  ckpt::TagDescription layout_;
   std::vector<ckpt::ParamRule> params_;
   std::map<Key, Tensor> tensors_;
   std::map<std::string, ckpt::Value> steps_;

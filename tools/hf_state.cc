@@ -203,7 +203,7 @@ std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& src, c
   }
   for (auto& [name, ps] : s->pieces_) std::sort(ps.begin(), ps.end(), [](const Piece& a, const Piece& b) { return a.row < b.row; });
 
-  ckpt::TagLayout& L = s->layout_;
+  ckpt::TagDescription& L = s->layout_;
   L.grid = {1, 1, 1, false};
   L.stage_bounds = ckpt::StageBounds(f.layers, 1, {});
   L.format_from_manifest = true;

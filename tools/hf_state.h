@@ -67,7 +67,7 @@ class HfState final : public ckpt::LogicalState {
   static std::unique_ptr<HfState> Open(ckpt::Env* env, const std::string& src, const HfImportOptions& o);
 
   const std::string& path() const override { return dir_; }
-  const ckpt::TagLayout& layout() const override { return layout_; }
+  const ckpt::TagDescription& layout() const override { return layout_; }
   const std::vector<ckpt::ParamRule>& params() const override { return params_; }
   bool Has(const std::string& name, ckpt::StateField f) const override;
   ckpt::DType dtype(const std::string&, ckpt::StateField) const override { return dtype_; }
@@ -96,7 +96,7 @@ class HfState final : public ckpt::LogicalState {
   const uint8_t* Matrix(const HfTensorSpec& spec) const;  // the concatenated matrix of a spec, row-major
 
   std::string dir_;
-  ckpt::TagLayout layout_;
+  ckpt::TagDescription layout_;
   std::vector<ckpt::ParamRule> params_;
   ckpt::DType dtype_ = ckpt::DType::kFloat32;
   std::vector<HfTensorSpec> specs_;

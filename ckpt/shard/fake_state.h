@@ -33,7 +33,7 @@ class FakeState final : public LogicalState {
            static_cast<float>(i % 65536);
   }
   const std::string& path() const override { return path_; }
-  const TagLayout& layout() const override { return layout_; }
+  const TagDescription& layout() const override { return layout_; }
   const std::vector<ParamRule>& params() const override { return params_; }
   bool Has(const std::string&, StateField f) const override { return f == StateField::kParam; }
   DType dtype(const std::string&, StateField) const override { return DType::kFloat32; }
@@ -59,7 +59,7 @@ class FakeState final : public LogicalState {
 
  private:
   std::string path_;
-  TagLayout layout_;
+  TagDescription layout_;
   std::vector<ParamRule> params_;
   Value none_;
   std::vector<StateBuffer> buffers_;

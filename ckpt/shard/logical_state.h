@@ -17,7 +17,7 @@
 
 #include "ckpt/pt/dtype.h"
 #include "ckpt/util/env.h"
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 #include "ckpt/store/manifest.h"
 #include "ckpt/shard/optimizer_groups.h"
 #include "ckpt/shard/partition.h"
@@ -40,7 +40,9 @@ struct FormatHints {
   std::optional<bool> fuse_qkv, qkv_linear;  // NxDT's model.fuse_qkv and model.qkv_linear (a job config)
 };
 
-struct TagLayout {
+// What a tag holds as a whole: its parallel layout (grid and stages), the
+// model format, and how its optimizer files group and name parameters.
+struct TagDescription {
   RankGrid grid;
   std::vector<int64_t> stage_bounds;  // StageBounds of the tag's stage split
   ModelFormat format;
@@ -79,7 +81,7 @@ class LogicalState {
   virtual ~LogicalState() = default;
 
   virtual const std::string& path() const = 0;
-  virtual const TagLayout& layout() const = 0;
+  virtual const TagDescription& layout() const = 0;
   // The logical parameters, vocab padded as the source pads it.
   virtual const std::vector<ParamRule>& params() const = 0;
   virtual bool Has(const std::string& name, StateField f) const = 0;

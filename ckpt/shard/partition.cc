@@ -1,7 +1,7 @@
 #include "ckpt/shard/partition.h"
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 #include <algorithm>
 
 #include "ckpt/shard/model_family.h"

@@ -3,7 +3,7 @@
 #include <cstdlib>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 
 namespace ckpt {
 

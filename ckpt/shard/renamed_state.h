@@ -19,7 +19,7 @@ class RenamedState final : public LogicalState {
  public:
   RenamedState(const LogicalState& src, const ModelFormat& to);
   const std::string& path() const override { return src_.path(); }
-  const TagLayout& layout() const override { return layout_; }
+  const TagDescription& layout() const override { return layout_; }
   const std::vector<ParamRule>& params() const override { return params_; }
   bool Has(const std::string& name, StateField f) const override { return src_.Has(First(name), f); }
   DType dtype(const std::string& name, StateField f) const override { return src_.dtype(First(name), f); }
@@ -40,7 +40,7 @@ class RenamedState final : public LogicalState {
  private:
   const std::string& First(const std::string& name) const { return blocks_.at(name).front().from.name; }
   const LogicalState& src_;
-  TagLayout layout_;
+  TagDescription layout_;
   std::vector<ParamRule> params_;
   std::map<std::string, std::vector<RowsFrom>> blocks_;
   std::map<std::string, int64_t> width_;

@@ -19,7 +19,7 @@
 
 #include "ckpt/util/error.h"
 #include "ckpt/shard/fingerprint.h"
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 #include "ckpt/shard/optimizer_state.h"
 #include "ckpt/store/output_guard.h"
 #include "ckpt/shard/partition.h"
@@ -325,7 +325,7 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
 ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string& source_tag_name, const ReshardArgs& a, ckpt::Env* env,
                              const LogFn& log, std::chrono::steady_clock::time_point t0, ReshardSummary sum) {
   const ckpt::LogicalState* src = &source;
-  const ckpt::TagLayout& L = src->layout();
+  const ckpt::TagDescription& L = src->layout();
   sum.format = L.format;
   sum.from = L.grid;
   sum.from_bounds = L.stage_bounds;

@@ -215,7 +215,7 @@ class ShardedTagBuilder {
   }
 
   void FindFiles() {
-    TagLayout& L = t_->layout_;
+    TagDescription& L = t_->layout_;
     if (!env_->IsDirectory(t_->dir_)) throw Error(t_->dir_ + ": not a folder");
     if (!env_->IsDirectory(Path("model"))) throw Error(t_->dir_ + ": holds no model/ folder; not a checkpoint tag");
     std::set<std::pair<int, int>> model;
@@ -325,7 +325,7 @@ class ShardedTagBuilder {
   }
 
   void LearnFormat() {
-    TagLayout& L = t_->layout_;
+    TagDescription& L = t_->layout_;
     const int tp = L.grid.tp;
     if (manifest_ && manifest_->model) {
       L.format = *manifest_->model;
@@ -395,7 +395,7 @@ class ShardedTagBuilder {
 
   // Every model file holds exactly its stage's parameters, shaped by the rules.
   void CheckModelFiles() {
-    const TagLayout& L = t_->layout_;
+    const TagDescription& L = t_->layout_;
     std::map<std::tuple<std::string, StateField, int64_t>, int> owner;
     for (int p = 0; p < L.grid.pp; ++p) {
       const auto stage = StageParameters(t_->params_, L.stage_bounds, p, L.tied_naming);
@@ -457,7 +457,7 @@ class ShardedTagBuilder {
   // extent stepping through storage by its column stride.
   void AddRuns(const ParamRule& rule, StateField field, int t, const Tensor& x, const MappedFile* file, int64_t row_lo, int64_t row_hi,
                int64_t rows, std::map<std::tuple<std::string, StateField, int64_t>, int>& owner, DType dtype, const std::string& where) {
-    const TagLayout& L = t_->layout_;
+    const TagDescription& L = t_->layout_;
     auto& idx = t_->index_[{rule.name, field}];
     if (!idx.typed) idx.dtype = dtype, idx.typed = true;
     if (dtype != idx.dtype) throw Error(where + " is " + std::string(DTypeName(dtype)) + " but other ranks hold " + std::string(DTypeName(idx.dtype)));
@@ -531,7 +531,7 @@ class ShardedTagBuilder {
   }
 
   void LoadOptimizerFiles() {
-    TagLayout& L = t_->layout_;
+    TagDescription& L = t_->layout_;
     const int files = L.grid.zero1 ? L.grid.dp : 1;
     std::map<std::tuple<std::string, StateField, int64_t>, int> owner;
     bool first = true;
@@ -688,7 +688,7 @@ class ShardedTagBuilder {
   // the names (LlamaAttention.__init__), heads from a hint, and NxD's KV
   // replication from the data: ranks holding equal KV rows (InferKvReplication).
   void LearnHfFormat() {
-    TagLayout& L = t_->layout_;
+    TagDescription& L = t_->layout_;
     const int tp = L.grid.tp;
     const std::string why = t_->dir_ + " has no manifest recording its model format (NxD writes none), ";
     ModelFormat& f = L.format;

@@ -52,7 +52,7 @@ class ShardedTag final : public LogicalState {
                                           const TagReadOptions& opts = {});
 
   const std::string& path() const override { return dir_; }
-  const TagLayout& layout() const override { return layout_; }
+  const TagDescription& layout() const override { return layout_; }
   // The logical parameters, vocab padded as this tag pads it.
   const std::vector<ParamRule>& params() const override { return params_; }
   bool Has(const std::string& name, StateField f) const override { return index_.count({name, f}) > 0; }
@@ -105,7 +105,7 @@ class ShardedTag final : public LogicalState {
 
   Env* env_ = nullptr;
   std::string dir_;
-  TagLayout layout_;
+  TagDescription layout_;
   std::vector<ParamRule> params_;
   std::map<Key, Index> index_;
   std::map<std::string, Value> steps_;

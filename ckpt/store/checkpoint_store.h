@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "ckpt/util/env.h"
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 #include "ckpt/shard/partition.h"
 #include "ckpt/store/resume.h"
 #include "ckpt/store/snapshot.h"

@@ -15,7 +15,7 @@
 #include <string>
 
 #include "ckpt/util/env.h"
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 #include "ckpt/shard/optimizer_groups.h"
 #include "ckpt/shard/partition.h"
 

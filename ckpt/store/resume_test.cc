@@ -5,7 +5,7 @@
 
 #include <gtest/gtest.h>
 
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 #include "ckpt/store/tag_writer.h"
 #include "ckpt/util/test_util.h"
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "ckpt/pt/value.h"
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 #include "ckpt/store/tag_writer.h"
 
 namespace ckpt {

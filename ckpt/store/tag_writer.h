@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "ckpt/util/env.h"
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 #include "ckpt/store/manifest.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/pt/value.h"

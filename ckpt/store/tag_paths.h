@@ -1,6 +1,8 @@
-// The NxDT checkpoint layout: rank file names, tag names and markers, and the
-// markers (the rank grid, in rank_grid.h, says which files a tag holds). This is the one place
-// that knows these rules; the store, resume, verify and every tool use it.
+// The paths of an NxDT tag: rank file names, tag names and markers (the rank
+// grid, in ckpt/shard/rank_grid.h, says which files a tag holds). This is the
+// one place that knows these names; the store, resume, verify and every tool
+// use it. (What a tag holds, its parallel layout and model format, is
+// ckpt::TagDescription in ckpt/shard/logical_state.h.)
 //
 //   <checkpoint_dir>/<name>--step=S-consumed_samples=C.ckpt/
 //     checkpoint                         "1": the save has begun

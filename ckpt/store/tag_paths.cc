@@ -1,4 +1,4 @@
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 
 #include <charconv>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "ckpt/store/layout.h"
+#include "ckpt/store/tag_paths.h"
 
 #include <gtest/gtest.h>
 
@@ -6,7 +6,7 @@
 
 namespace ckpt {
 
-TEST(Layout, RankFileNamesRoundTripWithMinimumWidth) {
+TEST(TagPaths, RankFileNamesRoundTripWithMinimumWidth) {
   EXPECT_EQ(RankFileName({0, 3, 1}), "dp_rank_00_tp_rank_03_pp_rank_01.pt");
   EXPECT_EQ(RankFileName({100, 7, 12}), "dp_rank_100_tp_rank_07_pp_rank_12.pt");
   EXPECT_EQ(ParseRankFileName("dp_rank_100_tp_rank_07_pp_rank_12.pt"), (RankCoord{100, 7, 12}));
@@ -15,7 +15,7 @@ TEST(Layout, RankFileNamesRoundTripWithMinimumWidth) {
   EXPECT_FALSE(ParseRankFileName("dp_rank_00_tp_rank_00_pp_rank_00.pt.info.pt").has_value());
 }
 
-TEST(Layout, GridListsModelAndOptimFiles) {
+TEST(TagPaths, GridListsModelAndOptimFiles) {
   RankGrid g{2, 2, 3, true};
   EXPECT_EQ(g.ModelFiles().size(), 4u);
   EXPECT_EQ(g.OptimFiles().size(), 12u);
@@ -24,7 +24,7 @@ TEST(Layout, GridListsModelAndOptimFiles) {
   EXPECT_EQ(g.OptimFiles().size(), 4u);
 }
 
-TEST(Layout, TagNamesFollowNxdt) {
+TEST(TagPaths, TagNamesFollowNxdt) {
   TagName t{"megatron_llama", 5, 5120, false};
   EXPECT_EQ(FormatTagName(t), "megatron_llama--step=5-consumed_samples=5120.0.ckpt");
   t.last = true;
