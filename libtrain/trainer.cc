@@ -85,8 +85,8 @@ ckpt::ReshardArgs ReshardFor(const std::string& tag, const TrainConfig& c) {
   return a;
 }
 
-std::string ReshardAdvice(const std::string& tag, const TrainConfig& c) {
-  const ckpt::ReshardArgs a = ReshardFor(tag, c);
+// The command that reshards a tag for this run, given ReshardFor's arguments.
+std::string ReshardAdvice(const ckpt::ReshardArgs& a, const TrainConfig& c) {
   std::string cuts;
   for (int64_t cut : a.pipeline_cuts) cuts += (cuts.empty() ? " --pipeline_cuts " : ",") + std::to_string(cut);
   std::string family;
@@ -308,7 +308,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
       try {
         const ckpt::ResumePlan plan = ckpt::PlanResume(env, *tag, c.resume_reshard, reshard.dst,
                                                        [&](const std::string& dir) { return LayoutMismatch(env, dir, c); },
-                                                       ReshardAdvice(*tag, c));
+                                                       ReshardAdvice(reshard, c));
         action = plan.kind == ckpt::ResumePlan::Kind::kReshard ? "reshard" : plan.kind == ckpt::ResumePlan::Kind::kReuse ? "reuse" : "";
         if (!plan.note.empty()) log("resume: " + plan.note);
       } catch (const ckpt::Error& e) {
