@@ -83,6 +83,12 @@ class ShardedTagBuilder {
     t_->dir_ = dir;
   }
 
+  void SetInMemory(std::map<std::string, Value> files, const Manifest& manifest) {
+    in_memory_ = true;
+    t_->given_ = std::move(files);
+    manifest_ = manifest;
+  }
+
   std::unique_ptr<ShardedTag> Build() {
     FindFiles();
     if (t_->xser_) Preload();
@@ -119,6 +125,7 @@ class ShardedTagBuilder {
   std::string Rel(const std::string& sub, const RankCoord& r) const { return sub + "/" + RankFileName(r); }
   // A rank file (or model/ itself) linked out of the tag is refused, never read.
   std::string Path(const std::string& rel) const {
+    if (in_memory_) return t_->dir_ + " (as " + rel + ")";
     RequireInside(t_->dir_, t_->dir_ + "/" + rel);
     return t_->dir_ + "/" + rel;
   }
@@ -154,7 +161,23 @@ class ShardedTagBuilder {
     for (size_t i = 0; i < rels.size(); ++i) preloaded_.emplace(rels[i], std::move(got[i]));
   }
 
+  // A tag-level or rank file, without the accounting Load does.
+  Value Peek(const std::string& rel) {
+    if (!in_memory_) return LoadTagFile(env_, t_->dir_, rel);
+    auto it = t_->given_.find(rel);
+    if (it == t_->given_.end()) throw Error(Path(rel) + ": missing");
+    return it->second;
+  }
+
   Value Load(const std::string& rel) {
+    if (in_memory_) {
+      Value v = Peek(rel);
+      ForEachTensor(v, [&](const Tensor& x) {
+        if (!x.data() && x.numel() > 0) throw Error(Path(rel) + ": holds a tensor whose bytes are generated as written, which a reader cannot index");
+        t_->bytes_ += x.nbytes();
+      });
+      return v;
+    }
     if (t_->xser_) {
       Value v;
       if (auto pre = preloaded_.find(rel); pre != preloaded_.end()) {
@@ -195,8 +218,15 @@ class ShardedTagBuilder {
   // The rank files of model/ or optim/ (names); what the folder holds is added to `entries`.
   std::vector<std::string> ListRankFiles(const std::string& sub, std::set<std::string>& entries) {
     std::vector<std::string> out;
-    if (!env_->IsDirectory(Path(sub))) return out;
-    for (const auto& n : env_->ListDir(Path(sub))) {
+    std::vector<std::string> names;
+    if (in_memory_) {
+      for (const auto& [rel, v] : t_->given_)
+        if (rel.starts_with(sub + "/")) names.push_back(rel.substr(sub.size() + 1));
+    } else {
+      if (!env_->IsDirectory(Path(sub))) return out;
+      names = env_->ListDir(Path(sub));
+    }
+    for (const auto& n : names) {
       if (IsTempPath(n)) continue;
       entries.insert(sub + "/" + n);
       try {
@@ -216,8 +246,8 @@ class ShardedTagBuilder {
 
   void FindFiles() {
     TagDescription& L = t_->layout_;
-    if (!env_->IsDirectory(t_->dir_)) throw Error(t_->dir_ + ": not a folder");
-    if (!env_->IsDirectory(Path("model"))) throw Error(t_->dir_ + ": holds no model/ folder; not a checkpoint tag");
+    if (!in_memory_ && !env_->IsDirectory(t_->dir_)) throw Error(t_->dir_ + ": not a folder");
+    if (!in_memory_ && !env_->IsDirectory(Path("model"))) throw Error(t_->dir_ + ": holds no model/ folder; not a checkpoint tag");
     std::set<std::pair<int, int>> model;
     int tp = 0, pp = 0;
     // One container per tag, as NxD's loader reads it: a mix, or a tensor folder without its X.pt, is refused.
@@ -233,7 +263,7 @@ class ShardedTagBuilder {
       tp = std::max(tp, r->tp + 1), pp = std::max(pp, r->pp + 1);
     }
     if (model.empty()) throw Error(Path("model") + ": holds no rank files (dp_rank_00_tp_rank_XX_pp_rank_XX.pt)");
-    if (env_->Exists(Path(kManifestFile))) {
+    if (!in_memory_ && env_->Exists(Path(kManifestFile))) {
       manifest_ = Manifest::Load(env_, Path(kManifestFile));
       if (manifest_->grid.tp != tp || manifest_->grid.pp != pp)
         throw Error(Path(kManifestFile) + ": records tp=" + std::to_string(manifest_->grid.tp) + " pp=" + std::to_string(manifest_->grid.pp) +
@@ -263,7 +293,7 @@ class ShardedTagBuilder {
                         " dp rank(s) of tp " + std::to_string(tp) + ", pp " + std::to_string(pp));
     // ZeRO-1 or plain is read from the files themselves (LoadOptimizerFiles).
     L.grid.dp = dp;
-    const Value first = LoadTagFile(env_, t_->dir_, Rel("optim", {0, 0, 0}));
+    const Value first = Peek(Rel("optim", {0, 0, 0}));
     L.grid.zero1 = first.is_dict() && first.as_dict().Find("base_state") != nullptr;
     if (L.grid.zero1 && dp == 1 && (!manifest_ || manifest_->grid.dp > 1))
       if (const int64_t lost = Zero1SavedAsOneShard(first)) throw Error(Zero1OneShardMessage(Path(Rel("optim", {0, 0, 0})), lost));
@@ -330,10 +360,12 @@ class ShardedTagBuilder {
     if (manifest_ && manifest_->model) {
       L.format = *manifest_->model;
       L.format_from_manifest = true;
+      CheckHintsAgree(L.format);
     } else if (FamilyOfNames(ModelNames(), Path("model")) == ModelFamily::kHfLlama) {
       LearnHfFormat();
     } else {
-      const std::string why = t_->dir_ + " has no manifest recording its model format (NxD writes none), ";
+      const std::string why = t_->dir_ + (in_memory_ ? " does not record its model format (no hyper_parameters.cfg), "
+                                                     : " has no manifest recording its model format (NxD writes none), ");
       ModelFormat& f = L.format;
       const Tensor* norm = FindTensor("final_layernorm.weight");
       const Tensor* emb = FindTensor("embedding.word_embeddings.weight");
@@ -803,6 +835,25 @@ class ShardedTagBuilder {
     if (const std::string bad = f.CheckSizes(); !bad.empty()) throw Error(t_->dir_ + ": " + bad);
   }
 
+  // A hint that contradicts the model format a manifest records is refused,
+  // naming both. Not the vocabulary: a writer that could not tell the padding
+  // records every row as vocabulary, which a config's true size does not contradict.
+  void CheckHintsAgree(const ModelFormat& f) const {
+    const std::string where = in_memory_ ? t_->dir_ : Path(kManifestFile);
+    auto check = [&]<typename T>(const std::optional<T>& hint, T recorded, const char* flag) {
+      if (hint && *hint != recorded)
+        throw Error(std::string(flag) + " " + std::to_string(*hint) + " contradicts " + where + ", which records " + std::to_string(recorded));
+    };
+    check(hints_.heads, f.heads, "--heads"), check(hints_.kv_heads, f.kv_heads, "--kv_heads");
+    check(hints_.rope_theta, f.rope_theta, "--rope_theta"), check(hints_.norm_eps, f.norm_eps, "--layernorm_epsilon");
+    check(hints_.rotary_percentage, f.rotary_percentage, "--rotary_percentage");
+    check(hints_.kv_size_multiplier, f.kv_size_multiplier, "--kv_size_multiplier");
+    check(hints_.hidden, f.hidden, "the hidden size"), check(hints_.ffn, f.ffn, "the ffn size"), check(hints_.layers, f.layers, "num_layers");
+    if (hints_.hw_backend && f.hw_backend != HwBackend::kUnknown && *hints_.hw_backend != f.hw_backend)
+      throw Error(std::string("--hw_backend ") + BackendName(*hints_.hw_backend) + " contradicts " + where + ", which records " +
+                  BackendName(f.hw_backend));
+  }
+
   // An NxDT tag records its job's model config in user_content.pt
   // (hyper_parameters.cfg, NxDT nlp_overrides.py save_checkpoint keeps
   // Lightning's hyper_parameters), and nnm2nxdt-ckpt carries NNM's there:
@@ -838,7 +889,7 @@ class ShardedTagBuilder {
   const Value* UserContentFile() {
     if (!user_content_loaded_) {
       user_content_loaded_ = true;
-      if (env_->Exists(Path(kUserContentFile))) user_content_ = LoadTagFile(env_, t_->dir_, kUserContentFile);
+      if (in_memory_ ? t_->given_.count(kUserContentFile) > 0 : env_->Exists(Path(kUserContentFile))) user_content_ = Peek(kUserContentFile);
     }
     return user_content_ ? &*user_content_ : nullptr;
   }
@@ -873,6 +924,7 @@ class ShardedTagBuilder {
   }
 
   Env* env_;
+  bool in_memory_ = false;  // ShardedTag::FromFiles
   FormatHints hints_;
   TagReadOptions opts_;
   std::optional<Value> user_content_;
@@ -894,7 +946,18 @@ std::unique_ptr<ShardedTag> ShardedTag::Open(Env* env, const std::string& tag_di
   return ShardedTagBuilder(env, WithoutTrailingSeparators(tag_dir), hints, opts).Build();
 }
 
+std::unique_ptr<ShardedTag> ShardedTag::FromFiles(const std::string& label, std::map<std::string, Value> files, const Manifest& manifest,
+                                                   const FormatHints& hints, const TagReadOptions& opts) {
+  ShardedTagBuilder b(Env::Default(), label, hints, opts);
+  b.SetInMemory(std::move(files), manifest);
+  return b.Build();
+}
+
 std::optional<Value> ShardedTag::TagFile(const std::string& name) const {
+  if (!given_.empty()) {
+    auto it = given_.find(name);
+    return it == given_.end() ? std::nullopt : std::optional<Value>(it->second);
+  }
   const std::string path = dir_ + "/" + name;
   if (!env_->Exists(path)) return std::nullopt;
   return LoadTagFile(env_, dir_, name);

@@ -50,6 +50,16 @@ class ShardedTag final : public LogicalState {
   // model files may list their entries in any order (names are the keys).
   static std::unique_ptr<ShardedTag> Open(Env* env, const std::string& tag_dir, const FormatHints& hints = {},
                                           const TagReadOptions& opts = {});
+  // A tag that exists only in memory, read as Open reads one on disk:
+  // `files` maps each path in the tag (model/<rank file>, optim/<rank file>,
+  // user_content.pt, scheduler.pt) to its loaded value, whose tensors view
+  // the bytes of mapped inputs (nnm2nxdt-ckpt's mapping of NNM's files, so
+  // the reshard engine writes them in another parallel layout in one pass).
+  // `manifest` says what a manifest on disk would (degrees, step, optimizer
+  // grouping, and the model format when known); `label` names the source in
+  // messages. Tensors must hold their bytes (no generated storages).
+  static std::unique_ptr<ShardedTag> FromFiles(const std::string& label, std::map<std::string, Value> files, const Manifest& manifest,
+                                               const FormatHints& hints = {}, const TagReadOptions& opts = {});
 
   const std::string& path() const override { return dir_; }
   const TagDescription& layout() const override { return layout_; }
@@ -113,6 +123,7 @@ class ShardedTag final : public LogicalState {
   std::vector<Buffer> buffers_;
   std::vector<std::shared_ptr<const MappedFile>> files_;
   std::vector<Value> held_;  // xser rank files: their tensors keep the tensor files mapped
+  std::map<std::string, Value> given_;  // FromFiles's files; empty for a tag on disk
   bool ordered_ = false;
   bool xser_ = false, optimizer_skipped_ = false;
   uint64_t bytes_ = 0;

@@ -50,6 +50,42 @@ TEST(ShardedTag, ReadsTheLogicalTensorsOfAnyLayout) {
   }
 }
 
+// FromFiles reads loaded values as Open reads the files they came from: the
+// same layout, format and elements, and a manifest given in memory decides
+// the grouping and step. A missing rank is refused as on disk.
+TEST(ShardedTag, FromFilesReadsLoadedValuesAsOpenReadsTheFiles) {
+  TempDir dir("sharded_tag");
+  ReshardArgs a;
+  a.tp = 2, a.pp = 2;
+  WriteFake(FakeState(dir / "src", SmallLlama()), dir / "out", a);
+  const Manifest manifest = Manifest::Load(Env::Default(), dir / "out/manifest.json");
+  Manifest given = manifest;
+  given.model.reset();  // learned from the values, with hints
+  std::map<std::string, Value> files;
+  for (const char* sub : {"model"})  // the fake has no optimizer state
+    for (const auto& e : std::filesystem::directory_iterator(dir / ("out/" + std::string(sub))))
+      files.emplace(std::string(sub) + "/" + e.path().filename().string(), LoadPt(e.path().string()));
+  FormatHints hints;
+  hints.heads = 4, hints.kv_heads = 2, hints.vocab_size = manifest.model->vocab_size;
+  hints.make_vocab_size_divisible_by = manifest.model->make_vocab_size_divisible_by;
+  const auto tag = ShardedTag::FromFiles("converted", files, given, hints);
+  EXPECT_EQ(tag->layout().grid.tp, 2);
+  EXPECT_EQ(tag->layout().stage_bounds, ShardedTag::Open(Env::Default(), dir / "out")->layout().stage_bounds);
+  EXPECT_EQ(tag->layout().format.Describe(), manifest.model->Describe());
+  EXPECT_EQ(tag->step(), manifest.step);
+  EXPECT_FALSE(tag->layout().has_optimizer);
+  ExpectFakesValues(*tag);
+  // A hint that contradicts a format the in-memory manifest records is refused.
+  given.model = manifest.model;
+  FormatHints wrong;
+  wrong.heads = 8;
+  const std::string contradiction = ErrorOf([&] { ShardedTag::FromFiles("converted", files, given, wrong); });
+  EXPECT_NE(contradiction.find("--heads 8 contradicts converted, which records 4"), std::string::npos) << contradiction;
+  files.erase("model/" + RankFileName({0, 1, 1}));
+  const std::string err = ErrorOf([&] { ShardedTag::FromFiles("converted", files, given); });
+  EXPECT_NE(err.find("converted (as model/" + RankFileName({0, 1, 1}) + "): missing"), std::string::npos) << err;
+}
+
 TEST(ShardedTag, AMissingRankFileIsRefusedNamingIt) {
   TempDir dir("sharded_tag");
   ReshardArgs a;
