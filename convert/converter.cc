@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -16,6 +17,9 @@
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/store/tag_writer.h"
 #include "ckpt/pt/xser.h"
+#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/shard/reshard.h"
+#include "ckpt/shard/sharded_tag.h"
 #include "convert/nnm_convert.h"
 #include "convert/nnm_source.h"
 
@@ -67,6 +71,80 @@ void PrintPlan(const NnmSource& src, const ConvertPlan& plan, const std::string&
   log("  total " + std::to_string(plan.files.size()) + " files, " + ckpt::HumanBytes(total));
 }
 
+// Other degrees in one pass: the planned files (views of the mapped NNM
+// inputs, at NNM's degrees) are read as an in-memory tag and written by the
+// reshard engine at the target's, which records the model format and
+// fingerprints in the manifest.
+// The planned files (plain .pt, not xser parts) read as the NxDT tag they
+// make, at NNM's degrees: what the reshard engine reads, and what tells the
+// model format. Throws ckpt::Error when they do not make one.
+std::unique_ptr<ckpt::ShardedTag> PlannedTag(const NnmSource& src, const ConvertPlan& plan, const ckpt::FormatHints& hints,
+                                             const ckpt::TagReadOptions& opts) {
+  std::map<std::string, ckpt::Value> files;
+  for (const auto& f : plan.files) {
+    ckpt::ForEachTensor(f.file.value, [&](const ckpt::Tensor& x) {
+      if (x.storage() && x.storage()->producer())
+        throw ckpt::Error(f.source + ": holds NNM's unmerged SwiGLU (dense_h_to_4h_2), which is merged only as it is written, so it " +
+                          "cannot be re-cut in the same pass: convert at the checkpoint's own degrees (--tp " + std::to_string(src.grid.tp) +
+                          " --pp " + std::to_string(src.grid.pp) + "), then ckpt-reshard the result");
+    });
+    files.emplace(f.file.relpath, f.file.value);
+  }
+  ckpt::Manifest m;  // what the manifest of the converted tag at NNM's degrees would say
+  m.step = plan.global_step;
+  m.consumed_samples = plan.consumed_samples;
+  m.grid = plan.grid;
+  if (plan.optimizer) m.optimizer_grouping = ckpt::NxdtGroupingRule(plan.do_layer_norm_weight_decay);
+  return ckpt::ShardedTag::FromFiles(src.root, std::move(files), m, hints, opts);
+}
+
+const char kFormatSources[] = "nnm2nxdt-ckpt reads the model's format from the checkpoint's hyper_parameters.cfg, else from --nnm_config "
+                              "(the NNM job's YAML), --model_config (the HF config.json) or --heads/--kv_heads";
+
+ConvertSummary ConvertAndRelayout(const ConverterArgs& a, const NnmSource& src, ConvertPlan& plan, const std::string& tag_dir, ckpt::Env* env,
+                                  const std::function<void(const std::string&)>& log, Clock::time_point t0) {
+  ConvertSummary sum;
+  sum.tag_dir = tag_dir;
+  sum.inputs = static_cast<int>(src.files.size() + src.zero1_files.size());
+  uint64_t bytes = 0;
+  for (const auto& f : plan.files) bytes += f.bytes, sum.tensors += f.tensors;
+  std::unique_ptr<ckpt::ShardedTag> tag;
+  try {
+    tag = PlannedTag(src, plan, a.hints, {.trust_first_replica = a.trust_first_replica});
+  } catch (const ckpt::FormatUnknown& e) {
+    throw ckpt::Error(std::string(e.what()) + "\n(changing degrees needs the model's format: " + kFormatSources + ")");
+  }
+  if (a.group->rank() == 0) {
+    for (const auto& n : plan.notes)
+      if (!n.starts_with("the output will not record")) log("note: " + n);
+    for (const auto& line : OptimizerReport(plan, a.weights_only)) log(line);
+    for (const auto& n : tag->format_notes()) log("note: " + n);
+  }
+  ckpt::ReshardArgs r;
+  r.src = src.root;
+  r.dst = tag_dir;
+  r.tp = a.tp ? a.tp : src.grid.tp;
+  r.pp = a.pp ? a.pp : src.grid.pp;
+  r.pipeline_cuts = a.pipeline_cuts;
+  r.memory_budget = a.memory_budget;
+  r.threads = a.threads;
+  r.dry_run = a.dry_run, r.overwrite = a.overwrite, r.weights_only = a.weights_only;
+  r.save_xser = a.save_xser;
+  r.hints = a.hints;
+  r.trust_first_replica = a.trust_first_replica;
+  r.group = a.group;
+  r.progress_bar = a.progress_bar;
+  r.tool = "nnm2nxdt";
+  ckpt::ReshardSummary rs;
+  rs.src_tag = src.root;
+  rs.bytes_read = bytes;
+  rs = ckpt::WriteInLayout(*tag, ckpt::WithoutTrailingSeparators(tag_dir), r, env, log, t0, rs);
+  sum.files = rs.files;
+  sum.bytes = rs.bytes_written;
+  sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return sum;
+}
+
 }  // namespace
 
 ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::function<void(const std::string&)>& log) {
@@ -74,10 +152,11 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   if (a.nxdt_ckpt_path.empty() == a.checkpoint_dir.empty())
     throw ckpt::Error("give exactly one of --nxdt_ckpt_path (the output tag folder) and --checkpoint_dir (a folder to create the tag in)");
   const NnmSource src = FindNnmCheckpoint(env, a.nnm_ckpt_path, a.checkpoint_name, log);
-  if ((a.tp && a.tp != src.grid.tp) || (a.pp && a.pp != src.grid.pp))
-    throw ckpt::Error(a.nnm_ckpt_path + ": holds a tp=" + std::to_string(src.grid.tp) + " pp=" + std::to_string(src.grid.pp) + " checkpoint (" +
-                      src.layout + " layout, " + std::to_string(src.files.size()) + " rank files), but --tp " + std::to_string(a.tp) +
-                      " --pp " + std::to_string(a.pp) + " was given");
+  const bool relayout = (a.tp && a.tp != src.grid.tp) || (a.pp && a.pp != src.grid.pp) || !a.pipeline_cuts.empty();
+  if (relayout && a.group->rank() == 0)
+    log(a.nnm_ckpt_path + ": a tp=" + std::to_string(src.grid.tp) + " pp=" + std::to_string(src.grid.pp) + " checkpoint (" + src.layout +
+        " layout); converting to tp=" + std::to_string(a.tp ? a.tp : src.grid.tp) + " pp=" + std::to_string(a.pp ? a.pp : src.grid.pp) +
+        " in one pass");
 
   // Load every input (pickles only: tensor bytes stay mapped) in parallel.
   std::vector<RankInput> inputs(src.files.size());
@@ -90,15 +169,30 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
       in.zero1.push_back(ckpt::LoadPtOrXser(in.zero1_paths.back(), {}, env));
     }
   });
+  // With other degrees the engine splits the xser files itself.
   ConvertPlan plan = PlanConversion(src, inputs,
-                                    {a.n_layers, a.weights_only, a.save_xser,
+                                    {a.n_layers, a.weights_only, a.save_xser && !relayout,
                                      a.nxdt_optimizer_groups ? OptimizerGroups::kNxdt : OptimizerGroups::kKeep, a.require_optimizer});
   const std::string tag_dir = TagDirFor(a, src, plan);
   ckpt::CheckOutputs({{tag_dir, a.nxdt_ckpt_path.empty() ? "--checkpoint_dir" : "--nxdt_ckpt_path", true}},
                      {{a.nnm_ckpt_path, "--nnm_ckpt_path"}});
+  if (relayout) return ConvertAndRelayout(a, src, plan, tag_dir, env, log, t0);
   ConvertSummary sum;
   sum.tag_dir = tag_dir;
   sum.inputs = static_cast<int>(src.files.size() + src.zero1_files.size());
+  // The model format goes in the manifest when the checkpoint or hints tell
+  // it, so later commands need no hints; the replicas are compared when read.
+  std::optional<ckpt::ModelFormat> format;
+  try {
+    ConvertPlan plain = plan;
+    if (a.save_xser)
+      plain = PlanConversion(src, inputs, {a.n_layers, a.weights_only, false, a.nxdt_optimizer_groups ? OptimizerGroups::kNxdt : OptimizerGroups::kKeep,
+                                           a.require_optimizer});
+    format = PlannedTag(src, plain, a.hints, {.trust_first_replica = true})->layout().format;
+    std::erase_if(plan.notes, [](const std::string& n) { return n.starts_with("the output will not record"); });
+  } catch (const ckpt::Error&) {
+    // Said as the plan's note: later commands will need hints.
+  }
   if (a.dry_run) {
     PrintPlan(src, plan, tag_dir, a.weights_only, log);
     return sum;
@@ -126,6 +220,7 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   ci.step = plan.global_step;
   ci.consumed_samples = plan.consumed_samples;
   ci.grid = plan.grid;
+  ci.model = format;
   if (plan.optimizer)
     ci.optimizer_grouping = ckpt::NxdtGroupingRule(plan.do_layer_norm_weight_decay);
   ckpt::CommitStaged(env, staged, *a.group, ci);

@@ -10,12 +10,19 @@
 //     in place, so a failed or killed run never loses it.
 // Under `mpirun -np N` the ranks split the input files between them and rank
 // 0 commits; the processes agree on the save through the file system.
+//
+// Other degrees (--tp/--pp that differ from the checkpoint's) are one pass:
+// the mapping above, viewed in memory as an NxDT tag at NNM's degrees
+// (ckpt::ShardedTag::FromFiles), feeds the reshard engine (ckpt::WriteInLayout),
+// which writes the tag at the new degrees with its model format and
+// fingerprints in the manifest. No intermediate tag is written.
 #pragma once
 
 #include <functional>
 #include <string>
 
 #include "ckpt/util/env.h"
+#include "ckpt/shard/logical_state.h"
 #include "ckpt/shard/rank_grid.h"
 #include "ckpt/store/writer_group.h"
 
@@ -26,12 +33,19 @@ struct ConverterArgs {
   std::string nxdt_ckpt_path;  // the output tag folder, or
   std::string checkpoint_dir;  // the folder to create the tag in, named from the NNM file
   std::string checkpoint_name;
-  int tp = 0, pp = 0, n_layers = 0;  // 0: not given; taken from the checkpoint
+  int tp = 0, pp = 0, n_layers = 0;  // 0: not given; the checkpoint's. Other tp/pp: converted and resharded in one pass
+  std::vector<int64_t> pipeline_cuts;  // with another pp: the first layer of each stage after the first (default: even)
   bool weights_only = false, save_xser = false, dry_run = false, overwrite = false;
   bool require_optimizer = false;   // an input without optimizer state is an error (MissingOptimizerState)
   bool nxdt_optimizer_groups = false;  // regroup into NxDT's split instead of keeping what NNM decayed
   bool progress_bar = false;  // a terminal bar instead of a log line per file
   ckpt::WriterGroup* group = &ckpt::SoloGroup();  // under mpirun the ranks split the output files
+  // What the NNM checkpoint may not record (it has no hyper_parameters.cfg, or --weights_only):
+  // --heads, --nnm_config, --model_config. Checked against what it records.
+  ckpt::FormatHints hints;
+  uint64_t memory_budget = uint64_t{512} << 20;  // the reshard engine's, with other degrees
+  int threads = 1;                                // the reshard engine's writing threads
+  bool trust_first_replica = false;  // with other degrees: ckpt::TagReadOptions::trust_first_replica
 };
 
 struct ConvertSummary {

@@ -4,6 +4,9 @@
 //   nnm2nxdt-ckpt --tp 8 --pp 4 --n_layers 32 --nnm_ckpt_path A --nxdt_ckpt_path B
 // plus --checkpoint_dir, --checkpoint_name, --weights_only, --save_xser,
 // --dry_run, --overwrite, --threads, --optimizer_groups and --require_optimizer. Under mpirun the ranks split the files.
+// --tp/--pp other than the checkpoint's convert and re-cut in one pass; the
+// model format then comes from the checkpoint's hyper_parameters, else from
+// --nnm_config, --model_config or --heads and its kin (tools/format_hints_cli.h).
 #include <tbb/global_control.h>
 #include <unistd.h>
 
@@ -23,6 +26,7 @@
 #include "ckpt/util/progress.h"
 #include "convert/converter.h"
 #include "convert/nnm_convert.h"
+#include "tools/format_hints_cli.h"
 
 namespace {
 
@@ -46,8 +50,22 @@ int main(int argc, char** argv) {
   app.add_option("--nxdt_ckpt_path", a.nxdt_ckpt_path, "the output tag folder (for exp_manager.resume_from_checkpoint)");
   app.add_option("--checkpoint_dir", a.checkpoint_dir,
                  "instead: create <name>--step=S-consumed_samples=C.ckpt in this folder, where auto-resume finds it");
-  app.add_option("--tp", a.tp, "tensor-parallel degree (checked against the checkpoint)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
-  app.add_option("--pp", a.pp, "pipeline-parallel degree (checked against the checkpoint)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
+  app.add_option("--tp", a.tp, "the output's tensor-parallel degree (default: the checkpoint's; another is converted and re-cut in one pass)")
+      ->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
+  app.add_option("--pp", a.pp, "the output's pipeline-parallel degree (default: the checkpoint's; another is converted and re-cut in one pass)")
+      ->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
+  app.add_option("--pipeline_cuts", a.pipeline_cuts, "with another --pp: the first layer of each stage after the first, e.g. 1,3 (default: NxD's even split)")
+      ->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks))
+      ->delimiter(',');
+  app.add_flag("--trust_first_replica", a.trust_first_replica,
+               "with another --tp/--pp: read replicated tensors (norms on every tp rank) from tp rank 0 instead of refusing copies that differ");
+  std::string budget;
+  app.add_option("--memory_budget", budget, "with another --tp/--pp: memory the re-cut may use, e.g. 512M (default 512M)");
+  tools::FormatHintOptions hint_opts;
+  hint_opts.AddTo(app);
+  app.add_option("--nnm_config", hint_opts.config, "the NNM job's YAML (its model: num_attention_heads, num_kv_heads, ...), for a checkpoint "
+                 "without hyper_parameters.cfg; checked against the tensors")
+      ->excludes("--config");
   app.add_option("--n_layers", a.n_layers, "number of layers (checked against the checkpoint)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
   app.add_option("--checkpoint_name", a.checkpoint_name, "the file to convert when a rank folder holds several");
   app.add_option("--enable_parallel_processing", parallel, "True/False (default True)");
@@ -70,6 +88,13 @@ int main(int argc, char** argv) {
 
   a.nxdt_optimizer_groups = groups == "nxdt";
   auto log = [](const std::string& s) { std::cerr << s << std::endl; };
+  try {
+    a.hints = hint_opts.Hints();
+    if (!budget.empty()) a.memory_budget = ckpt::ParseSize(budget, "--memory_budget");
+  } catch (const ckpt::Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
+  }
   const auto enabled = ParseBool(parallel);
   if (!enabled) {
     std::cerr << "error: --enable_parallel_processing: '" << parallel << "' is not a boolean (True/False/1/0/yes/no)\n";
@@ -80,6 +105,7 @@ int main(int argc, char** argv) {
   else if (threads) workers = threads;
   else if (processes) workers = std::min(workers, processes);
   tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(workers));
+  a.threads = workers;
 
   // mpirun (Open MPI / PMIx) tells each process its rank and the job.
   a.group = &ckpt::WorldGroup();

@@ -385,7 +385,7 @@ class ShardedTagBuilder {
       const Tensor* out = FindTensor("output_layer.weight");
       f.tied_output = out == nullptr || SameBytes(*out, *emb);
       TakeRecordedConfig();
-      if (!hints_.heads) throw Error(why + "so give --heads (model.num_attention_heads)");
+      if (!hints_.heads) throw FormatUnknown(why + "so give --heads (model.num_attention_heads)");
       f.heads = *hints_.heads;
       if (f.heads < 1 || f.hidden % f.heads) throw Error("--heads " + std::to_string(f.heads) + " does not divide the hidden size " + std::to_string(f.hidden));
       const Tensor* kv = FindTensor("self_attention.key_value.weight");
@@ -395,7 +395,7 @@ class ShardedTagBuilder {
         f.kv_heads = *hints_.kv_heads;
       } else {
         const int64_t rows = kv->shape()[0], group = 2 * f.head_dim();
-        if (rows == group && tp > 1) throw Error(why + "and each tp rank holds one KV group, so give --kv_heads (model.num_kv_heads)");
+        if (rows == group && tp > 1) throw FormatUnknown(why + "and each tp rank holds one KV group, so give --kv_heads (model.num_kv_heads)");
         f.kv_heads = rows * tp / group;
       }
       if (f.kv_heads < 1 || f.heads % f.kv_heads) throw Error("--kv_heads " + std::to_string(f.kv_heads) + " does not divide --heads");
@@ -753,7 +753,7 @@ class ShardedTagBuilder {
     against(hints_.ffn, f.ffn, "FFN width (intermediate_size)");
     against(hints_.layers, f.layers, "layer count");
     against(hints_.vocab_size, f.vocab_size, "vocabulary (the HF-style family does not pad it)");
-    if (!hints_.heads) throw Error(why + "so give --heads, or --model_config with the model's HF config.json");
+    if (!hints_.heads) throw FormatUnknown(why + "so give --heads, or --model_config with the model's HF config.json");
     f.heads = *hints_.heads;
     if (f.heads < 1 || f.hidden % f.heads) throw Error("--heads " + std::to_string(f.heads) + " does not divide the hidden size " + std::to_string(f.hidden));
     if (f.heads % tp) throw Error(t_->dir_ + ": tp " + std::to_string(tp) + " does not divide the " + std::to_string(f.heads) + " heads");

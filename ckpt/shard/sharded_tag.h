@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "ckpt/shard/logical_state.h"
+#include "ckpt/util/error.h"
 
 namespace ckpt {
 
@@ -39,6 +40,12 @@ struct TagReadOptions {
   // compared across their holders, and a difference is refused; with this,
   // the first holder's copy is read and the others are not compared.
   bool trust_first_replica = false;
+};
+
+// The tag's model format cannot be learned without hints the reader lacks (heads, KV heads).
+class FormatUnknown : public Error {
+ public:
+  using Error::Error;
 };
 
 class ShardedTag final : public LogicalState {

@@ -165,6 +165,13 @@ class BadInput(TempDirTest):
         self.expect(c, [CONVERT, "--tp", 0, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out], ["--tp", "1 to 1048576"], absent=[out])
         self.expect(c, [CONVERT, "--tp", "two", "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out], ["--tp"], absent=[out])
         self.expect(c, [CONVERT, "--nnm_ckpt_path", os.path.join(self.dir, "none"), "--nxdt_ckpt_path", out], ["none"], absent=[out])
+        # Other degrees in one pass: what the target cannot take is refused before anything is written.
+        for extra, msg in ((["--tp", 1, "--pp", 2, "--pipeline_cuts", 9], "pipeline cuts must be ascending"),
+                           (["--tp", 3], "--tp 3"), (["--tp", 1, "--memory_budget", "1K"], "--memory_budget"),
+                           (["--tp", 1, "--memory_budget", "lots"], "'lots' is not a size"),
+                           (["--tp", 1, "--pp", 2, "--pipeline_cuts", "1,x"], "--pipeline_cuts")):
+            # (This fixture trained each rank apart, so its norm replicas differ: trusted, to reach each check.)
+            self.expect(c, [CONVERT, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--trust_first_replica", *extra], [msg], absent=[out])
         # A partial checkpoint (rank folders gone) is not converted as a smaller model.
         for gone, msg in ((["tp_rank_01_pp_rank_000", "tp_rank_01_pp_rank_001"], "tp=1 pp=2"),
                           (["tp_rank_00_pp_rank_001", "tp_rank_01_pp_rank_001"], "tp=2 pp=1"),

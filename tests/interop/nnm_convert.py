@@ -228,13 +228,15 @@ class NnmToNxdt(TempDirTest):
         self.assertNotIn("will need --heads", first.stderr)
         resharded = os.path.join(self.dir, "tp1.ckpt")
         p = run(RESHARD, out, resharded, "--tp", 1, "--pp", 1)
-        self.assertIn("num_attention_heads 4 from the job config in user_content.pt", p.stdout + p.stderr)
-        self.assertIn("num_kv_heads 2 from the job config in user_content.pt", p.stdout + p.stderr)
+        # The manifest records the format taken from that config: the tools need no hints.
+        model = read_json(os.path.join(out, "manifest.json"))["model"]
+        self.assertEqual((model["num_attention_heads"], model["num_kv_heads"], model["num_layers"]), (4, 2, 2))
+        self.assertNotIn("model format (no manifest)", p.stdout + p.stderr)
         run(VERIFY, resharded, "--against", out)
-        # A hint that contradicts the recorded config is refused, naming both.
+        # A hint that contradicts the recorded format is refused, naming both.
         p = run(RESHARD, out, os.path.join(self.dir, "bad.ckpt"), "--tp", 1, "--pp", 1, "--heads", 2, check=False)
         self.assertEqual(p.returncode, 2, p.stderr)
-        self.assertIn("--heads 2 contradicts", p.stderr)
+        self.assertIn("--heads 2 contradicts " + os.path.join(out, "manifest.json") + ", which records 4", p.stderr)
         # Without it (weights only: no user_content.pt), the converter says so before writing.
         p = self.convert("--tp", 2, "--pp", 2, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path",
                          os.path.join(self.dir, "weights.ckpt"), "--weights_only")
@@ -606,7 +608,14 @@ class NnmToNxdt(TempDirTest):
             self.assertFalse(os.path.exists(os.path.join(out, "done")))
             return p.stderr
 
-        self.assertIn("--tp 4 --pp 2 was given", fails("--tp", 4, "--pp", 2))
+        # Other degrees re-cut in one pass, reading replicas as NxD keeps them: equal. This fixture trained
+        # each rank apart, so its norms differ across tp ranks; that is refused, naming the tensor.
+        self.assertIn("'language_model.encoder.layers.0.input_layernorm.weight' (param): tp ranks 0 and 1 hold different copies",
+                      fails("--tp", 4, "--pp", 2))
+        trusted = os.path.join(self.dir, "trusted.ckpt")  # unless tp rank 0's copies are trusted, as asked
+        self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", trusted, "--tp", 4, "--pp", 2, "--trust_first_replica")
+        run(VERIFY, trusted)
+        shutil.rmtree(trusted)
         self.assertIn("--n_layers is 3 but the checkpoint holds 2 layers", fails("--n_layers", 3))
         self.assertIn("not a boolean", fails("--enable_parallel_processing", "maybe"))
         with open(victim, "wb") as f:  # truncated
@@ -657,6 +666,97 @@ class NnmToNxdt(TempDirTest):
             self.assertEqual(p.returncode, 2, p.stderr)
             self.assertIn("the input --nnm_ckpt_path", p.stderr)
         self.assertEqual(sorted(os.listdir(os.path.join(nnm, "tp_rank_00_pp_rank_000"))), [os.path.basename(victim)])
+
+    def one_pass_and_two(self, nnm, degrees, convert=(), reshard=()):
+        """nnm2nxdt-ckpt to other `degrees` in one pass, and convert (at NNM's degrees) then ckpt-reshard:
+        every file alike, byte for byte. `convert`: the converter's flags; `reshard`: flags of the final write."""
+        one, conv, two = (os.path.join(self.dir, n) for n in ("one.ckpt", "conv.ckpt", "two.ckpt"))
+        for d in (one, conv, two):
+            shutil.rmtree(d, ignore_errors=True)
+        p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", one, *degrees, *convert, *reshard)
+        self.assertIn("in one pass", p.stderr)
+        self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", conv, *convert)
+        run(RESHARD, conv, two, *degrees, *reshard)
+        def files(d):
+            return sorted(os.path.relpath(os.path.join(r, f), d) for r, _, fs in os.walk(d) for f in fs if ".shardkit" not in r)
+        self.assertEqual(files(one), files(two))
+        for f in files(one):
+            self.assertEqual(read_bytes(os.path.join(one, f)), read_bytes(os.path.join(two, f)), f)
+        run(VERIFY, one)
+        return one, p.stderr
+
+    def test_other_degrees_in_one_pass_hold_the_one_process_run(self):
+        """NNM tp2 pp2 (cut from a one-process run, replicas equal, as NNM saves them) converted to tp1 pp1 in
+        one pass holds exactly that run's weights and optimizer state, by the fixture's own statement of them."""
+        c = dict(LLAMA, kv_heads=2, layers=4)
+        full, _ = make_nnm(None, c, write=False)
+        nnm = os.path.join(self.dir, "nnm")
+        make_nnm(nnm, c, tp=2, pp=2, from_full=full[(0, 0)])
+        out, err = self.one_pass_and_two(nnm, ("--tp", 1, "--pp", 1))
+        self.check_tag(out, full)
+        manifest = read_json(os.path.join(out, "manifest.json"))
+        self.assertEqual((manifest["grid"]["tp"], manifest["grid"]["pp"], manifest["model"]["num_kv_heads"]), (1, 1, 2))
+        self.assertIn("tensors", manifest)  # fingerprints, which ckpt-verify --against compares
+        self.assertIn("optimizer grouping written: nxdt-biases-apart", err)
+        # More stages, uneven cuts, more tp ranks: each as convert-then-reshard writes it.
+        self.one_pass_and_two(nnm, ("--tp", 1, "--pp", 4))
+        self.one_pass_and_two(nnm, ("--tp", 4, "--pp", 3, "--pipeline_cuts", "1,3"))
+
+    def test_other_degrees_in_one_pass_zero1_xser_and_gpt(self):
+        for name, c, zero1_dp, xser in (("zero1", dict(LLAMA, kv_heads=2, layers=2), 2, ("--save_xser",)),
+                                        ("gpt", dict(LLAMA, gpt=True, layers=2), 0, ())):
+            with self.subTest(name):
+                full, _ = make_nnm(None, c, write=False)
+                nnm = os.path.join(self.dir, "nnm")
+                shutil.rmtree(nnm, ignore_errors=True)
+                make_nnm(nnm, c, tp=2, pp=1, zero1_dp=zero1_dp, from_full=full[(0, 0)])
+                groups = ("--optimizer_groups", "nxdt") if c["gpt"] else ()
+                out, _ = self.one_pass_and_two(nnm, ("--tp", 1, "--pp", 2), convert=groups, reshard=xser)
+                if zero1_dp:
+                    self.assertTrue(os.path.isdir(os.path.join(out, "optim", rank_file(0, 1, 1) + ".tensors")))
+
+    def test_other_degrees_need_the_model_format_said_before_writing(self):
+        c = dict(LLAMA, kv_heads=2, layers=2)
+        full, _ = make_nnm(None, c, write=False)
+        nnm, out = os.path.join(self.dir, "nnm"), os.path.join(self.dir, "out.ckpt")
+        make_nnm(nnm, c, tp=2, pp=1, from_full=full[(0, 0)])
+        # --weights_only writes no user_content.pt, so hyper_parameters.cfg does not describe the model to the engine.
+        p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--tp", 1, "--weights_only", check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("does not record its model format (no hyper_parameters.cfg), so give --heads", p.stderr)
+        self.assertIn("--nnm_config (the NNM job's YAML)", p.stderr)
+        self.assertFalse(os.path.exists(out))
+        self.assertEqual(sorted(os.listdir(self.dir)), ["nnm", "stub"])
+        # NNM's own job YAML says it; one that contradicts the tensors is refused.
+        yaml = os.path.join(self.dir, "megatron_llama_config.yaml")
+        with open(yaml, "w") as f:
+            f.write("model:\n  num_layers: 2\n  num_attention_heads: 4\n  num_kv_heads: 2\n")
+        one, _ = self.one_pass_and_two(nnm, ("--tp", 1, "--pp", 1), convert=("--weights_only", "--nnm_config", yaml))
+        self.assertEqual(read_json(os.path.join(one, "manifest.json"))["model"]["num_kv_heads"], 2)
+        self.assertFalse(os.path.exists(os.path.join(one, "optim")))
+        with open(yaml, "w") as f:
+            f.write("model:\n  num_attention_heads: 4\n  num_kv_heads: 1\n")
+        p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--tp", 1, "--nnm_config", yaml, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--kv_heads 1 contradicts", p.stderr)
+        self.assertFalse(os.path.exists(out))
+        # At its own degrees the converter records the format the YAML gives, so later commands need none.
+        self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--weights_only", "--heads", 4, "--kv_heads", 2)
+        self.assertEqual(read_json(os.path.join(out, "manifest.json"))["model"]["num_attention_heads"], 4)
+        run(RESHARD, out, os.path.join(self.dir, "tp1.ckpt"), "--tp", 1, "--pp", 1)
+
+    def test_mpirun_one_pass_writes_what_one_process_writes(self):
+        c = dict(LLAMA, kv_heads=2, layers=4)
+        full, _ = make_nnm(None, c, write=False)
+        nnm = os.path.join(self.dir, "nnm")
+        make_nnm(nnm, c, tp=2, pp=2, from_full=full[(0, 0)])
+        one, two = os.path.join(self.dir, "one.ckpt"), os.path.join(self.dir, "two.ckpt")
+        self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", one, "--tp", 1, "--pp", 4)
+        run("mpirun", "--allow-run-as-root", "--oversubscribe", "-np", 2, CONVERT, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", two,
+            "--tp", 1, "--pp", 4)
+        m1, m2 = (read_json(os.path.join(d, "manifest.json")) for d in (one, two))
+        self.assertEqual(m1["files"], m2["files"])  # same bytes: sizes and CRC-32s
+        self.assertEqual(m1["tensors"], m2["tensors"])
 
     def test_mpirun_ranks_split_the_files_and_write_what_one_process_writes(self):
         nnm = os.path.join(self.dir, "nnm")

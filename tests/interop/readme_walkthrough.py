@@ -34,8 +34,9 @@ def walkthrough_commands():
 class ReadmeWalkthrough(unittest.TestCase):
     def test_the_walkthrough_runs_as_written(self):
         blocks = walkthrough_commands()
-        # The three steps, the reshard and the export: a README edit that drops a block fails here.
-        self.assertEqual(len(blocks), 6, blocks)
+        # The three steps, the one-pass conversion to other degrees, the reshard and the export:
+        # a README edit that drops a block fails here.
+        self.assertEqual(len(blocks), 7, blocks)
         script = "".join(blocks)
         for command in ("nnm2nxdt-config", "nnm2nxdt-ckpt", "train.sh", "ckpt-reshard", "ckpt-verify", "ckpt-export"):
             self.assertIn(command, script)
@@ -69,6 +70,13 @@ class ReadmeWalkthrough(unittest.TestCase):
             self.assertAlmostEqual(metrics[0]["lr"], train_reference.nemo_cosine(3, 3e-3, 2, 0, 40, 3e-4), delta=1e-12)
             tags = sorted(os.listdir(os.path.join(walk, "run", "checkpoints")))
             self.assertIn("tiny_llama--step=40-consumed_samples=320.0.ckpt", tags)
+
+            # The one-pass conversion to tp 1 pp 1 (ckpt-verify --against above proved it holds what the
+            # tp 2 pp 2 conversion holds) records its degrees and the sample's model.
+            with open(os.path.join(walk, "tp1_from_nnm", "manifest.json")) as f:
+                manifest = json.load(f)
+            self.assertEqual((manifest["grid"]["tp"], manifest["grid"]["pp"], manifest["step"]), (1, 1, 3))
+            self.assertEqual((manifest["model"]["num_attention_heads"], manifest["model"]["hidden_size"]), (4, 64))
 
             # The reshard's manifest records tp 1 pp 1 (ckpt-verify --against above proved the tensors equal).
             with open(os.path.join(walk, "tp1", "manifest.json")) as f:
