@@ -182,16 +182,27 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   sum.inputs = static_cast<int>(src.files.size() + src.zero1_files.size());
   // The model format goes in the manifest when the checkpoint or hints tell
   // it, so later commands need no hints; the replicas are compared when read.
+  // Hints the checkpoint contradicts are refused; a format nothing tells is
+  // said in the plan's note (later commands will need hints).
   std::optional<ckpt::ModelFormat> format;
-  try {
-    ConvertPlan plain = plan;
-    if (a.save_xser)
-      plain = PlanConversion(src, inputs, {a.n_layers, a.weights_only, false, a.nxdt_optimizer_groups ? OptimizerGroups::kNxdt : OptimizerGroups::kKeep,
-                                           a.require_optimizer});
-    format = PlannedTag(src, plain, a.hints, {.trust_first_replica = true})->layout().format;
-    std::erase_if(plan.notes, [](const std::string& n) { return n.starts_with("the output will not record"); });
-  } catch (const ckpt::Error&) {
-    // Said as the plan's note: later commands will need hints.
+  const ckpt::FormatHints& h = a.hints;
+  const bool hinted = h.heads || h.kv_heads || h.vocab_size || h.make_vocab_size_divisible_by || h.rope_theta || h.norm_eps ||
+                      h.rotary_percentage || h.kv_size_multiplier || h.hw_backend || h.hidden || h.ffn || h.layers;
+  bool generated = false;  // NNM's unmerged SwiGLU, merged as it is written: no view to read
+  for (const auto& f : plan.files)
+    ckpt::ForEachTensor(f.file.value, [&](const ckpt::Tensor& x) { generated |= x.storage() && x.storage()->producer(); });
+  if (!generated) {
+    try {
+      const ConvertPlan plain = a.save_xser ? PlanConversion(src, inputs, {a.n_layers, a.weights_only, false,
+                                                                           a.nxdt_optimizer_groups ? OptimizerGroups::kNxdt : OptimizerGroups::kKeep,
+                                                                           a.require_optimizer})
+                                            : ConvertPlan{};
+      format = PlannedTag(src, a.save_xser ? plain : plan, a.hints, {.trust_first_replica = true})->layout().format;
+      std::erase_if(plan.notes, [](const std::string& n) { return n.starts_with("the output will not record"); });
+    } catch (const ckpt::FormatUnknown&) {
+    } catch (const ckpt::Error&) {
+      if (hinted) throw;
+    }
   }
   if (a.dry_run) {
     PrintPlan(src, plan, tag_dir, a.weights_only, log);

@@ -740,6 +740,12 @@ class NnmToNxdt(TempDirTest):
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertIn("--kv_heads 1 contradicts", p.stderr)
         self.assertFalse(os.path.exists(out))
+        # At its own degrees too, a hint the checkpoint's hyper_parameters contradict is refused.
+        p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--heads", 2, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--heads 2 contradicts", p.stderr)
+        self.assertIn("hyper_parameters.cfg.num_attention_heads) is 4", p.stderr)
+        self.assertFalse(os.path.exists(out))
         # At its own degrees the converter records the format the YAML gives, so later commands need none.
         self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--weights_only", "--heads", 4, "--kv_heads", 2)
         self.assertEqual(read_json(os.path.join(out, "manifest.json"))["model"]["num_attention_heads"], 4)
