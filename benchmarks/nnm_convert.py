@@ -11,6 +11,8 @@ about 4 GiB in 8 rank files with --layers 4.
     same width (2): per rank file torch.load, rename the keys, torch.save the
     model (and, to do the same job as ours, the optimizer state), fsync.
   - cp -r of the inputs followed by sync: the physical limit.
+  - other degrees (tp 8 pp 1): nnm2nxdt-ckpt in one pass, against converting
+    at NNM's degrees and then ckpt-reshard (two passes, an intermediate tag).
 Each run starts with the page cache dropped (as root). Peak RSS is the
 maximum resident set of the converting processes (wait4 / RUSAGE_CHILDREN).
 """
@@ -79,12 +81,15 @@ def main():
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--build", default=os.path.join(HERE, "..", "build"))
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--before", default=None, help="another build whose nnm2nxdt-ckpt runs interleaved (before and after a change)")
     ap.add_argument("--generate", nargs=2, metavar=("DIR", "LAYERS"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.generate:  # in a child, so the timed processes do not fork from a parent holding the model
         from nnm_fixture import make_nnm
         c = dict(hidden=2048, ffn=5504, heads=16, kv_heads=16, layers=int(a.generate[1]), vocab=32000, seq=8, gpt=False)
-        print(make_nnm(a.generate[0], c, tp=4, pp=2, steps=1)[1])
+        # One process's run cut as NNM saves it, so replicas are equal (a re-cut compares them).
+        full, _ = make_nnm(None, c, steps=1, write=False)
+        print(make_nnm(a.generate[0], c, tp=4, pp=2, steps=1, from_full=full[(0, 0)])[1])
         return
 
     work = tempfile.mkdtemp(dir=a.dir, prefix="nnm_bench_")
@@ -100,13 +105,21 @@ def main():
         script = os.path.join(work, "baseline.py")
         with open(script, "w") as f:
             f.write(BASELINE)
-        ours_out, base_out, cp_out = (os.path.join(work, n) for n in ("ours.ckpt", "base.ckpt", "cp"))
+        ours_out, base_out, cp_out, one_out, two_out = (os.path.join(work, n) for n in ("ours.ckpt", "base.ckpt", "cp", "one.ckpt", "two.ckpt"))
         convert = os.path.join(a.build, "bin", "nnm2nxdt-ckpt")
+        reshard = os.path.join(a.build, "bin", "ckpt-reshard")
         jobs = {
             "shardkit nnm2nxdt-ckpt": (ours_out, [convert, "--tp", "4", "--pp", "2", "--n_layers", str(a.layers),
                                                   "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", ours_out]),
+            **({"before: nnm2nxdt-ckpt": (ours_out + ".before", [os.path.join(a.before, "bin", "nnm2nxdt-ckpt"), "--nnm_ckpt_path", nnm,
+                                                                  "--nxdt_ckpt_path", ours_out + ".before"])} if a.before else {}),
             "python baseline (pool of 2)": (base_out, ["/usr/bin/python3", script, nnm, base_out, "4", "2", str(a.layers), name]),
             "cp -r + sync": (cp_out, ["sh", "-c", f"cp -r {nnm} {cp_out} && sync"]),
+            "tp8 pp1: one pass": (one_out, [convert, "--tp", "8", "--pp", "1", "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", one_out,
+                                             "--memory_budget", "1G"]),
+            "tp8 pp1: convert + reshard": (two_out, ["sh", "-c", f"{convert} --nnm_ckpt_path {nnm} --nxdt_ckpt_path {two_out}.mid && "
+                                                     f"{reshard} {two_out}.mid {two_out} --tp 8 --pp 1 --memory_budget 1G && "
+                                                     f"rm -rf {two_out}.mid"]),
         }
         results = {k: (1e9, 0) for k in jobs}
         for _ in range(a.runs):  # interleaved, best time of each
@@ -117,11 +130,15 @@ def main():
         print(f"{'job':30s} {'time':>8s} {'GiB/s':>7s} {'peak RSS':>10s}")
         for k, (secs, rss) in results.items():
             print(f"{k:30s} {secs:7.2f}s {total / 2**30 / secs:7.2f} {rss / 2**20:8.0f} MiB")
-        ours, base, cp = (results[k][0] for k in jobs)
+        ours, base, cp, one, two = (results[k][0] for k in jobs if not k.startswith("before"))
+        if a.before:
+            print(f"before: {results['before: nnm2nxdt-ckpt'][0]:.2f} s, {cp / results['before: nnm2nxdt-ckpt'][0]:.2f} of cp")
         rss = results["shardkit nnm2nxdt-ckpt"][1]
         print(f"speed-up over the baseline: {base / ours:.1f}x (target >= 5x)")
         print(f"throughput vs cp: {cp / ours:.2f} of cp (target >= 0.70)")
         print(f"peak RSS / largest input file: {rss / largest:.2f} (target <= 1.2)")
+        print(f"other degrees: one pass {one:.2f} s, {cp / one:.2f} of cp; convert + reshard {two:.2f} s "
+              f"({two / one:.2f}x the one pass); one-pass peak RSS {results['tp8 pp1: one pass'][1] / 2**20:.0f} MiB")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
