@@ -8,7 +8,9 @@
 #     configs, manifests and rank records) for a bounded time on seed corpora,
 #     two at a time;
 #  4. a short round of kill trials (random SIGKILLs of multi-process jobs:
-#     tests/kill_trials.py; KILL_TRIALS sets the count per job, default 5).
+#     tests/kill_trials.py; KILL_TRIALS sets the count per job, default 5),
+#     run beside the fuzzers: those run for a fixed time whatever CPU they
+#     get, so the trials cost no wall time, and they run under load.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 start=$(date +%s)
@@ -19,7 +21,8 @@ phase "release build, then ctest: interop and fault tests"
 # The release build: products, test programs, interop and fault tests. The unit
 # tests run once, below, under the sanitizers.
 bash "$root/scripts/build.sh" "$root/build" -DSHARDKIT_UNIT_TESTS=OFF
-(cd "$root/build" && ctest --output-on-failure -j 2 --timeout 900 --no-tests=error)
+# Three at a time on two cores: some tests wait on the disk (zip64_large writes 4 GiB).
+(cd "$root/build" && ctest --output-on-failure -j 3 --timeout 900 --no-tests=error)
 
 # One clang build serves both: every unit test (the zip and pickle tests among
 # them) again under ASan + UBSan, and the libFuzzer targets. It builds only
@@ -31,9 +34,18 @@ CC=clang CXX=clang++ BUILD_TARGETS="unit_tests fuzzers" \
 # --no-tests=error: an empty selection must fail, not pass.
 (cd "$root/build-asan" && ctest --output-on-failure -j 2 --timeout 900 --no-tests=error -L unit)
 
-phase "libFuzzer: .pt readers, xser, YAML configs, manifests and rank records"
-bash "$root/tests/fuzz/run_fuzz.sh" "$root/build-asan" "${FUZZ_SECONDS:-60}"
-
-phase "kill trials: training (4 ranks), ckpt-reshard and nnm2nxdt-ckpt (2 ranks each), SIGKILLed at random"
-/usr/bin/python3 "$root/tests/kill_trials.py" --build "$root/build" --trials "${KILL_TRIALS:-5}"
+phase "libFuzzer (.pt readers, xser, YAML configs, manifests and rank records), and beside it the kill trials:" \
+  "training (4 ranks), ckpt-reshard and nnm2nxdt-ckpt (2 ranks each), SIGKILLed at random"
+kill_log=$(mktemp)
+/usr/bin/python3 "$root/tests/kill_trials.py" --build "$root/build" --trials "${KILL_TRIALS:-5}" >"$kill_log" 2>&1 &
+kill_pid=$!
+fuzz_rc=0
+bash "$root/tests/fuzz/run_fuzz.sh" "$root/build-asan" "${FUZZ_SECONDS:-60}" || fuzz_rc=$?
+kill_rc=0
+wait "$kill_pid" || kill_rc=$?
+echo "== kill trials (at $(($(date +%s) - start)) s):"
+cat "$kill_log"
+rm -f "$kill_log"
+[ "$fuzz_rc" -eq 0 ] || { echo "test.sh: the fuzzers failed" >&2; exit 1; }
+[ "$kill_rc" -eq 0 ] || { echo "test.sh: the kill trials failed" >&2; exit 1; }
 echo "test.sh: every phase passed in $(($(date +%s) - start)) s"
