@@ -50,7 +50,7 @@ std::vector<std::string> OptimizerReport(const ConvertPlan& plan, bool weights_o
 
 void PrintPlan(const NnmSource& src, const ConvertPlan& plan, const std::string& tag_dir, bool weights_only,
                const std::function<void(const std::string&)>& log) {
-  log("dry run: " + src.root + " (" + src.layout + ", tp=" + std::to_string(src.grid.tp) + " pp=" + std::to_string(src.grid.pp) +
+  log("dry run: " + src.root + " (" + src.folders + ", tp=" + std::to_string(src.grid.tp) + " pp=" + std::to_string(src.grid.pp) +
       (src.zero1_dp() ? ", ZeRO-1 dp=" + std::to_string(src.zero1_dp()) : "") + ", file " + src.file_name + ") -> " + tag_dir);
   log("  step " + std::to_string(plan.global_step) + ", epoch " + std::to_string(plan.epoch) + ", consumed samples " +
       std::to_string(static_cast<int64_t>(plan.consumed_samples)) + ", " + std::to_string(plan.total_layers) + " layers");
@@ -154,8 +154,8 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   const NnmSource src = FindNnmCheckpoint(env, a.nnm_ckpt_path, a.checkpoint_name, log);
   const bool relayout = (a.tp && a.tp != src.grid.tp) || (a.pp && a.pp != src.grid.pp) || !a.pipeline_cuts.empty();
   if (relayout && a.group->rank() == 0)
-    log(a.nnm_ckpt_path + ": a tp=" + std::to_string(src.grid.tp) + " pp=" + std::to_string(src.grid.pp) + " checkpoint (" + src.layout +
-        " layout); converting to tp=" + std::to_string(a.tp ? a.tp : src.grid.tp) + " pp=" + std::to_string(a.pp ? a.pp : src.grid.pp) +
+    log(a.nnm_ckpt_path + ": a tp=" + std::to_string(src.grid.tp) + " pp=" + std::to_string(src.grid.pp) + " checkpoint (" + src.folders +
+        " folders); converting to tp=" + std::to_string(a.tp ? a.tp : src.grid.tp) + " pp=" + std::to_string(a.pp ? a.pp : src.grid.pp) +
         " in one pass");
 
   // Load every input (pickles only: tensor bytes stay mapped) in parallel.

@@ -1,4 +1,4 @@
-// nnm2nxdt-ckpt: converts an NNM checkpoint to the NxDT layout with its
+// nnm2nxdt-ckpt: converts an NNM checkpoint to an NxDT tag with its
 // optimizer state, LR schedule and step (convert/converter.h). Takes NxDT's
 // converter arguments as they are:
 //   nnm2nxdt-ckpt --tp 8 --pp 4 --n_layers 32 --nnm_ckpt_path A --nxdt_ckpt_path B
@@ -42,7 +42,7 @@ std::optional<bool> ParseBool(std::string s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Convert an NNM checkpoint to the NxDT layout, optimizer state, LR schedule and step included"};
+  CLI::App app{"Convert an NNM checkpoint to an NxDT tag, optimizer state, LR schedule and step included"};
   convert::ConverterArgs a;
   std::string parallel = "True";
   int processes = 0, threads = 0;
@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
   app.add_option("--num_parallel_processes", processes, "parallel workers (NxDT's name for --threads)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
   app.add_option("--threads", threads, "worker threads (default: every core)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
   app.add_flag("--weights_only", a.weights_only, "convert the model weights only, as NxDT's converter does");
-  app.add_flag("--save_xser", a.save_xser, "write the xser layout (X.pt, X.pt.tensors/, X.pt.info.pt)");
+  app.add_flag("--save_xser", a.save_xser, "write the xser container (X.pt, X.pt.tensors/, X.pt.info.pt)");
   bool no_save_xser = false;
   app.add_flag("--no_save_xser", no_save_xser, "write plain .pt files (the default)")->excludes("--save_xser");
   app.add_flag("--dry_run", a.dry_run, "print the plan (files, keys, renames, bytes) and write nothing");

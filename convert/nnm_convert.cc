@@ -323,7 +323,7 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
     if ((htp && *htp != tp) || (hpp && *hpp != pp))
       throw Error(inputs[0].path + ": hyper_parameters.cfg records tensor_model_parallel_size=" + (htp ? std::to_string(*htp) : "?") +
                   " pipeline_model_parallel_size=" + (hpp ? std::to_string(*hpp) : "?") + ", but " + src.root + " holds the rank files of tp=" +
-                  std::to_string(tp) + " pp=" + std::to_string(pp) + " (" + src.layout + "): rank folders are missing or extra");
+                  std::to_string(tp) + " pp=" + std::to_string(pp) + " (" + src.folders + "): rank folders are missing or extra");
     if (hlayers && *hlayers != plan.total_layers)
       throw Error(inputs[0].path + ": hyper_parameters.cfg records num_layers=" + std::to_string(*hlayers) + ", but the rank files hold " +
                   std::to_string(plan.total_layers) + " layers");
@@ -411,7 +411,7 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
       if (unmerged_swiglu)
         throw Error(in.path + ": holds NNM's unmerged SwiGLU (dense_h_to_4h and dense_h_to_4h_2). Its weights merge as NNM's "
                     "chkpt_merge_mlp_weights.py merges them, but its optimizer state keeps the halves apart (that tool leaves it as it "
-                    "is too), so it has no place in NxDT's fused layout: convert with --weights_only");
+                    "is too), so it has no place in NxDT's fused dense_h_to_4h: convert with --weights_only");
       for (const auto& so : ro.sources) {
         ckpt::Grouping g = FindSourceGrouping(params, so);
         if (!ro.from.order.empty() && !g.SameTies(ro.from))

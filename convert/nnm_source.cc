@@ -54,7 +54,7 @@ struct RankDir {
   std::string path;
 };
 
-std::vector<RankDir> RankDirs(ckpt::Env* env, const std::string& root, int* tp, int* pp, std::string* layout) {
+std::vector<RankDir> RankDirs(ckpt::Env* env, const std::string& root, int* tp, int* pp, std::string* folders) {
   static const std::regex mp_re(R"(mp_rank_(\d{1,6}))"), tppp_re(R"(tp_rank_(\d{1,6})_pp_rank_(\d{1,6}))");
   std::map<std::pair<int, int>, std::string> mp, tppp;  // (pp, tp) -> dir
   for (const auto& n : env->ListDir(root)) {
@@ -68,10 +68,10 @@ std::vector<RankDir> RankDirs(ckpt::Env* env, const std::string& root, int* tp, 
   const auto& found = mp.empty() ? tppp : mp;
   if (found.empty()) {
     *tp = *pp = 1;
-    *layout = "single file";
+    *folders = "single file";
     return {{0, 0, root}};
   }
-  *layout = mp.empty() ? "tp_rank_XX_pp_rank_XXX" : "mp_rank_XX";
+  *folders = mp.empty() ? "tp_rank_XX_pp_rank_XXX" : "mp_rank_XX";
   *tp = *pp = 0;
   for (const auto& [k, d] : found) *pp = std::max(*pp, k.first + 1), *tp = std::max(*tp, k.second + 1);
   std::vector<RankDir> dirs;
@@ -118,11 +118,11 @@ NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::
     const std::filesystem::path p(path);
     if (!checkpoint_name.empty() && checkpoint_name != p.filename().string())
       throw ckpt::Error(path + ": is a file, but --checkpoint_name names '" + checkpoint_name + "'");
-    s.layout = "single file";
+    s.folders = "single file";
     dirs = {{0, 0, p.has_parent_path() ? p.parent_path().string() : "."}};
     s.file_name = p.filename().string();
   } else {
-    dirs = RankDirs(env, path, &s.grid.tp, &s.grid.pp, &s.layout);
+    dirs = RankDirs(env, path, &s.grid.tp, &s.grid.pp, &s.folders);
     std::map<std::string, std::vector<std::string>> chosen;  // file -> rank folders
     for (const auto& d : dirs) chosen[ChooseFile(env, d.path, checkpoint_name)].push_back(std::filesystem::path(d.path).filename());
     if (chosen.size() > 1) {

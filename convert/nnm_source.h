@@ -27,7 +27,7 @@ namespace convert {
 struct NnmSource {
   std::string root;       // as given
   std::string file_name;  // the checkpoint file chosen in every rank folder
-  std::string layout;     // "single file", "mp_rank_XX", "tp_rank_XX_pp_rank_XXX"
+  std::string folders;    // how the rank files are kept: "single file", "mp_rank_XX", "tp_rank_XX_pp_rank_XXX"
   // tp and pp; under ZeRO-1, dp is the data-parallel degree of the optimizer
   // files (zero1 set), else 1.
   ckpt::RankGrid grid;

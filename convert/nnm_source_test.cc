@@ -30,7 +30,7 @@ TEST(NnmSource, SingleFileAndFolderWithOneFile) {
   EXPECT_FALSE(s.name.has_value());
   s = FindNnmCheckpoint(ckpt::Env::Default(), d.path(), "", kQuiet);
   EXPECT_EQ(s.file_name, "model_optim_rng.ckpt");
-  EXPECT_EQ(s.layout, "single file");
+  EXPECT_EQ(s.folders, "single file");
 }
 
 TEST(NnmSource, TpPpFoldersPickTheHighestStepAndAnnounceIt) {
@@ -64,7 +64,7 @@ TEST(NnmSource, MpRankFoldersMeanPpOne) {
   NnmSource s = FindNnmCheckpoint(ckpt::Env::Default(), d.path(), "", kQuiet);
   EXPECT_EQ(s.grid.tp, 2);
   EXPECT_EQ(s.grid.pp, 1);
-  EXPECT_EQ(s.layout, "mp_rank_XX");
+  EXPECT_EQ(s.folders, "mp_rank_XX");
 }
 
 TEST(NnmSource, MissingRankFolderIsNamed) {

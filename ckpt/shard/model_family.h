@@ -112,7 +112,7 @@ std::string KvReplicationProblem(const ModelFormat& f, int tp);
 // loads only in shardkit (NNM's and NxDT's megatron models assert that tp
 // divides the KV heads; the replication is shardkit's, KvReplicasOf). "" otherwise.
 std::string MegatronKvReplicationNote(const ModelFormat& f, int tp);
-// Whether the backend changes the layout at tp (1 < m < tp).
+// Whether the backend changes which tp ranks hold which KV heads at tp (1 < m < tp).
 bool BackendMatters(const ModelFormat& f, int tp);
 // The KV heads and query heads tp rank `rank` holds, in local order.
 std::vector<int64_t> KvHeadsOfRank(const ModelFormat& f, int tp, int rank);
@@ -160,18 +160,19 @@ struct HfTensorSpec {
 // The HF tensors of a supported format (HfUnsupported empty), in HF's order.
 std::vector<HfTensorSpec> HfTensorsFor(const ModelFormat& f, DType dtype);
 
-// Where each logical tensor of layout `to` lies in those of `from`, for two
-// layouts of one Llama whose logical tensors differ: HF-style attention fused
-// or separate, or one layout of each family. Each target tensor's rows
+// Where each logical tensor of format `to` lies in those of `from`, for two
+// formats of one Llama whose logical tensors differ: HF-style attention fused
+// or separate, or one format of each family. Each target tensor's rows
 // [row, row + from.rows) are rows [from.row, ...) of `from`'s logical tensor
 // from.name; rows no piece covers (vocabulary padding) read as zero. Derived
 // through the HF tensors both map to (HfTensorsFor), so it is exact by
 // construction. Throws ckpt::Error when the formats are of different models,
 // or GPT-style (whose HF tensors are transposed).
 // What a format says of the model alone: the family, attention tensors, KV
-// replication and vocabulary padding reset (they are layout).
+// replication and vocabulary padding reset (they say how tensors are cut and
+// named, not what the model computes).
 ModelFormat LayoutFree(const ModelFormat& f);
-// Whether two layouts name their logical tensors alike (else one is read
+// Whether two formats name their logical tensors alike (else one is read
 // under the other's names through LogicalRowsIn: RenamedState).
 bool SameLogicalNames(const ModelFormat& a, const ModelFormat& b);
 struct RowsFrom {

@@ -1,7 +1,7 @@
 // CheckpointStore is the one way training and the tools write checkpoints.
 //
 // Contract:
-//  - Save(snapshot) writes one tag in the NxDT layout through the tag writer
+//  - Save(snapshot) writes one NxDT tag through the tag writer
 //    (atomic files, rank completion records, manifest, then `done`).
 //  - async: the caller hands over a snapshot (a host copy it will not touch
 //    again; CopyForSnapshot makes one, see snapshot.h) and continues at once; one background

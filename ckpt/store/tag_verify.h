@@ -66,7 +66,7 @@ struct TagEntry {
   std::string path, dir_name;
   std::optional<TagName> parsed;
   bool has_done = false;
-  bool listed_in_newest = false;  // NxD 2.16 layout
+  bool listed_in_newest = false;  // NxD 2.16 keeps a newest-tag list
   int64_t mtime_ns = 0;
 };
 
