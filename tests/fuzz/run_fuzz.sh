@@ -2,9 +2,9 @@
 # Runs every libFuzzer target for a bounded time on a fresh seed corpus:
 #   pt_fuzz        the .pt readers (zip, legacy, pickle), SECONDS
 #   yaml_fuzz      YAML configs: migration, --check, training config, SECONDS
-#   manifest_fuzz  manifest.json and rank completion records, SECONDS / 2
-#   hf_fuzz        safetensors headers and fingerprint pieces, SECONDS / 2
-#   xser_fuzz      xser reference trees and their info.pt, SECONDS / 2
+#   xser_fuzz      xser reference trees and their info.pt, SECONDS * 3/4
+#   manifest_fuzz  manifest.json and rank completion records, SECONDS * 3/8
+#   hf_fuzz        safetensors headers and fingerprint pieces, SECONDS * 3/8
 # Usage: run_fuzz.sh BUILD_DIR SECONDS. Fails on any crash, leak, UB or timeout.
 # Targets run two at a time (one per core, FUZZ_JOBS sets it); each keeps its
 # own time budget.
@@ -91,10 +91,10 @@ fuzz() {  # NAME SECONDS MAX_LEN: runs one target, leaves its report in $tmp/wor
     fi
   } >"$report"
 }
-# Two lanes of about equal length: pt (S) then manifest (S/2); yaml (S), hf and xser (S/2 each).
+# Two lanes of equal length (7/4 S each): pt (S) then xser (3S/4); yaml (S), manifest and hf (3S/8 each).
 jobs=${FUZZ_JOBS:-2}
-lane_a() { fuzz pt_fuzz "$seconds" 65536; fuzz manifest_fuzz $((seconds / 2)) 8192; }
-lane_b() { fuzz yaml_fuzz "$seconds" 8192; fuzz hf_fuzz $((seconds / 2)) 8192; fuzz xser_fuzz $((seconds / 2)) 16384; }
+lane_a() { fuzz pt_fuzz "$seconds" 65536; fuzz xser_fuzz $((seconds * 3 / 4)) 16384; }
+lane_b() { fuzz yaml_fuzz "$seconds" 8192; fuzz manifest_fuzz $((seconds * 3 / 8)) 8192; fuzz hf_fuzz $((seconds * 3 / 8)) 8192; }
 if [ "$jobs" -ge 2 ]; then
   lane_a & a=$!
   lane_b & b=$!
