@@ -101,19 +101,20 @@ std::unique_ptr<ckpt::ShardedTag> PlannedTag(const NnmSource& src, const Convert
 const char kFormatSources[] = "nnm2nxdt-ckpt reads the model's format from the checkpoint's hyper_parameters.cfg, else from --nnm_config "
                               "(the NNM job's YAML), --model_config (the HF config.json) or --heads/--kv_heads";
 
+// `tag`: PlannedTag(plan), when the caller built it already.
 ConvertSummary ConvertAndRelayout(const ConverterArgs& a, const NnmSource& src, ConvertPlan& plan, const std::string& tag_dir, ckpt::Env* env,
-                                  const std::function<void(const std::string&)>& log, Clock::time_point t0) {
+                                  const std::function<void(const std::string&)>& log, Clock::time_point t0,
+                                  std::unique_ptr<ckpt::ShardedTag> tag = nullptr) {
   ConvertSummary sum;
   sum.tag_dir = tag_dir;
   sum.inputs = static_cast<int>(src.files.size() + src.zero1_files.size());
   uint64_t bytes = 0;
   for (const auto& f : plan.files) bytes += f.bytes, sum.tensors += f.tensors;
-  std::unique_ptr<ckpt::ShardedTag> tag;
-  try {
-    tag = PlannedTag(src, plan, a.hints, {.trust_first_replica = a.trust_first_replica});
-  } catch (const ckpt::FormatUnknown& e) {
-    throw ckpt::Error(std::string(e.what()) + "\n(changing degrees needs the model's format: " + kFormatSources + ")");
-  }
+  if (!tag) try {
+      tag = PlannedTag(src, plan, a.hints, {.trust_first_replica = a.trust_first_replica});
+    } catch (const ckpt::FormatUnknown& e) {
+      throw ckpt::Error(std::string(e.what()) + "\n(changing degrees needs the model's format: " + kFormatSources + ")");
+    }
   if (a.group->rank() == 0) {
     for (const auto& n : plan.notes)
       if (!n.starts_with("the output will not record")) log("note: " + n);
@@ -169,41 +170,44 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
       in.zero1.push_back(ckpt::LoadPtOrXser(in.zero1_paths.back(), {}, env));
     }
   });
-  // With other degrees the engine splits the xser files itself.
-  ConvertPlan plan = PlanConversion(src, inputs,
-                                    {a.n_layers, a.weights_only, a.save_xser && !relayout,
-                                     a.nxdt_optimizer_groups ? OptimizerGroups::kNxdt : OptimizerGroups::kKeep, a.require_optimizer});
+  // Planned as plain files: the engine splits xser files itself.
+  const ConvertOptions opts{a.n_layers, a.weights_only, false, a.nxdt_optimizer_groups ? OptimizerGroups::kNxdt : OptimizerGroups::kKeep,
+                            a.require_optimizer};
+  ConvertPlan plan = PlanConversion(src, inputs, opts);
   const std::string tag_dir = TagDirFor(a, src, plan);
   ckpt::CheckOutputs({{tag_dir, a.nxdt_ckpt_path.empty() ? "--checkpoint_dir" : "--nxdt_ckpt_path", true}},
                      {{a.nnm_ckpt_path, "--nnm_ckpt_path"}});
   if (relayout) return ConvertAndRelayout(a, src, plan, tag_dir, env, log, t0);
-  ConvertSummary sum;
-  sum.tag_dir = tag_dir;
-  sum.inputs = static_cast<int>(src.files.size() + src.zero1_files.size());
-  // The model format goes in the manifest when the checkpoint or hints tell
-  // it, so later commands need no hints; the replicas are compared when read.
-  // Hints the checkpoint contradicts are refused; a format nothing tells is
-  // said in the plan's note (later commands will need hints).
-  std::optional<ckpt::ModelFormat> format;
+
+  // At NNM's own degrees too, the engine writes the tag when the planned files
+  // read as one (the model format is known, replicas are equal): the manifest
+  // then records the format and every tensor's fingerprint, and model files
+  // list their entries in the family's module order. Otherwise the files are
+  // written as mapped, one for one, and a note says what the manifest lacks.
+  // Hints the checkpoint contradicts are refused either way.
   const ckpt::FormatHints& h = a.hints;
   const bool hinted = h.heads || h.kv_heads || h.vocab_size || h.make_vocab_size_divisible_by || h.rope_theta || h.norm_eps ||
                       h.rotary_percentage || h.kv_size_multiplier || h.hw_backend || h.hidden || h.ffn || h.layers;
   bool generated = false;  // NNM's unmerged SwiGLU, merged as it is written: no view to read
   for (const auto& f : plan.files)
     ckpt::ForEachTensor(f.file.value, [&](const ckpt::Tensor& x) { generated |= x.storage() && x.storage()->producer(); });
+  std::string why_mapped = "NNM's unmerged SwiGLU is merged as it is written";
   if (!generated) {
     try {
-      const ConvertPlan plain = a.save_xser ? PlanConversion(src, inputs, {a.n_layers, a.weights_only, false,
-                                                                           a.nxdt_optimizer_groups ? OptimizerGroups::kNxdt : OptimizerGroups::kKeep,
-                                                                           a.require_optimizer})
-                                            : ConvertPlan{};
-      format = PlannedTag(src, a.save_xser ? plain : plan, a.hints, {.trust_first_replica = true})->layout().format;
-      std::erase_if(plan.notes, [](const std::string& n) { return n.starts_with("the output will not record"); });
-    } catch (const ckpt::FormatUnknown&) {
-    } catch (const ckpt::Error&) {
+      auto view = PlannedTag(src, plan, a.hints, {.trust_first_replica = a.trust_first_replica});
+      return ConvertAndRelayout(a, src, plan, tag_dir, env, log, t0, std::move(view));
+    } catch (const ckpt::FormatUnknown& e) {
+      why_mapped = e.what();
+    } catch (const ckpt::Error& e) {
       if (hinted) throw;
+      why_mapped = e.what();
     }
   }
+  if (a.save_xser) plan = PlanConversion(src, inputs, {opts.n_layers, opts.weights_only, true, opts.optimizer_groups, opts.require_optimizer});
+  plan.notes.push_back("written file for file as mapped; the manifest records no model format and no fingerprints (" + why_mapped + ")");
+  ConvertSummary sum;
+  sum.tag_dir = tag_dir;
+  sum.inputs = static_cast<int>(src.files.size() + src.zero1_files.size());
   if (a.dry_run) {
     PrintPlan(src, plan, tag_dir, a.weights_only, log);
     return sum;
@@ -231,7 +235,6 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   ci.step = plan.global_step;
   ci.consumed_samples = plan.consumed_samples;
   ci.grid = plan.grid;
-  ci.model = format;
   if (plan.optimizer)
     ci.optimizer_grouping = ckpt::NxdtGroupingRule(plan.do_layer_norm_weight_decay);
   ckpt::CommitStaged(env, staged, *a.group, ci);

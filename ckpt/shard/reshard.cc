@@ -379,7 +379,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   if (sum.vocab_rows_to > sum.vocab_rows_from)
     sum.notes.push_back("the vocabulary padding grows from " + std::to_string(sum.vocab_rows_from) + " to " +
                         std::to_string(sum.vocab_rows_to) + " rows: the new padding rows are zero");
-  if (!L.format_from_manifest) sum.notes.push_back("model format (no manifest): " + L.format.Describe());
+  if (!L.format_from_manifest) sum.notes.push_back("model format (no manifest records it): " + L.format.Describe());
   if (!L.has_optimizer && !a.weights_only) sum.notes.push_back("the source holds no optimizer state; the target has none either");
   const bool xser = a.save_xser.value_or(src->xser());
   sum.notes.push_back(std::string("container: ") + (xser ? "xser (X.pt, X.pt.tensors/tensor_<tid>.pt, X.pt.info.pt)" : "plain .pt") +
@@ -419,7 +419,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     if (auto v = src->TagFile(f)) plan.push_back({{f, std::move(*v), {}}, 0, -1});
 
   if (a.group->rank() == 0) {
-    log("resharding " + sum.src_tag + ": " + L.grid.ToString() + ", stages " + StagesString(L.stage_bounds) + " -> " + to.ToString() +
+    log(std::string(a.tool == "reshard" ? "resharding " : "writing ") + sum.src_tag + ": " + L.grid.ToString() + ", stages " + StagesString(L.stage_bounds) + " -> " + to.ToString() +
         ", stages " + StagesString(sum.to_bounds));
     for (const auto& n : sum.notes) log("note: " + n);
   }

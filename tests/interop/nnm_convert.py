@@ -231,7 +231,7 @@ class NnmToNxdt(TempDirTest):
         # The manifest records the format taken from that config: the tools need no hints.
         model = read_json(os.path.join(out, "manifest.json"))["model"]
         self.assertEqual((model["num_attention_heads"], model["num_kv_heads"], model["num_layers"]), (4, 2, 2))
-        self.assertNotIn("model format (no manifest)", p.stdout + p.stderr)
+        self.assertNotIn("model format (no manifest records it)", p.stdout + p.stderr)
         run(VERIFY, resharded, "--against", out)
         # A hint that contradicts the recorded format is refused, naming both.
         p = run(RESHARD, out, os.path.join(self.dir, "bad.ckpt"), "--tp", 1, "--pp", 1, "--heads", 2, check=False)
@@ -701,6 +701,48 @@ class NnmToNxdt(TempDirTest):
         # More stages, uneven cuts, more tp ranks: each as convert-then-reshard writes it.
         self.one_pass_and_two(nnm, ("--tp", 1, "--pp", 4))
         self.one_pass_and_two(nnm, ("--tp", 4, "--pp", 3, "--pipeline_cuts", "1,3"))
+
+    def test_own_degrees_go_through_the_engine_when_the_files_read_as_a_tag(self):
+        """At NNM's own degrees the reshard engine writes the tag too when the model format is known and
+        replicas are equal: the manifest records the format and fingerprints, model files list their
+        entries in the family's module order whatever order NNM's file had, and the values are the
+        fixture's. Otherwise (replicas that differ) the files are written as mapped, and it says so."""
+        c = dict(LLAMA, kv_heads=2, layers=4)
+        full, _ = make_nnm(None, c, write=False)
+        nnm, out, one = (os.path.join(self.dir, n) for n in ("nnm", "out.ckpt", "one.ckpt"))
+        expected, _ = make_nnm(nnm, c, tp=2, pp=2, from_full=full[(0, 0)])
+        p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out)
+        self.assertNotIn("written file for file as mapped", p.stderr)
+        self.check_tag(out, expected)
+        manifest = read_json(os.path.join(out, "manifest.json"))
+        self.assertEqual(manifest["model"]["num_kv_heads"], 2)
+        self.assertIn("tensors", manifest)
+        self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", one, "--tp", 1, "--pp", 1)
+        v = run(VERIFY, one, "--against", out, "--json")
+        self.assertTrue(json.loads(v.stdout)["same"])
+        # Weights in another key order (NNM's HF converter writes HF's order, and no optimizer state):
+        # the output lists them in module order, holding the same values.
+        in_order = [k for k, _ in torch.load(os.path.join(out, "model", rank_file(0, 1))).items()]
+        for f in glob.glob(os.path.join(nnm, "*", "*.ckpt")):
+            ck = torch.load(f)
+            ck["state_dict"] = dict(reversed(list(ck["state_dict"].items())))
+            torch.save(ck, f)
+        weights = os.path.join(self.dir, "weights.ckpt")
+        self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", weights, "--weights_only", "--heads", 4, "--kv_heads", 2)
+        got = torch.load(os.path.join(weights, "model", rank_file(0, 1)))
+        params = lambda keys: [k for k in keys if not k.endswith("inv_freq")]  # buffers keep their neighbour
+        self.assertEqual(params(got), params(in_order))
+        self.assertEqual(sorted(got), sorted(in_order))
+        want = dict(expected[(0, 1)]["model"])
+        self.assert_same("model 0,1", {k: got[k] for k in want}, want)
+        run(RESHARD, weights, os.path.join(self.dir, "tp1w.ckpt"), "--tp", 1, "--pp", 1)  # no hints: the manifest has them
+        # Replicas that differ (each rank trained apart): written as mapped, said so, no fingerprints.
+        shutil.rmtree(nnm), shutil.rmtree(out)
+        make_nnm(nnm, c, tp=2, pp=2)
+        p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out)
+        self.assertIn("note: written file for file as mapped; the manifest records no model format and no fingerprints", p.stderr)
+        self.assertIn("hold different copies", p.stderr)
+        self.assertNotIn("tensors", read_json(os.path.join(out, "manifest.json")))
 
     def test_other_degrees_in_one_pass_zero1_xser_and_gpt(self):
         for name, c, zero1_dp, xser in (("zero1", dict(LLAMA, kv_heads=2, layers=2), 2, ("--save_xser",)),

@@ -137,7 +137,7 @@ class UpstreamTags(TempDirTest):
         a, b = self.out("from_xser"), self.out("from_pt")
         for src, dst in ((NXD_XSER, a), (NXD_PT, b)):
             p = run(RESHARD, src, dst, "--tp", 1, "--pp", 1, "--dp", 1, "--zero1", *HEADS, "--no_save_xser")
-            self.assertIn("model format (no manifest)", p.stderr)
+            self.assertIn("model format (no manifest records it)", p.stderr)
         # Each user content is its own run's (its cli_args name the container); each is carried as it was.
         same_files(self, a, b, skip=["user_content.pt"])
         for src, dst in ((NXD_XSER, a), (NXD_PT, b)):
