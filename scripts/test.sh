@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine:
 #  1. install (setup.sh);
-#  2. the release build, then ctest over it: the interop tests (our binaries
-#     against real torch and upstream fixtures) and the fault tests, run beside
-#     step 3's build;
+#  2. the release build, and ctest: the interop tests (our binaries against
+#     real torch and upstream fixtures) and the fault tests;
 #  3. one clang build with ASan + UBSan: every unit test (the zip and pickle
 #     tests among them), then the libFuzzer targets (.pt readers, xser, YAML
 #     configs, manifests and rank records) for a bounded time on seed corpora,
@@ -18,36 +17,20 @@ start=$(date +%s)
 phase() { echo "== $* (at $(($(date +%s) - start)) s)"; }
 bash "$root/scripts/setup.sh"
 
-phase "release build"
+phase "release build, then ctest: interop and fault tests"
 # The release build: products, test programs, interop and fault tests. The unit
 # tests run once, below, under the sanitizers.
 bash "$root/scripts/build.sh" "$root/build" -DSHARDKIT_UNIT_TESTS=OFF
+# Three at a time on two cores: some tests wait on the disk (zip64_large writes 4 GiB).
+(cd "$root/build" && ctest --output-on-failure -j 3 --timeout 900 --no-tests=error)
 
-# ctest over the release tree runs beside the sanitizer build: the two together
-# keep both cores busy where either alone leaves gaps (a test waiting on the
-# disk, the build's serial configure and last links). ctest's report prints
-# when both are done.
-phase "ctest over the release tree (interop and fault tests), and beside it the sanitizer build"
-ctest_log=$(mktemp)
-# Three at a time: some tests wait on the disk (zip64_large writes 4 GiB).
-(cd "$root/build" && ctest --output-on-failure -j 3 --timeout 900 --no-tests=error) >"$ctest_log" 2>&1 &
-ctest_pid=$!
 # One clang build serves both: every unit test (the zip and pickle tests among
 # them) again under ASan + UBSan, and the libFuzzer targets. It builds only
 # what it runs (the targets unit_tests and fuzzers).
-asan_rc=0
+phase "sanitizer build (ASan + UBSan, clang): unit tests and libFuzzer targets"
 CC=clang CXX=clang++ BUILD_TARGETS="unit_tests fuzzers" \
   bash "$root/scripts/build.sh" "$root/build-asan" -DSHARDKIT_FUZZ=ON -DCMAKE_BUILD_TYPE=Debug \
-  "-DCMAKE_CXX_FLAGS_DEBUG=-gline-tables-only" "-DCMAKE_C_FLAGS_DEBUG=-gline-tables-only" || asan_rc=$?  # file:line in reports, less to compile
-ctest_rc=0
-wait "$ctest_pid" || ctest_rc=$?
-echo "== ctest over the release tree (at $(($(date +%s) - start)) s):"
-cat "$ctest_log"
-rm -f "$ctest_log"
-[ "$ctest_rc" -eq 0 ] || { echo "test.sh: ctest over the release tree failed" >&2; exit 1; }
-[ "$asan_rc" -eq 0 ] || { echo "test.sh: the sanitizer build failed" >&2; exit 1; }
-
-phase "unit tests under ASan + UBSan"
+  "-DCMAKE_CXX_FLAGS_DEBUG=-gline-tables-only" "-DCMAKE_C_FLAGS_DEBUG=-gline-tables-only"  # file:line in reports, less to compile
 # --no-tests=error: an empty selection must fail, not pass.
 (cd "$root/build-asan" && ctest --output-on-failure -j 2 --timeout 900 --no-tests=error -L unit)
 
