@@ -4,10 +4,10 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <map>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <random>
 
@@ -71,25 +71,29 @@ void PrintPlan(const NnmSource& src, const ConvertPlan& plan, const std::string&
   log("  total " + std::to_string(plan.files.size()) + " files, " + ckpt::HumanBytes(total));
 }
 
-// Other degrees in one pass: the planned files (views of the mapped NNM
-// inputs, at NNM's degrees) are read as an in-memory tag and written by the
-// reshard engine at the target's, which records the model format and
-// fingerprints in the manifest.
+// The input of a planned file whose tensors are generated as they are written
+// (NNM's unmerged SwiGLU, merged then: ConcatRows), which no reader can
+// index; null when there is none.
+const PlannedFile* GeneratedFile(const ConvertPlan& plan) {
+  for (const auto& f : plan.files) {
+    bool generated = false;
+    ckpt::ForEachTensor(f.file.value, [&](const ckpt::Tensor& x) { generated |= x.storage() && x.storage()->producer(); });
+    if (generated) return &f;
+  }
+  return nullptr;
+}
+
 // The planned files (plain .pt, not xser parts) read as the NxDT tag they
 // make, at NNM's degrees: what the reshard engine reads, and what tells the
 // model format. Throws ckpt::Error when they do not make one.
 std::unique_ptr<ckpt::ShardedTag> PlannedTag(const NnmSource& src, const ConvertPlan& plan, const ckpt::FormatHints& hints,
                                              const ckpt::TagReadOptions& opts) {
+  if (const PlannedFile* f = GeneratedFile(plan))
+    throw ckpt::Error(f->source + ": holds NNM's unmerged SwiGLU (dense_h_to_4h_2), which is merged only as it is written, so it " +
+                      "cannot be re-cut in the same pass: convert at the checkpoint's own degrees (--tp " + std::to_string(src.grid.tp) +
+                      " --pp " + std::to_string(src.grid.pp) + "), then ckpt-reshard the result");
   std::map<std::string, ckpt::Value> files;
-  for (const auto& f : plan.files) {
-    ckpt::ForEachTensor(f.file.value, [&](const ckpt::Tensor& x) {
-      if (x.storage() && x.storage()->producer())
-        throw ckpt::Error(f.source + ": holds NNM's unmerged SwiGLU (dense_h_to_4h_2), which is merged only as it is written, so it " +
-                          "cannot be re-cut in the same pass: convert at the checkpoint's own degrees (--tp " + std::to_string(src.grid.tp) +
-                          " --pp " + std::to_string(src.grid.pp) + "), then ckpt-reshard the result");
-    });
-    files.emplace(f.file.relpath, f.file.value);
-  }
+  for (const auto& f : plan.files) files.emplace(f.file.relpath, f.file.value);
   ckpt::Manifest m;  // what the manifest of the converted tag at NNM's degrees would say
   m.step = plan.global_step;
   m.consumed_samples = plan.consumed_samples;
@@ -185,24 +189,20 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   // list their entries in the family's module order. Otherwise the files are
   // written as mapped, one for one, and a note says what the manifest lacks.
   // Hints the checkpoint contradicts are refused either way.
-  const ckpt::FormatHints& h = a.hints;
-  const bool hinted = h.heads || h.kv_heads || h.vocab_size || h.make_vocab_size_divisible_by || h.rope_theta || h.norm_eps ||
-                      h.rotary_percentage || h.kv_size_multiplier || h.hw_backend || h.hidden || h.ffn || h.layers;
-  bool generated = false;  // NNM's unmerged SwiGLU, merged as it is written: no view to read
-  for (const auto& f : plan.files)
-    ckpt::ForEachTensor(f.file.value, [&](const ckpt::Tensor& x) { generated |= x.storage() && x.storage()->producer(); });
+  // Only reading the view decides; an error while writing is the engine's and ends the run.
+  std::unique_ptr<ckpt::ShardedTag> view;
   std::string why_mapped = "NNM's unmerged SwiGLU is merged as it is written";
-  if (!generated) {
+  if (!GeneratedFile(plan)) {
     try {
-      auto view = PlannedTag(src, plan, a.hints, {.trust_first_replica = a.trust_first_replica});
-      return ConvertAndRelayout(a, src, plan, tag_dir, env, log, t0, std::move(view));
+      view = PlannedTag(src, plan, a.hints, {.trust_first_replica = a.trust_first_replica});
     } catch (const ckpt::FormatUnknown& e) {
       why_mapped = e.what();
     } catch (const ckpt::Error& e) {
-      if (hinted) throw;
+      if (a.hints.Any()) throw;
       why_mapped = e.what();
     }
   }
+  if (view) return ConvertAndRelayout(a, src, plan, tag_dir, env, log, t0, std::move(view));
   if (a.save_xser) plan = PlanConversion(src, inputs, {opts.n_layers, opts.weights_only, true, opts.optimizer_groups, opts.require_optimizer});
   plan.notes.push_back("written file for file as mapped; the manifest records no model format and no fingerprints (" + why_mapped + ")");
   ConvertSummary sum;

@@ -11,11 +11,13 @@
 // Under `mpirun -np N` the ranks split the input files between them and rank
 // 0 commits; the processes agree on the save through the file system.
 //
-// Other degrees (--tp/--pp that differ from the checkpoint's) are one pass:
-// the mapping above, viewed in memory as an NxDT tag at NNM's degrees
+// The mapping, viewed in memory as an NxDT tag at NNM's degrees
 // (ckpt::ShardedTag::FromFiles), feeds the reshard engine (ckpt::WriteInLayout),
-// which writes the tag at the new degrees with its model format and
-// fingerprints in the manifest. No intermediate tag is written.
+// which writes the tag at the target's degrees (NNM's own, or other --tp/--pp
+// in the same pass) with its model format and fingerprints in the manifest.
+// When the view cannot be read (the model format is unknown, replicas differ,
+// NNM's unmerged SwiGLU) the files are written as mapped at NNM's degrees, and
+// other degrees are refused before anything is written.
 #pragma once
 
 #include <functional>
@@ -43,9 +45,9 @@ struct ConverterArgs {
   // What the NNM checkpoint may not record (it has no hyper_parameters.cfg, or --weights_only):
   // --heads, --nnm_config, --model_config. Checked against what it records.
   ckpt::FormatHints hints;
-  uint64_t memory_budget = uint64_t{512} << 20;  // the reshard engine's, with other degrees
+  uint64_t memory_budget = uint64_t{512} << 20;  // the reshard engine's
   int threads = 1;                                // the reshard engine's writing threads
-  bool trust_first_replica = false;  // with other degrees: ckpt::TagReadOptions::trust_first_replica
+  bool trust_first_replica = false;  // the view's ckpt::TagReadOptions::trust_first_replica
 };
 
 struct ConvertSummary {

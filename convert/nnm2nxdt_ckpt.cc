@@ -58,9 +58,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks))
       ->delimiter(',');
   app.add_flag("--trust_first_replica", a.trust_first_replica,
-               "with another --tp/--pp: read replicated tensors (norms on every tp rank) from tp rank 0 instead of refusing copies that differ");
+               "read replicated tensors (norms on every tp rank) from tp rank 0; without it, copies that differ are refused at other "
+               "degrees and written as mapped at the checkpoint's own");
   std::string budget;
-  app.add_option("--memory_budget", budget, "with another --tp/--pp: memory the re-cut may use, e.g. 512M (default 512M)");
+  app.add_option("--memory_budget", budget, "memory the reshard engine may use, e.g. 512M (default 512M)");
   tools::FormatHintOptions hint_opts;
   hint_opts.AddTo(app);
   app.add_option("--nnm_config", hint_opts.config, "the NNM job's YAML (its model: num_attention_heads, num_kv_heads, ...), for a checkpoint "

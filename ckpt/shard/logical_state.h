@@ -38,6 +38,12 @@ struct FormatHints {
   std::optional<HwBackend> hw_backend;
   std::optional<int64_t> hidden, ffn, layers, max_positions;
   std::optional<bool> fuse_qkv, qkv_linear;  // NxDT's model.fuse_qkv and model.qkv_linear (a job config)
+
+  // Whether any hint is given.
+  bool Any() const {
+    return heads || kv_heads || vocab_size || make_vocab_size_divisible_by || rope_theta || norm_eps || rotary_percentage ||
+           kv_size_multiplier || hw_backend || hidden || ffn || layers || max_positions || fuse_qkv || qkv_linear;
+  }
 };
 
 // What a tag holds as a whole: its parallel layout (grid and stages), the

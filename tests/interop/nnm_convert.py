@@ -720,6 +720,14 @@ class NnmToNxdt(TempDirTest):
         self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", one, "--tp", 1, "--pp", 1)
         v = run(VERIFY, one, "--against", out, "--json")
         self.assertTrue(json.loads(v.stdout)["same"])
+        # An error of the engine's own (here a budget too small) ends the run: it does not fall back to
+        # writing as mapped, which would ignore what was asked.
+        small = os.path.join(self.dir, "small.ckpt")
+        p = self.convert("--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", small, "--memory_budget", "1K", check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--memory_budget 1.0 KiB is smaller than one slice", p.stderr)
+        self.assertNotIn("written file for file", p.stderr)
+        self.assertFalse(os.path.exists(small))
         # Weights in another key order (NNM's HF converter writes HF's order, and no optimizer state):
         # the output lists them in module order, holding the same values.
         in_order = [k for k, _ in torch.load(os.path.join(out, "model", rank_file(0, 1))).items()]
