@@ -28,6 +28,10 @@ struct PickleOptions {
   // Generated storages (Storage::Generated) are produced and written this
   // many bytes at a time: the file's memory cost whatever its size.
   size_t stream_chunk = 8 << 20;
+  // Where those chunks come from; null: a fresh allocation per file. A writer
+  // of many files (an xser tag holds one per tensor) passes one pool to all,
+  // so each chunk is faulted in once and not once per file.
+  std::shared_ptr<StoragePool> stream_buffers = nullptr;
 };
 
 struct PickledStorage {

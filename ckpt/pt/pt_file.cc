@@ -210,7 +210,10 @@ uint32_t WritePt(WritableFile& out, const std::string& prefix, const Value& root
     prefetch(i + 1);
     const Storage& st = *storages[i].storage;
     if (const StorageProducer* produce = st.producer()) {
-      if (!chunk) chunk = Storage::Allocate(std::max<size_t>(4096, opts.stream_chunk / 4096 * 4096), false);
+      if (!chunk) {
+        const size_t nbytes = std::max<size_t>(4096, opts.stream_chunk / 4096 * 4096);
+        chunk = opts.stream_buffers ? opts.stream_buffers->Acquire(nbytes) : Storage::Allocate(nbytes, false);
+      }
       zip.AddStreamedRecord("data/" + storages[i].key, st.nbytes(), *produce, {chunk->mutable_data(), chunk->nbytes()});
       continue;
     }

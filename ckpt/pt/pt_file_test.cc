@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <set>
 
 #include "ckpt/util/crc32.h"
 #include "ckpt/util/error.h"
@@ -160,6 +161,36 @@ TEST(PtFile, GeneratedStoragesWriteTheBytesOfWholeOnes) {
     EXPECT_EQ(std::string(reinterpret_cast<const char*>(f->data()), f->size()), g.s);
     EXPECT_TRUE(DeepEqual(LoadPt(dir / "g.pt", {.verify_crc = true, .confine_to = {}}), tree(whole)));
   }
+}
+
+// Files written with one StoragePool stream through the same chunk: the
+// first file allocates it, the rest reuse it (already faulted in), and it
+// goes back to the pool after each file. The bytes are those of a fresh chunk.
+TEST(PtFile, GeneratedStoragesReuseThePoolsChunk) {
+  auto pool = StoragePool::Create();
+  std::set<const uint8_t*> chunks;
+  auto gen = [&](size_t n, int seed) {
+    Value d = Value::NewDict();
+    auto st = Storage::Generated(n, [&chunks, seed](uint64_t off, std::span<uint8_t> out) {
+      if (off == 0) chunks.insert(out.data());  // the chunk's first half
+      for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<uint8_t>(off + i + seed);
+    });
+    d.as_dict().Set("t", Value(Tensor(DType::kUInt8, {static_cast<int64_t>(n)}, {1}, 0, st)));
+    return d;
+  };
+  for (int file = 0; file < 3; ++file) {
+    testing::StringFile pooled, fresh;
+    WritePt(pooled, "x", gen(20000, file), {.stream_chunk = 8192, .stream_buffers = pool});
+    WritePt(fresh, "x", gen(20000, file), {.stream_chunk = 8192});
+    EXPECT_EQ(pooled.s, fresh.s);
+    EXPECT_EQ(pool->free_bytes(), size_t{8192});  // returned, not freed
+  }
+  chunks.clear();
+  for (int file = 0; file < 3; ++file) {
+    testing::StringFile out;
+    WritePt(out, "x", gen(20000, file), {.stream_chunk = 8192, .stream_buffers = pool});
+  }
+  EXPECT_EQ(chunks.size(), size_t{1});
 }
 
 }  // namespace

@@ -68,4 +68,47 @@ uint8_t* Storage::mutable_data() {
   return owned_;
 }
 
+StoragePool::~StoragePool() { Trim(); }
+
+std::shared_ptr<Storage> StoragePool::Acquire(size_t nbytes) {
+  uint8_t* p = nullptr;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = free_.find(nbytes);
+    if (it != free_.end()) {
+      p = it->second;
+      free_.erase(it);
+    }
+  }
+  if (!p) {
+    const size_t padded = (std::max<size_t>(nbytes, 1) + 4095) / 4096 * 4096;
+    p = static_cast<uint8_t*>(std::aligned_alloc(4096, padded));
+    if (!p) throw std::bad_alloc();
+  }
+  // The pool may die before the storage: then the buffer is simply freed.
+  std::weak_ptr<StoragePool> weak = weak_from_this();
+  return Storage::Adopt(p, nbytes, [weak, nbytes](uint8_t* q) {
+    if (auto pool = weak.lock()) pool->Release(q, nbytes);
+    else std::free(q);
+  });
+}
+
+void StoragePool::Release(uint8_t* p, size_t nbytes) {
+  std::lock_guard<std::mutex> l(mu_);
+  free_.emplace(nbytes, p);
+}
+
+size_t StoragePool::free_bytes() const {
+  std::lock_guard<std::mutex> l(mu_);
+  size_t n = 0;
+  for (const auto& [size, p] : free_) n += size;
+  return n;
+}
+
+void StoragePool::Trim() {
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& [size, p] : free_) std::free(p);
+  free_.clear();
+}
+
 }  // namespace ckpt

@@ -8,7 +8,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -78,6 +80,34 @@ class Storage {
   size_t nbytes_ = 0;
   std::optional<StorageOrigin> origin_;
   StorageProducer produce_;
+};
+
+// Owned buffers recycled by size. A buffer taken from the pool returns to it
+// when its storage dies, already faulted in, so the next one costs neither an
+// allocation nor a page fault per 4 KiB. Buffers outliving the pool are freed.
+// Thread-safe.
+class StoragePool : public std::enable_shared_from_this<StoragePool> {
+ public:
+  static std::shared_ptr<StoragePool> Create() { return std::shared_ptr<StoragePool>(new StoragePool()); }
+  virtual ~StoragePool();
+  StoragePool(const StoragePool&) = delete;
+  StoragePool& operator=(const StoragePool&) = delete;
+
+  // Owned, 4096-aligned, uninitialised storage of `nbytes`, reused when a
+  // buffer of that size is free.
+  std::shared_ptr<Storage> Acquire(size_t nbytes);
+  // Bytes held free for reuse.
+  size_t free_bytes() const;
+  // Frees every idle buffer.
+  void Trim();
+
+ protected:
+  StoragePool() = default;
+
+ private:
+  void Release(uint8_t* p, size_t nbytes);
+  mutable std::mutex mu_;
+  std::multimap<size_t, uint8_t*> free_;
 };
 
 }  // namespace ckpt

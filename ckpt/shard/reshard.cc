@@ -180,7 +180,7 @@ class Planner {
       d.Set(sp.name, SliceTensor(s, src_.dtype(sp.rule->name, StateField::kParam)));
       AddBuffersAfter(sp.name, d, p);
     }
-    pf.file = {"model/" + ckpt::RankFileName({0, t, p}), model, {.weights_only = true, .stream_chunk = chunk_}};
+    pf.file = {"model/" + ckpt::RankFileName({0, t, p}), model, {.weights_only = true, .stream_chunk = chunk_, .stream_buffers = chunks_}};
     pf.unit = unit;
     return pf;
   }
@@ -222,7 +222,7 @@ class Planner {
       if (src_.layout().master_weights) ps.master = tensor(StateField::kMaster);
       of.params.push_back(std::move(ps));
     }
-    pf.file = {"optim/" + ckpt::RankFileName({d, t, p}), of.ToValue(), {.weights_only = false, .stream_chunk = chunk_}};
+    pf.file = {"optim/" + ckpt::RankFileName({d, t, p}), of.ToValue(), {.weights_only = false, .stream_chunk = chunk_, .stream_buffers = chunks_}};
     pf.unit = unit;
     return pf;
   }
@@ -232,6 +232,8 @@ class Planner {
   ckpt::RankGrid to_;
   std::vector<int64_t> bounds_;
   size_t chunk_;
+  // Every file's chunks, reused: at most one per writing thread is alive, in use or free.
+  std::shared_ptr<ckpt::StoragePool> chunks_ = ckpt::StoragePool::Create();
   ckpt::FingerprintCollector* fp_;
   std::vector<ParamRule> rules_;
   std::map<std::string, uint64_t> logical_numel_;

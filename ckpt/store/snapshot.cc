@@ -20,36 +20,6 @@ DType SnapshotDType(const Tensor& t, std::optional<DType> floats_to) {
 
 }  // namespace
 
-SnapshotPool::~SnapshotPool() { Trim(); }
-
-std::shared_ptr<Storage> SnapshotPool::Acquire(size_t nbytes) {
-  uint8_t* p = nullptr;
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    auto it = free_.find(nbytes);
-    if (it != free_.end()) {
-      p = it->second;
-      free_.erase(it);
-    }
-  }
-  if (!p) {
-    const size_t padded = (std::max<size_t>(nbytes, 1) + 4095) / 4096 * 4096;
-    p = static_cast<uint8_t*>(std::aligned_alloc(4096, padded));
-    if (!p) throw std::bad_alloc();
-  }
-  // The pool may die before the storage: then the buffer is simply freed.
-  std::weak_ptr<SnapshotPool> weak = weak_from_this();
-  return Storage::Adopt(p, nbytes, [weak, nbytes](uint8_t* q) {
-    if (auto pool = weak.lock()) pool->Release(q, nbytes);
-    else std::free(q);
-  });
-}
-
-void SnapshotPool::Release(uint8_t* p, size_t nbytes) {
-  std::lock_guard<std::mutex> l(mu_);
-  free_.emplace(nbytes, p);
-}
-
 void SnapshotPool::Reserve(const Value& like, std::optional<DType> floats_to, const TensorFilter& copies) {
   std::vector<std::shared_ptr<Storage>> held;  // released into the pool at the end
   std::vector<const Tensor*> tensors;
@@ -59,19 +29,6 @@ void SnapshotPool::Reserve(const Value& like, std::optional<DType> floats_to, co
     held.push_back(Acquire(static_cast<size_t>(tensors[i]->numel()) * ElementSize(SnapshotDType(*tensors[i], floats_to))));
     std::memset(held.back()->mutable_data(), 0, held.back()->nbytes());
   }
-}
-
-size_t SnapshotPool::free_bytes() const {
-  std::lock_guard<std::mutex> l(mu_);
-  size_t n = 0;
-  for (const auto& [size, p] : free_) n += size;
-  return n;
-}
-
-void SnapshotPool::Trim() {
-  std::lock_guard<std::mutex> l(mu_);
-  for (const auto& [size, p] : free_) std::free(p);
-  free_.clear();
 }
 
 namespace {

@@ -6,9 +6,7 @@
 #pragma once
 
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -31,29 +29,19 @@ struct Snapshot {
 // Which tensors a snapshot copies (see CopyForSnapshot); empty: all.
 using TensorFilter = std::function<bool(size_t)>;
 
-class SnapshotPool : public std::enable_shared_from_this<SnapshotPool> {
+// The pool snapshots take their buffers from (StoragePool), able to reserve
+// them ahead of the first snapshot.
+class SnapshotPool final : public StoragePool {
  public:
   static std::shared_ptr<SnapshotPool> Create() { return std::shared_ptr<SnapshotPool>(new SnapshotPool()); }
-  ~SnapshotPool();
-
-  // Owned, 4096-aligned, uninitialised storage of `nbytes`, reused when a
-  // buffer of that size is free.
-  std::shared_ptr<Storage> Acquire(size_t nbytes);
   // Allocates and touches a buffer for every tensor in `like` (converted to
   // `floats_to` as CopyForSnapshot would), so even the first snapshot is a
   // memcpy (call at start-up, as with pinned buffers).
   // With `copies`, only for the tensors CopyForSnapshot would copy.
   void Reserve(const Value& like, std::optional<DType> floats_to = std::nullopt, const TensorFilter& copies = {});
-  // Bytes held free for reuse.
-  size_t free_bytes() const;
-  // Frees every idle buffer.
-  void Trim();
 
  private:
   SnapshotPool() = default;
-  void Release(uint8_t* p, size_t nbytes);
-  mutable std::mutex mu_;
-  std::multimap<size_t, uint8_t*> free_;
 };
 
 // A copy of `v` whose tensors own their bytes (containers copied, tensors
