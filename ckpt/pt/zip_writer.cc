@@ -15,7 +15,8 @@ constexpr uint32_t k32Max = 0xffffffffu;
 constexpr uint16_t kFlagUtf8 = 0x0800;
 constexpr uint16_t kDosTime = 0, kDosDate = (0 << 9) | (1 << 5) | 1;  // 1980-01-01 00:00
 
-class Bytes {
+// A zip header being built: fields little-endian, as the format stores them.
+class LittleEndianBytes {
  public:
   void u16(uint64_t v) { for (int i = 0; i < 2; ++i) b_.push_back(static_cast<uint8_t>(v >> (8 * i))); }
   void u32(uint64_t v) { for (int i = 0; i < 4; ++i) b_.push_back(static_cast<uint8_t>(v >> (8 * i))); }
@@ -44,7 +45,7 @@ void ZipWriter::AddRecord(const std::string& name, std::span<const uint8_t> data
 
 std::vector<uint8_t> ZipWriter::LocalHeader(const std::string& full, uint64_t offset, uint64_t size, uint32_t crc) const {
   const bool zip64 = size >= k32Max;
-  Bytes h;
+  LittleEndianBytes h;
   h.u32(kLocalSig);
   h.u16(zip64 ? 45 : 20);
   h.u16(kFlagUtf8);
@@ -123,7 +124,7 @@ void ZipWriter::Finish() {
   if (finished_) return;
   finished_ = true;
   const uint64_t cd_offset = out_.Size();
-  Bytes cd;
+  LittleEndianBytes cd;
   for (const Entry& e : entries_) {
     const bool big_size = e.size >= k32Max, big_off = e.offset >= k32Max;
     cd.u32(kCentralSig);

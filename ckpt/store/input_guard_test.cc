@@ -16,8 +16,7 @@ namespace {
 namespace fs = std::filesystem;
 using testing::ErrorOf;
 using testing::TempDir;
-
-void Touch(const std::string& p) { std::ofstream(p) << "x"; }
+using testing::Touch;
 
 TEST(InputGuard, LinksInsideTheFolderAreFollowedAndLinksOutAreRefused) {
   TempDir d("inguard");

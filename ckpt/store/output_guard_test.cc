@@ -17,8 +17,7 @@ namespace {
 
 using testing::ErrorOf;
 using testing::TempDir;
-
-void Touch(const std::string& p) { std::ofstream(p) << "x"; }
+using testing::Touch;
 
 TEST(OutputGuard, OutputThatIsContainsOrLiesInsideAnInputIsRefused) {
   TempDir d("guard");

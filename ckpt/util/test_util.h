@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
 
@@ -48,6 +49,9 @@ class TempDir {
 };
 
 // The message of the ckpt::Error `f` throws; "" when it throws none.
+// Creates (or replaces) the file `p` holding one byte.
+inline void Touch(const std::string& p) { std::ofstream(p) << "x"; }
+
 inline std::string ErrorOf(const std::function<void()>& f) {
   try {
     f();
