@@ -120,8 +120,7 @@ ConvertSummary ConvertAndRelayout(const ConverterArgs& a, const NnmSource& src, 
       throw ckpt::Error(std::string(e.what()) + "\n(changing degrees needs the model's format: " + kFormatSources + ")");
     }
   if (a.group->rank() == 0) {
-    for (const auto& n : plan.notes)
-      if (!n.starts_with("the output will not record")) log("note: " + n);
+    for (const auto& n : plan.notes) log("note: " + n);  // not format_unrecorded: the manifest records the format
     for (const auto& line : OptimizerReport(plan, a.weights_only)) log(line);
     for (const auto& n : tag->format_notes()) log("note: " + n);
   }
@@ -204,6 +203,7 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   }
   if (view) return ConvertAndRelayout(a, src, plan, tag_dir, env, log, t0, std::move(view));
   if (a.save_xser) plan = PlanConversion(src, inputs, {opts.n_layers, opts.weights_only, true, opts.optimizer_groups, opts.require_optimizer});
+  if (!plan.format_unrecorded.empty()) plan.notes.push_back(plan.format_unrecorded);
   plan.notes.push_back("written file for file as mapped; the manifest records no model format and no fingerprints (" + why_mapped + ")");
   ConvertSummary sum;
   sum.tag_dir = tag_dir;

@@ -441,12 +441,12 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
 
   // Said before anything is written: without NNM's model config in the output, later commands need hints.
   if (opts.weights_only || !HyperParameter(inputs[0].checkpoint, "num_attention_heads"))
-    plan.notes.push_back(std::string("the output will not record the model's heads (") +
-                         (opts.weights_only ? "--weights_only writes no user_content.pt" :
-                                              inputs[0].path + " holds no hyper_parameters.cfg.num_attention_heads") +
-                         "): ckpt-reshard and ckpt-export of it will need --heads (and --kv_heads for grouped-query attention) "
-                         "or --config with the job's NxDT config; give nnm2nxdt-ckpt --nnm_config (the NNM job's YAML) or --heads now, and the "
-                         "manifest records them");
+    plan.format_unrecorded = std::string("the output will not record the model's heads (") +
+                             (opts.weights_only ? "--weights_only writes no user_content.pt" :
+                                                  inputs[0].path + " holds no hyper_parameters.cfg.num_attention_heads") +
+                             "): ckpt-reshard and ckpt-export of it will need --heads (and --kv_heads for grouped-query attention) "
+                             "or --config with the job's NxDT config; give nnm2nxdt-ckpt --nnm_config (the NNM job's YAML) or --heads now, and the "
+                             "manifest records them";
   if (!opts.weights_only) {  // step and schedule, also for an input without optimizer state
     const Dict& top = inputs[0].checkpoint.as_dict();
     ckpt::UserContent user{.epoch = plan.epoch, .global_step = plan.global_step, .consumed_samples = plan.consumed_samples, .carried = {}};

@@ -81,6 +81,10 @@ struct ConvertPlan {
   std::vector<std::vector<Rename>> renames;  // [stage]: tp rank 0's key renames
   std::vector<PlannedFile> files;
   std::vector<std::string> notes;
+  // Non-empty when the output's user content will not record the model's
+  // heads: the note to give before writing, unless the view of the planned
+  // files reads the format from hints (the engine's manifest records it then).
+  std::string format_unrecorded;
   bool optimizer = true;          // false: the input held none (or --weights_only)
   std::string source_grouping;    // what NNM's optimizer ids number, as found in the files
   std::string target_grouping;    // what the written ids number
