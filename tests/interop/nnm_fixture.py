@@ -112,9 +112,12 @@ class RotaryEmbedding(nn.Module):
 
 
 class CoreAttention(nn.Module):
-    def __init__(self, head_dim):
+    # NNM's CoreAttention holds rotary_emb only when position_embedding_type == 'rope'
+    # (nemo/.../megatron/transformer.py, CoreAttention.__init__): Llama's, not GPT's learned positions.
+    def __init__(self, head_dim, rope):
         super().__init__()
-        self.rotary_emb = RotaryEmbedding(head_dim)
+        if rope:
+            self.rotary_emb = RotaryEmbedding(head_dim)
 
 
 class Attention(nn.Module):
@@ -126,7 +129,7 @@ class Attention(nn.Module):
         else:
             self.query = Linear(H // tp, H, bias)
             self.key_value = Linear(2 * c["kv_heads"] * hd // tp, H, bias)
-        self.core_attention = CoreAttention(hd)
+        self.core_attention = CoreAttention(hd, rope=not c["gpt"])
         self.dense = Linear(H, H // tp, bias)
 
 
