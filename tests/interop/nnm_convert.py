@@ -231,6 +231,8 @@ class NnmToNxdt(TempDirTest):
         # The manifest records the format taken from that config: the tools need no hints.
         model = read_json(os.path.join(out, "manifest.json"))["model"]
         self.assertEqual((model["num_attention_heads"], model["num_kv_heads"], model["num_layers"]), (4, 2, 2))
+        # Rope: no tensor holds the sequence length; the config does, and NxDT builds its rotary table from it.
+        self.assertEqual((model["max_position_embeddings"], model["make_vocab_size_divisible_by"]), (c["seq"], 8))
         self.assertNotIn("model format (no manifest records it)", p.stdout + p.stderr)
         run(VERIFY, resharded, "--against", out)
         # A hint that contradicts the recorded format is refused, naming both.
@@ -243,6 +245,28 @@ class NnmToNxdt(TempDirTest):
         self.assertIn("note: the output will not record the model's heads (--weights_only writes no user_content.pt): "
                       "ckpt-reshard and ckpt-export of it will need --heads", p.stderr)
         self.assertLess(p.stderr.index("will need --heads"), p.stderr.index("wrote "))
+
+    def test_a_larger_tp_pads_the_vocabulary_by_the_recorded_rule(self):
+        # GPT's vocabulary at NNM's tp 2, make_vocab_size_divisible_by 8 (hyper_parameters.cfg): 48 rows.
+        # NxDT at tp 4 builds ceil(V / 32) * 32 = 64 rows for any V that gives 48 at tp 2, so the converter pads
+        # by the recorded rule (it kept the 48 rows, 12 per rank, before: NxD's load then fails on the shape).
+        c = dict(LLAMA, gpt=True, vocab=48, layers=2)
+        full, _ = make_nnm(None, c, write=False)
+        nnm = os.path.join(self.dir, "nnm")
+        make_nnm(nnm, c, tp=2, pp=1, from_full=full[(0, 0)])
+        emb = "language_model.embedding.word_embeddings.weight"
+        source = dict(full[(0, 0)]["model"])[emb]  # the one-process run's, which the tp 2 files cut
+        self.assertEqual(source.shape[0], 48)
+        out = os.path.join(self.dir, "tp4.ckpt")
+        p = self.convert("--tp", 4, "--pp", 1, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--optimizer_groups", "nxdt")
+        self.assertIn("vocabulary padded to a multiple of 8 x tp (make_vocab_size_divisible_by in the job config in user_content.pt)", p.stderr)
+        parts = [torch.load(os.path.join(out, "model", rank_file(t, 0)))[emb] for t in range(4)]
+        self.assertEqual([tuple(x.shape) for x in parts], [(16, c["hidden"])] * 4)
+        whole = torch.cat(parts)
+        self.assertTrue(torch.equal(whole[:48], source))
+        self.assertEqual(torch.count_nonzero(whole[48:]).item(), 0)
+        model = read_json(os.path.join(out, "manifest.json"))["model"]
+        self.assertEqual((model["vocab_size"], model["make_vocab_size_divisible_by"]), (48, 8))
 
     def test_single_file_xser_in_and_out(self):
         self.roundtrip(dict(LLAMA, layers=2), 1, 1, xser_in=True, xser_out=True)
