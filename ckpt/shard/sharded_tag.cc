@@ -385,8 +385,8 @@ class ShardedTagBuilder {
       const Tensor* out = FindTensor("output_layer.weight");
       f.tied_output = out == nullptr || SameBytes(*out, *emb);
       TakeRecordedConfig();
-      // With rope no tensor holds it; NxDT's config does (the longest sequence the rotary table covers).
-      if (!f.learned_positions && hints_.max_positions) f.max_positions = *hints_.max_positions;
+      // With rope no tensor holds it; the job config does (the longest sequence the rotary table covers).
+      if (!f.learned_positions) f.max_positions = hints_.max_positions.value_or(RecordedConfigInt("max_position_embeddings", 1 << 24).value_or(0));
       if (!hints_.heads) throw FormatUnknown(why + "so give --heads (model.num_attention_heads)");
       f.heads = *hints_.heads;
       if (f.heads < 1 || f.hidden % f.heads) throw Error("--heads " + std::to_string(f.heads) + " does not divide the hidden size " + std::to_string(f.hidden));
@@ -402,12 +402,17 @@ class ShardedTagBuilder {
       }
       if (f.kv_heads < 1 || f.heads % f.kv_heads) throw Error("--kv_heads " + std::to_string(f.kv_heads) + " does not divide --heads");
       const int64_t padded = emb->shape()[0] * tp;
+      const std::optional<int64_t> rule = PaddingRule(padded, tp);
       if (hints_.vocab_size) {
-        if (!hints_.make_vocab_size_divisible_by) throw Error("--vocab_size needs --make_vocab_size_divisible_by (the padding rule)");
-        f.vocab_size = *hints_.vocab_size, f.make_vocab_size_divisible_by = *hints_.make_vocab_size_divisible_by;
+        if (!rule) throw Error("--vocab_size needs --make_vocab_size_divisible_by (the padding rule)");
+        f.vocab_size = *hints_.vocab_size, f.make_vocab_size_divisible_by = *rule;
       } else {
         f.vocab_size = padded;  // every row is kept as vocabulary
-        f.make_vocab_size_divisible_by = hints_.make_vocab_size_divisible_by.value_or(RecordedPaddingRule(padded, tp));
+        f.make_vocab_size_divisible_by = rule.value_or(1);
+        if (rule && !hints_.make_vocab_size_divisible_by)
+          t_->format_notes_.push_back("vocabulary padded to a multiple of " + std::to_string(*rule) + " x tp (make_vocab_size_divisible_by in the job config in " +
+                                      "user_content.pt); its true size is not recorded, so all " + std::to_string(padded) + " rows are taken as vocabulary: " +
+                                      "at a tp that is not a multiple of " + std::to_string(tp) + ", give --vocab_size");
       }
       // Not in the tensors: the job config an NxDT tag records, hints, else the defaults (said so).
       TakeForwardHints(f, "layernorm_epsilon", "--rope_theta, --layernorm_epsilon");
@@ -885,31 +890,37 @@ class ShardedTagBuilder {
     take({"position_freq_base", "rope_theta"}, hints_.rope_theta, "--rope_theta", false);
     take({"layernorm_epsilon"}, hints_.norm_eps, "--layernorm_epsilon", false);
     take({"rotary_percentage"}, hints_.rotary_percentage, "--rotary_percentage", false);
-    take({"max_position_embeddings"}, hints_.max_positions, "--model_config's max_position_embeddings", false);
   }
 
-  // The padding rule (make_vocab_size_divisible_by) of the job config a tag
-  // records (NxDT's, or NNM's carried over by nnm2nxdt-ckpt), when it gives
-  // the `rows` of word_embeddings at `tp`; else 1 (the rows as they are).
-  // With the rule, a tp that is a multiple of this one pads as Megatron pads
-  // the true vocabulary (VocabUtility, padded_vocab_size: a multiple of the
-  // rule x tp), although the true size is not recorded: GPT's 50257 tokens,
-  // 51200 rows at tp 8, are 53248 at tp 32, not 51200.
-  int64_t RecordedPaddingRule(int64_t rows, int tp) {
+  // An integer in [1, max] the job config a tag records (NxDT's, or NNM's
+  // that nnm2nxdt-ckpt carries) holds under `key`, or none.
+  std::optional<int64_t> RecordedConfigInt(const char* key, int64_t max) {
     const Value* uc = UserContentFile();
     const Value* cfg = uc ? RecordedJobConfig(*uc) : nullptr;
-    const Value* v = cfg ? ConfigEntry(*cfg, "make_vocab_size_divisible_by") : nullptr;
-    if (!v || !v->is_int() || v->as_int() < 1) return 1;
-    const int64_t rule = v->as_int();
-    if (rows % (rule * tp) != 0) {
-      t_->format_notes_.push_back("make_vocab_size_divisible_by " + std::to_string(rule) + " in the job config in user_content.pt does not give its " +
-                                  std::to_string(rows) + " word_embeddings rows at tp " + std::to_string(tp) + "; the rows are kept as they are");
-      return 1;
+    const Value* v = cfg ? ConfigEntry(*cfg, key) : nullptr;
+    if (!v || !v->is_int() || v->as_int() < 1 || v->as_int() > max) return std::nullopt;
+    return v->as_int();
+  }
+
+  // The padding rule (make_vocab_size_divisible_by) for word_embeddings of
+  // `rows` at `tp`: the hint, else the job config's when it gives those rows
+  // (one that does not is noted and ignored), else none. A hint the job
+  // config contradicts is refused. With the rule, a tp that is a multiple of
+  // this one pads as Megatron pads the true vocabulary (VocabUtility,
+  // padded_vocab_size: a multiple of the rule x tp), although the true size is
+  // not recorded: GPT's 50257 tokens, 51200 rows at tp 8, are 53248 at tp 32.
+  std::optional<int64_t> PaddingRule(int64_t rows, int tp) {
+    std::optional<int64_t> recorded = RecordedConfigInt("make_vocab_size_divisible_by", 1 << 20);
+    if (recorded && rows % (*recorded * tp) != 0) {
+      t_->format_notes_.push_back("make_vocab_size_divisible_by " + std::to_string(*recorded) + " in the job config in user_content.pt does not give its " +
+                                  std::to_string(rows) + " word_embeddings rows at tp " + std::to_string(tp) + "; it is ignored");
+      recorded.reset();
     }
-    t_->format_notes_.push_back("vocabulary padded to a multiple of " + std::to_string(rule) + " x tp (make_vocab_size_divisible_by in the job config in user_content.pt); " +
-                                "its true size is not recorded, so all " + std::to_string(rows) + " rows are taken as vocabulary: at a tp that is not a multiple of " +
-                                std::to_string(tp) + ", give --vocab_size");
-    return rule;
+    const std::optional<int64_t>& hint = hints_.make_vocab_size_divisible_by;
+    if (hint && recorded && *hint != *recorded)
+      throw Error("--make_vocab_size_divisible_by " + std::to_string(*hint) + " contradicts " + Path(kUserContentFile) +
+                  ", whose job config (hyper_parameters.cfg.make_vocab_size_divisible_by) is " + std::to_string(*recorded));
+    return hint ? hint : recorded;
   }
 
   // user_content.pt, loaded once (the model format and the step both read it), or null.

@@ -267,6 +267,20 @@ class NnmToNxdt(TempDirTest):
         self.assertEqual(torch.count_nonzero(whole[48:]).item(), 0)
         model = read_json(os.path.join(out, "manifest.json"))["model"]
         self.assertEqual((model["vocab_size"], model["make_vocab_size_divisible_by"]), (48, 8))
+        # The true size given alone takes the recorded rule: 40 tokens are 40 rows at tp 1 (48 at tp 2).
+        out1 = os.path.join(self.dir, "tp1.ckpt")
+        self.convert("--tp", 1, "--pp", 1, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out1, "--optimizer_groups", "nxdt",
+                     "--vocab_size", 40)
+        one = torch.load(os.path.join(out1, "model", rank_file(0, 0)))[emb]
+        self.assertTrue(torch.equal(one, source[:40]))
+        # A rule the recorded config contradicts is refused, naming both, and nothing is written.
+        bad = os.path.join(self.dir, "bad.ckpt")
+        p = self.convert("--tp", 4, "--pp", 1, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", bad, "--optimizer_groups", "nxdt",
+                         "--make_vocab_size_divisible_by", 16, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--make_vocab_size_divisible_by 16 contradicts", p.stderr)
+        self.assertIn("(hyper_parameters.cfg.make_vocab_size_divisible_by) is 8", p.stderr)
+        self.assertFalse(os.path.exists(bad))
 
     def test_single_file_xser_in_and_out(self):
         self.roundtrip(dict(LLAMA, layers=2), 1, 1, xser_in=True, xser_out=True)
