@@ -402,9 +402,10 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   }
   ckpt::CheckOutputs({{sum.dst_tag, a.dst.empty() ? "--checkpoint_dir" : "DST", true}}, {{sum.src_tag, "SRC"}});
 
-  // Memory: each writing thread holds one chunk of output and the source
-  // pages it was copied from (plus up to a large folio mapped past each end
-  // of what it read), all released after every chunk.
+  // Memory: each writing thread holds one chunk of output (kept in the
+  // planner's pool for the next file, never more chunks than threads) and the
+  // source pages it was copied from (plus up to a large folio mapped past each
+  // end of what it read), those released after every chunk.
   const uint64_t base = CurrentRss() + src->ReadMemory();
   const uint64_t min_chunk = 256 << 10, slack = 4 << 20, min_thread = 2 * min_chunk + slack;
   const uint64_t usable = a.memory_budget > base ? a.memory_budget - base : 0;

@@ -49,9 +49,6 @@ class TempDir {
 };
 
 // The message of the ckpt::Error `f` throws; "" when it throws none.
-// Creates (or replaces) the file `p` holding one byte.
-inline void Touch(const std::string& p) { std::ofstream(p) << "x"; }
-
 inline std::string ErrorOf(const std::function<void()>& f) {
   try {
     f();
@@ -60,6 +57,9 @@ inline std::string ErrorOf(const std::function<void()>& f) {
   }
   return "";
 }
+
+// Creates (or replaces) the file `p` holding one byte.
+inline void Touch(const std::string& p) { std::ofstream(p) << "x"; }
 
 // A float32 tensor holding 0, 1, 2, ... in row-major order.
 inline Tensor Arange(std::vector<int64_t> shape) {

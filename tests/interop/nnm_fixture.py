@@ -340,7 +340,7 @@ def make_nnm(root, c, tp=1, pp=1, vpp=1, zero1_dp=0, xser=False, steps=2, step=7
                     "lr_schedulers": [sched or lr_scheduler_state(step, 1e-3, 2, 0, 100, 1e-4)]}
             if vpp == 1:
                 sd = {"model." + k: x for k, x in chunks[0].state_dict().items()}
-                sd["untrained_buffer_names"] = ["language_model.encoder.layers.0.self_attention.core_attention.rotary_emb.inv_freq"]
+                sd["untrained_buffer_names"] = [] if c["gpt"] else ["language_model.encoder.layers.0.self_attention.core_attention.rotary_emb.inv_freq"]
                 ckpt["state_dict"] = sd
             else:
                 for v, chunk in enumerate(chunks):
