@@ -361,6 +361,7 @@ class ShardedTagBuilder {
       L.format = *manifest_->model;
       L.format_from_manifest = true;
       CheckHintsAgree(L.format);
+      RefineVocabulary(L.format, tp);
     } else if (FamilyOfNames(ModelNames(), Path("model")) == ModelFamily::kHfLlama) {
       LearnHfFormat();
     } else {
@@ -861,6 +862,40 @@ class ShardedTagBuilder {
                   BackendName(f.hw_backend));
   }
 
+  // A manifest records the vocabulary its writer knew, which for a tag that
+  // recorded none (NxD's, NNM's) is every row. --vocab_size (and
+  // --make_vocab_size_divisible_by) refine it when they give the rows the
+  // tag holds at its tp, so a later tp pads the true size as NxDT does; hints
+  // that give other rows are refused. The HF-style family pads nothing: its
+  // vocabulary is the rows, and a rule given for it is ignored (LearnHfFormat).
+  void RefineVocabulary(ModelFormat& f, int tp) {
+    const std::string where = in_memory_ ? t_->dir_ : Path(kManifestFile);
+    if (f.family != ModelFamily::kMegatron) {  // as LearnHfFormat: no padding rule to refine, the vocabulary is the rows
+      if (hints_.vocab_size && *hints_.vocab_size != f.vocab_size)
+        throw Error("--vocab_size " + std::to_string(*hints_.vocab_size) + " contradicts " + where + ", which records " + std::to_string(f.vocab_size) +
+                    " (the HF-style family does not pad it)");
+      return;
+    }
+    if (!hints_.vocab_size && !hints_.make_vocab_size_divisible_by) return;
+    ModelFormat refined = f;
+    if (hints_.vocab_size) refined.vocab_size = *hints_.vocab_size;
+    if (hints_.make_vocab_size_divisible_by) refined.make_vocab_size_divisible_by = *hints_.make_vocab_size_divisible_by;
+    if (refined.vocab_size == f.vocab_size && refined.make_vocab_size_divisible_by == f.make_vocab_size_divisible_by) return;
+    const bool same_rows = refined.vocab_size >= 1 && refined.vocab_size <= (1 << 24) &&
+                           refined.make_vocab_size_divisible_by >= 1 && refined.make_vocab_size_divisible_by <= (1 << 20) &&
+                           refined.PaddedVocab(tp) == f.PaddedVocab(tp);
+    if (!same_rows)
+      throw Error("--vocab_size " + std::to_string(refined.vocab_size) + " padded to a multiple of " + std::to_string(refined.make_vocab_size_divisible_by) +
+                  " x tp " + std::to_string(tp) + " contradicts " + where + ", which records vocab_size " + std::to_string(f.vocab_size) +
+                  ", make_vocab_size_divisible_by " + std::to_string(f.make_vocab_size_divisible_by) + " (" + std::to_string(f.PaddedVocab(tp)) + " rows)");
+    t_->format_notes_.push_back("vocab_size " + std::to_string(refined.vocab_size) + ", make_vocab_size_divisible_by " +
+                                std::to_string(refined.make_vocab_size_divisible_by) + " given: the same " + std::to_string(f.PaddedVocab(tp)) +
+                                " rows as " + where + " records (vocab_size " + std::to_string(f.vocab_size) + ", make_vocab_size_divisible_by " +
+                                std::to_string(f.make_vocab_size_divisible_by) + ")");
+    f = refined;
+    vocab_refined_ = true;
+  }
+
   // An NxDT tag records its job's model config in user_content.pt
   // (hyper_parameters.cfg, NxDT nlp_overrides.py save_checkpoint keeps
   // Lightning's hyper_parameters), and nnm2nxdt-ckpt carries NNM's there:
@@ -936,6 +971,10 @@ class ShardedTagBuilder {
     if (manifest_) {
       t_->step_ = manifest_->step, t_->consumed_ = manifest_->consumed_samples;
       t_->recorded_ = manifest_->tensors;
+      // A refined vocabulary changes the logical (unpadded) vocab-row tensors: their recorded fingerprints cover other rows.
+      if (vocab_refined_ && t_->recorded_)
+        for (const auto& rule : t_->params_)
+          if (rule.vocab) t_->recorded_->erase(rule.name);
       return;
     }
     const std::string name = std::filesystem::path(t_->dir_).filename().string();
@@ -967,6 +1006,7 @@ class ShardedTagBuilder {
   TagReadOptions opts_;
   std::optional<Value> user_content_;
   bool user_content_loaded_ = false;
+  bool vocab_refined_ = false;  // RefineVocabulary changed the manifest's vocabulary
   std::unique_ptr<ShardedTag> t_;
   std::optional<Manifest> manifest_;
   std::vector<RankFiles> ranks_;

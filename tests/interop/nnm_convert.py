@@ -273,6 +273,18 @@ class NnmToNxdt(TempDirTest):
                      "--vocab_size", 40)
         one = torch.load(os.path.join(out1, "model", rank_file(0, 0)))[emb]
         self.assertTrue(torch.equal(one, source[:40]))
+        # After a conversion the manifest records the 48 rows as the vocabulary; --vocab_size refines it for a later
+        # reshard when it gives the same rows at the tag's tp, and is refused when it does not.
+        at_two = os.path.join(self.dir, "tp2.ckpt")
+        self.convert("--tp", 2, "--pp", 1, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", at_two, "--optimizer_groups", "nxdt")
+        resharded = os.path.join(self.dir, "tp2_to_1.ckpt")
+        p = run(RESHARD, at_two, resharded, "--tp", 1, "--pp", 1, "--vocab_size", 40)
+        self.assertIn("vocab_size 40, make_vocab_size_divisible_by 8 given: the same 48 rows", p.stdout + p.stderr)
+        self.assertTrue(torch.equal(torch.load(os.path.join(resharded, "model", rank_file(0, 0)))[emb], source[:40]))
+        p = run(RESHARD, at_two, os.path.join(self.dir, "bad20.ckpt"), "--tp", 1, "--pp", 1, "--vocab_size", 20, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--vocab_size 20 padded to a multiple of 8 x tp 2 contradicts", p.stderr)
+        self.assertIn("which records vocab_size 48, make_vocab_size_divisible_by 8 (48 rows)", p.stderr)
         # A rule the recorded config contradicts is refused, naming both, and nothing is written.
         bad = os.path.join(self.dir, "bad.ckpt")
         p = self.convert("--tp", 4, "--pp", 1, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", bad, "--optimizer_groups", "nxdt",
