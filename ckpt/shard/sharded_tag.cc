@@ -834,9 +834,11 @@ class ShardedTagBuilder {
   // What the forward pass needs beyond the tensors, for a tag without a manifest: the hints
   // (or the job config an NxDT tag records), else the defaults, said so.
   void TakeForwardHints(ModelFormat& f, const std::string& eps_name, const std::string& flags) {
-    if (!hints_.rope_theta || !hints_.norm_eps)
-      t_->format_notes_.push_back(std::string("rope_theta ") + (hints_.rope_theta ? "given" : "10000 assumed") + ", " + eps_name + " " +
-                                  (hints_.norm_eps ? "given" : "1e-05 assumed") + ": the tag does not record them (" + flags + " give them)");
+    const bool rope = !f.learned_positions;  // GPT's learned positions have no rotary base to assume
+    if ((rope && !hints_.rope_theta) || !hints_.norm_eps)
+      t_->format_notes_.push_back((rope ? std::string("rope_theta ") + (hints_.rope_theta ? "given" : "10000 assumed") + ", " : std::string()) +
+                                  eps_name + " " + (hints_.norm_eps ? "given" : "1e-05 assumed") + ": the tag does not record " +
+                                  (rope ? "them" : "it") + " (" + flags + " give them)");
     f.rope_theta = hints_.rope_theta.value_or(f.rope_theta);
     f.norm_eps = hints_.norm_eps.value_or(f.norm_eps);
     f.rotary_percentage = hints_.rotary_percentage.value_or(f.rotary_percentage);
@@ -845,7 +847,8 @@ class ShardedTagBuilder {
 
   // A hint that contradicts the model format a manifest records is refused,
   // naming both. Not the vocabulary: a writer that could not tell the padding
-  // records every row as vocabulary, which a config's true size does not contradict.
+  // records every row as vocabulary, which a true size may refine
+  // (RefineVocabulary decides).
   void CheckHintsAgree(const ModelFormat& f) const {
     const std::string where = in_memory_ ? t_->dir_ : Path(kManifestFile);
     auto check = [&]<typename T>(const std::optional<T>& hint, T recorded, const char* flag) {

@@ -260,6 +260,7 @@ class NnmToNxdt(TempDirTest):
         out = os.path.join(self.dir, "tp4.ckpt")
         p = self.convert("--tp", 4, "--pp", 1, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out, "--optimizer_groups", "nxdt")
         self.assertIn("vocabulary padded to a multiple of 8 x tp (make_vocab_size_divisible_by in the job config in user_content.pt)", p.stderr)
+        self.assertNotIn("rope_theta", p.stderr)  # learned positions: no rotary base to assume
         parts = [torch.load(os.path.join(out, "model", rank_file(t, 0)))[emb] for t in range(4)]
         self.assertEqual([tuple(x.shape) for x in parts], [(16, c["hidden"])] * 4)
         whole = torch.cat(parts)
