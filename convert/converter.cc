@@ -202,7 +202,11 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
     }
   }
   if (view) return ConvertAndRelayout(a, src, plan, tag_dir, env, log, t0, std::move(view));
-  if (a.save_xser) plan = PlanConversion(src, inputs, {opts.n_layers, opts.weights_only, true, opts.optimizer_groups, opts.require_optimizer});
+  if (a.save_xser) {
+    ConvertOptions xser = opts;
+    xser.save_xser = true;
+    plan = PlanConversion(src, inputs, xser);
+  }
   if (!plan.format_unrecorded.empty()) plan.notes.push_back(plan.format_unrecorded);
   plan.notes.push_back("written file for file as mapped; the manifest records no model format and no fingerprints (" + why_mapped + ")");
   ConvertSummary sum;

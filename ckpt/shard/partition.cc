@@ -81,8 +81,8 @@ std::string ModelFormat::CheckSizes() const {
   if (layers < 1 || layers > kMaxLayers) return over("the layer count", layers, kMaxLayers);
   if (hidden < 1 || hidden > (1 << 20)) return over("the hidden size", hidden, 1 << 20);
   if (ffn < 1 || ffn > (1 << 20)) return over("the FFN width", ffn, 1 << 20);
-  if (vocab_size < 1 || vocab_size > (1 << 24)) return over("the vocabulary", vocab_size, 1 << 24);
-  if (max_positions < 0 || max_positions > (1 << 24)) return over("max_position_embeddings", max_positions, 1 << 24);
+  if (vocab_size < 1 || vocab_size > kMaxVocab) return over("the vocabulary", vocab_size, kMaxVocab);
+  if (max_positions < 0 || max_positions > kMaxPositions) return over("max_position_embeddings", max_positions, kMaxPositions);
   if (!(rope_theta > 0 && rope_theta <= 1e12)) return "rope_theta " + std::to_string(rope_theta) + " is not in (0, 1e12]";
   if (!(norm_eps > 0 && norm_eps < 1)) return "the norm epsilon " + std::to_string(norm_eps) + " is not in (0, 1)";
   if (!(rotary_percentage > 0 && rotary_percentage <= 1)) return "rotary_percentage " + std::to_string(rotary_percentage) + " is not in (0, 1]";
@@ -123,7 +123,7 @@ ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& wh
   f.heads = FieldInt(j, "num_attention_heads", 1, f.hidden, where);
   f.kv_heads = FieldInt(j, "num_kv_heads", 1, f.heads, where);
   f.vocab_size = FieldInt(j, "vocab_size", 1, kBig, where);
-  f.make_vocab_size_divisible_by = FieldInt(j, "make_vocab_size_divisible_by", 1, 1 << 20, where);
+  f.make_vocab_size_divisible_by = FieldInt(j, "make_vocab_size_divisible_by", 1, kMaxPaddingRule, where);
   f.layernorm = FieldChoice(j, "normalization", {"rmsnorm", "layernorm"}, where) == "layernorm";
   f.gelu = FieldChoice(j, "activation", {"swiglu", "gelu"}, where) == "gelu";
   f.bias = FieldBool(j, "has_bias", where);

@@ -92,6 +92,8 @@ struct ModelFormat {
   // mistyped input, before anything is planned or allocated for it.
   std::string CheckSizes() const;
   static constexpr int64_t kMaxLayers = 1 << 14;
+  static constexpr int64_t kMaxVocab = 1 << 24, kMaxPositions = 1 << 24;
+  static constexpr int64_t kMaxPaddingRule = 1 << 20;  // make_vocab_size_divisible_by
   nlohmann::ordered_json ToJson() const;
   // Throws ckpt::Error naming `where` and the field.
   static ModelFormat FromJson(const nlohmann::json& j, const std::string& where);

@@ -387,7 +387,7 @@ class ShardedTagBuilder {
       f.tied_output = out == nullptr || SameBytes(*out, *emb);
       TakeRecordedConfig();
       // With rope no tensor holds it; the job config does (the longest sequence the rotary table covers).
-      if (!f.learned_positions) f.max_positions = hints_.max_positions.value_or(RecordedConfigInt("max_position_embeddings", 1 << 24).value_or(0));
+      if (!f.learned_positions) f.max_positions = hints_.max_positions.value_or(RecordedConfigInt("max_position_embeddings", ModelFormat::kMaxPositions).value_or(0));
       if (!hints_.heads) throw FormatUnknown(why + "so give --heads (model.num_attention_heads)");
       f.heads = *hints_.heads;
       if (f.heads < 1 || f.hidden % f.heads) throw Error("--heads " + std::to_string(f.heads) + " does not divide the hidden size " + std::to_string(f.hidden));
@@ -884,8 +884,8 @@ class ShardedTagBuilder {
     if (hints_.vocab_size) refined.vocab_size = *hints_.vocab_size;
     if (hints_.make_vocab_size_divisible_by) refined.make_vocab_size_divisible_by = *hints_.make_vocab_size_divisible_by;
     if (refined.vocab_size == f.vocab_size && refined.make_vocab_size_divisible_by == f.make_vocab_size_divisible_by) return;
-    const bool same_rows = refined.vocab_size >= 1 && refined.vocab_size <= (1 << 24) &&
-                           refined.make_vocab_size_divisible_by >= 1 && refined.make_vocab_size_divisible_by <= (1 << 20) &&
+    const bool same_rows = refined.vocab_size >= 1 && refined.vocab_size <= ModelFormat::kMaxVocab &&
+                           refined.make_vocab_size_divisible_by >= 1 && refined.make_vocab_size_divisible_by <= ModelFormat::kMaxPaddingRule &&
                            refined.PaddedVocab(tp) == f.PaddedVocab(tp);
     if (!same_rows)
       throw Error("--vocab_size " + std::to_string(refined.vocab_size) + " padded to a multiple of " + std::to_string(refined.make_vocab_size_divisible_by) +
@@ -896,7 +896,6 @@ class ShardedTagBuilder {
                                 " rows as " + where + " records (vocab_size " + std::to_string(f.vocab_size) + ", make_vocab_size_divisible_by " +
                                 std::to_string(f.make_vocab_size_divisible_by) + ")");
     f = refined;
-    vocab_refined_ = true;
   }
 
   // An NxDT tag records its job's model config in user_content.pt
@@ -905,8 +904,7 @@ class ShardedTagBuilder {
   // heads and KV heads come from there when no hint gives them, and a hint
   // that contradicts it is refused. A plain dict or omegaconf's DictConfig.
   void TakeRecordedConfig() {
-    const Value* uc = UserContentFile();
-    const Value* cfg = uc ? RecordedJobConfig(*uc) : nullptr;
+    const Value* cfg = RecordedConfig();
     if (!cfg) return;
     // The first of `keys` the config holds as a number gives `hint` (an int hint takes integers only).
     auto take = [&]<typename T>(std::initializer_list<const char*> keys, std::optional<T>& hint, const char* flag, bool note) {
@@ -914,9 +912,7 @@ class ShardedTagBuilder {
         const Value* v = ConfigEntry(*cfg, key);
         if (!v || !(v->is_int() || (std::is_floating_point_v<T> && v->is_float()))) continue;
         const T x = v->is_int() ? static_cast<T>(v->as_int()) : static_cast<T>(v->as_float());
-        if (hint && *hint != x)
-          throw Error(std::string(flag) + " " + std::to_string(*hint) + " contradicts " + Path(kUserContentFile) + ", whose job config " +
-                      "(hyper_parameters.cfg." + key + ") is " + std::to_string(x));
+        if (hint && *hint != x) throw Error(JobConfigContradiction(flag, std::to_string(*hint), key, std::to_string(x)));
         if (!hint && note) t_->format_notes_.push_back(std::string(key) + " " + std::to_string(x) + " from the job config in user_content.pt");
         hint = x;
         return;
@@ -930,11 +926,21 @@ class ShardedTagBuilder {
     take({"rotary_percentage"}, hints_.rotary_percentage, "--rotary_percentage", false);
   }
 
+  // The job config a tag records (hyper_parameters.cfg in user_content.pt), or null.
+  const Value* RecordedConfig() {
+    const Value* uc = UserContentFile();
+    return uc ? RecordedJobConfig(*uc) : nullptr;
+  }
+
+  // "<flag> <hint> contradicts .../user_content.pt, whose job config (hyper_parameters.cfg.<key>) is <recorded>"
+  std::string JobConfigContradiction(const std::string& flag, const std::string& hint, const std::string& key, const std::string& recorded) {
+    return flag + " " + hint + " contradicts " + Path(kUserContentFile) + ", whose job config (hyper_parameters.cfg." + key + ") is " + recorded;
+  }
+
   // An integer in [1, max] the job config a tag records (NxDT's, or NNM's
   // that nnm2nxdt-ckpt carries) holds under `key`, or none.
   std::optional<int64_t> RecordedConfigInt(const char* key, int64_t max) {
-    const Value* uc = UserContentFile();
-    const Value* cfg = uc ? RecordedJobConfig(*uc) : nullptr;
+    const Value* cfg = RecordedConfig();
     const Value* v = cfg ? ConfigEntry(*cfg, key) : nullptr;
     if (!v || !v->is_int() || v->as_int() < 1 || v->as_int() > max) return std::nullopt;
     return v->as_int();
@@ -948,7 +954,7 @@ class ShardedTagBuilder {
   // padded_vocab_size: a multiple of the rule x tp), although the true size is
   // not recorded: GPT's 50257 tokens, 51200 rows at tp 8, are 53248 at tp 32.
   std::optional<int64_t> PaddingRule(int64_t rows, int tp) {
-    std::optional<int64_t> recorded = RecordedConfigInt("make_vocab_size_divisible_by", 1 << 20);
+    std::optional<int64_t> recorded = RecordedConfigInt("make_vocab_size_divisible_by", ModelFormat::kMaxPaddingRule);
     if (recorded && rows % (*recorded * tp) != 0) {
       t_->format_notes_.push_back("make_vocab_size_divisible_by " + std::to_string(*recorded) + " in the job config in user_content.pt does not give its " +
                                   std::to_string(rows) + " word_embeddings rows at tp " + std::to_string(tp) + "; it is ignored");
@@ -956,8 +962,8 @@ class ShardedTagBuilder {
     }
     const std::optional<int64_t>& hint = hints_.make_vocab_size_divisible_by;
     if (hint && recorded && *hint != *recorded)
-      throw Error("--make_vocab_size_divisible_by " + std::to_string(*hint) + " contradicts " + Path(kUserContentFile) +
-                  ", whose job config (hyper_parameters.cfg.make_vocab_size_divisible_by) is " + std::to_string(*recorded));
+      throw Error(JobConfigContradiction("--make_vocab_size_divisible_by", std::to_string(*hint), "make_vocab_size_divisible_by",
+                                         std::to_string(*recorded)));
     return hint ? hint : recorded;
   }
 
@@ -975,7 +981,10 @@ class ShardedTagBuilder {
       t_->step_ = manifest_->step, t_->consumed_ = manifest_->consumed_samples;
       t_->recorded_ = manifest_->tensors;
       // A refined vocabulary changes the logical (unpadded) vocab-row tensors: their recorded fingerprints cover other rows.
-      if (vocab_refined_ && t_->recorded_)
+      const ModelFormat& now = t_->layout_.format;
+      const bool vocab_refined = manifest_->model && (manifest_->model->vocab_size != now.vocab_size ||
+                                                      manifest_->model->make_vocab_size_divisible_by != now.make_vocab_size_divisible_by);
+      if (vocab_refined && t_->recorded_)
         for (const auto& rule : t_->params_)
           if (rule.vocab) t_->recorded_->erase(rule.name);
       return;
@@ -1009,7 +1018,6 @@ class ShardedTagBuilder {
   TagReadOptions opts_;
   std::optional<Value> user_content_;
   bool user_content_loaded_ = false;
-  bool vocab_refined_ = false;  // RefineVocabulary changed the manifest's vocabulary
   std::unique_ptr<ShardedTag> t_;
   std::optional<Manifest> manifest_;
   std::vector<RankFiles> ranks_;
