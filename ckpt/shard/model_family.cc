@@ -192,10 +192,20 @@ Grouping FamilyGrouping(const ModelFormat& f, const std::vector<std::string>& pa
 }
 
 ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) {
-  const std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty() &&
-                                   c["architectures"][0].is_string()
-                               ? c["architectures"][0].get<std::string>()
-                               : "";
+  std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty() &&
+                             c["architectures"][0].is_string()
+                         ? c["architectures"][0].get<std::string>()
+                         : "";
+  // Without `architectures`, transformers' AutoConfig dispatches on model_type
+  // (configuration_auto.py CONFIG_MAPPING), and AutoModelForCausalLM takes the
+  // causal-LM class of that type: so does this.
+  if (arch.empty() && c.contains("model_type") && c["model_type"].is_string()) {
+    const std::string type = c["model_type"].get<std::string>();
+    if (type == "llama") arch = "LlamaForCausalLM";
+    else if (type == "gpt2") arch = "GPT2LMHeadModel";
+    else throw Error(cpath + ": model_type '" + type + "' (and no architectures) is not one this import knows (llama, gpt2)");
+  }
+  if (arch.empty()) throw Error(cpath + ": names neither architectures nor model_type, so the model it describes is unknown");
   ModelFormat f;
   auto flag = [&](const char* key, bool fallback) {
     if (!c.contains(key)) return fallback;

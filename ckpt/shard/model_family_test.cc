@@ -182,5 +182,22 @@ TEST(ModelFamily, FormatRoundTripsThroughJson) {
   EXPECT_EQ(ModelFormat::FromJson(old, "old manifest").family, ModelFamily::kMegatron);
 }
 
+// transformers' AutoConfig reads model_type when a config.json lists no architectures.
+TEST(ModelFamily, HfConfigWithoutArchitecturesIsReadByModelType) {
+  nlohmann::json llama = {{"model_type", "llama"}, {"hidden_size", 64}, {"intermediate_size", 96}, {"num_attention_heads", 8},
+                          {"num_key_value_heads", 2}, {"num_hidden_layers", 2}, {"vocab_size", 128}};
+  const ModelFormat f = FormatOfHfConfig(llama, "c.json");
+  EXPECT_EQ(f.hidden, 64);
+  EXPECT_EQ(f.kv_heads, 2);
+  EXPECT_FALSE(f.gelu);
+  nlohmann::json gpt = {{"model_type", "gpt2"}, {"n_embd", 64}, {"n_head", 8}, {"n_layer", 2}, {"vocab_size", 128},
+                        {"n_positions", 32}, {"activation_function", "gelu"}};
+  EXPECT_TRUE(FormatOfHfConfig(gpt, "c.json").learned_positions);
+  llama["model_type"] = "mistral";
+  EXPECT_NE(ErrorOf([&] { FormatOfHfConfig(llama, "c.json"); }).find("model_type 'mistral'"), std::string::npos);
+  llama.erase("model_type");
+  EXPECT_NE(ErrorOf([&] { FormatOfHfConfig(llama, "c.json"); }).find("neither architectures nor model_type"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace ckpt

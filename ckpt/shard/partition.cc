@@ -47,6 +47,21 @@ int64_t ModelFormat::PaddedVocab(int tp) const {
   return (vocab_size + multiple - 1) / multiple * multiple;
 }
 
+std::optional<int64_t> ModelFormat::PaddingRuleGiving(int64_t vocab, int64_t rows, int tp) {
+  if (tp < 1 || vocab < 1 || vocab > rows || rows > kMaxVocab || rows % tp) return std::nullopt;
+  ModelFormat f;
+  f.vocab_size = vocab;
+  const auto gives = [&](int64_t rule) {
+    f.make_vocab_size_divisible_by = rule;
+    return f.PaddedVocab(tp) == rows;
+  };
+  if (gives(kNnmDefaultPaddingRule)) return kNnmDefaultPaddingRule;
+  // A rule that fits divides rows / tp, and exceeds (rows - vocab) / tp.
+  for (int64_t rule = (rows - vocab) / tp + 1; rule <= std::min(rows / tp, kMaxPaddingRule); ++rule)
+    if ((rows / tp) % rule == 0 && gives(rule)) return rule;
+  return std::nullopt;
+}
+
 std::string ModelFormat::Describe() const {
   std::string s = std::string(family == ModelFamily::kHfLlama ? "HF-style llama" : layernorm ? "gpt-style" : "llama-style") + ", " + std::to_string(layers) + " layers, hidden " +
                   std::to_string(hidden) + ", ffn " + std::to_string(ffn) + ", " + std::to_string(heads) + " heads";

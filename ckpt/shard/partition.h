@@ -32,6 +32,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -81,6 +82,13 @@ struct ModelFormat {
 
   int64_t head_dim() const { return hidden / heads; }
   int64_t PaddedVocab(int tp) const;  // Megatron's _vocab_size_with_padding
+  // The make_vocab_size_divisible_by that pads `vocab` to exactly `rows` at
+  // `tp`, for files that record no rule (NNM's HF -> NNM converter writes no
+  // hyper_parameters): NNM's default, 128 (megatron_llama_config.yaml), when
+  // it fits, else the smallest rule that does; nullopt when none does. Any
+  // rule that fits gives the same rows at this tp; they differ at others.
+  static std::optional<int64_t> PaddingRuleGiving(int64_t vocab, int64_t rows, int tp);
+  static constexpr int64_t kNnmDefaultPaddingRule = 128;
   std::string Describe() const;       // "llama-style, 4 layers, hidden 64, 4 heads (2 KV), vocab 250"
   // Why the degrees cannot hold this model ("" when they can): tp must divide
   // heads, KV heads (or be a multiple of them), ffn; pp at most the layers.

@@ -6,6 +6,8 @@
 #include <nlohmann/json.hpp>
 
 #include <map>
+#include <tuple>
+#include <vector>
 
 #include "ckpt/util/error.h"
 
@@ -62,6 +64,20 @@ TEST(Partition, GptNamesInModuleOrderWithSplitsStatedPerLayer) {
   EXPECT_EQ(Find(ps, "dense.bias").split, SplitDim::kReplicated);      // row-parallel bias: whole
   EXPECT_EQ(Find(ps, "4h_to_h.weight").split, SplitDim::kColumns);
   EXPECT_EQ(Find(ps, "position_embeddings.weight").split, SplitDim::kReplicated);
+}
+
+TEST(Partition, PaddingRuleIsInferredFromRows) {
+  EXPECT_EQ(ModelFormat::PaddingRuleGiving(32000, 32000, 2), 128);  // NNM's default fits: 32000 = 125 x 128 x 2
+  EXPECT_EQ(ModelFormat::PaddingRuleGiving(250, 256, 2), 128);
+  EXPECT_EQ(ModelFormat::PaddingRuleGiving(40, 48, 2), 6);   // 128 x 2 would give 256 rows; 4 x 2 gives 40, 6 x 2 gives 48
+  EXPECT_EQ(ModelFormat::PaddingRuleGiving(48, 48, 2), 1);
+  EXPECT_EQ(ModelFormat::PaddingRuleGiving(50, 48, 2), std::nullopt);  // more tokens than rows
+  EXPECT_EQ(ModelFormat::PaddingRuleGiving(48, 49, 2), std::nullopt);  // rows not split over tp
+  for (const auto& [vocab, rows, tp] : std::vector<std::tuple<int64_t, int64_t, int>>{{50257, 51200, 8}, {40, 48, 2}, {7, 64, 4}}) {
+    ModelFormat f;
+    f.vocab_size = vocab, f.make_vocab_size_divisible_by = *ModelFormat::PaddingRuleGiving(vocab, rows, tp);
+    EXPECT_EQ(f.PaddedVocab(tp), rows) << vocab << " " << rows << " " << tp;
+  }
 }
 
 TEST(Partition, VocabIsPaddedToDivisibleTimesTp) {

@@ -403,9 +403,20 @@ class ShardedTagBuilder {
       }
       if (f.kv_heads < 1 || f.heads % f.kv_heads) throw Error("--kv_heads " + std::to_string(f.kv_heads) + " does not divide --heads");
       const int64_t padded = emb->shape()[0] * tp;
-      const std::optional<int64_t> rule = PaddingRule(padded, tp);
+      std::optional<int64_t> rule = PaddingRule(padded, tp);
       if (hints_.vocab_size) {
-        if (!rule) throw Error("--vocab_size needs --make_vocab_size_divisible_by (the padding rule)");
+        if (!rule) {
+          // A vocabulary without a rule (--model_config's vocab_size on NNM's HF -> NNM converter's output, which
+          // records no hyper_parameters): the rule that gives the rows read, said so.
+          rule = ModelFormat::PaddingRuleGiving(*hints_.vocab_size, padded, tp);
+          if (!rule)
+            throw Error(t_->dir_ + ": its word_embeddings hold " + std::to_string(padded) + " rows over tp " + std::to_string(tp) +
+                        ", which no make_vocab_size_divisible_by gives from vocab_size " + std::to_string(*hints_.vocab_size));
+          t_->format_notes_.push_back("make_vocab_size_divisible_by " + std::to_string(*rule) + " inferred: it pads vocab_size " +
+                                      std::to_string(*hints_.vocab_size) + " to the " + std::to_string(padded) + " word_embeddings rows at tp " +
+                                      std::to_string(tp) + (*rule == ModelFormat::kNnmDefaultPaddingRule ? " (NNM's default)" : "") +
+                                      "; give --make_vocab_size_divisible_by if the job used another");
+        }
         f.vocab_size = *hints_.vocab_size, f.make_vocab_size_divisible_by = *rule;
       } else {
         f.vocab_size = padded;  // every row is kept as vocabulary

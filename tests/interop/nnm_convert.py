@@ -478,6 +478,67 @@ class NnmToNxdt(TempDirTest):
         self.assertIn("no optimizer state", p.stderr)
         self.assertFalse(os.path.exists(refused))
 
+    def test_readme_conversion_with_model_config_alone(self):
+        """The README's first hour: NNM's HF -> NNM converter records no hyper_parameters, so the
+        user gives the HF config.json and nothing else. The padding rule is the one that gives the
+        rows read (NNM's default, 128, when it fits), said so; a config.json with model_type and no
+        architectures is read as transformers' AutoConfig reads it; the one-pass degree change
+        takes the same route, and both outputs hold the same state."""
+        nnm = os.path.join(self.dir, "nnm")
+        c = dict(LLAMA, layers=4, vocab=256)
+
+        def hf_converted(c):
+            make_hf_converted(nnm, c, tp=2, pp=2)
+            # The converter copies one HF model's norms to every tp rank: replicas are equal.
+            for pp in range(2):
+                files = [os.path.join(nnm, f"tp_rank_{t:02d}_pp_rank_{pp:03d}", "model_optim_rng.ckpt") for t in range(2)]
+                first = torch.load(files[0])["state_dict"]
+                ck = torch.load(files[1])
+                ck["state_dict"] = {k: first[k] if v.dim() == 1 else v for k, v in ck["state_dict"].items()}
+                torch.save(ck, files[1])
+
+        hf_converted(c)
+        hf = os.path.join(self.dir, "hf")
+        os.makedirs(hf)
+        with open(os.path.join(hf, "config.json"), "w") as f:  # no architectures: model_type alone
+            json.dump({"model_type": "llama", "hidden_size": c["hidden"], "intermediate_size": c["ffn"],
+                       "num_attention_heads": c["heads"], "num_key_value_heads": c["kv_heads"],
+                       "num_hidden_layers": c["layers"], "vocab_size": 250}, f)
+        same, one_pass = os.path.join(self.dir, "same.ckpt"), os.path.join(self.dir, "tp1.ckpt")
+        p = self.convert("--tp", 2, "--pp", 2, "--n_layers", 4, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", same,
+                         "--weights_only", "--model_config", os.path.join(hf, "config.json"))
+        self.assertIn("make_vocab_size_divisible_by 128 inferred", p.stderr)
+        self.assertIn("NNM's default", p.stderr)
+        with open(os.path.join(same, "manifest.json")) as f:
+            manifest = json.load(f)
+        self.assertEqual((manifest["model"]["vocab_size"], manifest["model"]["make_vocab_size_divisible_by"]), (250, 128))
+        p = self.convert("--tp", 1, "--pp", 1, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", one_pass,
+                         "--weights_only", "--model_config", os.path.join(hf, "config.json"))
+        self.assertIn("make_vocab_size_divisible_by 128 inferred", p.stderr)
+        run(VERIFY, one_pass, "--against", same)
+        # 128 does not fit 32 rows at tp 2: the smallest rule that does (2: 30 tokens padded to 32), said so.
+        shutil.rmtree(nnm)
+        hf_converted(dict(c, vocab=32))
+        with open(os.path.join(hf, "config.json")) as f:
+            cfg = json.load(f)
+        with open(os.path.join(hf, "config.json"), "w") as f:
+            json.dump(dict(cfg, vocab_size=30), f)
+        small = os.path.join(self.dir, "small.ckpt")
+        p = self.convert("--tp", 2, "--pp", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", small,
+                         "--weights_only", "--model_config", os.path.join(hf, "config.json"))
+        self.assertIn("make_vocab_size_divisible_by 2 inferred", p.stderr)
+        self.assertNotIn("NNM's default", p.stderr)
+        # No rule gives 32 rows from 40 tokens: exit 2, naming both, nothing written.
+        with open(os.path.join(hf, "config.json"), "w") as f:
+            json.dump(dict(cfg, vocab_size=40), f)
+        refused = os.path.join(self.dir, "refused.ckpt")
+        p = self.convert("--tp", 2, "--pp", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", refused,
+                         "--weights_only", "--model_config", os.path.join(hf, "config.json"), check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("32 rows", p.stderr)
+        self.assertIn("vocab_size 40", p.stderr)
+        self.assertFalse(os.path.exists(refused))
+
     def test_old_unmerged_swiglu_converts_to_what_the_merged_files_convert_to(self):
         """Old NNM Llama files keep dense_h_to_4h (gate) and dense_h_to_4h_2 (up) apart; NNM's
         chkpt_merge_mlp_weights.py stacks them per tp rank. Splitting merged files back into that
