@@ -99,10 +99,14 @@ int main(int argc, char** argv) {
     const std::string report = m.report.ToJson().dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
     if (!m.report.check_problems.empty() && !allow_incomplete) {
       std::cerr << m.report.Summary();
-      std::cerr << "nnm2nxdt-config: the migrated config does not pass --check (" << m.report.check_problems.size()
-                << " problem(s) above); nothing was written. Set the missing values with overrides (e.g. "
-                   "model.data.data_prefix=[1.0,/path/prefix]), or pass --allow-incomplete to write it for editing\n";
-      return 1;
+      // The closing line names what is wrong, so the advice fits the problem (heads that do not
+      // split over tp are not missing values).
+      std::string named;
+      for (const auto& p : m.report.check_problems) named += (named.empty() ? "" : "; ") + p;
+      std::cerr << "nnm2nxdt-config: nothing was written: the migrated config does not pass --check (" << m.report.check_problems.size()
+                << " problem(s): " << named << "). Change the NNM keys behind them with overrides (key=value), "
+                << "or pass --allow-incomplete to write it for editing\n";
+      return 2;  // bad input, as every command's
     }
     std::vector<ckpt::FileContent> files;
     if (!output.empty()) files.push_back({output, Text(yaml)});
