@@ -111,6 +111,9 @@ int main(int argc, char** argv) {
     std::cout << "shardkit-tokenize: " << docs.size() << " documents, " << tokens << " tokens -> " << args[1]
               << (format == "hdf5" ? ".h5" : ".bin/.idx") << "\n";
     return 0;
+  } catch (const ckpt::Error& e) {  // bad input (a missing file, an output that is the input): named, exit 2
+    std::cerr << "shardkit-tokenize: " << e.what() << "\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "shardkit-tokenize: " << e.what() << "\n";
     return 1;

@@ -22,9 +22,9 @@ int main(int argc, char** argv) {
     else std::cout << shardkit::ReportToText(report);
     for (const auto& p : report.problems) std::cerr << "ckpt-inspect: " << path << ": " << p << "\n";
     return report.problems.empty() ? 0 : 1;
-  } catch (const ckpt::Error& e) {
+  } catch (const ckpt::Error& e) {  // a path that is not there or not a checkpoint: bad input
     std::cerr << "ckpt-inspect: " << e.what() << "\n";
-    return 1;
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "ckpt-inspect: " << path << ": " << e.what() << "\n";
     return 1;

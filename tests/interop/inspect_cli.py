@@ -84,7 +84,7 @@ class InspectCli(TempDirTest):
             f.write(b"PK\x03\x04 not really a zip")
         for path in (bad, os.path.join(self.dir, "missing.pt"), self.dir):
             p = run(INSPECT, path, check=False)
-            self.assertEqual(p.returncode, 1, path)
+            self.assertEqual(p.returncode, 2, path)  # bad input; 1 is a damaged tag's report
             self.assertIn(path, p.stderr)
             self.assertEqual(p.stdout, "")
 
