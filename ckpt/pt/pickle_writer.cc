@@ -197,6 +197,8 @@ class Pickler {
   void SaveObject(const std::shared_ptr<Object>& o) {
     if (opts_.weights_only) Fail("object of class " + o->cls.full() + " is not allowed by torch's weights_only loader");
     if (Memoized(o.get())) return;
+    pinned_.push_back(o);
+    GlobalOp(o->cls.module, o->cls.name);  // refuses any class but torch 2's and xser's
     // What torch 2's weights-only unpickler does with an object of an allowed
     // class (_weights_only_unpickler.py Unpickler.load): REDUCE, NEWOBJ and
     // BUILD, SETITEMS only onto a dict, OrderedDict or Counter, APPENDS only
@@ -205,8 +207,6 @@ class Pickler {
     if (!o->list_items.empty()) Fail("object of class " + o->cls.full() + " holds list items, which torch's weights_only loader appends only to a list");
     if (!o->dict_items.empty() && o->cls.full() != "collections.Counter")
       Fail("object of class " + o->cls.full() + " holds dict items, which torch's weights_only loader sets only on a dict");
-    pinned_.push_back(o);
-    GlobalOp(o->cls.module, o->cls.name);
     Save(o->args ? *o->args : Value::Tuple());
     Op(o->how == Object::Build::kReduce ? 'R' : 0x81);
     memo_[o.get()] = Put();
