@@ -15,6 +15,7 @@
 #include "ckpt/store/output_guard.h"
 #include "ckpt/util/progress.h"
 #include "ckpt/pt/pt_file.h"
+#include "ckpt/pt/plain_data.h"
 #include "ckpt/store/tag_writer.h"
 #include "ckpt/pt/xser.h"
 #include "ckpt/shard/optimizer_groups.h"
@@ -167,10 +168,12 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   tbb::parallel_for(size_t{0}, inputs.size(), [&](size_t i) {
     RankInput& in = inputs[i];
     in.path = src.files[i];
-    in.checkpoint = ckpt::LoadPtOrXser(in.path, {}, env);
+    // Made plain as read: NNM's hyper_parameters (omegaconf) become dicts, and
+    // anything shardkit would not write again is refused naming its file.
+    in.checkpoint = ckpt::PlainCheckpointData(ckpt::LoadPtOrXser(in.path, {}, env), in.path);
     for (int d = 0; d < src.zero1_dp(); ++d) {
       in.zero1_paths.push_back(src.zero1_files[i * src.zero1_dp() + d]);
-      in.zero1.push_back(ckpt::LoadPtOrXser(in.zero1_paths.back(), {}, env));
+      in.zero1.push_back(ckpt::PlainCheckpointData(ckpt::LoadPtOrXser(in.zero1_paths.back(), {}, env), in.zero1_paths.back()));
     }
   });
   // Planned as plain files: the engine splits xser files itself.

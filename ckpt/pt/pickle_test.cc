@@ -3,6 +3,9 @@
 #include "ckpt/util/error.h"
 #include "ckpt/pt/pickle_reader.h"
 #include "ckpt/pt/pickle_writer.h"
+#include "ckpt/pt/xser.h"
+
+#include <set>
 
 namespace ckpt {
 namespace {
@@ -72,10 +75,9 @@ TEST(Unpickle, UnknownClassesBecomeOpaqueObjects) {
   EXPECT_EQ(o.cls.full(), "omegaconf.dictconfig.DictConfig");
   EXPECT_EQ(o.how, Object::Build::kNewObj);
   EXPECT_EQ(o.state->as_dict().At("key").as_int(), 7);
-  // It writes back as it was read.
+  // It is not written back: torch.load would build it (PlainCheckpointData makes it plain first).
   std::vector<PickledStorage> st;
-  const std::string out = Pickle(v, {}, &st);
-  EXPECT_TRUE(DeepEqual(Load(out), v));
+  EXPECT_THROW(Pickle(v, {}, &st), Error);
 }
 
 TEST(Unpickle, ErrorsNameFileRecordAndOffset) {
@@ -185,6 +187,96 @@ TEST(Pickle, WeightsOnlyRejectsWhatTorch113CannotLoad) {
   ok.as_dict().Set("n", Value(3));
   const std::string bytes = Pickle(ok, {.weights_only = true}, &st);
   EXPECT_EQ(bytes.find('G'), std::string::npos);
+}
+
+std::string PickleError(const Value& v) {
+  std::vector<PickledStorage> st;
+  try {
+    Pickle(v, {}, &st);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+Value Obj(Global cls, Object::Build how, Value args, Value state = Value()) {
+  auto o = std::make_shared<Object>();
+  o->cls = std::move(cls);
+  o->how = how;
+  o->args = std::make_shared<Value>(std::move(args));
+  if (!state.is_none()) o->state = std::make_shared<Value>(std::move(state));
+  return Value(o);
+}
+
+Value At(const std::string& key, Value v) {
+  Value d = Value::NewDict();
+  d.as_dict().Set(key, std::move(v));
+  return d;
+}
+
+// Every global the writer emits is one torch 2's weights-only unpickler
+// resolves (_weights_only_unpickler.py _get_allowed_globals), or xser's
+// TensorReference; everything else is refused naming its key path.
+TEST(PickleWriter, WritesOnlyWhatTorch2WeightsOnlyLoads) {
+  Value user = Value::NewDict();
+  user.as_dict().Set("call", Obj(Global{"posix", "system"}, Object::Build::kReduce, Value::Tuple({Value("touch x")})));
+  Value groups = Value::List({At("hook", user)});
+  EXPECT_EQ(PickleError(At("param_groups", groups)),
+            "cannot pickle /param_groups/[0]/hook/call: the global posix.system, which torch.load(weights_only=True) refuses and plain torch.load calls");
+  EXPECT_NE(PickleError(At("f", Value(Global{"os", "system"}))).find("cannot pickle /f: the global os.system"), std::string::npos);
+  EXPECT_NE(PickleError(At("cfg", Obj(Global{"omegaconf.dictconfig", "DictConfig"}, Object::Build::kNewObj, Value::Tuple()))).find("/cfg: the global omegaconf.dictconfig.DictConfig"),
+            std::string::npos);
+  EXPECT_NE(PickleError(At("fs", Value::NewSeq(SeqKind::kFrozenSet, {Value(1)}))).find("/fs: a frozenset"), std::string::npos);
+  EXPECT_NE(PickleError(At("big", Value(BigInt{std::string(300, '\x11')}))).find("/big: an int this large needs LONG4"), std::string::npos);
+  EXPECT_NE(PickleError(At("dt", Value(Global{"torch", "float"}))).find("torch.float,"), std::string::npos);  // an alias, not str(dtype)
+  Value ex = Obj(Global{"torch", "device"}, Object::Build::kNewObjEx, Value::Tuple({Value("cpu")}));
+  ex.as_object().kwargs = std::make_shared<Value>(Value::NewDict());
+  EXPECT_NE(PickleError(At("d", ex)).find("NEWOBJ_EX"), std::string::npos);
+  Value listy = Obj(Global{"collections", "Counter"}, Object::Build::kReduce, Value::Tuple());
+  listy.as_object().list_items.push_back(Value(1));
+  EXPECT_NE(PickleError(At("c", listy)).find("holds list items"), std::string::npos);
+
+  // What torch 2 allows, and xser's reference, are written.
+  Value ok = Value::NewDict(true);
+  ok.as_dict().Set("dtype", Value(Global{"torch", "bfloat16"}));
+  ok.as_dict().Set("device", Obj(Global{"torch", "device"}, Object::Build::kReduce, Value::Tuple({Value("cpu")})));
+  ok.as_dict().Set("set", Value::NewSeq(SeqKind::kSet, {Value(1)}));
+  ok.as_dict().Set("empty_bytes", Value(Bytes{}));
+  ok.as_dict().Set("size", Value::NewSeq(SeqKind::kTorchSize, {Value(2)}));
+  ok.as_dict().Set("ref", MakeTensorReference(3));
+  ok.as_dict().Set("w", Value(Tensor::Zeros(DType::kFloat32, {2})));
+  Tensor p = Tensor::Zeros(DType::kFloat32, {2});
+  p.set_parameter(true);
+  ok.as_dict().Set("p", Value(p));
+  ok.as_dict().Set("lr", Value(0.5));
+  EXPECT_EQ(PickleError(ok), "");
+  std::vector<PickledStorage> st;
+  const std::string bytes = Pickle(ok, {}, &st);
+  // The GLOBALs in the stream ("c<module>\n<name>\n"); no bytes() or frozenset().
+  const std::set<std::string> want{"collections\nOrderedDict", "torch\nbfloat16", "torch\ndevice", "__builtin__\nset",
+                                   "_codecs\nencode", "torch\nSize", "torch_xla.utils.serialization\nTensorReference",
+                                   "torch._utils\n_rebuild_tensor_v2", "torch\nFloatStorage", "torch._utils\n_rebuild_parameter"};
+  for (const std::string& g : want) EXPECT_NE(bytes.find("c" + g + "\n"), std::string::npos) << g;
+  for (const char* g : {"__builtin__\nbytes", "frozenset", "posix", "omegaconf"}) EXPECT_EQ(bytes.find(g), std::string::npos) << g;
+  const Value back = Load(bytes, [&](const Value&) { return Value(StorageRef{DType::kFloat32, st[0].storage}); });
+  EXPECT_TRUE(back.as_dict().At("empty_bytes").as_bytes().empty());
+  EXPECT_EQ(TensorReferenceId(back.as_dict().At("ref")), 3);
+}
+
+TEST(PickleWriter, TorchLoadableGlobalIsTorch2sList) {
+  for (const Global& g : {Global{"collections", "OrderedDict"}, Global{"collections", "Counter"}, Global{"torch", "Size"},
+                          Global{"torch", "float32"}, Global{"torch", "BFloat16Storage"}, Global{"torch._utils", "_rebuild_tensor_v2"},
+                          Global{"torch._utils", "_rebuild_parameter"}, Global{"torch.nn.parameter", "Parameter"},
+                          Global{"__builtin__", "set"}, Global{"builtins", "set"}, Global{"_codecs", "encode"}, Global{"torch", "device"},
+                          Global{"torch._tensor", "_rebuild_from_type_v2"}})
+    EXPECT_TRUE(TorchLoadableGlobal(g)) << g.full();
+  for (const Global& g : {Global{"os", "system"}, Global{"posix", "system"}, Global{"builtins", "eval"}, Global{"__builtin__", "bytes"},
+                          Global{"builtins", "frozenset"}, Global{"torch", "load"}, Global{"torch", "float"}, Global{"torch._utils", "_rebuild_xla_tensor"},
+                          Global{"collections", "defaultdict"}, Global{"torch_xla.utils.serialization", "TensorReference"},
+                          Global{"omegaconf.dictconfig", "DictConfig"}, Global{"torch.storage", "_load_from_bytes"}})
+    EXPECT_FALSE(TorchLoadableGlobal(g)) << g.full();
+  EXPECT_TRUE(IsXserReferenceClass(Global{"torch_xla.utils.serialization", "TensorReference"}));
+  EXPECT_FALSE(IsXserReferenceClass(Global{"interop_classes", "TensorReference"}));
 }
 
 }  // namespace

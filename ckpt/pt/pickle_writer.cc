@@ -18,7 +18,9 @@ std::string IndexName(size_t j) {
 
 class Pickler {
  public:
-  Pickler(const PickleOptions& opts, std::vector<PickledStorage>* storages) : opts_(opts), storages_(storages) {}
+  // `where`: names the tree in errors ("cannot pickle" when empty).
+  Pickler(const PickleOptions& opts, std::vector<PickledStorage>* storages, std::string where = "")
+      : opts_(opts), storages_(storages), where_(std::move(where)) {}
 
   std::string Run(const Value& root) {
     Op(0x80);
@@ -36,7 +38,8 @@ class Pickler {
   [[noreturn]] void Fail(const std::string& what) {
     std::string p = path_.empty() ? "<root>" : "";
     for (const auto& s : path_) p += "/" + s;
-    throw Error("cannot pickle " + p + ": " + what);
+    if (where_.empty()) throw Error("cannot pickle " + p + ": " + what);
+    throw Error(where_ + " at " + p + ": " + what + "; shardkit writes only what torch.load(weights_only=True) loads, so it does not carry that");
   }
 
   void Unicode(const std::string& s) {
@@ -46,6 +49,8 @@ class Pickler {
   }
   void GlobalOp(const std::string& module, const std::string& name) {
     if (opts_.weights_only && !AllowedGlobal(module + "." + name)) Fail("global " + module + "." + name + " is not allowed by torch's weights_only loader");
+    if (!TorchLoadableGlobal(Global{module, name}) && !IsXserReferenceClass(Global{module, name}))
+      Fail("the global " + module + "." + name + ", which torch.load(weights_only=True) refuses and plain torch.load calls");
     std::string key = module;
     key.push_back('\n');
     key.append(name);
@@ -90,8 +95,7 @@ class Pickler {
   void Long(const std::string& le) {
     if (le.size() < 256) Op(0x8a), U(le.size(), 1);
     else {
-      if (opts_.weights_only) Fail("an int this large needs LONG4, which torch's weights_only loader rejects");
-      Op(0x8b), U(le.size(), 4);
+      Fail("an int this large needs LONG4, which torch's weights_only loader rejects");
     }
     out_ += le;
   }
@@ -116,7 +120,8 @@ class Pickler {
       Op('(');
       for (size_t j = i; j < end; ++j) {
         Save(items[j].first);
-        path_.push_back(items[j].first.is_str() ? items[j].first.as_str() : IndexName(j));
+        const Value& k = items[j].first;
+        path_.push_back(k.is_str() ? k.as_str() : k.is_int() ? std::to_string(k.as_int()) : IndexName(j));
         Save(items[j].second);
         path_.pop_back();
       }
@@ -193,18 +198,18 @@ class Pickler {
     if (opts_.weights_only) Fail("object of class " + o->cls.full() + " is not allowed by torch's weights_only loader");
     if (Memoized(o.get())) return;
     pinned_.push_back(o);
-    GlobalOp(o->cls.module, o->cls.name);
+    GlobalOp(o->cls.module, o->cls.name);  // refuses any class but torch 2's and xser's
+    // What torch 2's weights-only unpickler does with an object of an allowed
+    // class (_weights_only_unpickler.py Unpickler.load): REDUCE, NEWOBJ and
+    // BUILD, SETITEMS only onto a dict, OrderedDict or Counter, APPENDS only
+    // onto a list, and no NEWOBJ_EX at all.
+    if (o->how == Object::Build::kNewObjEx) Fail("object of class " + o->cls.full() + " is built with NEWOBJ_EX, which torch's weights_only loader does not execute");
+    if (!o->list_items.empty()) Fail("object of class " + o->cls.full() + " holds list items, which torch's weights_only loader appends only to a list");
+    if (!o->dict_items.empty() && o->cls.full() != "collections.Counter")
+      Fail("object of class " + o->cls.full() + " holds dict items, which torch's weights_only loader sets only on a dict");
     Save(o->args ? *o->args : Value::Tuple());
-    switch (o->how) {
-      case Object::Build::kReduce: Op('R'); break;
-      case Object::Build::kNewObj: Op(0x81); break;
-      case Object::Build::kNewObjEx:
-        Save(o->kwargs ? *o->kwargs : Value::NewDict());
-        Op(0x92);
-        break;
-    }
+    Op(o->how == Object::Build::kReduce ? 'R' : 0x81);
     memo_[o.get()] = Put();
-    if (!o->list_items.empty()) Appends(o->list_items);
     if (!o->dict_items.empty()) SetItems(o->dict_items);
     if (o->state) {
       Save(*o->state);
@@ -232,7 +237,8 @@ class Pickler {
       case SeqKind::kSet:
       case SeqKind::kFrozenSet:
         if (opts_.weights_only) Fail("sets are not allowed by torch's weights_only loader");
-        GlobalOp("__builtin__", s->kind == SeqKind::kSet ? "set" : "frozenset");
+        if (s->kind == SeqKind::kFrozenSet) Fail("a frozenset is not one torch.load(weights_only=True) builds");
+        GlobalOp("__builtin__", "set");
         Tuple({Value::List(s->items)});
         Op('R');
         break;
@@ -273,13 +279,8 @@ class Pickler {
       void operator()(const Str& s) { p.Unicode(s.utf8); }
       void operator()(const Bytes& b) {
         if (p.opts_.weights_only) p.Fail("bytes are not allowed by torch's weights_only loader");
-        // Protocol 2 has no bytes opcode; Python writes _codecs.encode(latin1 str, 'latin1').
-        if (b.data.empty()) {
-          p.GlobalOp("__builtin__", "bytes");
-          p.Op(')');
-          p.Op('R');
-          return;
-        }
+        // Protocol 2 has no bytes opcode; Python writes _codecs.encode(latin1 str, 'latin1')
+        // (and b'' as bytes(), which torch's weights_only loader does not call, so not here).
         std::string utf8;
         for (unsigned char c : b.data) {
           if (c < 0x80) utf8.push_back(static_cast<char>(c));
@@ -306,6 +307,7 @@ class Pickler {
 
   const PickleOptions& opts_;
   std::vector<PickledStorage>* storages_;
+  std::string where_;
   std::string out_;
   uint32_t next_memo_ = 0;
   std::unordered_map<const void*, uint32_t> memo_;
@@ -323,6 +325,43 @@ class Pickler {
 
 std::string Pickle(const Value& root, const PickleOptions& opts, std::vector<PickledStorage>* storages) {
   return Pickler(opts, storages).Run(root);
+}
+
+void CheckPicklable(const Value& root, const std::string& where) {
+  std::vector<PickledStorage> storages;
+  const PickleOptions opts;
+  Pickler(opts, &storages, where).Run(root);
+}
+
+bool TorchLoadableGlobal(const Global& g) {
+  // _read_global_instruction maps Python 2 names (torch._utils IMPORT_MAPPING).
+  const std::string module = g.module == "__builtin__" ? "builtins" : g.module;
+  const std::string& n = g.name;
+  if (module == "collections") return n == "OrderedDict" || n == "Counter";
+  if (module == "builtins") return n == "set" || n == "bytearray" || n == "complex";
+  if (module == "_codecs") return n == "encode";
+  if (module == "torch.nn.parameter") return n == "Parameter";
+  if (module == "torch.serialization") return n == "_get_layout";
+  if (module == "torch.storage") return n == "TypedStorage" || n == "UntypedStorage";
+  if (module == "torch._tensor") return n == "_rebuild_from_type_v2";
+  if (module == "torch._utils")
+    return n == "_rebuild_parameter" || n == "_rebuild_parameter_with_state" || n == "_rebuild_qtensor" || n == "_rebuild_tensor" ||
+           n == "_rebuild_tensor_v2" || n == "_rebuild_tensor_v3" || n == "_rebuild_sparse_tensor" ||
+           n == "_rebuild_meta_tensor_no_storage" || n == "_rebuild_wrapper_subclass" || n == "_rebuild_device_tensor_from_numpy" ||
+           n == "_rebuild_device_tensor_from_cpu_tensor";
+  if (module != "torch") return false;
+  if (n == "Size" || n == "Tensor" || n == "device") return true;
+  if (n == "per_tensor_affine" || n == "per_tensor_symmetric" || n == "per_channel_affine" || n == "per_channel_symmetric" ||
+      n == "per_channel_affine_float_qparams")
+    return true;
+  // str(dtype) and the legacy storage classes, by their own names only (torch.float32, not torch.float).
+  if (auto dt = DTypeFromName(n); dt && DTypeName(*dt) == n) return true;
+  if (auto dt = DTypeFromStorageClass(n); dt && StorageClassName(*dt) == n) return true;
+  return false;
+}
+
+bool IsXserReferenceClass(const Global& g) {
+  return g.module == "torch_xla.utils.serialization" && g.name == "TensorReference";
 }
 
 }  // namespace ckpt

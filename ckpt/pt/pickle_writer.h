@@ -3,12 +3,20 @@
 // ('storage', torch.<T>Storage, key, 'cpu', numel), keys numbered from 0 in
 // order of first use, so tensors sharing a storage still share it after
 // torch.load. Containers referenced twice are memoised and stay shared.
-// Opaque objects are written back as they were read.
+// Objects of the classes below are written back as they were read.
 //
-// Weights-only mode emits only what torch 1.13's weights_only=True loader
-// accepts (OrderedDict, torch.Size, storage classes, _rebuild_tensor_v2,
-// _rebuild_parameter, and no BINFLOAT), and throws ckpt::Error naming the
-// key path of anything it cannot express that way.
+// Nothing is written that runs code on load: every global a pickle names is
+// one torch 2's torch.load(weights_only=True) resolves (TorchLoadableGlobal),
+// or xser's TensorReference, and every opcode is one its unpickler executes
+// (no LONG4, no NEWOBJ_EX, no APPENDS or SETITEMS onto an object). Anything
+// else (an os.system call, an omegaconf config, a Lightning AttributeDict)
+// throws ckpt::Error naming its key path: content read from a checkpoint is
+// made plain first (PlainCheckpointData, ckpt/pt/plain_data.h).
+//
+// Weights-only mode is stricter still: it emits only what torch 1.13's
+// weights_only=True loader accepts (OrderedDict, torch.Size, storage classes,
+// _rebuild_tensor_v2, _rebuild_parameter, and no BINFLOAT), and throws
+// ckpt::Error naming the key path of anything it cannot express that way.
 #pragma once
 
 #include <memory>
@@ -41,5 +49,24 @@ struct PickledStorage {
 
 // Returns the pickle bytes; `storages` receives each distinct storage in key order.
 std::string Pickle(const Value& root, const PickleOptions& opts, std::vector<PickledStorage>* storages);
+
+// Throws the ckpt::Error Pickle(root, {}) would throw, writing nothing; its
+// message starts with `where` and names the key path of what is refused.
+void CheckPicklable(const Value& root, const std::string& where);
+
+// Whether torch 2's weights-only unpickler resolves the global `g`: pytorch
+// torch/_weights_only_unpickler.py _get_allowed_globals (OrderedDict,
+// Counter, torch.Size, torch.Tensor, torch.device, Parameter, _get_layout,
+// the dtypes, the storage classes, the quantization schemes, the
+// torch._utils._rebuild_* functions and torch._tensor._rebuild_from_type_v2,
+// _codecs.encode, bytearray, set, complex), with Python 2 module names
+// (__builtin__) read as its _read_global_instruction maps them. Only names a
+// Value can hold are listed; torch's own tensor classes (torch.FloatTensor)
+// and newer dtypes are not, so this is a subset of torch's list.
+bool TorchLoadableGlobal(const Global& g);
+
+// xser's reference class, which our xser writer emits (MakeTensorReference)
+// and NxD's xser loader resolves (torch_xla.utils.serialization).
+bool IsXserReferenceClass(const Global& g);
 
 }  // namespace ckpt

@@ -5,6 +5,7 @@
 #include <optional>
 #include <set>
 
+#include "ckpt/pt/plain_data.h"
 #include "ckpt/util/error.h"
 #include "ckpt/store/input_guard.h"
 
@@ -38,7 +39,8 @@ std::vector<ContainerProblem> XserContainerProblems(const std::set<std::string>&
 
 Value LoadTagFile(Env* env, const std::string& tag_dir, const std::string& rel, LoadOptions opts) {
   opts.confine_to = tag_dir;
-  return LoadPtOrXser(tag_dir + "/" + rel, opts, env);
+  const std::string path = tag_dir + "/" + rel;
+  return PlainCheckpointData(LoadPtOrXser(path, opts, env), path);
 }
 
 namespace {

@@ -35,7 +35,9 @@ std::string XserFileOfTensorDir(const std::string& name);
 
 // The one reader of a tag's files, for both containers: `rel` (relative to
 // `tag_dir`) as xser when its .tensors folder exists, else as plain .pt.
-// Every file read must resolve inside the tag (RequireInside).
+// Every file read must resolve inside the tag (RequireInside). What it holds
+// is made plain (PlainCheckpointData): a tag file holding what shardkit would
+// not write again (an os.system call, an unknown class) is refused, naming it.
 Value LoadTagFile(Env* env, const std::string& tag_dir, const std::string& rel, LoadOptions opts = {});
 
 // NxD's container rule for a tag, whose loader picks xser or plain .pt per tag

@@ -16,6 +16,7 @@ import time
 import unittest
 
 import torch
+from omegaconf import OmegaConf
 
 from canon import BIN, CONFIG, CONVERT, RESHARD, TOKENIZE, TRAIN, TempDirTest, VERIFY, run
 from megatron_partition import merge_tag, nemo_no_decay, nxdt_order, rank_file
@@ -217,14 +218,18 @@ class NnmToNxdt(TempDirTest):
 
     def test_the_converted_tag_describes_its_model_to_the_tools(self):
         """NNM's model config (hyper_parameters.cfg, an omegaconf DictConfig) is carried into
-        user_content.pt, where NxDT keeps its own: ckpt-reshard needs no --heads/--kv_heads."""
+        user_content.pt, where NxDT keeps its own, as the plain dict NxDT's save makes of it
+        (OmegaConf.to_container): ckpt-reshard needs no --heads/--kv_heads."""
         c = dict(LLAMA, kv_heads=2, layers=2)
         full, _ = make_nnm(None, c, write=False)  # one process's run, cut as NNM saves it: replicas equal
         nnm, out = os.path.join(self.dir, "nnm"), os.path.join(self.dir, "out.ckpt")
         make_nnm(nnm, c, tp=2, pp=2, from_full=full[(0, 0)])
         first = self.convert("--tp", 2, "--pp", 2, "--n_layers", 2, "--nnm_ckpt_path", nnm, "--nxdt_ckpt_path", out)
         cfg = torch.load(os.path.join(out, "user_content.pt"))["hyper_parameters"]["cfg"]
-        self.assertEqual((type(cfg).__name__, cfg["num_attention_heads"], cfg["num_kv_heads"]), ("DictConfig", 4, 2))
+        nnm_cfg = torch.load(glob.glob(os.path.join(nnm, "*", "*.ckpt"))[0])["hyper_parameters"]["cfg"]
+        self.assertIs(type(cfg), dict)
+        self.assertEqual(cfg, OmegaConf.to_container(nnm_cfg))
+        self.assertEqual((cfg["num_attention_heads"], cfg["num_kv_heads"]), (4, 2))
         self.assertNotIn("will need --heads", first.stderr)
         resharded = os.path.join(self.dir, "tp1.ckpt")
         p = run(RESHARD, out, resharded, "--tp", 1, "--pp", 1)
