@@ -176,7 +176,6 @@ class TrainerRefuses(TempDirTest):
 
     def test_the_issues_cases_by_override(self):
         # Issue #35: virtual pipeline under both spellings, context parallelism, MoE, DPO on a config that trains.
-        base = self.shrunk("megatron_llama_7B_config", "bad")
         cases = [
             (["distributed_strategy.virtual_pipeline_model_parallel_size=2"], "distributed_strategy.virtual_pipeline_model_parallel_size: 2"),
             (["+model.virtual_pipeline_model_parallel_size=2"], "model.virtual_pipeline_model_parallel_size: 2"),
@@ -187,12 +186,12 @@ class TrainerRefuses(TempDirTest):
             (["+model.frobnicate=1"], "model.frobnicate: not a key shardkit knows"),
             (["data.eod_mask_loss=True"], "data.eod_mask_loss: True: masks end-of-document tokens out of the loss"),
         ]
-        for overrides, message in cases:
+        for i, (overrides, message) in enumerate(cases):
             with self.subTest(message):
-                p = self.train(base + overrides)
+                p = self.train(self.shrunk("megatron_llama_7B_config", f"bad{i}") + overrides)
                 self.assertEqual(p.returncode, 2, p.stderr)
                 self.assertIn(message, p.stderr)
-                self.assertFalse(os.path.exists(os.path.join(self.dir, "bad")))
+                self.assertFalse(os.path.exists(os.path.join(self.dir, f"bad{i}")))
 
 
 if __name__ == "__main__":
