@@ -89,6 +89,13 @@ TEST(ConfigKeys, NxdtPipelineCutsNameTheLastLayerOfAStage) {
   EXPECT_THROW(ParseTrainConfig(kBase, "c.yaml", {"+model.pipeline_cuts=[language_model.encoder.layers.3]"}), ConfigError);
 }
 
+TEST(ConfigKeys, ReadKeysOfTheOtherModelFamilyAreNamed) {
+  // NxDT's megatron models do not read the HF model's keys: a note, not a silent pass.
+  const TrainConfig c = ParseTrainConfig(kBase, "c.yaml", {"+model.fuse_qkv=False", "+distributed_strategy.kv_replicator=4"});
+  EXPECT_EQ(c.ignored, (std::vector<std::string>{"model.fuse_qkv (NxDT's model_source: megatron models do not read it)",
+                                                 "distributed_strategy.kv_replicator (NxDT's model_source: megatron models do not read it)"}));
+}
+
 TEST(ConfigKeys, SlidingWindowAndKvChannels) {
   const std::vector<std::string> one = {"trainer.devices=1", "distributed_strategy.pipeline_model_parallel_size=1"};
   auto with = [&](std::vector<std::string> o) {

@@ -233,7 +233,8 @@ TrainConfig Parse(const std::string& text, const std::string& path, const std::v
     const std::string backend = r.Str("shardkit.hw_backend", "trn1");
     if (backend != "trn1" && backend != "trn2") r.Fail("shardkit.hw_backend", "'" + backend + "' is not trn1 or trn2");
     m.hw_backend = *ckpt::ParseBackend(backend);
-    for (const char* k : {"model.ffn_hidden_size", "model.num_attention_heads", "model.num_kv_heads", "model.normalization", "model.activation"})
+    for (const char* k : {"model.ffn_hidden_size", "model.num_attention_heads", "model.num_kv_heads", "model.normalization", "model.activation",
+                          "model.vocab_size"})
       if (r.Has(k)) r.Fail(k, "model_source: hf takes it from model.model_config (" + cpath + ")");
   }
   m.layers = r.Int("model.num_layers", hf ? hf->layers : 2, 1, 1 << 16);
