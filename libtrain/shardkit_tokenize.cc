@@ -111,10 +111,10 @@ int main(int argc, char** argv) {
     std::cout << "shardkit-tokenize: " << docs.size() << " documents, " << tokens << " tokens -> " << args[1]
               << (format == "hdf5" ? ".h5" : ".bin/.idx") << "\n";
     return 0;
-  } catch (const ckpt::Error& e) {  // bad input (a missing file, an output that is the input): named, exit 2
+  } catch (const ckpt::Error& e) {  // bad input (a missing or malformed file, a bad number): named, exit 2
     std::cerr << "shardkit-tokenize: " << e.what() << "\n";
     return 2;
-  } catch (const std::exception& e) {
+  } catch (const std::exception& e) {  // anything else (a library's own error): a message and exit 1, never an abort
     std::cerr << "shardkit-tokenize: " << e.what() << "\n";
     return 1;
   }

@@ -18,6 +18,7 @@
 #include "ckpt/util/error.h"
 #include "ckpt/store/resume.h"
 #include "libtrain/comm.h"
+#include "libtrain/train_config.h"
 #include "libtrain/trainer.h"
 #include "migrate/yaml_tree.h"
 
@@ -57,6 +58,9 @@ int main(int argc, char** argv) {
         (r.losses.empty() ? "" : ", loss " + std::to_string(r.losses.front()) + " -> " + std::to_string(r.losses.back())));
     return 0;
   } catch (const ckpt::DamagedCheckpoints& e) {  // nothing to resume from, and nothing was touched
+    std::cerr << "shardkit-train: " << e.what() << "\n";
+    return Exit(2);
+  } catch (const train::ConfigError& e) {  // the config asks for what is wrong or not implemented
     std::cerr << "shardkit-train: " << e.what() << "\n";
     return Exit(2);
   } catch (const migrate::InputError& e) {

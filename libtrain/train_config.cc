@@ -12,9 +12,11 @@
 #include <fstream>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 
 #include "ckpt/util/error.h"
 #include "ckpt/store/tag_paths.h"
+#include "libtrain/config_keys.h"
 #include "libtrain/tokenizer_vocab.h"
 #include "migrate/interpolation.h"
 #include "migrate/overrides.h"
@@ -41,15 +43,22 @@ class Reader {
   Reader(YAML::Node root, std::string source) : root_(std::move(root)), source_(std::move(source)) {}
 
   [[noreturn]] void Fail(const std::string& key, const std::string& what) const {
-    throw ckpt::Error(source_ + ": " + key + ": " + what);
+    throw ConfigError(source_ + ": " + key + ": " + what);
+  }
+  // The value at `key`; only keys config_keys.cc's table says are read, so the
+  // table stays the one list of what is taken.
+  YAML::Node At(const std::string& key) const {
+    const KeyRule* rule = FindKeyRule(key);
+    if (!rule || rule->use != KeyUse::kRead) throw std::logic_error("train_config.cc reads " + key + ", which config_keys.cc does not list as read");
+    return Find(root_, key);
   }
   bool Has(const std::string& key) const {
-    const YAML::Node n = Find(root_, key);
+    const YAML::Node n = At(key);
     return n.IsDefined() && !n.IsNull();
   }
   int64_t Int(const std::string& key, int64_t dflt, int64_t min = INT64_MIN, int64_t max = INT64_MAX) const {
     if (!Has(key)) return dflt;
-    const YAML::Node n = Find(root_, key);
+    const YAML::Node n = At(key);
     if (!n.IsScalar() || !migrate::IsIntegerText(n.Scalar())) Fail(key, migrate::Describe(n) + " is not an integer");
     int64_t v = 0;
     try {
@@ -63,26 +72,25 @@ class Reader {
   }
   double Number(const std::string& key, double dflt) const {
     if (!Has(key)) return dflt;
-    const YAML::Node n = Find(root_, key);
+    const YAML::Node n = At(key);
     const std::optional<double> v = n.IsScalar() ? ParseNumber(n.Scalar()) : std::nullopt;
     if (!v) Fail(key, migrate::Describe(n) + " is not a number");
     return *v;
   }
   bool Bool(const std::string& key, bool dflt) const {
     if (!Has(key)) return dflt;
-    const std::string s = Find(root_, key).Scalar();
+    const std::string s = At(key).Scalar();
     if (s == "True" || s == "true" || s == "TRUE") return true;
     if (s == "False" || s == "false" || s == "FALSE") return false;
     Fail(key, s + " is not a boolean");
   }
   std::string Str(const std::string& key, const std::string& dflt) const {
     if (!Has(key)) return dflt;
-    const YAML::Node n = Find(root_, key);
+    const YAML::Node n = At(key);
     if (!n.IsScalar()) Fail(key, "must be a string");
     if (n.Scalar() == "???") Fail(key, "is ??? (mandatory, must be set)");
     return n.Scalar();
   }
-  const YAML::Node& root() const { return root_; }
 
  private:
   YAML::Node root_;
@@ -91,7 +99,7 @@ class Reader {
 
 std::string ReadFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
-  if (!f) throw ckpt::Error(path + ": cannot open config");
+  if (!f) throw ConfigError(path + ": cannot open config");
   std::stringstream s;
   s << f.rdbuf();
   return s.str();
@@ -108,7 +116,9 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
   return ParseTrainConfig(ReadFile(path), path, overrides);
 }
 
-TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, const std::vector<std::string>& overrides) {
+namespace {
+
+TrainConfig Parse(const std::string& text, const std::string& path, const std::vector<std::string>& overrides) {
   YAML::Node raw = migrate::LoadYaml(text, path);
   std::vector<migrate::Override> ovs;
   for (const auto& o : overrides) ovs.push_back(migrate::ParseOverride(o));
@@ -119,8 +129,16 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   } catch (const migrate::InputError& e) {
     throw migrate::InputError(path + ": " + e.what());
   }
-  const Reader r(resolved, path);
   TrainConfig c;
+  // Every key against the table, before any is read: all that shardkit does not implement, named at once.
+  const KeyCheck keys = CheckConfigKeys(resolved);
+  if (!keys.refused.empty()) {
+    std::string what;
+    for (const auto& k : keys.refused) what += (what.empty() ? "" : "\n") + path + ": " + k;
+    throw ConfigError(what);
+  }
+  c.ignored = keys.ignored;
+  const Reader r(resolved, path);
   c.source = path;
   c.name = r.Str("name", c.name);
   c.seed = static_cast<uint64_t>(r.Int("seed", 1234, 0));
@@ -155,8 +173,6 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   // NxDT's default; it decides the optimizer files' layout even with one data-parallel rank.
   c.optim.zero1 = r.Bool("distributed_strategy.zero1", true);
   c.grid = ckpt::RankGrid::ForWorld(world, tp, pp, c.optim.zero1, path + ": distributed_strategy", "trainer.devices * trainer.num_nodes");
-  if (r.Has("model.virtual_pipeline_model_parallel_size") && r.Int("model.virtual_pipeline_model_parallel_size", 1, 1) != 1)
-    r.Fail("model.virtual_pipeline_model_parallel_size", "interleaved (virtual) pipeline stages are not supported; remove it or set 1");
   c.micro_batch_size = r.Int("data.micro_batch_size", 1, 1, 1 << 24);
   c.global_batch_size = r.Int("data.global_batch_size", 1, 1, 1 << 30);
   if (c.global_batch_size % (c.micro_batch_size * c.grid.dp))
@@ -166,7 +182,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   c.data_impl = r.Str("data.data_impl", "mmap");
   if (c.data_impl != "mmap" && c.data_impl != "hdf5")
     r.Fail("data.data_impl", "'" + c.data_impl + "' is not supported (mmap: Megatron indexed datasets; hdf5: one token dataset per file)");
-  const YAML::Node prefix = Find(r.root(), "data.data_prefix");
+  const YAML::Node prefix = r.At("data.data_prefix");
   if (!prefix.IsDefined() || prefix.IsNull() || (prefix.IsScalar() && prefix.Scalar() == "???"))
     r.Fail("data.data_prefix", "must name the training data ([weight, prefix, ...] or a prefix)");
   if (prefix.IsScalar()) {
@@ -217,7 +233,8 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
     const std::string backend = r.Str("shardkit.hw_backend", "trn1");
     if (backend != "trn1" && backend != "trn2") r.Fail("shardkit.hw_backend", "'" + backend + "' is not trn1 or trn2");
     m.hw_backend = *ckpt::ParseBackend(backend);
-    for (const char* k : {"model.ffn_hidden_size", "model.num_attention_heads", "model.num_kv_heads", "model.normalization", "model.activation"})
+    for (const char* k : {"model.ffn_hidden_size", "model.num_attention_heads", "model.num_kv_heads", "model.normalization", "model.activation",
+                          "model.vocab_size"})
       if (r.Has(k)) r.Fail(k, "model_source: hf takes it from model.model_config (" + cpath + ")");
   }
   m.layers = r.Int("model.num_layers", hf ? hf->layers : 2, 1, 1 << 16);
@@ -227,6 +244,26 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   m.kv_heads = hf ? hf->kv_heads : r.Int("model.num_kv_heads", m.heads, 1, 1 << 16);
   if (m.hidden % m.heads) r.Fail("model.hidden_size", "must be divisible by num_attention_heads (" + std::to_string(m.heads) + ")");
   if (m.heads % m.kv_heads) r.Fail("model.num_kv_heads", "must divide num_attention_heads (" + std::to_string(m.heads) + ")");
+  // Keys one of NxDT's model families reads and the other does not: NxDT's HF models read
+  // fuse_qkv, qkv_linear, kv_replicator and model_config (lightning_modules/model/hf_models/
+  // llama_model.py), its megatron models kv_channels and sliding_window_size (megatron_gpt_model.py).
+  for (const char* k : hf ? std::vector<const char*>{"model.kv_channels", "model.sliding_window_size"}
+                          : std::vector<const char*>{"model.fuse_qkv", "model.qkv_linear", "distributed_strategy.kv_replicator",
+                                                     "model.model_config"})
+    if (r.Has(k)) c.ignored.push_back(std::string(k) + " (NxDT's model_source: " + source + " models do not read it)");
+  if (!hf && r.Has("model.kv_channels") && r.Int("model.kv_channels", 0, 1, 1 << 20) != m.hidden / m.heads)
+    r.Fail("model.kv_channels", r.Str("model.kv_channels", "") + " is an attention head width other than hidden_size / num_attention_heads (" +
+                                    std::to_string(m.hidden / m.heads) + "); shardkit does not implement it");
+  // NxDT's megatron attention masks keys `window` or more positions back (models/megatron/
+  // transformer.py create_binary_sliding_window_attention_mask): no effect when the window covers the sequence.
+  if (!hf && r.Has("model.sliding_window_size")) {
+    const int64_t window = r.Int("model.sliding_window_size", 0, 1);
+    if (window < c.seq_length)
+      r.Fail("model.sliding_window_size", "sliding-window attention over " + std::to_string(window) + " tokens, fewer than data.seq_length (" +
+                                              std::to_string(c.seq_length) + "); shardkit does not implement it");
+    c.ignored.push_back("model.sliding_window_size (no effect: the window of " + std::to_string(window) + " covers data.seq_length " +
+                        std::to_string(c.seq_length) + ")");
+  }
   m.eps = static_cast<float>(r.Number("model.layernorm_epsilon", hf ? hf->norm_eps : 1e-5));
   // NxDT's megatron models and NNM call the rotary base position_freq_base (NxDT
   // megatron_gpt_model.py; NNM transformer.py), HF models rope_theta; either is taken.
@@ -294,22 +331,32 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   }
   m.vocab_size = vocab;
   m.make_vocab_size_divisible_by = divisible;
+  // NxDT's form names the module that ends a stage: NxD's partition() keeps a cut node in its
+  // stage and starts the next after it, and create_partitions() names model_layer_names[cut - 1]
+  // (neuronx_distributed/pipeline/partition.py). The module is the HF model's model.layers.N or
+  // the megatron model's language_model.encoder.layers.N. A number is shardkit's form: the first
+  // layer of the next stage.
+  const std::string layer_prefix = hf ? "model.layers." : "language_model.encoder.layers.";
   if (r.Has("model.pipeline_cuts")) {
-    const YAML::Node cuts = Find(r.root(), "model.pipeline_cuts");
-    if (!cuts.IsSequence()) r.Fail("model.pipeline_cuts", "must be a list of layer numbers");
+    const YAML::Node cuts = r.At("model.pipeline_cuts");
+    if (!cuts.IsSequence()) r.Fail("model.pipeline_cuts", "must be a list of layer numbers or of NxDT's layer names ('" + layer_prefix + "N')");
     for (const auto& v : cuts) {
-      if (!v.IsScalar() || !migrate::IsIntegerText(v.Scalar())) r.Fail("model.pipeline_cuts", migrate::Describe(v) + " is not a layer number");
+      const std::string text = v.IsScalar() ? v.Scalar() : "";
+      const bool named = text.rfind(layer_prefix, 0) == 0 && migrate::IsIntegerText(text.substr(layer_prefix.size()));
+      if (!named && !migrate::IsIntegerText(text))
+        r.Fail("model.pipeline_cuts", migrate::Describe(v) + " is neither a layer number nor '" + layer_prefix + "N' (NxDT's form)");
       try {
-        c.pipeline_cuts.push_back(std::stoll(v.Scalar()));
+        c.pipeline_cuts.push_back(named ? std::stoll(text.substr(layer_prefix.size())) + 1 : std::stoll(text));
       } catch (const std::out_of_range&) {
-        r.Fail("model.pipeline_cuts", v.Scalar() + " is out of range");
+        r.Fail("model.pipeline_cuts", text + " is out of range");
       }
     }
   }
   try {
     c.stage_bounds = ckpt::StageBounds(m.layers, c.grid.pp, c.pipeline_cuts);
   } catch (const ckpt::Error& e) {
-    r.Fail(c.pipeline_cuts.empty() ? "distributed_strategy.pipeline_model_parallel_size" : "model.pipeline_cuts", e.what());
+    r.Fail(c.pipeline_cuts.empty() ? "distributed_strategy.pipeline_model_parallel_size" : "model.pipeline_cuts",
+           std::string(e.what()) + " ('" + layer_prefix + "N', NxDT's form, ends a stage: it counts as N + 1 here)");
   }
   ckpt::ModelFormat unpadded;
   unpadded.vocab_size = vocab, unpadded.make_vocab_size_divisible_by = divisible;
@@ -327,7 +374,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   }
   c.optim.eps = r.Number("model.optim.eps", 1e-8);
   c.optim.do_layer_norm_weight_decay = r.Bool("model.do_layer_norm_weight_decay", false);
-  const YAML::Node betas = Find(r.root(), "model.optim.betas");
+  const YAML::Node betas = r.At("model.optim.betas");
   if (betas.IsDefined() && (!betas.IsSequence() || betas.size() != 2)) r.Fail("model.optim.betas", "must be a list of two numbers");
   if (betas.IsDefined()) {
     const double b[2] = {betas[0].IsScalar() ? ParseNumber(betas[0].Scalar()).value_or(NAN) : NAN,
@@ -336,8 +383,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
       if (!(x >= 0 && x < 1)) r.Fail("model.optim.betas", "must be two numbers in [0, 1)");
     c.optim.beta1 = b[0], c.optim.beta2 = b[1];
   }
-  const std::string opt_name = r.Str("model.optim.name", "adamw");
-  if (opt_name != "adamw") r.Fail("model.optim.name", "'" + opt_name + "' is not supported (adamw is)");
+  r.Str("model.optim.name", "adamw");  // config_keys.cc admits adamw only
   c.sched.name = r.Str("model.optim.sched.name", "CosineAnnealing");
   c.sched.warmup_steps = r.Int("model.optim.sched.warmup_steps", 0, 0, int64_t{1} << 40);
   c.sched.constant_steps = r.Int("model.optim.sched.constant_steps", 0, 0, int64_t{1} << 40);
@@ -369,14 +415,7 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
                                "(as NxDT does); set zero1 or use fp32");
     m.bf16_params = c.optim.master_weights = true;
     c.optim.master_weights_in_ckpt = r.Bool("exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt", false);
-  } else if (c.precision != "fp32") {
-    r.Fail("precision.type", "'" + c.precision + "' is not supported on this CPU trainer (fp32 and mixed_precision are)");
-  }
-
-  for (const char* k : {"compiler_flags", "compiler_cache_url", "aync_exec_max_inflight_requests", "bucket_size_collectives",
-                        "neuron_rt_exec_timeout", "neuron_experimental_compress_rg", "model.fusions", "model.use_cpu_initialization",
-                        "model.activations_checkpoint_recompute"})
-    if (r.Has(k)) c.ignored.push_back(std::string(k) + " (a Neuron setting)");
+  }  // else fp32: config_keys.cc admits these two only
   // Splits along the sequence what tensor parallelism replicates (norms, dropout, the residual stream).
   c.sequence_parallel = r.Bool("distributed_strategy.sequence_parallel", false);
   if (c.sequence_parallel && tp == 1)
@@ -389,6 +428,18 @@ TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, c
   if (r.Bool("model.apply_query_key_layer_scaling", false))
     c.ignored.push_back("model.apply_query_key_layer_scaling (no effect: softmax runs in float32 here)");
   return c;
+}
+
+}  // namespace
+
+TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, const std::vector<std::string>& overrides) {
+  try {
+    return Parse(text, path, overrides);
+  } catch (const ConfigError&) {
+    throw;
+  } catch (const ckpt::Error& e) {  // a library's check of a config value (RankGrid::ForWorld, ...): still the config's error
+    throw ConfigError(e.what());
+  }
 }
 
 }  // namespace train

@@ -1,8 +1,10 @@
 // The training configuration, read from an NxDT YAML config (the schema in
 // NxDT's reference configs) with Hydra-style overrides applied and
-// interpolations resolved. Invalid values and combinations raise an error
-// naming the key before any work starts. Keys that only matter on Neuron
-// hardware (or have no effect here) are accepted and listed once in `ignored`.
+// interpolations resolved. Every key is judged by libtrain/config_keys.cc's
+// table first: a key that would change what is trained in a way shardkit does
+// not implement is refused, and keys that only matter on Neuron hardware (or
+// have no effect here) are accepted and listed once in `ignored`. Invalid
+// values and combinations raise an error naming the key before any work starts.
 #pragma once
 
 #include <string>
@@ -10,10 +12,18 @@
 #include <vector>
 
 #include "ckpt/shard/rank_grid.h"
+#include "ckpt/util/error.h"
 #include "libtrain/model.h"
 #include "libtrain/optimizer.h"
 
 namespace train {
+
+// The config (or what it names, such as the data) is wrong or asks for what
+// shardkit does not implement: bad input, exit 2. The message names the file and key.
+class ConfigError : public ckpt::Error {
+ public:
+  explicit ConfigError(const std::string& what) : ckpt::Error(what) {}
+};
 
 struct TrainConfig {
   std::string source, name = "megatron_llama";
@@ -45,7 +55,9 @@ struct TrainConfig {
   // distributed_strategy over trainer.devices * trainer.num_nodes ranks.
   ckpt::RankGrid grid;
   // The pipeline stages' layers (ckpt::StageBounds): NxD's even split, or
-  // model.pipeline_cuts (the first layer of stages 1..pp-1).
+  // model.pipeline_cuts, as the first layer of stages 1..pp-1 (shardkit's
+  // numbers) or as NxDT names them (the last layer of stages 0..pp-2,
+  // "model.layers.N" or "language_model.encoder.layers.N"); held as the former.
   std::vector<int64_t> pipeline_cuts, stage_bounds;
   bool sequence_parallel = false;  // distributed_strategy.sequence_parallel
   std::vector<std::pair<double, std::string>> data_prefix;  // (weight, prefix or .h5 file)
@@ -64,8 +76,8 @@ struct TrainConfig {
   std::string CheckpointDir() const { return RunDir() + "/checkpoints"; }
 };
 
-// Throws migrate::InputError (bad YAML or override) or ckpt::Error (bad
-// value), naming the file and key.
+// Throws migrate::InputError (bad YAML or override) or ConfigError (a bad
+// value, or a key shardkit does not implement), naming the file and key.
 TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::string>& overrides);
 // The same from the YAML text itself; `path` names it in errors and anchors relative paths.
 TrainConfig ParseTrainConfig(const std::string& text, const std::string& path, const std::vector<std::string>& overrides);

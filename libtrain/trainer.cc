@@ -250,8 +250,12 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   std::vector<std::shared_ptr<TokenSource>> datasets;
   std::vector<double> weights;
   for (const auto& [w, prefix] : c.data_prefix) {
-    if (c.data_impl == "hdf5") datasets.push_back(std::make_shared<Hdf5Dataset>(prefix));
-    else datasets.push_back(std::make_shared<IndexedDataset>(prefix, env));
+    try {  // the data the config names is input: missing or malformed, the config's error
+      if (c.data_impl == "hdf5") datasets.push_back(std::make_shared<Hdf5Dataset>(prefix));
+      else datasets.push_back(std::make_shared<IndexedDataset>(prefix, env));
+    } catch (const ckpt::Error& e) {
+      throw ConfigError(c.source + ": data.data_prefix: " + e.what());
+    }
     weights.push_back(w);
   }
   SampleSource data(datasets, weights, c.seq_length, c.seed);

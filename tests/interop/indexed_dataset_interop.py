@@ -81,8 +81,15 @@ class IndexedDatasetInterop(TempDirTest):
         with open(prefix + ".bin", "r+b") as f:
             f.truncate(2)
         p = run(TOKENIZE, "--dump", prefix, "0", "1", check=False)
-        self.assertEqual(p.returncode, 1)
+        self.assertEqual(p.returncode, 2)  # bad input
         self.assertIn(prefix + ".bin: sequence 0 (3 tokens at byte 0) lies outside the 2-byte file", p.stderr)
+        good = os.path.join(self.dir, "good")
+        megatron_write(good, [[1, 2, 3]], np.uint16)
+        for argv, message in (([os.path.join(self.dir, "missing.txt"), good + "2"], "missing.txt: cannot open"),
+                              (["--dump", good, "0", "x"], "COUNT: 'x' is not a whole number")):
+            p = run(TOKENIZE, *argv, check=False)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn(message, p.stderr)
 
 
 if __name__ == "__main__":

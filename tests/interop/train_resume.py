@@ -346,13 +346,16 @@ class TrainAndResume(TempDirTest):
              "distributed_strategy.sequence_parallel: splits data.seq_length (63) over tensor_model_parallel_size (2): it must "
              "divide evenly"),
             (["+model.virtual_pipeline_model_parallel_size=2"],
-             "model.virtual_pipeline_model_parallel_size: interleaved (virtual) pipeline stages are not supported"),
+             "model.virtual_pipeline_model_parallel_size: 2: interleaved (virtual) pipeline stages; shardkit does not implement it"),
+            (["+distributed_strategy.virtual_pipeline_model_parallel_size=2"],
+             "distributed_strategy.virtual_pipeline_model_parallel_size: 2: interleaved (virtual) pipeline stages; shardkit does not "
+             "implement it"),
             (["trainer.devices=2", "data.global_batch_size=4"],
              "data.global_batch_size: 4 is not a multiple of data.micro_batch_size (4) * data-parallel size (2)"),
             (["model.num_kv_heads=3"], "model.num_kv_heads: must divide num_attention_heads (4)"),
             (["precision.type=mixed_precision"],
              "precision.type: mixed_precision keeps float32 master weights only with distributed_strategy.zero1: True"),
-            (["precision.type=bf16SR"], "precision.type: 'bf16SR' is not supported on this CPU trainer"),
+            (["precision.type=bf16SR"], "precision.type: 'bf16SR': a precision other than fp32 and mixed_precision"),
             (["data.data_impl=hdf5", "data.data_prefix=[1.0,data/none.h5]"], "data/none.h5: missing"),
             (["model.hidden=1"], "override 'model.hidden=1': key 'model.hidden' is not in the config"),
             (["model.normalization=batchnorm"], "model.normalization: 'batchnorm' is not supported (supported: rmsnorm, layernorm)"),
@@ -367,7 +370,7 @@ class TrainAndResume(TempDirTest):
             with self.subTest(message):
                 p = subprocess.run([TRAIN, CONF, "exp_manager.explicit_log_dir=bad", *overrides], cwd=self.dir,
                                    capture_output=True, text=True)
-                self.assertNotEqual(p.returncode, 0)
+                self.assertEqual(p.returncode, 2, p.stderr)  # bad input, the data the config names included
                 self.assertIn(message, p.stderr)
                 self.assertFalse(os.path.exists(os.path.join(self.dir, "bad", "checkpoints")))
 
