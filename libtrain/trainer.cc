@@ -191,43 +191,13 @@ ResumePoint RestoreFromTag(ckpt::Env* env, const std::string& tag, const TrainCo
         log("info: " + optim_file + " groups its parameters as " + adamw.regrouped() +
             "; its state was read by name, and this run groups them as NxDT does (saved so from now on)");
     }
-    if (env->Exists(tag + "/" + ckpt::kUserContentFile)) {
-      // As NxDT resumes: the step from Lightning's loops (else global_step), the schedule from
-      // lr_schedulers[0], consumed samples from the tag's name; our own tags agree on all three.
-      const std::string path = tag + "/" + ckpt::kUserContentFile;
-      const std::string name = std::filesystem::path(tag).filename().string();
-      ckpt::Value content = ckpt::LoadTagFile(env, tag, ckpt::kUserContentFile);
-      // NxD's own trainer saves free-form user content (its llama example: total_steps, batch_idx,
-      // cli_args) and names tags step_<N>: the step comes from the name, the schedule from scheduler.pt.
-      const auto nxd_step = ckpt::ParseNxdStepTagName(name);
-      if (nxd_step && content.is_dict() && !content.as_dict().Find("global_step")) {
-        log("info: " + path + " is NxD's free-form user content (no global_step); the step is " + std::to_string(*nxd_step) +
-            ", from the tag's name");
-        ckpt::Value v = ckpt::Value::NewDict();
-        v.as_dict().Set("global_step", ckpt::Value(*nxd_step));
-        content = v;
-      }
-      const ckpt::UserContent uc = ckpt::UserContent::FromValue(content, path);
-      at.step = uc.ResumeStep();
-      if (const auto from_name = ckpt::ConsumedSamplesFromTagPath(name)) {
-        at.consumed = *from_name;
-      } else if (uc.consumed_samples) {
-        at.consumed = static_cast<int64_t>(*uc.consumed_samples);
-      } else {
-        log("warning: " + name + " names no consumed_samples=N.N and its user content records none; assuming 0, as NxDT does");
-      }
-      if (const auto lr_step = uc.LrSchedulerStep()) {
-        at.schedule_step = *lr_step;
-      } else if (env->Exists(tag + "/" + ckpt::kSchedulerFile)) {  // shardkit's older tags, NxD's own trainer
-        at.schedule_step =
-            ckpt::SchedulerState::FromValue(ckpt::LoadTagFile(env, tag, ckpt::kSchedulerFile), tag + "/" + ckpt::kSchedulerFile).last_epoch;
-      } else {
-        at.schedule_step = 0;
-        log("warning: " + path + " holds no lr_schedulers; the LR schedule restarts from warmup, as NxDT's does");
-      }
-    } else {
-      log("info: " + tag + " holds no " + ckpt::kUserContentFile + " (weights only); training starts at step 0");
-    }
+    // As NxDT resumes (the step from Lightning's loops, else global_step; the schedule from
+    // lr_schedulers[0]), but from what the tag records: a name that disagrees is only a warning.
+    const ckpt::TrainingPosition pos = ckpt::ReadTrainingPosition(env, tag);
+    for (const auto& note : pos.notes) log(note);
+    at.step = pos.step;
+    at.consumed = pos.consumed_samples.value_or(0);
+    if (pos.step_recorded) at.schedule_step = pos.schedule_step.value_or(0);
   } catch (const ckpt::Error& e) {
     throw ckpt::Error(tag + ": cannot resume: " + e.what());
   }

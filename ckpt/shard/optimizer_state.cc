@@ -1,5 +1,8 @@
 #include "ckpt/shard/optimizer_state.h"
 
+#include <algorithm>
+
+#include "ckpt/shard/partition.h"
 #include "ckpt/util/error.h"
 
 namespace ckpt {
@@ -119,11 +122,74 @@ int64_t Zero1SavedAsOneShard(const Value& file) {
   return 0;
 }
 
+namespace {
+
+// What a user can still do with a tag whose optimizer lost moments.
+constexpr const char* kWeightsOnlyAdvice =
+    "The model weights are complete: take them with a fresh optimizer by --weights_only (ckpt-reshard, ckpt-export) or "
+    "model.weight_init_only: True (shardkit-train, as NxDT)";
+
+// dims of a shape_info entry (a list, or torch.Size as a tuple), or nullopt.
+std::optional<std::vector<int64_t>> ShapeInfoDims(const Value* s) {
+  if (!s || !s->is_seq() || s->as_seq().items.empty()) return std::nullopt;
+  std::vector<int64_t> dims;
+  for (const Value& d : s->as_seq().items) {
+    if (!d.is_int() || d.as_int() < 0) return std::nullopt;
+    dims.push_back(d.as_int());
+  }
+  return dims;
+}
+
+}  // namespace
+
 std::string Zero1OneShardMessage(const std::string& where, int64_t dp) {
   return where + ": NxDT saved a dp=" + std::to_string(dp) +
          " ZeRO-1 optimizer as one shard; the other ranks' moments were never written (NxDT passes zero1_optimizer from "
-         "cfg.wrap_with_zero, which NxDT configs do not set). The model weights are complete: take them with a fresh optimizer "
-         "by --weights_only (ckpt-reshard, ckpt-export) or model.weight_init_only: True (shardkit-train, as NxDT)";
+         "cfg.wrap_with_zero, which NxDT configs do not set). " + kWeightsOnlyAdvice;
+}
+
+std::string Zero1ShardProblem(const Value& file, int dp, const std::string& where, const std::function<std::string(int64_t)>& name_of) {
+  if (!file.is_dict() || dp < 1) return "";
+  const Value* base = file.as_dict().Find("base_state");
+  const Value* shapes = file.as_dict().Find("shape_info");
+  const Value* masters = file.as_dict().Find("sharded_master_weights");
+  if (!base || !base->is_dict()) return "";
+  if (!shapes || !shapes->is_dict()) return where + ": a ZeRO-1 file (base_state) without a shape_info dict";
+  auto param = [&](int64_t id) { return name_of ? name_of(id) : "parameter id " + std::to_string(id); };
+  for (const auto& [key, entry] : base->as_dict().items) {
+    if (!key.is_int() || key.as_int() < 0) return where + ": base_state has a key that is not a parameter id";
+    const int64_t id = key.as_int();
+    const auto dims = ShapeInfoDims(EntryById(shapes->as_dict(), static_cast<size_t>(id)));
+    if (!dims) return where + ": " + param(id) + " has no shape_info (a list of dims), so its shards cannot be checked";
+    const int64_t rows = (*dims)[0], want = Zero1ShardRows(rows, dp);
+    std::vector<std::pair<std::string, const Value*>> fields;
+    if (entry.is_dict())
+      for (const char* f : {"exp_avg", "exp_avg_sq"}) fields.emplace_back(f, entry.as_dict().Find(f));
+    if (masters && masters->is_dict()) fields.emplace_back("sharded_master_weights", EntryById(masters->as_dict(), static_cast<size_t>(id)));
+    for (const auto& [field, v] : fields) {
+      if (!v || !v->is_tensor()) continue;  // absent or not a tensor: the reader names it
+      const std::vector<int64_t>& got = v->as_tensor().shape();
+      const std::string at = where + ": " + param(id) + " " + field;
+      if (got.size() != dims->size() || !std::equal(got.begin() + (got.empty() ? 0 : 1), got.end(), dims->begin() + 1))
+        return at + " has shape " + ShapeString(got) + ", which is no dim-0 shard of its shape_info " + ShapeString(*dims);
+      if (got[0] == want) continue;
+      // Rows of 1/(dp * cp): sharded over more ranks than the tag has files for.
+      for (int64_t cp = 2; got[0] < want && cp <= rows; ++cp) {
+        if (Zero1ShardRows(rows, static_cast<int>(dp * cp)) != got[0]) continue;
+        return at + " holds " + std::to_string(got[0]) + " of its " + std::to_string(rows) + " rows (shape_info " + ShapeString(*dims) +
+               "), where a dp=" + std::to_string(dp) + " ZeRO-1 shard holds " + std::to_string(want) + ": the rows are 1/(dp × cp) = 1/(" +
+               std::to_string(dp) + " × " + std::to_string(cp) + "), a context-parallel save (cp=" + std::to_string(cp) +
+               "). NxD shards ZeRO-1 over the dp × cp ranks (trainer.py initialize_optimizer_from_class, "
+               "get_zero1_sharding_groups) but names each optimizer file by its dp rank alone (checkpoint.py save_checkpoint, "
+               "_get_path), so the " + std::to_string(cp) + " cp ranks of each dp rank wrote the same file and " + std::to_string(cp - 1) +
+               " of every " + std::to_string(cp) + " shards were lost; the optimizer state does not cover the parameter. " + kWeightsOnlyAdvice;
+      }
+      return at + " holds " + std::to_string(got[0]) + " of its " + std::to_string(rows) + " rows (shape_info " + ShapeString(*dims) +
+             "), not the " + std::to_string(want) + " of a dp=" + std::to_string(dp) + " ZeRO-1 shard (rows padded to a multiple of " +
+             std::to_string(dp) + ", one chunk per dp rank): the shards do not cover the parameter";
+    }
+  }
+  return "";
 }
 
 }  // namespace ckpt

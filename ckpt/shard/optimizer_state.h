@@ -5,6 +5,7 @@
 // "sharded_master_weights"}). Ids are positions in the grouping's order.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -43,6 +44,24 @@ const Value* EntryById(const Dict& by_id, size_t id);
 int64_t Zero1SavedAsOneShard(const Value& file);
 // The message for such a file.
 std::string Zero1OneShardMessage(const std::string& where, int64_t dp);
+
+// Whether the ZeRO-1 `file` of a tag sharded over `dp` ranks covers each of
+// its parameters: torch-xla's ZeroRedundancyOptimizer pads dim 0 of every
+// state to a multiple of the sharding group's size and keeps one chunk per
+// rank (Zero1ShardRows), so each base_state exp_avg, exp_avg_sq and
+// sharded_master_weights entry must hold ceil(rows / dp) rows of its
+// shape_info, and its shape_info's other dims. Returns "" when it does; else
+// the first entry that does not, naming `where` and the parameter
+// (`name_of(id)`, or "parameter id N" when not given). When the rows are
+// ceil(rows / (dp * cp)) for some cp > 1, the message says dp × cp: NxD
+// shards a ZeRO-1 optimizer over dp * cp ranks under context parallelism
+// (trainer/trainer.py initialize_optimizer_from_class takes
+// parallel_state.get_zero1_sharding_groups when cp > 1), while
+// trainer/checkpoint.py save_checkpoint names each file by its dp rank alone
+// (_get_path's cp argument is never set), so the cp ranks of one dp rank
+// write the same file and all but one cp rank's shards are lost.
+std::string Zero1ShardProblem(const Value& file, int dp, const std::string& where,
+                              const std::function<std::string(int64_t id)>& name_of = {});
 
 // The sizes of the groups a `param_groups` list holds, after checking that
 // their ids run 0, 1, ... across the groups in order, as torch numbers them.

@@ -611,6 +611,15 @@ class ShardedTagBuilder {
           std::vector<int64_t> file_ids;  // each position's id in the file (torch's: shared by a parameter listed twice)
           const Grouping order = Ids(top.At("param_groups"), names, same_stage_copy, where, first, &file_ids);
           if (first) t_->param_groups_ = top.At("param_groups"), L.master_weights = top.Find("sharded_master_weights") != nullptr, first = false;
+          // Shards of another size than dp's (a context-parallel save lost some) are told as such,
+          // before a shape check would name one field without why.
+          if (zero1)
+            if (const std::string why = Zero1ShardProblem(v, L.grid.dp, where, [&](int64_t id) {
+                  const std::string n = "parameter id " + std::to_string(id);
+                  return id < static_cast<int64_t>(order.order.size()) ? n + " (" + order.order[id].name + ")" : n;
+                });
+                !why.empty())
+              throw Error(why);
           if (zero1 && !AsDict(top.At("state"), where + ": 'state'").items.empty())
             throw Error(where + ": ZeRO-1 'state' is not empty; its entries have no known place in a re-laid file");
           const Dict& state = AsDict(top.At(zero1 ? "base_state" : "state"), where + ": '" + (zero1 ? "base_state" : "state") + "'");

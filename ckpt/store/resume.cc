@@ -1,7 +1,10 @@
 #include "ckpt/store/resume.h"
 
-#include "ckpt/util/error.h"
+#include <algorithm>
+
 #include "ckpt/store/tag_verify.h"
+#include "ckpt/store/training_state.h"
+#include "ckpt/util/error.h"
 
 namespace ckpt {
 namespace {
@@ -21,20 +24,54 @@ void DropOptimizerProblems(TagReport& r, const std::string& tag, const LogFn& lo
   });
 }
 
+// Why what `tag` records of where training stands cannot be resumed from ("" when it can).
+std::string PositionProblem(Env* env, const std::string& tag) {
+  try {
+    ReadTrainingPosition(env, tag);
+    return "";
+  } catch (const Error& e) {
+    return e.what();
+  }
+}
+
+// The step a candidate is ordered by: the one its content records, else (weights only, or content
+// that does not read, which verification then reports) the one its name gives.
+int64_t OrderingStep(Env* env, const TagEntry& t) {
+  try {
+    if (const TrainingPosition at = ReadTrainingPosition(env, t.path); at.step_recorded) return at.step;
+  } catch (const Error&) {
+  }
+  if (t.parsed) return t.parsed->step;
+  return ParseNxdStepTagName(t.dir_name).value_or(-1);
+}
+
 }  // namespace
 
 std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& checkpoint_dir, bool verify_checksums,
                                                 const LogFn& log, std::vector<DamagedTag>* damaged, bool weights_only) {
   if (!env->IsDirectory(checkpoint_dir)) return std::nullopt;
-  for (const TagEntry& t : ListTags(env, checkpoint_dir)) {
+  // Complete tags, newest first by the step each records, not the one its name gives: a name is a
+  // label (a rename or copy changes it) and one naming a step past every real one would otherwise
+  // be resumed from on every restart, its true step each time, so the run would never advance.
+  // A name that disagrees with its content is a warning when the tag is read (ReadTrainingPosition).
+  // Ties keep ListTags' order (name, then mtime).
+  std::vector<std::pair<int64_t, TagEntry>> candidates;
+  for (TagEntry& t : ListTags(env, checkpoint_dir)) {
     if (!t.has_done && !t.listed_in_newest) {
       if (log) log("resume: skipping " + t.dir_name + ": no done marker (incomplete save)");
       continue;
     }
+    const int64_t step = OrderingStep(env, t);
+    candidates.emplace_back(step, std::move(t));
+  }
+  std::stable_sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& [step, t] : candidates) {
     TagReport r = VerifyTag(env, t.path, {.checksums = verify_checksums});
     if (!r.has_done && t.listed_in_newest)  // NxD 2.16 marked completion with `newest`, not `done`
       std::erase_if(r.problems, [](const TagProblem& p) { return p.file == "done"; });
     if (weights_only) DropOptimizerProblems(r, t.dir_name, log);
+    if (r.ok())  // what it records of the step, samples and schedule must be resumable too
+      if (std::string why = PositionProblem(env, t.path); !why.empty()) r.problems.push_back({"", std::move(why)});
     if (!r.ok()) {
       if (log) log("resume: skipping " + t.dir_name + ": " + Describe(r) + " (kept as evidence)");
       if (damaged) damaged->push_back({t.path, Describe(r)});
@@ -57,6 +94,8 @@ std::optional<std::string> ResolveResume(Env* env, const std::string& checkpoint
     if (!env->IsDirectory(path)) throw Error("resume_from_checkpoint: " + opts.resume_from_checkpoint + ": no such checkpoint");
     TagReport r = VerifyTag(env, path, {.checksums = opts.verify_checksums});
     if (opts.weights_only) DropOptimizerProblems(r, path, log);
+    if (r.ok())
+      if (std::string why = PositionProblem(env, path); !why.empty()) r.problems.push_back({"", std::move(why)});
     if (!r.ok()) throw Error("resume_from_checkpoint: " + path + " is not a complete, intact checkpoint: " + Describe(r));
     return path;
   }

@@ -1,9 +1,12 @@
 // Choosing where a restarted job resumes, with NxDT exp_manager semantics but
 // without its weaknesses: only tags with `done` (or listed in NxD 2.16's
-// `newest` file) are candidates; they are ordered by the step in their name,
-// mtime only as a tie-break; each is checked against its manifest (sizes
-// always, every byte's CRC-32 when asked, as the trainer asks) and a failing
-// one is skipped, with the reason logged, in favour of the next. Tags that
+// `newest` file) are candidates; they are ordered by the step their content
+// records (ReadTrainingPosition; the name's only where the content records
+// none), then the name's step and mtime; each is checked against its
+// manifest (sizes always, every byte's CRC-32 when asked, as the trainer
+// asks) and for where training stands (a step, sample count or LR that is
+// negative, non-finite, fractional or absurd makes it damaged), and a
+// failing one is skipped, with the reason logged, in favour of the next. Tags that
 // fail are reported, so the caller keeps them as evidence; when complete
 // tags exist and every one fails, resuming stops (DamagedCheckpoints) unless
 // starting over them was asked for explicitly.

@@ -1,12 +1,18 @@
 // PlanResume: what a job does with a resume tag cut for another parallel
-// layout. (Choosing the tag, ResolveResume, is tested with the store in
+// layout; FindLatestCheckpoint trusting what tags record over their names.
+// (Choosing the tag otherwise, ResolveResume, is tested with the store in
 // checkpoint_store_test.)
 #include "ckpt/store/resume.h"
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+
+#include "ckpt/store/checkpoint_store.h"
 #include "ckpt/store/tag_paths.h"
 #include "ckpt/store/tag_writer.h"
+#include "ckpt/store/training_state.h"
 #include "ckpt/util/test_util.h"
 
 namespace ckpt {
@@ -57,6 +63,65 @@ TEST(PlanResume, AnEarlierStartsCopyIsReusedAndAnythingElseThereIsKept) {
   // A complete copy that does not fit this run either is not reused.
   EXPECT_NE(ErrorOf([&] { PlanResume(env, src, true, dst, [](const std::string&) { return "no"; }, ""); }).find("move it away"),
             std::string::npos);
+}
+
+const RankGrid kOneRankGrid{1, 1, 1, false};
+
+// A committed tag named for `named_step` whose user_content.pt is `content`.
+std::string SaveTagRecording(const std::string& dir, int64_t named_step, const Value& content) {
+  CheckpointStore store({.dir = dir});
+  Snapshot s = testing::MakeSnapshot("m", named_step, kOneRankGrid, 64, 1);
+  s.tag.consumed_samples = 32;
+  std::erase_if(s.files, [](const FileToWrite& f) { return f.relpath == kSchedulerFile; });  // its step is the name's
+  for (auto& f : s.files)
+    if (f.relpath == kUserContentFile) f.value = content;
+  store.Save(s);
+  return dir + "/" + FormatTagName(s.tag);
+}
+
+Value Recorded(int64_t step, const Value& consumed) {
+  Value v = UserContent{.global_step = step, .consumed_samples = std::nullopt, .carried = {}}.ToValue();
+  v.as_dict().Set("consumed_samples", consumed);
+  return v;
+}
+
+TEST(FindLatestCheckpoint, OrdersByTheRecordedStepSoALyingNameDoesNotWinForever) {
+  TempDir d("resume");
+  const std::string lying = SaveTagRecording(d.path(), 999999999999999999, Recorded(4, Value(32.0)));
+  // Alone, it is resumed from (at its recorded step 4; ReadTrainingPosition warns of the name).
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, nullptr), lying);
+  // The run advances and saves step 5: that is the newest now, whatever the other's name says.
+  const std::string next = SaveTagRecording(d.path(), 5, Recorded(5, Value(40.0)));
+  std::vector<DamagedTag> damaged;
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, nullptr, &damaged), next);
+  EXPECT_TRUE(damaged.empty()) << damaged[0].problem;
+}
+
+TEST(FindLatestCheckpoint, SkipsATagRecordingAnAbsurdPositionSayingWhichValue) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<std::pair<Value, std::string>> cases = {
+      {Recorded(int64_t{1} << 62, Value(8.0)), "global_step is 4611686018427387904, beyond 2^40"},
+      {Recorded(9, Value(inf)), "consumed_samples is inf, not a finite count"},
+      {Recorded(9, Value(std::nan(""))), "consumed_samples is nan, not a finite count"},
+      {Recorded(9, Value(-8.0)), "consumed_samples is -8.000000, negative"},
+      {Recorded(-9, Value(8.0)), "global_step is -9, negative"},
+  };
+  for (const auto& [content, why] : cases) {
+    TempDir d("resume");
+    const std::string good = SaveTagRecording(d.path(), 5, Recorded(5, Value(40.0)));
+    const std::string bad = SaveTagRecording(d.path(), 9, content);
+    std::vector<DamagedTag> damaged;
+    std::vector<std::string> log;
+    EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, [&](const std::string& l) { log.push_back(l); }, &damaged), good) << why;
+    ASSERT_EQ(damaged.size(), 1u) << why;
+    EXPECT_EQ(damaged[0].path, bad);
+    EXPECT_NE(damaged[0].problem.find("user_content.pt: " + why), std::string::npos) << damaged[0].problem;
+    ASSERT_FALSE(log.empty());
+    EXPECT_NE(log[0].find("resume: skipping " + FormatTagName({"m", 9, 32.0, false}) + ": user_content.pt: " + why), std::string::npos) << log[0];
+    // Named explicitly, it is refused the same way.
+    EXPECT_NE(ErrorOf([&] { ResolveResume(Env::Default(), d.path(), {.resume_from_checkpoint = bad}, nullptr); }).find(why),
+              std::string::npos);
+  }
 }
 
 }  // namespace

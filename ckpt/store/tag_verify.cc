@@ -17,6 +17,7 @@
 #include "ckpt/store/output_guard.h"
 #include "ckpt/pt/xser.h"
 #include "ckpt/store/tag_writer.h"
+#include "ckpt/store/training_state.h"
 
 namespace ckpt {
 namespace {
@@ -73,15 +74,40 @@ bool IsDirectlyLoaded(const std::string& rel) {
 
 // Loads `rel` as a reader would: the zip structure, the pickle, every
 // tensor's storage, and (with `crc`) every zip record's CRC-32, which torch
-// writes. Returns the problem, or "".
-std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string& rel, bool crc) {
+// writes. An optimizer file's ZeRO-1 shards are checked against its
+// shape_info and `zero1_dp` (0: not checked). Returns the problem, or "".
+std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string& rel, bool crc, int zero1_dp) {
+  Value v;
   try {
     LoadOptions opts;
     opts.verify_crc = crc;
-    LoadTagFile(env, tag_dir, rel, opts);
-    return "";
+    v = LoadTagFile(env, tag_dir, rel, opts);
   } catch (const Error& e) {
     return std::string("unreadable: ") + e.what();
+  }
+  if (zero1_dp > 0 && rel.starts_with("optim/")) {
+    std::string why = Zero1ShardProblem(v, zero1_dp, rel);
+    if (why.starts_with(rel + ": ")) why.erase(0, rel.size() + 2);  // the report names the file
+    return why;
+  }
+  return "";
+}
+
+// Where training stands, as `rel` (user_content.pt, scheduler.pt) records it: a step, sample count
+// or LR a resumed run could not continue from (UserContent/SchedulerState::FromValue: negative,
+// non-finite, fractional or absurd) is a problem, or "". NxD's free-form user content (no
+// global_step) records none of these and is not judged here.
+std::string TrainingStateProblem(Env* env, const std::string& tag_dir, const std::string& rel) {
+  try {
+    const Value v = LoadTagFile(env, tag_dir, rel);
+    if (!v.is_dict()) return "";
+    if (rel == kUserContentFile && v.as_dict().Find("global_step")) UserContent::FromValue(v, rel);
+    if (rel == kSchedulerFile && v.as_dict().Find("last_epoch")) SchedulerState::FromValue(v, rel);
+    return "";
+  } catch (const Error& e) {
+    std::string why = e.what();
+    if (why.starts_with(rel + ": ")) why.erase(0, rel.size() + 2);  // the report names the file
+    return why;
   }
 }
 
@@ -128,6 +154,7 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
       return r;
     }
     r.grid = m.grid;
+    const int zero1_dp = m.grid.dp;
     if (!present.count(kCheckpointMarker)) problem(kCheckpointMarker, "missing marker");
     for (const auto& f : files)
       if (!IsOwnBookkeeping(f) && !IsTempPath(f) && !m.files.count(f)) problem(f, "not listed in the manifest");
@@ -155,7 +182,7 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
             // Bytes that match a manifest rewritten to match them (a truncated file
             // and its recomputed record) must still load.
             else if (IsDirectlyLoaded(rel))
-              what = LoadProblem(env, tag_dir, rel, false);
+              what = LoadProblem(env, tag_dir, rel, false, zero1_dp);
           }
         } catch (const Error& e) {
           what = e.what();
@@ -169,6 +196,9 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
   } else {
     r.grid = InferGrid(files, problem);
     if (!r.grid) problem("model/", "no rank files (model/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt)");
+    // Shards are checked against the dp of the files present; at dp 1 NxDT's one-shard save is
+    // told below in its own words.
+    const int zero1_dp = r.grid && r.grid->dp > 1 ? r.grid->dp : 0;
     // No manifest (NxD or NxDT wrote it, or ours lost it): what the files say of
     // themselves is checked instead. Every zip record's CRC-32, a parse of every
     // pickle and every tensor's storage bounds.
@@ -179,7 +209,7 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
         if (IsDirectlyLoaded(f) && !outside.count(f) && !IsTempPath(f)) loaded.push_back(f);
       std::mutex mu;
       tbb::parallel_for(size_t{0}, loaded.size(), [&](size_t i) {
-        const std::string what = LoadProblem(env, tag_dir, loaded[i], true);
+        const std::string what = LoadProblem(env, tag_dir, loaded[i], true, zero1_dp);
         uint64_t bytes = 0;
         try {
           bytes = env->FileSize(tag_dir + "/" + loaded[i]);
@@ -220,6 +250,11 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
         // an unreadable file is reported by the load above
       }
     }
+  }
+  for (const char* rel : {kUserContentFile, kSchedulerFile}) {
+    const bool reported = std::any_of(r.problems.begin(), r.problems.end(), [&](const TagProblem& p) { return p.file == rel; });
+    if (present.count(rel) && !outside.count(rel) && !reported)
+      if (std::string why = TrainingStateProblem(env, tag_dir, rel); !why.empty()) problem(rel, std::move(why));
   }
   if (r.grid) {  // rank-grid completeness
     for (const auto& f : r.grid->ModelFiles())

@@ -1,9 +1,13 @@
 #include "ckpt/store/training_state.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <regex>
 
+#include "ckpt/pt/xser.h"
+#include "ckpt/store/tag_paths.h"
 #include "ckpt/util/error.h"
 
 namespace ckpt {
@@ -19,6 +23,52 @@ std::string KeyString(const Value& k, const std::string& where) {
   return k.as_str();
 }
 
+// A recorded step (or epoch): whole and in [0, kMaxRecordedStep]. Throws naming `what` and the value.
+int64_t RecordedStep(const Value& v, const std::string& what) {
+  const int64_t s = AsInteger(v, what);
+  if (s < 0) throw Error(what + " is " + std::to_string(s) + ", negative");
+  if (s > kMaxRecordedStep)
+    throw Error(what + " is " + std::to_string(s) + ", beyond 2^40 (" + std::to_string(kMaxRecordedStep) + "), more than any run takes");
+  return s;
+}
+
+// A recorded sample count: finite, whole, in [0, kMaxRecordedSamples] (an int, a float or a one-element tensor).
+double RecordedSamples(const Value& v, const std::string& what) {
+  double d = 0;
+  try {
+    d = v.is_int() ? static_cast<double>(v.as_int()) : AsScalar(v);
+  } catch (const Error& e) {
+    throw Error(what + ": " + e.what());
+  }
+  const std::string shown = v.is_int() ? std::to_string(v.as_int()) : std::to_string(d);
+  if (!std::isfinite(d)) throw Error(what + " is " + shown + ", not a finite count");
+  if (d < 0) throw Error(what + " is " + shown + ", negative");
+  if (d != std::floor(d)) throw Error(what + " is " + shown + ", not a whole number of samples");
+  if (d > static_cast<double>(kMaxRecordedSamples))
+    throw Error(what + " is " + shown + ", beyond 2^53 (" + std::to_string(kMaxRecordedSamples) + "), more than any run consumes");
+  return d;
+}
+
+// A scheduler state's LRs (torch's base_lrs and _last_lr lists): each finite and not negative.
+void CheckLearningRates(const Dict& sched, const std::string& where) {
+  for (const char* key : {"base_lrs", "_last_lr"}) {
+    const Value* lrs = sched.Find(key);
+    if (!lrs) continue;
+    if (!lrs->is_seq()) throw Error(where + "." + key + " is a " + lrs->kind_name() + ", not a list of learning rates");
+    for (size_t i = 0; i < lrs->as_seq().items.size(); ++i) {
+      const std::string at = where + "." + key + "[" + std::to_string(i) + "]";
+      const Value& x = lrs->as_seq().items[i];
+      double lr = 0;
+      try {
+        lr = x.is_int() ? static_cast<double>(x.as_int()) : AsScalar(x);
+      } catch (const Error& e) {
+        throw Error(at + ": " + e.what());
+      }
+      if (!std::isfinite(lr) || lr < 0) throw Error(at + " is " + std::to_string(lr) + ", not a learning rate (finite, not negative)");
+    }
+  }
+}
+
 // Lightning's completed optimizer steps in `loops`, if it records them.
 std::optional<int64_t> LoopsStep(const Value& loops, const std::string& where) {
   const Value* v = &loops;
@@ -27,9 +77,7 @@ std::optional<int64_t> LoopsStep(const Value& loops, const std::string& where) {
     v = v->as_dict().Find(k);
     if (!v) return std::nullopt;
   }
-  const int64_t s = AsInteger(*v, where + ": loops' completed optimizer steps");
-  if (s < 0) throw Error(where + ": loops' completed optimizer steps are negative");
-  return s;
+  return RecordedStep(*v, where + ": loops' completed optimizer steps");
 }
 
 }  // namespace
@@ -49,30 +97,23 @@ UserContent UserContent::FromValue(const Value& v, const std::string& where) {
   for (const auto& [k, x] : DictOf(v, where).items) {
     const std::string key = KeyString(k, where);
     if (key == "epoch") {
-      u.epoch = AsInteger(x, where + ": epoch");
+      u.epoch = RecordedStep(x, where + ": epoch");
     } else if (key == "global_step") {
-      u.global_step = AsInteger(x, where + ": global_step");
+      u.global_step = RecordedStep(x, where + ": global_step");
       step = true;
     } else if (key == "consumed_samples") {
-      try {
-        u.consumed_samples = x.is_int() ? static_cast<double>(x.as_int()) : AsScalar(x);
-      } catch (const Error& e) {
-        throw Error(where + ": consumed_samples: " + e.what());
-      }
+      u.consumed_samples = RecordedSamples(x, where + ": consumed_samples");
     } else {
       u.carried.emplace_back(key, x);
     }
   }
   if (!step) throw Error(where + ": has no global_step");
-  if (u.global_step < 0 || (u.consumed_samples && !(*u.consumed_samples >= 0)))
-    throw Error(where + ": global_step or consumed_samples is negative");
   // What resume reads is checked now, so a malformed entry is named here.
   if (const Value* loops = u.Carried("loops")) LoopsStep(*loops, where);
   if (const Value* s = u.LrScheduler()) {
     if (!s->is_dict()) throw Error(where + ": lr_schedulers[0] is not a dict");
-    if (const Value* e = s->as_dict().Find("last_epoch")) {
-      if (AsInteger(*e, where + ": lr_schedulers[0].last_epoch") < 0) throw Error(where + ": lr_schedulers[0].last_epoch is negative");
-    }
+    if (const Value* e = s->as_dict().Find("last_epoch")) RecordedStep(*e, where + ": lr_schedulers[0].last_epoch");
+    CheckLearningRates(s->as_dict(), where + ": lr_schedulers[0]");
   }
   return u;
 }
@@ -161,7 +202,7 @@ SchedulerState SchedulerState::FromValue(const Value& v, const std::string& wher
   for (const auto& [k, x] : DictOf(v, where).items) {
     const std::string key = KeyString(k, where);
     if (key == "last_epoch") {
-      s.last_epoch = AsInteger(x, where + ": last_epoch");
+      s.last_epoch = RecordedStep(x, where + ": last_epoch");
       s.last_epoch_at_ = s.carried.size();
       found = true;
     } else {
@@ -169,7 +210,63 @@ SchedulerState SchedulerState::FromValue(const Value& v, const std::string& wher
     }
   }
   if (!found) throw Error(where + ": has no last_epoch");
+  CheckLearningRates(v.as_dict(), where);
   return s;
+}
+
+TrainingPosition ReadTrainingPosition(Env* env, const std::string& tag) {
+  TrainingPosition at;
+  const std::string name = std::filesystem::path(tag).filename().string();
+  if (!env->Exists(tag + "/" + kUserContentFile)) {
+    at.notes.push_back("info: " + tag + " holds no " + kUserContentFile + " (weights only); training starts at step 0");
+    return at;
+  }
+  const std::string path = tag + "/" + kUserContentFile;
+  Value content = LoadTagFile(env, tag, kUserContentFile);
+  // NxD's own trainer saves free-form user content (its llama example: total_steps, batch_idx,
+  // cli_args) and names tags step_<N>: the step comes from the name, the schedule from scheduler.pt.
+  const auto nxd_step = ParseNxdStepTagName(name);
+  if (nxd_step && content.is_dict() && !content.as_dict().Find("global_step")) {
+    at.notes.push_back("info: " + path + " is NxD's free-form user content (no global_step); the step is " + std::to_string(*nxd_step) +
+                       ", from the tag's name");
+    Value v = Value::NewDict();
+    v.as_dict().Set("global_step", Value(*nxd_step));
+    content = v;
+  }
+  const UserContent uc = UserContent::FromValue(content, path);
+  at.step = uc.ResumeStep();
+  at.step_recorded = true;
+  // The name is a label a later rename or copy can change; the content is what the save recorded.
+  // A name that disagrees is told and not used, so a tag named past every real step cannot hold
+  // resume at its true step forever (resume orders tags by this step too).
+  const auto named = ParseTagName(name);
+  const auto named_samples = ConsumedSamplesFromTagPath(name);
+  const std::optional<int64_t> named_step = named ? std::optional(named->step) : nxd_step;
+  if (named_step && *named_step != at.step)
+    at.notes.push_back("warning: " + name + " is named for step " + std::to_string(*named_step) + " but " + kUserContentFile +
+                       " records step " + std::to_string(at.step) + "; resuming at step " + std::to_string(at.step) + ", what the tag records");
+  if (uc.consumed_samples) {
+    at.consumed_samples = static_cast<int64_t>(*uc.consumed_samples);
+    if (named_samples && *named_samples != *at.consumed_samples)
+      at.notes.push_back("warning: " + name + " is named consumed_samples=" + std::to_string(*named_samples) + " but " + kUserContentFile +
+                         " records " + std::to_string(*at.consumed_samples) + "; resuming from " + std::to_string(*at.consumed_samples) +
+                         ", what the tag records");
+  } else if (named_samples) {  // NxDT records them in the name only
+    if (*named_samples > kMaxRecordedSamples)
+      throw Error(name + ": its name's consumed_samples=" + std::to_string(*named_samples) + " is beyond 2^53 (" +
+                  std::to_string(kMaxRecordedSamples) + "), more than any run consumes, and " + kUserContentFile + " records none");
+    at.consumed_samples = *named_samples;
+  } else {
+    at.notes.push_back("warning: " + name + " names no consumed_samples=N.N and its user content records none; assuming 0, as NxDT does");
+  }
+  if (const auto lr_step = uc.LrSchedulerStep()) {
+    at.schedule_step = *lr_step;
+  } else if (env->Exists(tag + "/" + kSchedulerFile)) {  // shardkit's older tags, NxD's own trainer
+    at.schedule_step = SchedulerState::FromValue(LoadTagFile(env, tag, kSchedulerFile), tag + "/" + kSchedulerFile).last_epoch;
+  } else {
+    at.notes.push_back("warning: " + path + " holds no lr_schedulers; the LR schedule restarts from warmup, as NxDT's does");
+  }
+  return at;
 }
 
 }  // namespace ckpt

@@ -24,8 +24,18 @@
 #include <vector>
 
 #include "ckpt/pt/value.h"
+#include "ckpt/util/env.h"
 
 namespace ckpt {
+
+// Bounds past which a recorded value is damage, not progress: no run takes
+// 2^40 optimizer steps, nor consumes 2^53 samples (beyond that a double,
+// as Lightning and the tag name carry it, no longer counts one by one).
+// A step or count beyond them, negative, non-finite or fractional makes a
+// tag damaged: resuming from it would skip training (a step past max_steps)
+// or wrap the sample counter.
+inline constexpr int64_t kMaxRecordedStep = int64_t{1} << 40;
+inline constexpr int64_t kMaxRecordedSamples = int64_t{1} << 53;
 
 struct UserContent {
   int64_t epoch = 0;
@@ -35,9 +45,12 @@ struct UserContent {
 
   // A dict: epoch, global_step, consumed_samples (when set), then `carried`.
   Value ToValue() const;
-  // Throws ckpt::Error naming `where` and the key when `v` is not a dict with
-  // a whole-number global_step (epoch may be missing: 0), or when
-  // consumed_samples, loops' step count or lr_schedulers is there but malformed.
+  // Throws ckpt::Error naming `where`, the key and its value when `v` is not
+  // a dict with a whole-number global_step (epoch may be missing: 0), when
+  // consumed_samples, loops' step count or lr_schedulers is there but
+  // malformed, or when a step, epoch or consumed_samples is negative,
+  // fractional, non-finite or past its bound above, or an LR (lr_schedulers[0]
+  // base_lrs, _last_lr) is negative or non-finite.
   static UserContent FromValue(const Value& v, const std::string& where);
 
   // The step NxDT resumes at: Lightning's loops
@@ -86,11 +99,32 @@ struct SchedulerState {
   // A dict: the entries in order, last_epoch where it was (first for a new state).
   Value ToValue() const;
   // Throws ckpt::Error naming `where` when `v` is not a dict with a
-  // whole-number last_epoch.
+  // whole-number last_epoch in [0, kMaxRecordedStep], or when its LRs
+  // (base_lrs, _last_lr) are negative or non-finite.
   static SchedulerState FromValue(const Value& v, const std::string& where);
 
  private:
   size_t last_epoch_at_ = 0;  // its position among the entries
 };
+
+// Where a tag says training stands, read from what it records, as a resumed
+// run continues: the step from user_content.pt (Lightning's loops, else
+// global_step; NxD's free-form user content has none, and its step_<N> name
+// tells it), consumed samples from user_content.pt, else from the name as
+// NxDT reads it (ConsumedSamplesFromTagPath), and the LR schedule's step from
+// lr_schedulers[0], else scheduler.pt. The content wins over the name: a
+// name that says otherwise is a warning in `notes`, never the value used.
+struct TrainingPosition {
+  int64_t step = 0;
+  bool step_recorded = false;                // false: weights only (no user_content.pt), the run starts at step 0
+  std::optional<int64_t> consumed_samples;   // nullopt: recorded nowhere (NxDT assumes 0)
+  std::optional<int64_t> schedule_step;      // nullopt: recorded nowhere (the schedule restarts)
+  std::vector<std::string> notes;            // "info: ..." / "warning: ..." lines for the log
+};
+// Throws ckpt::Error naming the file and the value when what the tag records
+// is malformed or out of bounds (UserContent::FromValue,
+// SchedulerState::FromValue), or when only its name gives consumed samples and
+// they are past kMaxRecordedSamples. Reads nothing outside `tag`.
+TrainingPosition ReadTrainingPosition(Env* env, const std::string& tag);
 
 }  // namespace ckpt

@@ -2,8 +2,15 @@
 
 #include <gtest/gtest.h>
 
-#include "ckpt/util/error.h"
+#include <cmath>
+#include <filesystem>
+#include <limits>
+
 #include "ckpt/pt/pickle_writer.h"
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/store/tag_paths.h"
+#include "ckpt/util/error.h"
+#include "ckpt/util/test_util.h"
 
 namespace ckpt {
 namespace {
@@ -40,7 +47,7 @@ TEST(UserContent, RefusesWhatIsNotUserContentNamingTheKey) {
   Value w = Value::NewDict();
   w.as_dict().Set("global_step", Value(int64_t{7}));
   w.as_dict().Set("consumed_samples", Value(-1.0));
-  refused(w, "global_step or consumed_samples is negative");
+  refused(w, "consumed_samples is -1.000000, negative");
   Value x = Value::NewDict();
   x.as_dict().Set("global_step", Value(int64_t{7}));
   x.as_dict().Set("lr_schedulers", Value::List({Value(int64_t{1})}));
@@ -109,6 +116,104 @@ TEST(SchedulerState, KeepsLastEpochWhereTheSchedulerPutIt) {
   fresh.last_epoch = 5;
   EXPECT_EQ(fresh.ToValue().as_dict().items[0].first.as_str(), "last_epoch");
   EXPECT_THROW(SchedulerState::FromValue(Value::NewDict(), "sched"), Error);
+}
+
+// A recorded position no run reaches, or that is no count at all, is refused naming the key and
+// the value: resuming from it would skip training or wrap the sample counter.
+TEST(UserContent, RefusesAbsurdNonFiniteNegativeAndFractionalPositions) {
+  using testing::ErrorOf;
+  auto with = [](const std::string& key, const Value& v) {
+    Value u = Value::NewDict();
+    u.as_dict().Set("global_step", Value(int64_t{4}));
+    u.as_dict().Set(key, v);
+    return u;
+  };
+  auto refusal = [](const Value& u) {
+    try {
+      UserContent::FromValue(u, "t/user_content.pt");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(refusal(with("global_step", Value(int64_t{1} << 62))),
+            "t/user_content.pt: global_step is 4611686018427387904, beyond 2^40 (1099511627776), more than any run takes");
+  EXPECT_EQ(refusal(with("global_step", Value(int64_t{-3}))), "t/user_content.pt: global_step is -3, negative");
+  EXPECT_EQ(refusal(with("epoch", Value((int64_t{1} << 40) + 1))),
+            "t/user_content.pt: epoch is 1099511627777, beyond 2^40 (1099511627776), more than any run takes");
+  EXPECT_EQ(refusal(with("consumed_samples", Value(inf))), "t/user_content.pt: consumed_samples is inf, not a finite count");
+  EXPECT_EQ(refusal(with("consumed_samples", Value(std::nan("")))), "t/user_content.pt: consumed_samples is nan, not a finite count");
+  EXPECT_EQ(refusal(with("consumed_samples", Value(-inf))), "t/user_content.pt: consumed_samples is -inf, not a finite count");
+  EXPECT_EQ(refusal(with("consumed_samples", Value(32.5))), "t/user_content.pt: consumed_samples is 32.500000, not a whole number of samples");
+  EXPECT_EQ(refusal(with("consumed_samples", Value(int64_t{1} << 62))),
+            "t/user_content.pt: consumed_samples is 4611686018427387904, beyond 2^53 (9007199254740992), more than any run consumes");
+  // The bounds themselves are reachable values.
+  EXPECT_EQ(refusal(with("global_step", Value(int64_t{1} << 40))), "accepted");
+  EXPECT_EQ(refusal(with("consumed_samples", Value(9007199254740992.0))), "accepted");
+  // The loops' count and the schedule are steps too; the schedule's LRs are finite and not negative.
+  Value loops = NxdtUserContent(4, int64_t{1} << 62, 5);
+  EXPECT_NE(refusal(loops).find("loops' completed optimizer steps is 4611686018427387904, beyond 2^40"), std::string::npos) << refusal(loops);
+  EXPECT_NE(refusal(NxdtUserContent(4, 4, -1)).find("lr_schedulers[0].last_epoch is -1, negative"), std::string::npos);
+  EXPECT_EQ(refusal(with("lr_schedulers", Value::List({LrSchedulerEntry(std::nan(""), 3, 1e-4)}))),
+            "t/user_content.pt: lr_schedulers[0].base_lrs[0] is nan, not a learning rate (finite, not negative)");
+  EXPECT_EQ(refusal(with("lr_schedulers", Value::List({LrSchedulerEntry(3e-4, 3, -1e-4)}))),
+            "t/user_content.pt: lr_schedulers[0]._last_lr[0] is -0.000100, not a learning rate (finite, not negative)");
+  Value sched = Value::NewDict();
+  sched.as_dict().Set("last_epoch", Value(int64_t{1} << 62));
+  EXPECT_NE(ErrorOf([&] { SchedulerState::FromValue(sched, "s"); }).find("s: last_epoch is 4611686018427387904, beyond 2^40"), std::string::npos);
+  sched.as_dict().Set("last_epoch", Value(int64_t{3}));
+  sched.as_dict().Set("base_lrs", Value::List({Value(inf)}));
+  EXPECT_EQ(ErrorOf([&] { SchedulerState::FromValue(sched, "s"); }), "s.base_lrs[0] is inf, not a learning rate (finite, not negative)");
+}
+
+// A tag of `files` (relpath -> value) named `name` under `dir`.
+std::string WriteTagOfFiles(const std::string& dir, const std::string& name, const std::vector<std::pair<std::string, Value>>& files) {
+  const std::string tag = dir + "/" + name;
+  for (const auto& [rel, v] : files) {
+    Env::Default()->CreateDirs(std::filesystem::path(tag + "/" + rel).parent_path().string());
+    SavePt(tag + "/" + rel, v);
+  }
+  return tag;
+}
+
+TEST(TrainingPosition, ComesFromTheContentAndANameThatDisagreesIsAWarning) {
+  testing::TempDir d("position");
+  UserContent uc{.global_step = 4, .consumed_samples = 32.0, .carried = {}};
+  uc.carried.emplace_back("lr_schedulers", Value::List({LrSchedulerEntry(3e-4, 4, 3e-4)}));
+  const std::string lying = WriteTagOfFiles(d.path(), "m--step=999999999999999999-consumed_samples=7.0.ckpt", {{kUserContentFile, uc.ToValue()}});
+  const TrainingPosition at = ReadTrainingPosition(Env::Default(), lying);
+  EXPECT_EQ(at.step, 4);
+  EXPECT_TRUE(at.step_recorded);
+  EXPECT_EQ(at.consumed_samples, 32);
+  EXPECT_EQ(at.schedule_step, 4);
+  ASSERT_EQ(at.notes.size(), 2u);
+  EXPECT_EQ(at.notes[0], "warning: m--step=999999999999999999-consumed_samples=7.0.ckpt is named for step 999999999999999999 but "
+                         "user_content.pt records step 4; resuming at step 4, what the tag records");
+  EXPECT_EQ(at.notes[1], "warning: m--step=999999999999999999-consumed_samples=7.0.ckpt is named consumed_samples=7 but "
+                         "user_content.pt records 32; resuming from 32, what the tag records");
+  // NxDT records the samples in the name only: the name gives them, within the same bound.
+  const std::string nxdt = WriteTagOfFiles(d.path(), "m--step=6-consumed_samples=48.0.ckpt", {{kUserContentFile, NxdtUserContent(6, 6, 6)}});
+  const TrainingPosition n = ReadTrainingPosition(Env::Default(), nxdt);
+  EXPECT_EQ(n.step, 6);
+  EXPECT_EQ(n.consumed_samples, 48);
+  EXPECT_TRUE(n.notes.empty());
+  const std::string huge = WriteTagOfFiles(d.path(), "m--step=6-consumed_samples=9999999999999999.0.ckpt", {{kUserContentFile, NxdtUserContent(6, 6, 6)}});
+  EXPECT_NE(testing::ErrorOf([&] { ReadTrainingPosition(Env::Default(), huge); }).find("its name's consumed_samples=10000000000000000 is beyond 2^53"),
+            std::string::npos) << testing::ErrorOf([&] { ReadTrainingPosition(Env::Default(), huge); });
+  // NxD's own free-form user content: the step_<N> name is all there is.
+  Value free = Value::NewDict();
+  free.as_dict().Set("batch_idx", Value(int64_t{3}));
+  SchedulerState sched;
+  sched.last_epoch = 7;
+  const std::string nxd = WriteTagOfFiles(d.path(), "step_7", {{kUserContentFile, free}, {kSchedulerFile, sched.ToValue()}});
+  const TrainingPosition x = ReadTrainingPosition(Env::Default(), nxd);
+  EXPECT_EQ(x.step, 7);
+  EXPECT_EQ(x.schedule_step, 7);
+  EXPECT_EQ(x.consumed_samples, std::nullopt);
+  // No user content: weights only, the run starts over.
+  const std::string weights = WriteTagOfFiles(d.path(), "m--step=9-consumed_samples=72.0.ckpt", {{"model/x.pt", Value::NewDict()}});
+  EXPECT_FALSE(ReadTrainingPosition(Env::Default(), weights).step_recorded);
 }
 
 }  // namespace
