@@ -167,10 +167,11 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   tbb::parallel_for(size_t{0}, inputs.size(), [&](size_t i) {
     RankInput& in = inputs[i];
     in.path = src.files[i];
-    in.checkpoint = ckpt::LoadPtOrXser(in.path, {}, env);
+    const ckpt::LoadOptions confined{.confine_to = src.folder};  // an xser file's tensor folder too
+    in.checkpoint = ckpt::LoadPtOrXser(in.path, confined, env);
     for (int d = 0; d < src.zero1_dp(); ++d) {
       in.zero1_paths.push_back(src.zero1_files[i * src.zero1_dp() + d]);
-      in.zero1.push_back(ckpt::LoadPtOrXser(in.zero1_paths.back(), {}, env));
+      in.zero1.push_back(ckpt::LoadPtOrXser(in.zero1_paths.back(), confined, env));
     }
   });
   // Planned as plain files: the engine splits xser files itself.
