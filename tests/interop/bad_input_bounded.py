@@ -4,7 +4,7 @@ FAILED: 1), a message naming the key, file or shard, a wall time well under
 what the case took before (minutes; 53 s for the index), the peak memory of
 the command (os.wait4's ru_maxrss) where a case used to grow, and, for links
 out of a folder, that the command opened nothing under the link's target
-(strace: no openat, so no file read and no folder listed)."""
+(strace -y: no descriptor opened there, so no file read and no folder listed)."""
 import json
 import os
 import resource
@@ -151,7 +151,8 @@ class NothingOutside(TempDirTest):
         """Runs argv under strace: exits with one of `codes`, names `names`, and opens nothing under `away`."""
         log = os.path.join(self.dir, "strace.log")
         t0 = time.time()
-        p = subprocess.run([STRACE, "-f", "-qq", "-e", "trace=open,openat,openat2", "-o", log] + [str(a) for a in argv],
+        # -y: each opened descriptor is printed with the path it resolves to, so an open through a link shows its target.
+        p = subprocess.run([STRACE, "-f", "-qq", "-y", "-e", "trace=open,openat,openat2", "-o", log] + [str(a) for a in argv],
                            capture_output=True, text=True, timeout=KILL_AFTER, cwd=self.dir)
         what = " ".join(str(a) for a in argv)
         self.assertIn(p.returncode, codes, f"{what}:\n{p.stderr[-2000:]}{p.stdout[-2000:]}")
