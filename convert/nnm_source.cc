@@ -145,7 +145,11 @@ NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::
   const auto confine = [&](const std::string& p) {
     if (!s.folder.empty()) ckpt::RequireInside(s.folder, p);
   };
-  for (const auto& d : dirs) confine(s.files[d.pp * s.grid.tp + d.tp] = d.path + "/" + s.file_name);
+  for (const auto& d : dirs) {
+    std::string& file = s.files[d.pp * s.grid.tp + d.tp];
+    file = d.path + "/" + s.file_name;
+    confine(file);
+  }
 
   // ZeRO-1 optimizer files.
   static const std::regex dp_re(R"(dp_rank_(\d{1,6}))");
@@ -184,7 +188,9 @@ NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::
           throw ckpt::Error(dir + ": no ZeRO-1 optimizer file '" + want + "' for " + s.file_name + " (found: " +
                             (there.empty() ? "none" : Join(there)) + ")");
         }
-        confine(s.zero1_files[(d.pp * s.grid.tp + d.tp) * s.zero1_dp() + r] = dir + "/" + want);
+        std::string& file = s.zero1_files[(d.pp * s.grid.tp + d.tp) * s.zero1_dp() + r];
+        file = dir + "/" + want;
+        confine(file);
       }
   }
   return s;
