@@ -170,10 +170,11 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
     in.path = src.files[i];
     // Made plain as read: NNM's hyper_parameters (omegaconf) become dicts, and
     // anything shardkit would not write again is refused naming its file.
-    in.checkpoint = ckpt::PlainCheckpointData(ckpt::LoadPtOrXser(in.path, {}, env), in.path);
+    const ckpt::LoadOptions confined{.confine_to = src.folder};  // an xser file's tensor folder too
+    in.checkpoint = ckpt::PlainCheckpointData(ckpt::LoadPtOrXser(in.path, confined, env), in.path);
     for (int d = 0; d < src.zero1_dp(); ++d) {
       in.zero1_paths.push_back(src.zero1_files[i * src.zero1_dp() + d]);
-      in.zero1.push_back(ckpt::PlainCheckpointData(ckpt::LoadPtOrXser(in.zero1_paths.back(), {}, env), in.zero1_paths.back()));
+      in.zero1.push_back(ckpt::PlainCheckpointData(ckpt::LoadPtOrXser(in.zero1_paths.back(), confined, env), in.zero1_paths.back()));
     }
   });
   // Planned as plain files: the engine splits xser files itself.

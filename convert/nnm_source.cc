@@ -5,6 +5,7 @@
 #include <map>
 #include <regex>
 
+#include "ckpt/store/input_guard.h"
 #include "ckpt/util/error.h"
 
 namespace convert {
@@ -59,9 +60,11 @@ std::vector<RankDir> RankDirs(ckpt::Env* env, const std::string& root, int* tp, 
   std::map<std::pair<int, int>, std::string> mp, tppp;  // (pp, tp) -> dir
   for (const auto& n : env->ListDir(root)) {
     std::smatch m;
-    if (!env->IsDirectory(root + "/" + n)) continue;
-    if (std::regex_match(n, m, mp_re)) mp[{0, std::stoi(m[1])}] = root + "/" + n;
-    else if (std::regex_match(n, m, tppp_re)) tppp[{std::stoi(m[2]), std::stoi(m[1])}] = root + "/" + n;
+    const bool mp_name = std::regex_match(n, m, mp_re);
+    if ((!mp_name && !std::regex_match(n, m, tppp_re)) || !env->IsDirectory(root + "/" + n)) continue;
+    ckpt::RequireInside(root, root + "/" + n);  // a rank folder linked out of the checkpoint is never listed
+    if (mp_name) mp[{0, std::stoi(m[1])}] = root + "/" + n;
+    else tppp[{std::stoi(m[2]), std::stoi(m[1])}] = root + "/" + n;
   }
   if (!mp.empty() && !tppp.empty())
     throw ckpt::Error(root + ": holds both mp_rank_XX and tp_rank_XX_pp_rank_XXX folders; which checkpoint is it?");
@@ -122,6 +125,7 @@ NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::
     dirs = {{0, 0, p.has_parent_path() ? p.parent_path().string() : "."}};
     s.file_name = p.filename().string();
   } else {
+    s.folder = path;
     dirs = RankDirs(env, path, &s.grid.tp, &s.grid.pp, &s.folders);
     std::map<std::string, std::vector<std::string>> chosen;  // file -> rank folders
     for (const auto& d : dirs) chosen[ChooseFile(env, d.path, checkpoint_name)].push_back(std::filesystem::path(d.path).filename());
@@ -137,7 +141,15 @@ NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::
   }
   s.name = ckpt::ParseTagName(s.file_name);
   s.files.resize(dirs.size());
-  for (const auto& d : dirs) s.files[d.pp * s.grid.tp + d.tp] = d.path + "/" + s.file_name;
+  // Every folder is checked before it is listed, every file before it is read (ckpt/store/input_guard.h).
+  const auto confine = [&](const std::string& p) {
+    if (!s.folder.empty()) ckpt::RequireInside(s.folder, p);
+  };
+  for (const auto& d : dirs) {
+    std::string& file = s.files[d.pp * s.grid.tp + d.tp];
+    file = d.path + "/" + s.file_name;
+    confine(file);
+  }
 
   // ZeRO-1 optimizer files.
   static const std::regex dp_re(R"(dp_rank_(\d{1,6}))");
@@ -145,11 +157,13 @@ NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::
   for (const auto& d : dirs) {
     const std::string optim = d.path + "/optim";
     int dp = 0;
-    if (env->IsDirectory(optim))
+    if (env->IsDirectory(optim)) {
+      confine(optim);
       for (const auto& n : env->ListDir(optim)) {
         std::smatch m;
         if (std::regex_match(n, m, dp_re) && env->IsDirectory(optim + "/" + n)) dp = std::max(dp, std::stoi(m[1]) + 1);
       }
+    }
     dps.push_back(dp);
   }
   if (std::adjacent_find(dps.begin(), dps.end(), std::not_equal_to<>()) != dps.end()) {
@@ -168,12 +182,15 @@ NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::
         std::snprintf(buf, sizeof buf, "dp_rank_%03d", r);
         const std::string dir = d.path + "/optim/" + buf;
         if (!env->IsDirectory(dir)) throw ckpt::Error(dir + ": missing (ZeRO-1 data-parallel ranks must run 0.." + std::to_string(s.zero1_dp() - 1) + ")");
+        confine(dir);
         if (!env->Exists(dir + "/" + want)) {
           const auto there = CheckpointFiles(env, dir);
           throw ckpt::Error(dir + ": no ZeRO-1 optimizer file '" + want + "' for " + s.file_name + " (found: " +
                             (there.empty() ? "none" : Join(there)) + ")");
         }
-        s.zero1_files[(d.pp * s.grid.tp + d.tp) * s.zero1_dp() + r] = dir + "/" + want;
+        std::string& file = s.zero1_files[(d.pp * s.grid.tp + d.tp) * s.zero1_dp() + r];
+        file = dir + "/" + want;
+        confine(file);
       }
   }
   return s;

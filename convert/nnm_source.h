@@ -26,6 +26,10 @@ namespace convert {
 
 struct NnmSource {
   std::string root;       // as given
+  // A folder given: every folder and file found resolves inside it (links
+  // out are refused before anything in them is listed or read). Empty for a
+  // single file, which the user named.
+  std::string folder;
   std::string file_name;  // the checkpoint file chosen in every rank folder
   std::string folders;    // how the rank files are kept: "single file", "mp_rank_XX", "tp_rank_XX_pp_rank_XXX"
   // tp and pp; under ZeRO-1, dp is the data-parallel degree of the optimizer

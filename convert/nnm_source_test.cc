@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "ckpt/util/error.h"
+#include "ckpt/util/fault_env.h"
 #include "ckpt/util/test_util.h"
 
 namespace convert {
@@ -115,6 +116,49 @@ TEST(NnmSource, SeveralUnnamedFilesNeedCheckpointName) {
   EXPECT_EQ(FindNnmCheckpoint(ckpt::Env::Default(), d.path(), "b.ckpt", kQuiet).file_name, "b.ckpt");
   EXPECT_NE(ErrorOf([&] { FindNnmCheckpoint(ckpt::Env::Default(), d.path(), "c.ckpt", kQuiet); }).find("a.ckpt, b.ckpt"),
             std::string::npos);
+}
+
+// Nothing of `away` was listed or read through `env`.
+void ExpectNothingReadUnder(const ckpt::FaultEnv& env, const std::string& away) {
+  for (const auto& r : env.reads()) EXPECT_EQ(r.find(away), std::string::npos) << r << " was read";
+}
+
+TEST(NnmSource, FoldersAndFilesLinkedOutOfTheCheckpointAreRefusedBeforeTheyAreListedOrRead) {
+  namespace fs = std::filesystem;
+  TempDir d("nnm_src");
+  const std::string root = d / "ckpt", away = d / "away", f = "m.ckpt", opt = Zero1FileName("m.ckpt");
+  for (const char* r : {"/mp_rank_00/", "/mp_rank_01/"}) {
+    Touch(root + r + f);
+    Touch(root + r + "optim/dp_rank_000/" + opt);
+    Touch(away + r + f);
+    Touch(away + r + "optim/dp_rank_000/" + opt);
+  }
+  auto refused = [&](const std::string& link, const std::string& target) {
+    fs::remove_all(link);
+    fs::is_directory(target) ? fs::create_directory_symlink(target, link) : fs::create_symlink(target, link);
+    ckpt::FaultEnv env(ckpt::Env::Default());
+    const std::string e = ErrorOf([&] { FindNnmCheckpoint(&env, root, "", kQuiet); });
+    EXPECT_NE(e.find(link + ": resolves to "), std::string::npos) << e;
+    EXPECT_NE(e.find(", outside " + root + " "), std::string::npos) << e;
+    ExpectNothingReadUnder(env, away);
+    fs::remove(link);
+  };
+  EXPECT_EQ(FindNnmCheckpoint(ckpt::Env::Default(), root, "", kQuiet).zero1_dp(), 1);
+  refused(root + "/mp_rank_01", away + "/mp_rank_01");  // a rank folder
+  Touch(root + "/mp_rank_01/" + f);
+  Touch(root + "/mp_rank_01/optim/dp_rank_000/" + opt);
+  refused(root + "/mp_rank_01/" + f, away + "/mp_rank_01/" + f);  // a rank file
+  Touch(root + "/mp_rank_01/" + f);
+  refused(root + "/mp_rank_01/optim", away + "/mp_rank_01/optim");  // the ZeRO-1 folder
+  Touch(root + "/mp_rank_01/optim/dp_rank_000/" + opt);
+  refused(root + "/mp_rank_01/optim/dp_rank_000", away + "/mp_rank_01/optim/dp_rank_000");  // a data-parallel rank's folder
+  Touch(root + "/mp_rank_01/optim/dp_rank_000/" + opt);
+  refused(root + "/mp_rank_01/optim/dp_rank_000/" + opt, away + "/mp_rank_01/optim/dp_rank_000/" + opt);  // an optimizer file
+  Touch(root + "/mp_rank_01/optim/dp_rank_000/" + opt);
+  // Links inside the folder are followed.
+  fs::rename(root + "/mp_rank_01", root + "/elsewhere");
+  fs::create_directory_symlink("elsewhere", root + "/mp_rank_01");
+  EXPECT_EQ(FindNnmCheckpoint(ckpt::Env::Default(), root, "", kQuiet).File(1, 0), root + "/mp_rank_01/" + f);
 }
 
 }  // namespace

@@ -1,5 +1,8 @@
 #include "migrate/interpolation.h"
 
+#include <map>
+#include <set>
+
 #include "migrate/yaml_tree.h"
 
 namespace migrate {
@@ -15,6 +18,9 @@ std::string Trim(const std::string& s) {
   const auto b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
   return b == std::string::npos ? "" : s.substr(b, e - b + 1);
 }
+
+// At most 200 characters of a value for a message: an expanded value may be a megabyte.
+std::string Excerpt(const std::string& text) { return text.size() <= 200 ? text : text.substr(0, 200) + "..."; }
 
 std::vector<Piece> Parse(const std::string& s);
 
@@ -56,6 +62,10 @@ std::vector<Piece> Parse(const std::string& s) {
       for (; j < s.size() && depth; ++j) {
         if (s.compare(j, 2, "${") == 0) ++depth, ++j;
         else if (s[j] == '}') --depth;
+        // Parsing recurses once per level: a hostile value nested 100,000 deep would overflow the stack.
+        if (depth > kMaxInterpolationDepth)
+          throw InputError("interpolations nested deeper than " + std::to_string(kMaxInterpolationDepth) + " levels in '" +
+                           Excerpt(s) + "'");
       }
       if (depth) throw InputError("unbalanced interpolation in '" + s + "'");
       if (!lit.empty()) out.push_back({Piece::kText, lit, {}}), lit.clear();
@@ -119,15 +129,18 @@ std::string Render(const std::vector<Piece>& pieces, const std::string& old_key,
   return out;
 }
 
-// Evaluates ${multiply:a, b} once its arguments are numbers.
+// Evaluates ${multiply:a, b} once its arguments are numbers. The text is
+// copied once, left to right (a megabyte value with many resolvers would
+// otherwise be copied once per resolver).
 std::string EvaluateResolvers(const std::string& text) {
-  std::string out = text;
-  for (size_t at; (at = out.find("${multiply:")) != std::string::npos;) {
-    const size_t end = out.find('}', at);
-    if (end == std::string::npos) throw InputError("unbalanced resolver in '" + text + "'");
-    const std::string args = out.substr(at + 11, end - at - 11);
+  std::string out;
+  size_t from = 0;
+  for (size_t at; (at = text.find("${multiply:", from)) != std::string::npos;) {
+    const size_t end = text.find('}', at);
+    if (end == std::string::npos) throw InputError("unbalanced resolver in '" + Excerpt(text) + "'");
+    const std::string args = text.substr(at + 11, end - at - 11);
     const size_t comma = args.find(',');
-    if (comma == std::string::npos) throw InputError("multiply needs two arguments in '" + text + "'");
+    if (comma == std::string::npos) throw InputError("multiply needs two arguments in '" + Excerpt(text) + "'");
     const std::string a = Trim(args.substr(0, comma)), b = Trim(args.substr(comma + 1));
     std::string product;
     try {
@@ -140,51 +153,134 @@ std::string EvaluateResolvers(const std::string& text) {
       else
         product = std::to_string(std::stod(a) * std::stod(b));
     } catch (const std::exception&) {
-      throw InputError("multiply arguments '" + a + "', '" + b + "' are not numbers");
+      throw InputError("multiply arguments '" + Excerpt(a) + "', '" + Excerpt(b) + "' are not numbers");
     }
-    out = out.substr(0, at) + product + out.substr(end + 1);
+    out.append(text, from, at - from);
+    out += product;
+    from = end + 1;
   }
-  if (out.find("${") != std::string::npos) throw InputError("unknown resolver in '" + text + "'");
+  out.append(text, from);
+  if (out.find("${") != std::string::npos) throw InputError("unknown resolver in '" + Excerpt(text) + "'");
   return out;
 }
 
-YAML::Node ResolveNode(const YAML::Node& root, const YAML::Node& n, const std::string& path, int depth);
+std::string MiB(size_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
 
-// The resolved value of the node at `target`.
-YAML::Node ResolveTarget(const YAML::Node& root, const std::string& target, int depth) {
-  if (depth > 32) throw InputError("interpolation cycle through '" + target + "'");
-  const YAML::Node t = Find(root, target);
-  if (!t.IsDefined()) throw InputError("interpolation target '" + target + "' is not in the config");
-  return ResolveNode(root, t, target, depth + 1);
-}
+// Resolves a config's interpolations, each target once (a chain of
+// ${a}${a}... through many keys would otherwise be resolved exponentially
+// often), counting what the expansions add against the bounds in the header.
+// A resolved node may be shared by the keys that refer to it.
+class Resolver {
+ public:
+  explicit Resolver(const YAML::Node& root) : root_(root) {}
 
-YAML::Node ResolveNode(const YAML::Node& root, const YAML::Node& n, const std::string& path, int depth) {
-  if (n.IsMap()) {
-    YAML::Node out(YAML::NodeType::Map);
-    for (auto it = n.begin(); it != n.end(); ++it)
-      out[it->first.Scalar()] =
-          ResolveNode(root, it->second, path.empty() ? it->first.Scalar() : path + "." + it->first.Scalar(), depth);
-    return out;
+  YAML::Node Resolve() { return Build(root_, "", 0).node; }
+
+ private:
+  struct Resolved {
+    YAML::Node source;  // the node it was resolved from
+    YAML::Node node;
+    size_t bytes = 0;   // written out as a tree: every scalar's and key's text, plus one per mapping or sequence
+  };
+
+  // Counts bytes an interpolation at `key` adds to the config.
+  void Add(size_t bytes, const std::string& key) {
+    added_ += bytes;
+    if (added_ > kMaxInterpolatedConfigBytes)
+      throw InputError("key '" + key + "': interpolations expand the config past " + MiB(kMaxInterpolatedConfigBytes) +
+                       " (the bound on all of a config's interpolations together)");
   }
-  if (n.IsSequence()) {
-    YAML::Node out(YAML::NodeType::Sequence);
-    for (size_t i = 0; i < n.size(); ++i) out.push_back(ResolveNode(root, n[i], path, depth));
-    return out;
+
+  static void RequireValueBound(size_t bytes, const std::string& key) {
+    if (bytes > kMaxInterpolatedValueBytes)
+      throw InputError("key '" + key + "': its interpolation expands past " + MiB(kMaxInterpolatedValueBytes) +
+                       " (the bound on one value)");
   }
-  if (!n.IsScalar() || !HasInterpolation(n.Scalar())) return YAML::Clone(n);
-  if (auto sole = SoleTarget(n.Scalar(), path)) return ResolveTarget(root, *sole, depth);
-  const std::string spliced = RewriteInterpolations(n.Scalar(), path, path, [&](const std::string& t) {
-    const YAML::Node v = ResolveTarget(root, t, depth);
-    return Relocation{std::nullopt, v.IsScalar() ? v.Scalar() : Describe(v)};  // splice the text, not its quotes
-  });
-  YAML::Node out(EvaluateResolvers(spliced));
-  out.SetTag("?");
-  return out;
-}
+
+  // The resolved value of the node at `target`, resolved once.
+  const Resolved& Target(const std::string& target, int depth) {
+    if (auto it = done_.find(target); it != done_.end()) return it->second;
+    if (depth > kMaxInterpolationDepth || busy_.count(target)) throw InputError("interpolation cycle through '" + target + "'");
+    const YAML::Node t = Find(root_, target);
+    if (!t.IsDefined()) throw InputError("interpolation target '" + target + "' is not in the config");
+    busy_.insert(target);
+    Resolved r = Build(t, target, depth + 1);
+    busy_.erase(target);
+    return done_[target] = std::move(r);
+  }
+
+  Resolved Build(const YAML::Node& n, const std::string& path, int depth) {
+    Resolved r{n, {}, 0};
+    if (n.IsMap()) {
+      r.bytes = 1;
+      r.node = YAML::Node(YAML::NodeType::Map);
+      for (auto it = n.begin(); it != n.end(); ++it) {
+        const std::string& key = it->first.Scalar();
+        const std::string child = path.empty() ? key : path + "." + key;
+        // A key is resolved once, whether as a target or here. A key with a dot in
+        // its name may share its path with another node: only the node at the path counts.
+        const auto memo = done_.find(child);
+        const bool resolved = memo != done_.end() && memo->second.source.is(it->second);
+        const Resolved c = resolved ? memo->second : Build(it->second, child, depth);
+        if (!resolved && Find(root_, child).is(it->second)) done_[child] = c;
+        r.node[key] = c.node;
+        r.bytes += key.size() + c.bytes;
+      }
+      return r;
+    }
+    if (n.IsSequence()) {
+      r.node = YAML::Node(YAML::NodeType::Sequence);
+      r.bytes = 1;
+      for (size_t i = 0; i < n.size(); ++i) {
+        const Resolved c = Build(n[i], path, depth);
+        r.node.push_back(c.node);
+        r.bytes += c.bytes;
+      }
+      return r;
+    }
+    if (!n.IsScalar() || !HasInterpolation(n.Scalar())) {
+      r.node = YAML::Clone(n);
+      if (n.IsScalar()) r.bytes += n.Scalar().size();
+      return r;
+    }
+    std::optional<std::string> sole;
+    try {
+      sole = SoleTarget(n.Scalar(), path);
+    } catch (const InputError& e) {
+      throw InputError("key '" + path + "': " + e.what());
+    }
+    if (sole) {
+      const Resolved& t = Target(*sole, depth);
+      RequireValueBound(t.bytes, path);
+      Add(t.bytes, path);
+      return {n, t.node, t.bytes};
+    }
+    size_t spliced_bytes = 0;
+    const std::string spliced = RewriteInterpolations(n.Scalar(), path, path, [&](const std::string& t) {
+      const Resolved& v = Target(t, depth);
+      RequireValueBound(v.bytes, path);  // before Describe writes a mapping out
+      Relocation out{std::nullopt, v.node.IsScalar() ? v.node.Scalar() : Describe(v.node)};  // splice the text, not its quotes
+      spliced_bytes += out.substitute.size();
+      RequireValueBound(spliced_bytes, path);
+      return out;
+    });
+    r.node = YAML::Node(EvaluateResolvers(spliced));
+    r.node.SetTag("?");
+    r.bytes = r.node.Scalar().size();
+    RequireValueBound(r.bytes, path);
+    Add(r.bytes, path);
+    return r;
+  }
+
+  const YAML::Node root_;
+  std::map<std::string, Resolved> done_;  // by target path
+  std::set<std::string> busy_;            // targets being resolved: meeting one again is a cycle
+  size_t added_ = 0;                      // bytes interpolations added so far
+};
 
 }  // namespace
 
-YAML::Node ResolveInterpolations(const YAML::Node& root) { return ResolveNode(root, root, "", 0); }
+YAML::Node ResolveInterpolations(const YAML::Node& root) { return Resolver(root).Resolve(); }
 
 bool HasInterpolation(const std::string& text) { return text.find("${") != std::string::npos; }
 

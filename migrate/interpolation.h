@@ -4,6 +4,7 @@
 // ${multiply:${a}, ${b}} whose arguments may be interpolations themselves.
 #pragma once
 
+#include <cstddef>
 #include <functional>
 #include <optional>
 #include <string>
@@ -32,10 +33,25 @@ struct Relocation {
 std::string RewriteInterpolations(const std::string& text, const std::string& old_key, const std::string& new_key,
                                   const std::function<Relocation(const std::string&)>& relocate);
 
+// Bounds on what interpolations may expand to. A 500-byte config of
+// ${a}${a}... chains through a few keys otherwise expands to gigabytes. A
+// value's expansion (its text, or the tree a sole reference brings in,
+// counted as its keys' and scalars' text plus one byte per mapping or
+// sequence) is at most
+// kMaxInterpolatedValueBytes; all expansions of one config together at most
+// kMaxInterpolatedConfigBytes. NxDT's own configs expand by a few hundred bytes.
+inline constexpr size_t kMaxInterpolatedValueBytes = size_t{1} << 20;
+inline constexpr size_t kMaxInterpolatedConfigBytes = size_t{4} << 20;
+// References followed from one key before it is called a cycle.
+inline constexpr int kMaxInterpolationDepth = 32;
+
 // A copy of `root` with every interpolation replaced by its value: a value
 // that is exactly one reference takes the target's node (and type); others
-// get the target's text spliced in; ${multiply:a, b} is evaluated. Throws
-// InputError for a reference cycle, a missing target or an unknown resolver.
+// get the target's text spliced in; ${multiply:a, b} is evaluated. Each
+// target is resolved once, and keys that refer to it may share its node (the
+// result is for reading). Throws InputError for a reference cycle, a missing
+// target, an unknown resolver, or an expansion past the bounds above, naming
+// the key.
 YAML::Node ResolveInterpolations(const YAML::Node& root);
 
 // If `text` is exactly one path interpolation, its absolute target.

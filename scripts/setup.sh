@@ -11,6 +11,7 @@ PACKAGES=(
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-torch python3-numpy python3-omegaconf python3-h5py
   procps  # pgrep and pkill: the kill tests find and kill one rank of an mpirun job
+  strace  # bad_input_bounded.py checks a command opens nothing under a folder linked out of its input
   libopenblas0-pthread  # the BLAS torch uses in benchmarks (Debian otherwise gives it reference BLAS)
 )
 

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "ckpt/util/error.h"
@@ -53,12 +54,18 @@ WeightFiles FindWeightFiles(ckpt::Env* env, const std::string& dir, const std::s
   ckpt::RequireInside(dir, w.index);
   const nlohmann::json j = ReadJson(env, w.index);
   if (!j.contains("weight_map") || !j["weight_map"].is_object()) throw Error(w.index + ": has no 'weight_map' object");
+  // Each shard is looked for once, when first named, and the first missing one
+  // ends the search: an index naming 100,000 missing shards took 53 s.
+  std::set<std::string> named;
   for (const auto& [k, v] : j["weight_map"].items()) {
     if (!v.is_string() || v.get<std::string>().empty() || v.get<std::string>().find('/') != std::string::npos ||
         v.get<std::string>() == "." || v.get<std::string>() == "..")
       throw Error(w.index + ": weight_map['" + k + "'] is not a file name in the folder");
-    w.weight_map[k] = v.get<std::string>();
-    if (std::find(w.files.begin(), w.files.end(), v.get<std::string>()) == w.files.end()) w.files.push_back(v.get<std::string>());
+    const std::string& file = v.get_ref<const std::string&>();
+    w.weight_map[k] = file;
+    if (!named.insert(file).second) continue;
+    if (!env->Exists(dir + "/" + file)) throw Error(dir + "/" + file + ": missing (named by " + w.index + " for tensor '" + k + "')");
+    w.files.push_back(file);
   }
   return w;
 }

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <sstream>
 
+#include "ckpt/store/input_guard.h"
 #include "ckpt/util/error.h"
 #include "ckpt/store/manifest.h"
 #include "ckpt/shard/model_family.h"
@@ -35,6 +36,7 @@ void CollectFiles(ckpt::Env* env, const std::string& root, const std::string& re
     const std::string child = root + "/" + child_rel;
     if (ckpt::IsTempPath(name)) continue;
     if (env->IsDirectory(child)) {
+      ckpt::RequireInside(root, child);  // a folder linked out of the one named is never listed
       if (!name.ends_with(".tensors")) CollectFiles(env, root, child_rel, out);
     } else if (name.ends_with(".pt") || name.ends_with(".ckpt") || name.ends_with(".pth") || name.ends_with(".bin")) {
       out->push_back(child_rel);

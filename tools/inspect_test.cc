@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include "ckpt/util/error.h"
+#include "ckpt/util/fault_env.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/util/test_util.h"
 
@@ -55,6 +58,22 @@ TEST(Inspect, BadInputsNameThePath) {
   } catch (const ckpt::Error& e) {
     EXPECT_EQ(std::string(e.what()), dir.path() + ": directory holds no .pt or .ckpt files");
   }
+}
+
+TEST(Inspect, AFolderLinkedOutOfTheOneNamedIsRefusedBeforeItIsListed) {
+  ckpt::testing::TempDir dir("inspect");
+  const std::string tag = dir / "tag", away = dir / "away";
+  Value m = Value::NewDict();
+  m.as_dict().Set("w", Value(ckpt::testing::Arange({2})));
+  ckpt::Env::Default()->CreateDirs(away + "/model");
+  ckpt::SavePt(away + "/model/dp_rank_00_tp_rank_00_pp_rank_00.pt", m);
+  ckpt::Env::Default()->CreateDirs(tag);
+  std::filesystem::create_directory_symlink(away + "/model", tag + "/model");
+  ckpt::FaultEnv env(ckpt::Env::Default());
+  const std::string e = ckpt::testing::ErrorOf([&] { Inspect(tag, false, &env); });
+  EXPECT_NE(e.find(tag + "/model: resolves to "), std::string::npos) << e;
+  EXPECT_NE(e.find("outside " + tag), std::string::npos) << e;
+  for (const auto& r : env.reads()) EXPECT_EQ(r.find(away), std::string::npos) << r << " was read";
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include "ckpt/util/test_util.h"
 
 namespace ckpt {
@@ -34,6 +36,28 @@ TEST(ValueJson, ParseJsonBoundedRefusesDeepNestingAndKeepsTheRest) {
   } catch (const nlohmann::json::exception& err) {
     EXPECT_EQ(JsonErrorText(err), "is array where an object with named fields is expected");
   }
+}
+
+TEST(ValueJson, ParseJsonBoundedTakesLinearTimeOverManyObjects) {
+  // A safetensors header of 100,000 entries: nlohmann's callback parser scanned
+  // the enclosing object after each entry, 256 s in all. Strings hiding
+  // brackets and escaped quotes do not count as nesting.
+  std::string text = "{";
+  for (int i = 0; i < 100000; ++i)
+    text += (i ? ",\"t" : "\"t") + std::to_string(i) + "\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}";
+  text += ", \"s\": \"" + std::string(2000, '[') + "\\\"" + std::string(2000, '{') + "\"}";
+  const auto t0 = std::chrono::steady_clock::now();
+  const nlohmann::json j = ParseJsonBounded(text, "h");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j.size(), 100001u);
+  EXPECT_EQ(j["t99999"]["data_offsets"][1], 4);
+  EXPECT_EQ(j["s"].get<std::string>().size(), 4001u);
+  EXPECT_LT(seconds, 5.0);  // about 0.2 s; the quadratic parse took minutes
+  // Exactly at the bound, and one past it.
+  EXPECT_TRUE(ParseJsonBounded(std::string(kMaxJsonDepth, '[') + std::string(kMaxJsonDepth, ']'), "h").is_array());
+  EXPECT_NE(testing::ErrorOf([] { ParseJsonBounded(std::string(kMaxJsonDepth + 1, '{'), "h"); }).find("h: JSON nested deeper"),
+            std::string::npos);
 }
 
 }  // namespace ckpt

@@ -22,12 +22,14 @@
 namespace ckpt {
 namespace {
 
-// Every regular file under `root`, relative, skipping nothing.
+// Every regular file under `root`, relative, skipping nothing. A folder
+// linked out of `root` (model/, an xser .tensors folder) is an entry of its
+// own, for the caller to refuse, and is never listed.
 void Walk(Env* env, const std::string& root, const std::string& rel, std::vector<std::string>* out) {
   const std::string dir = rel.empty() ? root : root + "/" + rel;
   for (const auto& name : env->ListDir(dir)) {
     const std::string r = rel.empty() ? name : rel + "/" + name;
-    if (env->IsDirectory(root + "/" + r)) Walk(env, root, r, out);
+    if (env->IsDirectory(root + "/" + r) && ResolvesInside(root, root + "/" + r)) Walk(env, root, r, out);
     else out->push_back(r);
   }
 }

@@ -3,7 +3,8 @@
 // crash (SIGKILL of the process) at the Nth mutating operation. It also logs
 // every durability-relevant event (file fsync, rename, directory fsync,
 // directory creation) so tests can check the order a commit makes things
-// durable in. For tests.
+// durable in, and every folder listed and file mapped, so tests can check
+// that nothing outside an input folder is read. For tests.
 #pragma once
 
 #include <atomic>
@@ -41,12 +42,21 @@ class FaultEnv : public Env {
     return events_;
   }
 
+  // Every folder listed and file mapped, in order.
+  std::vector<std::string> reads() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return reads_;
+  }
+
   int64_t bytes_written() const { return written_; }
   int64_t mutating_ops() const { return ops_; }
 
   std::unique_ptr<WritableFile> NewWritableFile(const std::string& path) override;
   std::unique_ptr<WritableFile> NewAppendableFile(const std::string& path) override;
-  std::shared_ptr<const MappedFile> MapFile(const std::string& path) override { return base_->MapFile(path); }
+  std::shared_ptr<const MappedFile> MapFile(const std::string& path) override {
+    LogRead(path);
+    return base_->MapFile(path);
+  }
   void RenameFile(const std::string& from, const std::string& to) override;
   void SyncDir(const std::string& dir) override;
   void SyncFileSystem(const std::string& dir) override;
@@ -55,7 +65,10 @@ class FaultEnv : public Env {
   void CreateDirs(const std::string& path) override;
   bool Exists(const std::string& path) override { return base_->Exists(path); }
   bool IsDirectory(const std::string& path) override { return base_->IsDirectory(path); }
-  std::vector<std::string> ListDir(const std::string& path) override { return base_->ListDir(path); }
+  std::vector<std::string> ListDir(const std::string& path) override {
+    LogRead(path);
+    return base_->ListDir(path);
+  }
   uint64_t FileSize(const std::string& path) override { return base_->FileSize(path); }
   int64_t FileMTimeNs(const std::string& path) override { return base_->FileMTimeNs(path); }
   uint64_t AvailableBytes(const std::string& dir) override { return base_->AvailableBytes(dir); }
@@ -71,8 +84,13 @@ class FaultEnv : public Env {
     std::lock_guard<std::mutex> l(mu_);
     events_.push_back(std::move(e));
   }
+  void LogRead(const std::string& path) {
+    std::lock_guard<std::mutex> l(mu_);
+    reads_.push_back(path);
+  }
   mutable std::mutex mu_;
   std::vector<Event> events_;
+  std::vector<std::string> reads_;
 
   Env* base_;
   std::atomic<int64_t> written_{0}, ops_{0}, syncs_{0}, renames_{0};

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every libFuzzer target for a bounded time on a fresh seed corpus:
 #   pt_fuzz        the .pt readers (zip, legacy, pickle), SECONDS
-#   yaml_fuzz      YAML configs: migration, --check, training config, SECONDS
+#   yaml_fuzz      YAML configs: migration, --check, training config (interpolation), SECONDS
 #   xser_fuzz      xser reference trees and their info.pt, SECONDS * 3/4
 #   manifest_fuzz  manifest.json and rank completion records, SECONDS * 3/8
 #   hf_fuzz        safetensors headers and fingerprint pieces, SECONDS * 3/8
@@ -22,6 +22,21 @@ mkdir -p "$tmp/seeds/pt" "$tmp/seeds/yaml" "$tmp/seeds/manifest" "$tmp/seeds/hf"
 cp "$root"/conf/*.yaml "$root"/tests/data/configs/*.yaml "$tmp/seeds/yaml/"
 printf 'model: &a {x: 1, y: [*a]}\n' >"$tmp/seeds/yaml/alias.yaml"
 printf 'a: &a [1, 1]\nb: &b [*a, *a]\nc: [*b, *b]\nmodel: {n: ${a}, m: ${model.n}}\n' >"$tmp/seeds/yaml/laughs.yaml"
+# Interpolation blow-ups (#35): 500 bytes whose a9 expands to 10^9 bytes; the same chain of empty
+# values (no bytes, 2^40 references); a cycle that branches; references to a mapping that double.
+chain() {  # KEYS COPIES FIRST: a0 is FIRST, each next key COPIES references to the one before
+  echo "a0: $3"
+  for ((i = 1; i <= $1; ++i)); do
+    printf "a$i: '"
+    for ((c = 0; c < $2; ++c)); do printf '${a%d}' $((i - 1)); done
+    echo "'"
+  done
+}
+chain 9 10 x >"$tmp/seeds/yaml/interpolation_blowup.yaml"
+chain 40 2 "''" >"$tmp/seeds/yaml/interpolation_empty.yaml"
+printf "a: '\${b}\${b}\${b}'\nb: '\${a}\${a}\${a}'\nmodel: {x: '\${model}'}\n" >"$tmp/seeds/yaml/interpolation_cycle.yaml"
+{ echo "m0: {a: 1}"; for ((i = 1; i <= 40; ++i)); do echo "m$i: ['\${m$((i - 1))}', '\${m$((i - 1))}']"; done; } \
+  >"$tmp/seeds/yaml/interpolation_tree.yaml"
 cat >"$tmp/seeds/manifest/manifest.json" <<'JSON'
 {"format": "shardkit-checkpoint-manifest", "version": 1, "step": 3, "consumed_samples": 24.0,
  "grid": {"tp": 1, "pp": 2, "dp": 1, "zero1": false}, "world_size": 2,

@@ -1,0 +1,70 @@
+#include "tools/hf_state.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+
+#include "ckpt/util/error.h"
+#include "ckpt/util/test_util.h"
+
+namespace tools {
+namespace {
+
+using ckpt::testing::ErrorOf;
+using ckpt::testing::TempDir;
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A safetensors file of `n` one-float tensors t0..t<n-1>, in order.
+std::vector<uint8_t> Safetensors(int n) {
+  std::string h = "{";
+  for (int i = 0; i < n; ++i)
+    h += (i ? ",\"t" : "\"t") + std::to_string(i) + "\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[" + std::to_string(4 * i) + "," +
+         std::to_string(4 * i + 4) + "]}";
+  h += "}";
+  std::vector<uint8_t> file(8 + h.size() + 4 * size_t(n));
+  for (int b = 0; b < 8; ++b) file[b] = static_cast<uint8_t>(uint64_t(h.size()) >> (8 * b));
+  std::copy(h.begin(), h.end(), file.begin() + 8);
+  return file;
+}
+
+TEST(HfState, AHeaderOf100000EntriesIsParsedAndCheckedQuickly) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto file = Safetensors(100000);
+  const auto entries = ParseSafetensors(file, "m.safetensors");
+  ASSERT_EQ(entries.size(), 100000u);
+  const uint64_t body = file.size() - 4 * 100000;
+  EXPECT_EQ(entries.at("t99999").begin, body + 4 * 99999);
+  EXPECT_EQ(entries.at("t99999").end, file.size());
+  // The same with the last entry overlapping its neighbour: refused, naming both.
+  std::vector<uint8_t> bad = file;
+  const std::string was = "[399992,399996]", now = "[399990,399994]";
+  const auto at = std::search(bad.begin(), bad.end(), was.begin(), was.end());
+  ASSERT_NE(at, bad.end());
+  std::copy(now.begin(), now.end(), at);
+  EXPECT_NE(ErrorOf([&] { ParseSafetensors(bad, "m.safetensors"); }).find("tensors 't99997' and 't99998' overlap"), std::string::npos);
+  EXPECT_LT(SecondsSince(t0), 10.0);  // about half a second; the quadratic parse took 256 s
+}
+
+TEST(HfState, AnIndexNamingManyMissingShardsFailsAtTheFirst) {
+  TempDir d("hf_index");
+  std::ofstream(d / "config.json") << R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 16, "intermediate_size": 24,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 32})";
+  std::ofstream index(d / "model.safetensors.index.json");
+  index << R"({"metadata": {}, "weight_map": {)";
+  for (int i = 0; i < 100000; ++i) index << (i ? ",\"w" : "\"w") << i << "\": \"shard-" << i << ".safetensors\"";
+  index << "}}";
+  index.close();
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string e = ErrorOf([&] { HfState::Open(ckpt::Env::Default(), d.path(), {}); });
+  // weight_map is read in key order: w0 first.
+  EXPECT_NE(e.find(d / "shard-0.safetensors: missing (named by " + d / "model.safetensors.index.json for tensor 'w0')"), std::string::npos) << e;
+  EXPECT_LT(SecondsSince(t0), 10.0);  // about a quarter second; finding each shard among all took 53 s
+}
+
+}  // namespace
+}  // namespace tools
