@@ -1009,11 +1009,10 @@ class ShardedTagBuilder {
           if (rule.vocab) t_->recorded_->erase(rule.name);
       return;
     }
+    // What the tag records wins over its name, as resume decides (ReadTrainingPosition):
+    // a name is a label, and a lying one would otherwise pass into the new tag's manifest.
     const std::string name = std::filesystem::path(t_->dir_).filename().string();
-    if (auto tn = ParseTagName(name)) {
-      t_->step_ = tn->step, t_->consumed_ = tn->consumed_samples;
-      return;
-    }
+    const std::optional<TagName> tn = ParseTagName(name);
     if (const Value* v = UserContentFile()) {
       // NxD saves whatever user content its caller passes: a dict without
       // NxDT's step entries leaves the step to the name below.
@@ -1021,11 +1020,19 @@ class ShardedTagBuilder {
         const UserContent uc = UserContent::FromValue(*v, Path(kUserContentFile));
         t_->step_ = uc.ResumeStep();
         if (uc.consumed_samples) t_->consumed_ = *uc.consumed_samples;
+        else if (tn) t_->consumed_ = tn->consumed_samples;
         else if (auto c = ConsumedSamplesFromTagPath(name)) t_->consumed_ = static_cast<double>(*c);
         else t_->consumed_known_ = false;
+        if (tn && tn->step != t_->step_)
+          t_->format_notes_.push_back("the tag's name says step " + std::to_string(tn->step) + " but its " + std::string(kUserContentFile) +
+                                      " records step " + std::to_string(t_->step_) + ", which is taken");
         return;
       } catch (const Error&) {
       }
+    }
+    if (tn) {
+      t_->step_ = tn->step, t_->consumed_ = tn->consumed_samples;
+      return;
     }
     // NxD's llama example names its tags step_<N> (run_llama_nxd.py) and records no samples.
     t_->consumed_known_ = false;

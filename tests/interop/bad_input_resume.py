@@ -99,6 +99,18 @@ class ResumeTrustsContent(TempDirTest):
         saved = torch.load(os.path.join(self.ckpt, tag_name(8), "user_content.pt"))
         self.assertEqual((saved["global_step"], saved["consumed_samples"]), (8, 64.0))
 
+    def test_a_lying_name_does_not_pass_into_a_resharded_tag(self):
+        """A tag without our manifest (as NxD writes them): ckpt-reshard takes the step its
+        user_content.pt records, says the name disagrees, and names the new tag by the content."""
+        os.rename(os.path.join(self.ckpt, tag_name(4)), os.path.join(self.ckpt, LYING))
+        os.remove(os.path.join(self.ckpt, LYING, "manifest.json"))
+        out = os.path.join(self.dir, "out")
+        p = run(RESHARD, os.path.join(self.ckpt, LYING), "--checkpoint_dir", out, "--tp", "1", "--pp", "1", "--heads", "4")
+        self.assertIn("name says step 999999999999999999 but its user_content.pt records step 4", p.stderr)
+        self.assertEqual(os.listdir(out), [tag_name(4)])
+        with open(os.path.join(out, tag_name(4), "manifest.json")) as f:
+            self.assertEqual(json.load(f)["step"], 4)
+
     def damaged_is_skipped(self, rel, change, why):
         """Makes a tag named step=8 from step 4's, with `change` applied to its `rel`: resume skips it
         as damaged naming `why`, and resumes from step 4; ckpt-verify fails it naming the same."""
