@@ -451,7 +451,8 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
                     " free; nothing was written");
   }
   const ckpt::StagedTag staged = ckpt::StageFor(sum.dst_tag, a.tool);
-  if (a.group->rank() == 0) ckpt::PrepareTarget(env, staged, a.overwrite, log);
+  std::unique_ptr<ckpt::FileLock> writing;  // rank 0's writer lock, until the tag is published or deleted
+  if (a.group->rank() == 0) writing = ckpt::PrepareTarget(env, staged, a.overwrite, log);
   const std::string save_id = ckpt::BeginStaged(env, staged, *a.group, a.tool);
 
   auto write_and_commit = [&] {

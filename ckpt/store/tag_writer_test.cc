@@ -127,5 +127,37 @@ TEST(TagWriter, EveryUnitIsWrittenByExactlyOneRank) {
     }
 }
 
+TEST(TagWriter, EveryToolsStagingAndSetAsideFolderNameTheTargetsOneWriterLock) {
+  for (const std::string tool : {"reshard", "import", "nnm2nxdt"}) {
+    const StagedTag t = StageFor("/ckpts/step_5.ckpt", tool);
+    EXPECT_EQ(t.lock, "/ckpts/.step_5.ckpt.writer-lock");  // the same for every tool: they exclude each other
+    EXPECT_EQ(WriterLockOf(t.staging), t.lock);
+    EXPECT_EQ(WriterLockOf(t.old), t.lock);
+  }
+  EXPECT_EQ(StageFor("out", "reshard").lock, "./.out.writer-lock");
+  EXPECT_EQ(WriterLockOf("/ckpts/step_5.ckpt"), "");         // a tag, not a staging folder
+  EXPECT_EQ(WriterLockOf("/ckpts/.hidden"), "");
+  EXPECT_EQ(WriterLockOf("/ckpts/.reshard-partial"), "");    // no target name
+}
+
+TEST(TagWriter, ASecondWriterOfATargetIsRefusedNamingTheFirstsPidAndTouchesNothing) {
+  TempDir d("second_writer");
+  Env* env = Env::Default();
+  const StagedTag t = StageFor(d / "out", "reshard");
+  auto first = PrepareTarget(env, t, false, [](const std::string&) {});
+  ASSERT_TRUE(first);
+  const std::string holder = ReadText(t.lock);
+  EXPECT_EQ(holder.rfind("pid " + std::to_string(::getpid()) + " on ", 0), 0u) << holder;
+  BeginStaged(env, t, SoloGroup(), "reshard");  // the first writer's staging folder
+  const std::string begun = ReadText(t.staging + "/" + kRankRecordDir + "/begin");
+  const std::string err = ErrorOf([&] { (void)PrepareTarget(env, StageFor(d / "out", "nnm2nxdt"), true, [](const std::string&) {}); });
+  EXPECT_EQ(err, d / "out" + ": another writer is writing this tag (" + holder + ", holding " + t.lock + "); nothing was written. Wait for it to end, or stop it; a writer that was killed holds nothing");
+  EXPECT_EQ(ReadText(t.staging + "/" + kRankRecordDir + "/begin"), begun);  // its staging folder untouched
+  first.reset();
+  EXPECT_FALSE(std::filesystem::exists(t.lock));  // a finished writer leaves no lock file
+  auto next = PrepareTarget(env, t, false, [](const std::string&) {});
+  EXPECT_TRUE(next);
+}
+
 }  // namespace
 }  // namespace ckpt

@@ -32,7 +32,8 @@ int main(int argc, char** argv) {
   try {
     ckpt::Env* env = ckpt::Env::Default();
     const ckpt::StagedTag staged = ckpt::StageFor(out, "check");
-    if (group.rank() == 0) ckpt::PrepareTarget(env, staged, false, [](const std::string&) {});
+    std::unique_ptr<ckpt::FileLock> writing;
+    if (group.rank() == 0) writing = ckpt::PrepareTarget(env, staged, false, [](const std::string&) {});
     const std::string save_id = ckpt::BeginStaged(env, staged, group, "check");
     if (scenario == "fail_while_writing") {
       if (last) throw ckpt::Error("rank " + std::to_string(group.rank()) + " failed on purpose while its peers write");
