@@ -87,7 +87,8 @@ class Race(Trials):
         outcome = {(0, 0): "both wrote (one after the other)", (0, 2): "the second was refused", (2, 0): "the first was refused"}.get(tuple(codes))
         why = ""
         if outcome is None:
-            why = f"exit codes {codes}: {texts}"
+            outcome = f"exit codes {codes}"
+            why = f"exit codes {codes}: {[t[-600:] for t in texts]}"
         for i, code in enumerate(codes):
             other = procs[1 - i].pid
             if code == 2 and f"another writer is writing this tag (pid {other} on " not in texts[i]:
