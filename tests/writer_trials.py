@@ -149,7 +149,7 @@ class Mismatch(Trials):
             why = why or f"left behind: {sorted(os.listdir(folder))}"
         if not why:
             shutil.rmtree(folder)
-        return f"rank {odd} given another {field}: exit {p.returncode}", why
+        return f"exit {p.returncode}: rank {odd} given another {field}", why
 
 
 def main():
