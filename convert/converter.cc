@@ -242,7 +242,7 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   ci.grid = plan.grid;
   if (plan.optimizer)
     ci.optimizer_grouping = ckpt::NxdtGroupingRule(plan.do_layer_norm_weight_decay);
-  ckpt::CommitStaged(env, staged, *a.group, ci);
+  ckpt::CommitStaged(env, staged, *a.group, ci, &writing);
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return sum;
 }

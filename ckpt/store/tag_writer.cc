@@ -309,7 +309,7 @@ std::string BeginStaged(Env* env, const StagedTag& t, WriterGroup& group, const 
   return save_id;
 }
 
-void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo info) {
+void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo info, std::unique_ptr<FileLock>* writing) {
   info.world_size = group.size();
   const std::vector<std::string> texts = group.Gather(ReadSmallFile(env, RankRecordPath(t.staging, group.rank())));
   std::string why_not;  // rank 0's decision: empty to commit
@@ -331,6 +331,7 @@ void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo i
       }
     }
   }
+  writing->reset();  // nothing of this save is left to guard
   group.Broadcast(&why_not);  // the decision: empty commits
   if (why_not.empty()) return;
   if (group.rank() == 0) throw Error(why_not);

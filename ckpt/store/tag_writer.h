@@ -177,8 +177,12 @@ uint64_t WriteRankFilesReporting(Env* env, const std::string& tag_dir, int rank,
 // fails (info.complete_manifest throwing, a record of another save), deletes
 // it. Rank 0 broadcasts the outcome; every rank throws ckpt::Error when the
 // tag was not committed. A rank that failed before this call must Abort the
-// group instead of returning, or its peers wait here.
-void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo info);
+// group instead of returning, or its peers wait here. *writing is rank 0's
+// writer lock (PrepareTarget; null on the other ranks): released once the
+// tag is published or deleted, before the outcome is broadcast, so no peer's
+// abort can end rank 0 while its lock file is still there. Left held when
+// this throws before that point (the caller still has a staging folder).
+void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo info, std::unique_ptr<FileLock>* writing);
 
 // Rank 0, once the tag is committed: the complete tag takes the target's
 // name; a replaced target is deleted last (`done` first).

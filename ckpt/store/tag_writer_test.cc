@@ -159,5 +159,37 @@ TEST(TagWriter, ASecondWriterOfATargetIsRefusedNamingTheFirstsPidAndTouchesNothi
   EXPECT_TRUE(next);
 }
 
+// Rank 0 of a group whose peers may abort the moment the outcome reaches
+// them: by then its writer lock file must be gone, whatever the outcome.
+TEST(TagWriter, TheWriterLockIsReleasedBeforeTheOutcomeIsBroadcast) {
+  struct Rank0 final : WriterGroup {
+    explicit Rank0(std::string lock) : lock(std::move(lock)) {}
+    int rank() const override { return 0; }
+    int size() const override { return 1; }
+    void Broadcast(std::string*) override { lock_there_at_broadcast.push_back(std::filesystem::exists(lock)); }
+    std::vector<std::string> Gather(const std::string& s) override { return {s}; }
+    [[noreturn]] void Abort(int) override { std::abort(); }
+    std::string lock;
+    std::vector<bool> lock_there_at_broadcast;
+  };
+  for (const bool refuse : {false, true}) {
+    TempDir d("lock_release");
+    Env* env = Env::Default();
+    const StagedTag t = StageFor(d / "out", "reshard");
+    Rank0 group(t.lock);
+    std::unique_ptr<FileLock> writing = PrepareTarget(env, t, false, [](const std::string&) {});
+    const std::string save_id = BeginStaged(env, t, group, "reshard");
+    WriteRankFiles(env, t.staging, 0, save_id, {{"model/a.pt", Value(Arange({4})), {}}});
+    CommitInfo ci;
+    ci.save_id = save_id;
+    if (refuse) ci.complete_manifest = [](const std::vector<RankRecord>&, Manifest&) { throw Error("refused on purpose"); };
+    const std::string err = ErrorOf([&] { CommitStaged(env, t, group, ci, &writing); });
+    EXPECT_EQ(err, refuse ? "refused on purpose" : "");
+    EXPECT_EQ(writing, nullptr);
+    EXPECT_EQ(group.lock_there_at_broadcast, (std::vector<bool>{true, false}));  // held while beginning; gone before the outcome
+    EXPECT_EQ(std::filesystem::exists(t.target + "/" + kDoneMarker), !refuse);
+  }
+}
+
 }  // namespace
 }  // namespace ckpt

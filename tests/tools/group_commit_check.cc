@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
     ci.grid = {1, 1, group.size(), false};
     if (scenario == "commit_refused")
       ci.complete_manifest = [](const std::vector<ckpt::RankRecord>&, ckpt::Manifest&) { throw ckpt::Error("the commit check refused on purpose"); };
-    ckpt::CommitStaged(env, staged, group, ci);
+    ckpt::CommitStaged(env, staged, group, ci, &writing);
     return 0;
   } catch (const ckpt::Error& e) {
     return ckpt::FailGroup(group, 2, e.what());
