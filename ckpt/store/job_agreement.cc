@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ckpt/store/input_guard.h"
 #include "ckpt/store/output_guard.h"
 #include "ckpt/util/error.h"
 
@@ -11,12 +12,12 @@ namespace ckpt {
 namespace {
 
 struct TreeSize {
-  int64_t files = 0, entries = 0;
+  int64_t files = 0, entries = 0, links_out = 0;
   uint64_t bytes = 0;
   bool cut = false;  // a bound was reached: the counts are partial
 };
 
-void AddTree(Env* env, const std::string& dir, int depth, TreeSize* size) {
+void AddTree(Env* env, const std::string& root, const std::string& dir, int depth, TreeSize* size) {
   for (const std::string& name : env->ListDir(dir)) {
     if (++size->entries > kMaxInputEntries) {
       size->cut = true;
@@ -25,10 +26,12 @@ void AddTree(Env* env, const std::string& dir, int depth, TreeSize* size) {
     const std::string path = dir + "/" + name;
     if (!env->IsDirectory(path)) {
       ++size->files, size->bytes += env->FileSize(path);
+    } else if (!ResolvesInside(root, path)) {  // listed by nobody: nothing outside the named folder is opened
+      ++size->links_out;
     } else if (depth + 1 >= kMaxInputDepth) {
       size->cut = true;
     } else {
-      AddTree(env, path, depth + 1, size);
+      AddTree(env, root, path, depth + 1, size);
       if (size->entries > kMaxInputEntries) return;
     }
   }
@@ -44,11 +47,12 @@ std::string DescribeInput(Env* env, const std::string& path) {
   try {
     if (!env->Exists(path)) return resolved + " (absent)";
     if (!env->IsDirectory(path)) return resolved + " (1 file, " + std::to_string(env->FileSize(path)) + " bytes)";
-    AddTree(env, path, 0, &size);
+    AddTree(env, path, path, 0, &size);
   } catch (const Error& e) {  // unreadable here: that differs from a rank that can read it
     return resolved + " (unreadable: " + e.what() + ")";
   }
   return resolved + " (" + std::to_string(size.files) + (size.files == 1 ? " file, " : " files, ") + std::to_string(size.bytes) + " bytes" +
+         (size.links_out ? ", " + std::to_string(size.links_out) + " folder link(s) out of it not followed" : "") +
          (size.cut ? ", counted to " + std::to_string(kMaxInputDepth) + " folders deep and " + std::to_string(kMaxInputEntries) + " entries" : "") + ")";
 }
 

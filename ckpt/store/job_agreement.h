@@ -25,8 +25,9 @@ using JobFields = std::vector<std::pair<std::string, std::string>>;
 // An input as a job field: its path with symlinks and ".." resolved, and how
 // many files and bytes it holds (a folder's whole tree, at most
 // kMaxInputDepth folders deep and kMaxInputEntries entries, past which the
-// field says so), so that two ranks reading different copies under one name
-// differ too. Cheap: stat calls only, no data read.
+// field says so; a folder linked from outside the tree is counted, not
+// listed), so that two ranks reading different copies under one name differ
+// too. Cheap: stat calls only, no data read.
 inline constexpr int kMaxInputDepth = 16;
 inline constexpr int64_t kMaxInputEntries = 1000000;
 std::string DescribeInput(Env* env, const std::string& path);

@@ -51,6 +51,16 @@ TEST(JobAgreement, AnInputIsItsResolvedPathFileCountAndBytes) {
   EXPECT_EQ(DescribeInput(Env::Default(), d / "tag"), real + " (3 files, 125 bytes)");
 }
 
+TEST(JobAgreement, AFolderLinkedOutOfTheInputIsCountedNotListed) {
+  TempDir d("job_link_out");
+  std::filesystem::create_directories(d / "tag/model");
+  std::filesystem::create_directories(d / "elsewhere");
+  WriteBytes(d / "tag/model/a.pt", 10);
+  WriteBytes(d / "elsewhere/big.pt", 1000);
+  std::filesystem::create_directory_symlink(d / "elsewhere", d / "tag/optim");
+  EXPECT_EQ(DescribeInput(Env::Default(), d / "tag"), ResolvedPath(d / "tag") + " (1 file, 10 bytes, 1 folder link(s) out of it not followed)");
+}
+
 TEST(JobAgreement, AFolderLoopIsCountedToABoundedDepth) {
   TempDir d("job_loop");
   std::filesystem::create_directories(d / "tag");
