@@ -221,10 +221,11 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
     return sum;
   }
   const ckpt::StagedTag staged = ckpt::StageFor(tag_dir, "nnm2nxdt");
+  std::unique_ptr<ckpt::FileLock> writing;  // rank 0's writer lock, until the tag is published or deleted
   if (a.group->rank() == 0) {
     for (const auto& n : plan.notes) log("note: " + n);
     for (const auto& line : OptimizerReport(plan, a.weights_only)) log(line);
-    ckpt::PrepareTarget(env, staged, a.overwrite, log);
+    writing = ckpt::PrepareTarget(env, staged, a.overwrite, log);
   }
 
   const std::string save_id = ckpt::BeginStaged(env, staged, *a.group, "nnm2nxdt");
@@ -245,7 +246,7 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   ci.grid = plan.grid;
   if (plan.optimizer)
     ci.optimizer_grouping = ckpt::NxdtGroupingRule(plan.do_layer_norm_weight_decay);
-  ckpt::CommitStaged(env, staged, *a.group, ci);
+  ckpt::CommitStaged(env, staged, *a.group, ci, &writing);
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return sum;
 }

@@ -21,6 +21,7 @@
 
 #include "ckpt/util/mpi_group.h"
 #include "tools/common/cli.h"
+#include "tools/common/job_cli.h"
 #include "ckpt/util/error.h"
 #include "ckpt/store/tag_paths.h"
 #include "ckpt/util/progress.h"
@@ -112,6 +113,14 @@ int main(int argc, char** argv) {
   a.group = &ckpt::WorldGroup();
   a.progress_bar = ::isatty(2) && a.group->rank() == 0;
   try {
+    // Every rank runs rank 0's job, or none writes (ckpt/store/job_agreement.h).
+    ckpt::AgreeOnJob(*a.group, tools::JobOf(app,
+                                            {.command = "nnm2nxdt-ckpt",
+                                             .inputs = {"--nnm_ckpt_path", "--nnm_config", "--model_config", "--config"},
+                                             .outputs = {"--nxdt_ckpt_path", "--checkpoint_dir"},
+                                             .not_in_output = {"--threads", "--num_parallel_processes", "--enable_parallel_processing",
+                                                               "--memory_budget"}},
+                                            ckpt::Env::Default()));
     const auto s = convert::RunConversion(a, ckpt::Env::Default(), log);
     if (a.dry_run) return 0;
     char line[512];

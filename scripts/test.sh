@@ -10,7 +10,10 @@
 #  4. a short round of kill trials (random SIGKILLs of multi-process jobs:
 #     tests/kill_trials.py; KILL_TRIALS sets the count per job, default 5),
 #     run beside the fuzzers: those run for a fixed time whatever CPU they
-#     get, so the trials cost no wall time, and they run under load.
+#     get, so the trials cost no wall time, and they run under load; then a
+#     short round of writer trials (two writers of one output, MPI jobs with
+#     one rank given another job: tests/writer_trials.py; WRITER_TRIALS,
+#     default 5).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 start=$(date +%s)
@@ -37,15 +40,16 @@ CC=clang CXX=clang++ BUILD_TARGETS="unit_tests fuzzers" \
 phase "libFuzzer (.pt readers, xser, YAML configs, manifests and rank records), and beside it the kill trials:" \
   "training (4 ranks), ckpt-reshard and nnm2nxdt-ckpt (2 ranks each), SIGKILLed at random"
 kill_log=$(mktemp)
-/usr/bin/python3 "$root/tests/kill_trials.py" --build "$root/build" --trials "${KILL_TRIALS:-5}" >"$kill_log" 2>&1 &
+{ /usr/bin/python3 "$root/tests/kill_trials.py" --build "$root/build" --trials "${KILL_TRIALS:-5}" &&
+  /usr/bin/python3 "$root/tests/writer_trials.py" --build "$root/build" --trials "${WRITER_TRIALS:-5}"; } >"$kill_log" 2>&1 &
 kill_pid=$!
 fuzz_rc=0
 bash "$root/tests/fuzz/run_fuzz.sh" "$root/build-asan" "${FUZZ_SECONDS:-60}" || fuzz_rc=$?
 kill_rc=0
 wait "$kill_pid" || kill_rc=$?
-echo "== kill trials (at $(($(date +%s) - start)) s):"
+echo "== kill and writer trials (at $(($(date +%s) - start)) s):"
 cat "$kill_log"
 rm -f "$kill_log"
 [ "$fuzz_rc" -eq 0 ] || { echo "test.sh: the fuzzers failed" >&2; exit 1; }
-[ "$kill_rc" -eq 0 ] || { echo "test.sh: the kill trials failed" >&2; exit 1; }
+[ "$kill_rc" -eq 0 ] || { echo "test.sh: the kill or writer trials failed" >&2; exit 1; }
 echo "test.sh: every phase passed in $(($(date +%s) - start)) s"

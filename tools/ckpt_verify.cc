@@ -46,6 +46,16 @@ int Gc(ckpt::Env* env, const std::string& dir, bool dry_run, bool json) {
       kept.push_back({{"path", t.path}, {"why", why.empty() ? "an empty folder, not a checkpoint tag" : why}});
       continue;
     }
+    // A tool's staging folder is its writer's while that writer lives
+    // (ckpt/store/tag_writer.h): collected only under its lock.
+    std::unique_ptr<ckpt::FileLock> writer;
+    if (const std::string lock = ckpt::WriterLockOf(t.path); !lock.empty()) {
+      std::string holder;
+      if (!(writer = ckpt::TryLockWriter(env, lock, &holder))) {
+        kept.push_back({{"path", t.path}, {"why", "a live writer is writing it (" + holder + ")"}});
+        continue;
+      }
+    }
     removed.push_back({{"path", t.path}, {"why", "incomplete: no done marker"}});
     if (!dry_run) ckpt::DeleteTag(env, t.path);
   }

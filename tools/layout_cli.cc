@@ -20,6 +20,7 @@
 
 #include "ckpt/util/mpi_group.h"
 #include "tools/common/cli.h"
+#include "tools/common/job_cli.h"
 #include "ckpt/util/error.h"
 #include "ckpt/shard/rank_grid.h"
 #include "ckpt/store/output_guard.h"
@@ -162,6 +163,13 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   a.progress_bar = ::isatty(2) && a.group->rank() == 0 && !json;
   auto log = [](const std::string& s) { std::cerr << s << std::endl; };
   try {
+    // Every rank runs rank 0's job, or none writes (ckpt/store/job_agreement.h).
+    ckpt::AgreeOnJob(*a.group, JobOf(app,
+                                     {.command = h5 ? "ckpt-import" : "ckpt-reshard",
+                                      .inputs = {"src", "--model_config", "--config"},
+                                      .outputs = {"dst", "--checkpoint_dir"},
+                                      .not_in_output = {"--threads", "--memory_budget", "--json"}},
+                                     ckpt::Env::Default()));
     a.hints = hints.Hints();
     a.memory_budget = ckpt::ParseSize(budget, "--memory_budget");
     for (size_t at = 0; !cuts.empty() && at <= cuts.size();) {

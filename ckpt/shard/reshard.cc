@@ -451,7 +451,8 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
                     " free; nothing was written");
   }
   const ckpt::StagedTag staged = ckpt::StageFor(sum.dst_tag, a.tool);
-  if (a.group->rank() == 0) ckpt::PrepareTarget(env, staged, a.overwrite, log);
+  std::unique_ptr<ckpt::FileLock> writing;  // rank 0's writer lock, until the tag is published or deleted
+  if (a.group->rank() == 0) writing = ckpt::PrepareTarget(env, staged, a.overwrite, log);
   const std::string save_id = ckpt::BeginStaged(env, staged, *a.group, a.tool);
 
   auto write_and_commit = [&] {
@@ -498,7 +499,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     };
     // Rank 0 commits for the group; a source that no longer matches its
     // fingerprints leaves nothing behind.
-    ckpt::CommitStaged(env, staged, *a.group, ci);
+    ckpt::CommitStaged(env, staged, *a.group, ci, &writing);
   };
   try {
     write_and_commit();
@@ -506,7 +507,9 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     // A write that failed (a full disk) leaves nothing behind. Under mpirun
     // the tool aborts the group instead: its peers may still be writing, and
     // the staging folder has no `done` either way.
-    if (a.group->size() == 1 && env->Exists(staged.staging)) ckpt::DeleteTag(env, staged.staging);
+    // Only while this process still holds the writer lock: once CommitStaged
+    // released it, the staging folder may be a next writer's.
+    if (a.group->size() == 1 && writing && env->Exists(staged.staging)) ckpt::DeleteTag(env, staged.staging);
     throw;
   }
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "ckpt/util/error.h"
+#include "ckpt/store/output_guard.h"
 #include "ckpt/pt/value_json.h"
 #include "ckpt/util/progress.h"
 #include "ckpt/pt/xser.h"
@@ -206,10 +207,75 @@ StagedTag StageFor(const std::string& target, const std::string& tool) {
   const std::filesystem::path p(target);
   const std::string parent = p.has_parent_path() ? p.parent_path().string() : ".";
   const std::string name = p.filename().string();
-  return {target, parent + "/." + name + "." + tool + "-partial", parent + "/." + name + "." + tool + "-old"};
+  StagedTag t{target, parent + "/." + name + "." + tool + "-partial", parent + "/." + name + "." + tool + "-old", ""};
+  t.lock = WriterLockOf(t.staging);
+  return t;
 }
 
-void PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::function<void(const std::string&)>& log) {
+namespace {
+
+// The writer lock of a StagedTag: removes its file while still holding it
+// (LockFile's contract makes that safe), so a finished write leaves nothing.
+class TargetLock final : public FileLock {
+ public:
+  TargetLock(Env* env, std::string path, std::unique_ptr<FileLock> held) : env_(env), path_(std::move(path)), held_(std::move(held)) {}
+  ~TargetLock() override {
+    try {
+      env_->RemoveFile(path_);
+    } catch (const Error&) {  // left behind, it blocks nobody: the lock goes with held_
+    }
+  }
+  void SetContents(const std::string& text) override { held_->SetContents(text); }
+
+ private:
+  Env* env_;
+  std::string path_;
+  std::unique_ptr<FileLock> held_;
+};
+
+}  // namespace
+
+std::string WriterLockOf(const std::string& dir) {
+  const std::filesystem::path p(WithoutTrailingSeparators(dir));
+  const std::string name = p.filename().string();
+  for (const std::string suffix : {"-partial", "-old"}) {
+    if (name.size() < 2 || name[0] != '.' || !name.ends_with(suffix)) continue;
+    const std::string stem = name.substr(1, name.size() - 1 - suffix.size());  // <name>.<tool>
+    const size_t dot = stem.rfind('.');
+    if (dot == std::string::npos || dot == 0) continue;
+    return (p.has_parent_path() ? p.parent_path().string() : std::string(".")) + "/." + stem.substr(0, dot) + ".writer-lock";
+  }
+  return "";
+}
+
+std::unique_ptr<FileLock> TryLockWriter(Env* env, const std::string& lock_path, std::string* holder) {
+  const std::string parent = std::filesystem::path(lock_path).parent_path().string();
+  if (!parent.empty() && !env->IsDirectory(parent)) env->CreateDirs(parent);
+  std::unique_ptr<FileLock> held = env->LockFile(lock_path, /*exclusive=*/true, /*wait=*/false);
+  if (!held) {
+    holder->clear();
+    for (int tries = 0; tries < 50 && holder->empty(); ++tries) {  // it writes its pid just after taking the lock
+      try {
+        *holder = ReadSmallFile(env, lock_path);
+      } catch (const Error&) {  // removed as it finished
+      }
+      if (holder->empty()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (holder->empty()) *holder = "its pid is not recorded yet";
+    return nullptr;
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  held->SetContents("pid " + std::to_string(::getpid()) + " on " + host);
+  return std::make_unique<TargetLock>(env, lock_path, std::move(held));
+}
+
+std::unique_ptr<FileLock> PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::function<void(const std::string&)>& log) {
+  std::string holder;
+  std::unique_ptr<FileLock> lock = TryLockWriter(env, t.lock, &holder);
+  if (!lock)
+    throw Error(t.target + ": another writer is writing this tag (" + holder + ", holding " + t.lock +
+                "); nothing was written. Wait for it to end, or stop it; a writer that was killed holds nothing");
   const std::string parent = std::filesystem::path(t.staging).parent_path().string();
   if (env->Exists(t.old) && !env->Exists(t.target)) {  // an earlier run died while swapping: put the old tag back
     if (env->Exists(t.old + "/" + kDoneMarker)) {
@@ -220,12 +286,13 @@ void PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::func
       DeleteTag(env, t.old);
     }
   }
-  if (!env->Exists(t.target)) return;
+  if (!env->Exists(t.target)) return lock;
   if (!env->IsDirectory(t.target)) throw Error(t.target + ": exists and is not a folder");
   if (!env->ListDir(t.target).empty() && !overwrite)
     throw Error(t.target + ": exists and is not empty; pass --overwrite to replace it (it is kept until the new tag is complete)");
   if (const std::string why = NotATag(env, t.target); !why.empty() && overwrite)
     throw Error(t.target + ": --overwrite replaces only a checkpoint tag, and this folder is not a checkpoint tag: " + why);
+  return lock;
 }
 
 std::string BeginStaged(Env* env, const StagedTag& t, WriterGroup& group, const std::string& tool) {
@@ -242,7 +309,7 @@ std::string BeginStaged(Env* env, const StagedTag& t, WriterGroup& group, const 
   return save_id;
 }
 
-void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo info) {
+void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo info, std::unique_ptr<FileLock>* writing) {
   info.world_size = group.size();
   const std::vector<std::string> texts = group.Gather(ReadSmallFile(env, RankRecordPath(t.staging, group.rank())));
   std::string why_not;  // rank 0's decision: empty to commit
@@ -264,6 +331,7 @@ void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo i
       }
     }
   }
+  writing->reset();  // nothing of this save is left to guard
   group.Broadcast(&why_not);  // the decision: empty commits
   if (why_not.empty()) return;
   if (group.rank() == 0) throw Error(why_not);

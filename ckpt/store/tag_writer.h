@@ -21,6 +21,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -122,18 +123,37 @@ std::string NotATag(Env* env, const std::string& dir);
 // A tag a tool writes whole (nnm2nxdt-ckpt, ckpt-reshard): it is written in a
 // staging folder beside the target, committed there, and only then takes the
 // target's name, so the target is never an incomplete tag and an existing
-// target survives any failure.
+// target survives any failure. One writer at a time: rank 0 holds the
+// target's writer lock from before PrepareTarget until the tag is published
+// or abandoned, so a second writer of the same target (any tool) never
+// shares, deletes or publishes the first one's staging folder.
 struct StagedTag {
   std::string target;   // the tag folder the user named
   std::string staging;  // .<name>.<tool>-partial beside it: never a resume candidate
   std::string old;      // .<name>.<tool>-old: an existing target while it is being replaced
+  std::string lock;     // .<name>.writer-lock beside it: flock()ed by the writer, holding its pid
 };
 StagedTag StageFor(const std::string& target, const std::string& tool);
-// Rank 0, before writing: puts back a target an interrupted publish set
+// Rank 0, before writing: takes the target's writer lock (without waiting;
+// a target another live writer holds is refused with ckpt::Error naming its
+// pid, and nothing is touched), puts back a target an interrupted publish set
 // aside; refuses an existing non-empty target without `overwrite`, and any
 // folder that is not a checkpoint tag (NotATag) even with it. Throws
-// ckpt::Error naming the folder.
-void PrepareTarget(Env* env, const StagedTag& t, bool overwrite, const std::function<void(const std::string&)>& log);
+// ckpt::Error naming the folder. Returns the lock: keep it until the tag is
+// published or its staging folder deleted; destroying it removes the lock
+// file, then releases it. A writer that dies leaves the file, but the kernel
+// releases its lock, so the next writer takes it.
+// The writer lock path of a StagedTag's staging or set-aside folder
+// (.<name>.<tool>-partial or -old, `dir` as a path); "" for any other folder.
+std::string WriterLockOf(const std::string& dir);
+// Takes the writer lock at `lock_path` without waiting, writing this
+// process's pid and host into it; null when a live writer holds it, with
+// what that writer recorded (its pid) in *holder. The lock's destruction
+// removes the file, then releases it. Throws ckpt::Error when the lock file
+// cannot be made.
+std::unique_ptr<FileLock> TryLockWriter(Env* env, const std::string& lock_path, std::string* holder);
+[[nodiscard]] std::unique_ptr<FileLock> PrepareTarget(Env* env, const StagedTag& t, bool overwrite,
+                                                      const std::function<void(const std::string&)>& log);
 // Every rank of `group`, after PrepareTarget: rank 0 begins the save in the
 // staging folder under a fresh save id and broadcasts it. Returns the save id.
 std::string BeginStaged(Env* env, const StagedTag& t, WriterGroup& group, const std::string& tool);
@@ -157,8 +177,12 @@ uint64_t WriteRankFilesReporting(Env* env, const std::string& tag_dir, int rank,
 // fails (info.complete_manifest throwing, a record of another save), deletes
 // it. Rank 0 broadcasts the outcome; every rank throws ckpt::Error when the
 // tag was not committed. A rank that failed before this call must Abort the
-// group instead of returning, or its peers wait here.
-void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo info);
+// group instead of returning, or its peers wait here. *writing is rank 0's
+// writer lock (PrepareTarget; null on the other ranks): released once the
+// tag is published or deleted, before the outcome is broadcast, so no peer's
+// abort can end rank 0 while its lock file is still there. Left held when
+// this throws before that point (the caller still has a staging folder).
+void CommitStaged(Env* env, const StagedTag& t, WriterGroup& group, CommitInfo info, std::unique_ptr<FileLock>* writing);
 
 // Rank 0, once the tag is committed: the complete tag takes the target's
 // name; a replaced target is deleted last (`done` first).

@@ -127,5 +127,69 @@ TEST(TagWriter, EveryUnitIsWrittenByExactlyOneRank) {
     }
 }
 
+TEST(TagWriter, EveryToolsStagingAndSetAsideFolderNameTheTargetsOneWriterLock) {
+  for (const std::string tool : {"reshard", "import", "nnm2nxdt"}) {
+    const StagedTag t = StageFor("/ckpts/step_5.ckpt", tool);
+    EXPECT_EQ(t.lock, "/ckpts/.step_5.ckpt.writer-lock");  // the same for every tool: they exclude each other
+    EXPECT_EQ(WriterLockOf(t.staging), t.lock);
+    EXPECT_EQ(WriterLockOf(t.old), t.lock);
+  }
+  EXPECT_EQ(StageFor("out", "reshard").lock, "./.out.writer-lock");
+  EXPECT_EQ(WriterLockOf("/ckpts/step_5.ckpt"), "");         // a tag, not a staging folder
+  EXPECT_EQ(WriterLockOf("/ckpts/.hidden"), "");
+  EXPECT_EQ(WriterLockOf("/ckpts/.reshard-partial"), "");    // no target name
+}
+
+TEST(TagWriter, ASecondWriterOfATargetIsRefusedNamingTheFirstsPidAndTouchesNothing) {
+  TempDir d("second_writer");
+  Env* env = Env::Default();
+  const StagedTag t = StageFor(d / "out", "reshard");
+  auto first = PrepareTarget(env, t, false, [](const std::string&) {});
+  ASSERT_TRUE(first);
+  const std::string holder = ReadText(t.lock);
+  EXPECT_EQ(holder.rfind("pid " + std::to_string(::getpid()) + " on ", 0), 0u) << holder;
+  BeginStaged(env, t, SoloGroup(), "reshard");  // the first writer's staging folder
+  const std::string begun = ReadText(t.staging + "/" + kRankRecordDir + "/begin");
+  const std::string err = ErrorOf([&] { (void)PrepareTarget(env, StageFor(d / "out", "nnm2nxdt"), true, [](const std::string&) {}); });
+  EXPECT_EQ(err, d / "out" + ": another writer is writing this tag (" + holder + ", holding " + t.lock + "); nothing was written. Wait for it to end, or stop it; a writer that was killed holds nothing");
+  EXPECT_EQ(ReadText(t.staging + "/" + kRankRecordDir + "/begin"), begun);  // its staging folder untouched
+  first.reset();
+  EXPECT_FALSE(std::filesystem::exists(t.lock));  // a finished writer leaves no lock file
+  auto next = PrepareTarget(env, t, false, [](const std::string&) {});
+  EXPECT_TRUE(next);
+}
+
+// Rank 0 of a group whose peers may abort the moment the outcome reaches
+// them: by then its writer lock file must be gone, whatever the outcome.
+TEST(TagWriter, TheWriterLockIsReleasedBeforeTheOutcomeIsBroadcast) {
+  struct Rank0 final : WriterGroup {
+    explicit Rank0(std::string lock) : lock(std::move(lock)) {}
+    int rank() const override { return 0; }
+    int size() const override { return 1; }
+    void Broadcast(std::string*) override { lock_there_at_broadcast.push_back(std::filesystem::exists(lock)); }
+    std::vector<std::string> Gather(const std::string& s) override { return {s}; }
+    [[noreturn]] void Abort(int) override { std::abort(); }
+    std::string lock;
+    std::vector<bool> lock_there_at_broadcast;
+  };
+  for (const bool refuse : {false, true}) {
+    TempDir d("lock_release");
+    Env* env = Env::Default();
+    const StagedTag t = StageFor(d / "out", "reshard");
+    Rank0 group(t.lock);
+    std::unique_ptr<FileLock> writing = PrepareTarget(env, t, false, [](const std::string&) {});
+    const std::string save_id = BeginStaged(env, t, group, "reshard");
+    WriteRankFiles(env, t.staging, 0, save_id, {{"model/a.pt", Value(Arange({4})), {}}});
+    CommitInfo ci;
+    ci.save_id = save_id;
+    if (refuse) ci.complete_manifest = [](const std::vector<RankRecord>&, Manifest&) { throw Error("refused on purpose"); };
+    const std::string err = ErrorOf([&] { CommitStaged(env, t, group, ci, &writing); });
+    EXPECT_EQ(err, refuse ? "refused on purpose" : "");
+    EXPECT_EQ(writing, nullptr);
+    EXPECT_EQ(group.lock_there_at_broadcast, (std::vector<bool>{true, false}));  // held while beginning; gone before the outcome
+    EXPECT_EQ(std::filesystem::exists(t.target + "/" + kDoneMarker), !refuse);
+  }
+}
+
 }  // namespace
 }  // namespace ckpt

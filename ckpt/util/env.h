@@ -54,10 +54,14 @@ class MappedFile {
   static std::shared_ptr<const MappedFile> FromBuffer(std::string name, std::string contents);
 };
 
-// An advisory lock held until destroyed.
+// An advisory lock held until destroyed (or until the process ends, however
+// it ends: the kernel releases it, so a killed holder never blocks anyone).
 class FileLock {
  public:
   virtual ~FileLock() = default;
+  // Replaces the lock file's contents with `text`: who holds it, for a
+  // process the lock turns away to read and name.
+  virtual void SetContents(const std::string& text) = 0;
 };
 
 class Env {
@@ -96,6 +100,9 @@ class Env {
   virtual uint64_t AvailableBytes(const std::string& dir) = 0;
   // flock()s `path` (created if absent). Shared locks coexist; an exclusive
   // lock excludes all others. Returns null when !wait and the lock is taken.
+  // The lock returned is on the file `path` names when it returns (one
+  // removed while this call waited is not), so a holder may remove `path`
+  // just before releasing it without letting two processes in at once.
   virtual std::unique_ptr<FileLock> LockFile(const std::string& path, bool exclusive, bool wait) = 0;
 };
 

@@ -323,21 +323,38 @@ class PosixEnv final : public Env {
   }
 
   std::unique_ptr<FileLock> LockFile(const std::string& path, bool exclusive, bool wait) override {
-    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) ThrowErrno(path, "cannot open lock file");
-    while (::flock(fd, (exclusive ? LOCK_EX : LOCK_SH) | (wait ? 0 : LOCK_NB)) != 0) {
-      if (errno == EINTR) continue;
-      int e = errno;
-      ::close(fd);
-      if (e == EWOULDBLOCK) return nullptr;
-      ThrowErrno(path, "cannot lock", e);
-    }
     struct Lock : FileLock {
-      explicit Lock(int f) : fd(f) {}
+      Lock(std::string p, int f) : path(std::move(p)), fd(f) {}
       ~Lock() override { ::close(fd); }
+      void SetContents(const std::string& text) override {
+        if (::ftruncate(fd, 0) != 0) ThrowErrno(path, "cannot write lock file");
+        for (size_t done = 0; done < text.size();) {
+          const ssize_t w = ::pwrite(fd, text.data() + done, text.size() - done, static_cast<off_t>(done));
+          if (w < 0 && errno == EINTR) continue;
+          if (w <= 0) ThrowErrno(path, "cannot write lock file");
+          done += static_cast<size_t>(w);
+        }
+      }
+      std::string path;
       int fd;
     };
-    return std::make_unique<Lock>(fd);
+    for (;;) {
+      int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+      if (fd < 0) ThrowErrno(path, "cannot open lock file");
+      while (::flock(fd, (exclusive ? LOCK_EX : LOCK_SH) | (wait ? 0 : LOCK_NB)) != 0) {
+        if (errno == EINTR) continue;
+        int e = errno;
+        ::close(fd);
+        if (e == EWOULDBLOCK) return nullptr;
+        ThrowErrno(path, "cannot lock", e);
+      }
+      // A holder may remove the file before releasing it (env.h): the lock
+      // counts only while `path` still names the file locked; else lock anew.
+      struct stat held, named;
+      if (::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev && held.st_ino == named.st_ino)
+        return std::make_unique<Lock>(path, fd);
+      ::close(fd);
+    }
   }
 };
 

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
+#include <thread>
 #include <fstream>
 
 #include "ckpt/util/error.h"
@@ -85,6 +87,41 @@ TEST(Env, WriteToFullDiskReportsEnospc) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos) << e.what();
   }
+}
+
+TEST(Env, AnExclusiveLockTurnsAwayASecondTakerAndHoldsWhatItWrote) {
+  const std::string dir = TempDir(), path = dir + "/out.writer-lock";
+  auto* env = Env::Default();
+  auto first = env->LockFile(path, /*exclusive=*/true, /*wait=*/false);
+  ASSERT_TRUE(first);
+  first->SetContents("pid 1234 on somewhere");
+  EXPECT_EQ(env->LockFile(path, true, false), nullptr);  // flock excludes another open file, in this process too
+  EXPECT_EQ(ReadAll(path), "pid 1234 on somewhere");
+  first->SetContents("pid 7");  // replaces, not appends
+  EXPECT_EQ(ReadAll(path), "pid 7");
+  first.reset();
+  EXPECT_TRUE(env->LockFile(path, true, false));
+  std::filesystem::remove_all(dir);
+}
+
+// A holder removes the file, then releases it; a taker that was waiting on
+// the removed file must not count that as holding the lock, or a third
+// taker, creating the file anew, would hold it at the same time.
+TEST(Env, ALockOnAFileRemovedWhileWaitingIsTakenAnew) {
+  const std::string dir = TempDir(), path = dir + "/out.writer-lock";
+  auto* env = Env::Default();
+  auto first = env->LockFile(path, true, false);
+  ASSERT_TRUE(first);
+  std::unique_ptr<FileLock> second;
+  std::thread waiter([&] { second = env->LockFile(path, true, /*wait=*/true); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the waiter has opened the file and waits in flock
+  env->RemoveFile(path);
+  first.reset();
+  waiter.join();
+  ASSERT_TRUE(second);
+  EXPECT_TRUE(env->Exists(path));                         // it holds the file the path names
+  EXPECT_EQ(env->LockFile(path, true, false), nullptr);   // so a third taker is turned away
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -32,7 +32,8 @@ int main(int argc, char** argv) {
   try {
     ckpt::Env* env = ckpt::Env::Default();
     const ckpt::StagedTag staged = ckpt::StageFor(out, "check");
-    if (group.rank() == 0) ckpt::PrepareTarget(env, staged, false, [](const std::string&) {});
+    std::unique_ptr<ckpt::FileLock> writing;
+    if (group.rank() == 0) writing = ckpt::PrepareTarget(env, staged, false, [](const std::string&) {});
     const std::string save_id = ckpt::BeginStaged(env, staged, group, "check");
     if (scenario == "fail_while_writing") {
       if (last) throw ckpt::Error("rank " + std::to_string(group.rank()) + " failed on purpose while its peers write");
@@ -52,7 +53,7 @@ int main(int argc, char** argv) {
     ci.grid = {1, 1, group.size(), false};
     if (scenario == "commit_refused")
       ci.complete_manifest = [](const std::vector<ckpt::RankRecord>&, ckpt::Manifest&) { throw ckpt::Error("the commit check refused on purpose"); };
-    ckpt::CommitStaged(env, staged, group, ci);
+    ckpt::CommitStaged(env, staged, group, ci, &writing);
     return 0;
   } catch (const ckpt::Error& e) {
     return ckpt::FailGroup(group, 2, e.what());
