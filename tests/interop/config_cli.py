@@ -87,7 +87,7 @@ class ConfigCli(TempDirTest):
         # A value wrong at any world size is still refused: nothing written.
         out = self.path("bad.yaml")
         p = run(os.path.join(configs, "megatron_mistral_config.yaml"), "-o", out, "model.micro_batch_size=3")
-        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertEqual(p.returncode, 2, p.stderr)
         self.assertIn("data.global_batch_size (8) is not a multiple of data.micro_batch_size (3)", p.stderr)
         self.assertFalse(os.path.exists(out))
 
