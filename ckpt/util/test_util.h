@@ -5,6 +5,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <chrono>
+#include <algorithm>
 #include <functional>
 #include <string>
 
@@ -47,6 +49,23 @@ class TempDir {
   static inline int counter_ = 0;
   std::string path_;
 };
+
+// How much longer `work(4 * n)` takes than `work(n)`, each the best of three
+// runs: about 4 for work linear in n, 16 for quadratic. A ratio, not seconds,
+// so it holds under the sanitizers and a loaded machine alike.
+inline double GrowthRatio(const std::function<void(int)>& work, int n) {
+  const auto best = [&](int size) {
+    double fastest = 1e30;
+    for (int run = 0; run < 3; ++run) {
+      const auto t0 = std::chrono::steady_clock::now();
+      work(size);
+      fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return fastest;
+  };
+  const double small = best(n);
+  return best(4 * n) / std::max(small, 1e-6);
+}
 
 // The message of the ckpt::Error `f` throws; "" when it throws none.
 inline std::string ErrorOf(const std::function<void()>& f) {
