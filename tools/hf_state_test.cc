@@ -47,8 +47,9 @@ TEST(HfState, AHeaderOf100000EntriesIsParsedAndCheckedInLinearTime) {
   std::copy(now.begin(), now.end(), at);
   EXPECT_NE(ErrorOf([&] { ParseSafetensors(bad, "m.safetensors"); }).find("tensors 't99997' and 't99998' overlap"), std::string::npos);
   // Four times the entries take about four times as long (the quadratic parse, 256 s at 100,000: sixteen).
+  // Under 11: linear work measured 4 to 8.4 beside five builds (the caches are shared); quadratic is 16.
   const std::vector<std::vector<uint8_t>> files = {Safetensors(5000), Safetensors(20000)};
-  EXPECT_LT(ckpt::testing::GrowthRatio([&](int n) { ParseSafetensors(files[n == 5000 ? 0 : 1], "m.safetensors"); }, 5000), 8.0);
+  EXPECT_LT(ckpt::testing::GrowthRatio([&](int n) { ParseSafetensors(files[n == 5000 ? 0 : 1], "m.safetensors"); }, 5000), 11.0);
 }
 
 TEST(HfState, AnIndexNamingManyMissingShardsFailsAtTheFirst) {

@@ -36,8 +36,7 @@ class Pickler {
     for (int i = 0; i < n; ++i) out_.push_back(static_cast<char>(v >> (8 * i)));
   }
   [[noreturn]] void Fail(const std::string& what) {
-    std::string p = path_.empty() ? "<root>" : "";
-    for (const auto& s : path_) p += "/" + s;
+    const std::string p = ValuePathString(path_);
     if (where_.empty()) throw Error("cannot pickle " + p + ": " + what);
     throw Error(where_ + " at " + p + ": " + what + "; shardkit writes only what torch.load(weights_only=True) loads, so it does not carry that");
   }

@@ -73,9 +73,7 @@ class Plainer {
   }
 
   [[noreturn]] void Fail(const std::string& what) {
-    std::string p = path_.empty() ? "<root>" : "";
-    for (const auto& s : path_) p += "/" + s;
-    throw Error(where_ + " at " + p + ": " + what);
+    throw Error(where_ + " at " + ValuePathString(path_) + ": " + what);
   }
 
   // The state entry `key` of an omegaconf object, or null.

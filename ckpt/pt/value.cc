@@ -143,6 +143,12 @@ bool ItemsEqual(const std::vector<Value>& a, const std::vector<Value>& b) {
 
 }  // namespace
 
+std::string ValuePathString(const std::vector<std::string>& parts) {
+  std::string p = parts.empty() ? "<root>" : "";
+  for (const auto& s : parts) p += "/" + s;
+  return p;
+}
+
 bool DeepEqual(const Value& a, const Value& b) {
   if (a.raw().index() != b.raw().index()) return false;
   if (a.is_float()) {

@@ -157,6 +157,10 @@ class Value {
 // bytes (not strides or sharing); floats compare bitwise.
 bool DeepEqual(const Value& a, const Value& b);
 
+// Where a value sits inside a file's content, for error messages: "<root>",
+// or "/state/0/exp_avg" from the keys and indices walked to reach it.
+std::string ValuePathString(const std::vector<std::string>& parts);
+
 // Calls `f` on every tensor in `v`, depth first (dict values, sequence items), in order.
 void ForEachTensor(const Value& v, const std::function<void(const Tensor&)>& f);
 

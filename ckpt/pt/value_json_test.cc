@@ -54,9 +54,10 @@ TEST(ValueJson, ParseJsonBoundedTakesLinearTimeOverManyObjects) {
   EXPECT_EQ(j["t99999"]["data_offsets"][1], 4);
   EXPECT_EQ(j["s"].get<std::string>().size(), 4001u);
   // Four times the entries take about four times as long (the quadratic parse: sixteen).
+  // Under 11: linear work measured 4 to 8.4 beside five builds (the caches are shared); quadratic is 16.
   std::vector<std::string> texts;
   for (int n : {5000, 20000}) texts.push_back(header(n));
-  EXPECT_LT(testing::GrowthRatio([&](int n) { ParseJsonBounded(texts[n == 5000 ? 0 : 1], "h"); }, 5000), 8.0);
+  EXPECT_LT(testing::GrowthRatio([&](int n) { ParseJsonBounded(texts[n == 5000 ? 0 : 1], "h"); }, 5000), 11.0);
   // Exactly at the bound, and one past it.
   EXPECT_TRUE(ParseJsonBounded(std::string(kMaxJsonDepth, '[') + std::string(kMaxJsonDepth, ']'), "h").is_array());
   EXPECT_NE(testing::ErrorOf([] { ParseJsonBounded(std::string(kMaxJsonDepth + 1, '{'), "h"); }).find("h: JSON nested deeper"),

@@ -87,4 +87,9 @@ TEST(Value, RequirePlainDataRefusesWhatTorchLoadWouldCall) {
   EXPECT_THROW(RequirePlainData(Value(Global{"torch", "load"}), "x"), Error);
 }
 
+TEST(Value, PathStringNamesTheRootAndEachStepWalked) {
+  EXPECT_EQ(ValuePathString({}), "<root>");
+  EXPECT_EQ(ValuePathString({"state", "0", "exp_avg"}), "/state/0/exp_avg");
+}
+
 }  // namespace ckpt

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <chrono>
+#include <ctime>
 #include <algorithm>
 #include <functional>
 #include <string>
@@ -52,14 +53,22 @@ class TempDir {
 
 // How much longer `work(4 * n)` takes than `work(n)`, each the best of three
 // runs: about 4 for work linear in n, 16 for quadratic. A ratio, not seconds,
-// so it holds under the sanitizers and a loaded machine alike.
+// so it holds under the sanitizers; and the calling thread's CPU time, not the
+// wall clock, so time spent waiting for a core on a loaded machine (a load of
+// 17 gave 12x for linear work by the wall clock) does not count. `work` must
+// run on the calling thread.
 inline double GrowthRatio(const std::function<void(int)>& work, int n) {
+  const auto cpu_seconds = [] {
+    timespec ts{};
+    ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  };
   const auto best = [&](int size) {
     double fastest = 1e30;
     for (int run = 0; run < 3; ++run) {
-      const auto t0 = std::chrono::steady_clock::now();
+      const double t0 = cpu_seconds();
       work(size);
-      fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      fastest = std::min(fastest, cpu_seconds() - t0);
     }
     return fastest;
   };
