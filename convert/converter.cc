@@ -12,13 +12,13 @@
 #include <random>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/output_guard.h"
+#include "ckpt/util/output_guard.h"
 #include "ckpt/util/progress.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/pt/plain_data.h"
 #include "ckpt/store/tag_writer.h"
 #include "ckpt/pt/xser.h"
-#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/spec/optimizer_groups.h"
 #include "ckpt/shard/reshard.h"
 #include "ckpt/shard/sharded_tag.h"
 #include "convert/nnm_convert.h"

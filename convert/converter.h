@@ -25,8 +25,8 @@
 
 #include "ckpt/util/env.h"
 #include "ckpt/shard/logical_state.h"
-#include "ckpt/shard/rank_grid.h"
-#include "ckpt/store/writer_group.h"
+#include "ckpt/spec/rank_grid.h"
+#include "ckpt/util/writer_group.h"
 
 namespace convert {
 

@@ -19,11 +19,11 @@
 #include <optional>
 #include <thread>
 
-#include "ckpt/util/mpi_group.h"
+#include "ckpt/mpi/mpi_group.h"
 #include "tools/common/cli.h"
 #include "tools/common/job_cli.h"
 #include "ckpt/util/error.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 #include "ckpt/util/progress.h"
 #include "convert/converter.h"
 #include "convert/nnm_convert.h"

@@ -8,8 +8,8 @@
 #include <set>
 
 #include "ckpt/util/error.h"
-#include "ckpt/shard/model_family.h"
-#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/spec/model_family.h"
+#include "ckpt/spec/optimizer_groups.h"
 #include "ckpt/store/training_state.h"
 #include "convert/nnm_optimizer.h"
 
@@ -359,7 +359,7 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
           std::string name;
           int local;
           ShiftLayerIndex(StripModelPrefix(k.as_str()), offset[c][p], &name, &local);
-          // GPT's tied output copy: Megatron-LM's last-stage word_embeddings.weight is NxDT's output layer (ckpt/shard/partition.h).
+          // GPT's tied output copy: Megatron-LM's last-stage word_embeddings.weight is NxDT's output layer (ckpt/spec/partition.h).
           if (name == ckpt::kMegatronLmTiedCopy) name = ckpt::kTiedOutputCopy;
           if (const std::string gate = UnmergedSwigluGate(name); !gate.empty()) {
             Value* g = model.as_dict().Find(gate);

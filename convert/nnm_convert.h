@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 #include "ckpt/store/tag_writer.h"
 #include "ckpt/pt/value.h"
 #include "convert/nnm_source.h"

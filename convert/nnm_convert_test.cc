@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "ckpt/util/error.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace convert {
 namespace {

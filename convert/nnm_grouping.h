@@ -9,12 +9,12 @@
 // weights decay and its group 1 is empty. A file does not record classes, so
 // NnmGroupingCandidates lists every grouping NNM can produce and the caller
 // keeps the ones the file's group sizes and moment shapes fit. What NxDT
-// builds, the target, is ckpt/shard/optimizer_groups.h's.
+// builds, the target, is ckpt/spec/optimizer_groups.h's.
 #pragma once
 
 #include <vector>
 
-#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/spec/optimizer_groups.h"
 
 namespace convert {
 

@@ -4,9 +4,9 @@
 #include <map>
 
 #include "ckpt/util/error.h"
-#include "ckpt/shard/optimizer_state.h"
-#include "ckpt/shard/model_family.h"
-#include "ckpt/shard/partition.h"
+#include "ckpt/spec/optimizer_state.h"
+#include "ckpt/spec/model_family.h"
+#include "ckpt/spec/partition.h"
 #include "ckpt/pt/tensor.h"
 #include "convert/nnm_grouping.h"
 

@@ -5,7 +5,7 @@
 #include <map>
 #include <regex>
 
-#include "ckpt/store/input_guard.h"
+#include "ckpt/util/input_guard.h"
 #include "ckpt/util/error.h"
 
 namespace convert {
@@ -141,7 +141,7 @@ NnmSource FindNnmCheckpoint(ckpt::Env* env, const std::string& path, const std::
   }
   s.name = ckpt::ParseTagName(s.file_name);
   s.files.resize(dirs.size());
-  // Every folder is checked before it is listed, every file before it is read (ckpt/store/input_guard.h).
+  // Every folder is checked before it is listed, every file before it is read (ckpt/util/input_guard.h).
   const auto confine = [&](const std::string& p) {
     if (!s.folder.empty()) ckpt::RequireInside(s.folder, p);
   };

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "ckpt/util/env.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 
 namespace convert {
 

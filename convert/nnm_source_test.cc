@@ -5,8 +5,8 @@
 #include <fstream>
 
 #include "ckpt/util/error.h"
-#include "ckpt/util/fault_env.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/fault_env.h"
+#include "ckpt/testing/test_util.h"
 
 namespace convert {
 namespace {

@@ -13,7 +13,7 @@
 #include <mutex>
 
 #include "ckpt/util/error.h"
-#include "ckpt/util/mpi_group.h"
+#include "ckpt/mpi/mpi_group.h"
 
 namespace train {
 namespace {

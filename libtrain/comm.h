@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/shard/rank_grid.h"
+#include "ckpt/spec/rank_grid.h"
 
 namespace train {
 

@@ -6,7 +6,7 @@
 #include <map>
 
 #include "ckpt/util/error.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace train {
 namespace {

@@ -12,7 +12,7 @@
 
 #include "ckpt/pt/dtype_cast.h"
 #include "ckpt/util/error.h"
-#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/spec/optimizer_groups.h"
 #include "libtrain/comm.h"
 #include "libtrain/layers.h"
 
@@ -63,7 +63,7 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
   attention_ = ckpt::AttentionTensorsOf(format_);
   // This rank's query heads and KV heads (global numbers, local order), paired as one process pairs
   // them: head h with KV head h / (heads / kv_heads). The HF-style family places them by NxD's rule
-  // (ckpt/shard/model_family.h); Megatron's are in order, KV groups below tp replicated over consecutive ranks.
+  // (ckpt/spec/model_family.h); Megatron's are in order, KV groups below tp replicated over consecutive ranks.
   std::vector<int64_t> q, kv;
   if (c.family == ckpt::ModelFamily::kHfLlama) {
     q = ckpt::QueryHeadsOfRank(format_, tp.size, tp.rank), kv = ckpt::KvHeadsOfRank(format_, tp.size, tp.rank);

@@ -10,7 +10,7 @@
 // bfloat16 value and checkpoints store bfloat16, as NxDT's do.
 //
 // Parameters carry NxDT's state-dict names; their partition rules (split dim,
-// fused layout, stage, optimizer group) come from ckpt/shard/partition.h, the one
+// fused layout, stage, optimizer group) come from ckpt/spec/partition.h, the one
 // copy the checkpoint tools read too.
 //
 // Tensor parallelism (Megatron's; sequence parallelism below): a model built
@@ -44,8 +44,8 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/shard/model_family.h"
-#include "ckpt/shard/partition.h"
+#include "ckpt/spec/model_family.h"
+#include "ckpt/spec/partition.h"
 #include "ckpt/pt/tensor.h"
 #include "ckpt/pt/value.h"
 
@@ -82,7 +82,7 @@ struct ModelConfig {
   // keeps float32 master weights); activations and gradients stay float32.
   bool bf16_params = false;
   uint64_t seed = 1234;
-  // The model family (ckpt/shard/model_family.h): the names the parameters carry
+  // The model family (ckpt/spec/model_family.h): the names the parameters carry
   // and, for the HF-style family (NxDT's model_source: hf), its attention
   // tensors (model.fuse_qkv, model.qkv_linear) and NxD's KV replication
   // (distributed_strategy.kv_replicator, and the backend's rule).

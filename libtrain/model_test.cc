@@ -7,7 +7,7 @@
 
 #include "ckpt/pt/dtype_cast.h"
 #include "ckpt/store/snapshot.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace train {
 namespace {

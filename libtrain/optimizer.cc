@@ -9,10 +9,10 @@
 
 #include "ckpt/pt/dtype_cast.h"
 #include "ckpt/util/error.h"
-#include "ckpt/shard/optimizer_groups.h"
-#include "ckpt/shard/optimizer_state.h"
-#include "ckpt/shard/partition.h"
-#include "ckpt/shard/model_family.h"
+#include "ckpt/spec/optimizer_groups.h"
+#include "ckpt/spec/optimizer_state.h"
+#include "ckpt/spec/partition.h"
+#include "ckpt/spec/model_family.h"
 #include "libtrain/comm.h"
 
 namespace train {

@@ -7,10 +7,10 @@
 
 #include "ckpt/pt/dtype_cast.h"
 #include "ckpt/util/error.h"
-#include "ckpt/shard/model_family.h"
-#include "ckpt/shard/optimizer_groups.h"
-#include "ckpt/shard/optimizer_state.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/spec/model_family.h"
+#include "ckpt/spec/optimizer_groups.h"
+#include "ckpt/spec/optimizer_state.h"
+#include "ckpt/testing/test_util.h"
 
 namespace train {
 namespace {

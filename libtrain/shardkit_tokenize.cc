@@ -16,7 +16,7 @@
 
 #include "tools/common/cli.h"
 #include "ckpt/util/error.h"
-#include "ckpt/store/output_guard.h"
+#include "ckpt/util/output_guard.h"
 #include "libtrain/hdf5_dataset.h"
 #include "libtrain/indexed_dataset.h"
 

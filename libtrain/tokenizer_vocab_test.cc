@@ -4,7 +4,7 @@
 
 #include <fstream>
 
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace train {
 namespace {

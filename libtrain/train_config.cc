@@ -4,7 +4,7 @@
 
 #include "ckpt/pt/value_json.h"
 
-#include "ckpt/shard/model_family.h"
+#include "ckpt/spec/model_family.h"
 
 #include <filesystem>
 
@@ -15,7 +15,7 @@
 #include <stdexcept>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 #include "libtrain/config_keys.h"
 #include "libtrain/tokenizer_vocab.h"
 #include "migrate/interpolation.h"

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "ckpt/shard/rank_grid.h"
+#include "ckpt/spec/rank_grid.h"
 #include "ckpt/util/error.h"
 #include "libtrain/model.h"
 #include "libtrain/optimizer.h"

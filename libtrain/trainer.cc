@@ -1,7 +1,7 @@
 #include "libtrain/trainer.h"
 
-#include "ckpt/util/mpi_group.h"
-#include "ckpt/shard/model_family.h"
+#include "ckpt/mpi/mpi_group.h"
+#include "ckpt/spec/model_family.h"
 
 #include <unistd.h>
 

@@ -7,10 +7,10 @@
 #include <string>
 
 #include "ckpt/util/error.h"
-#include "ckpt/util/fault_env.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/testing/fault_env.h"
+#include "ckpt/spec/tag_paths.h"
 #include "ckpt/store/tag_verify.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 #include "libtrain/indexed_dataset.h"
 
 namespace train {

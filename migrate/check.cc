@@ -7,7 +7,7 @@
 #include <set>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 #include "migrate/interpolation.h"
 #include "migrate/schema.h"
 

@@ -15,7 +15,7 @@
 #include "tools/common/cli.h"
 #include "ckpt/util/env.h"
 #include "ckpt/util/error.h"
-#include "ckpt/store/output_guard.h"
+#include "ckpt/util/output_guard.h"
 #include "migrate/check.h"
 #include "migrate/migrate.h"
 #include "migrate/overrides.h"

@@ -11,8 +11,9 @@ generator=()
 # parsed a few times per target instead of once per file. The test command's
 # two builds take 145 s and 115 s so against 197 s and 207 s (2 cores), and
 # the programs the README's commands build are the ones the tests ran. A tree
-# configured with plain cmake builds file by file (CMake's default); build one
-# so after changing includes, since a batch can hide a missing one.
+# configured with plain cmake builds file by file (CMake's default), and so
+# does the test command's release build (UNITY=OFF), since a batch can hide a
+# missing include.
 cmake -S "$(dirname "$0")/.." -B "$dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} \
   -DCMAKE_UNITY_BUILD=${UNITY:-ON} "$@" >/dev/null
 cmake --build "$dir" -j "$(nproc)" ${BUILD_TARGETS:+--target $BUILD_TARGETS}

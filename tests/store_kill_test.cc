@@ -14,7 +14,7 @@
 
 #include "ckpt/store/resume.h"
 #include "ckpt/store/tag_verify.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {

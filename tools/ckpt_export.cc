@@ -24,7 +24,7 @@
 #include "ckpt/util/error.h"
 #include "ckpt/shard/fingerprint.h"
 #include "ckpt/pt/value_json.h"
-#include "ckpt/store/output_guard.h"
+#include "ckpt/util/output_guard.h"
 #include "ckpt/util/progress.h"
 #include "ckpt/shard/sharded_tag.h"
 #include "tools/format_hints_cli.h"

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "ckpt/shard/logical_state.h"
-#include "ckpt/shard/model_family.h"
+#include "ckpt/spec/model_family.h"
 
 namespace tools {
 

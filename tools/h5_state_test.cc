@@ -9,7 +9,7 @@
 
 #include "ckpt/shard/fake_state.h"
 #include "ckpt/shard/tag_compare.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace tools {
 namespace {

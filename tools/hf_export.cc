@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/util/error.h"
-#include "ckpt/shard/model_family.h"
+#include "ckpt/spec/model_family.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/pt/storage.h"
 #include "ckpt/pt/tensor.h"

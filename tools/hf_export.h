@@ -8,7 +8,7 @@
 //   model.safetensors     the same tensors (model-0000k-of-0000n.safetensors
 //                         with model.safetensors.index.json past the size)
 //
-// HF's names and layouts, from NxDT's logical tensors (ckpt/shard/partition.h):
+// HF's names and layouts, from NxDT's logical tensors (ckpt/spec/partition.h):
 //   - Llama: query_key_value is per head [q_h; k_h; v_h]: NNM's HF converter
 //     (neuronx-nemo-megatron, convert_hf_checkpoint_to_nemo_llama.py,
 //     convert_state_dict_for_pp_rank) concatenates q, k, v and reorders them
@@ -37,7 +37,7 @@
 
 #include "ckpt/util/env.h"
 #include "ckpt/shard/logical_state.h"
-#include "ckpt/shard/model_family.h"
+#include "ckpt/spec/model_family.h"
 
 namespace tools {
 

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/input_guard.h"
+#include "ckpt/util/input_guard.h"
 #include "ckpt/pt/value_json.h"
 #include "ckpt/pt/pt_file.h"
 

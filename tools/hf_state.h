@@ -9,7 +9,7 @@
 // model.safetensors (or its sharded index) when present, else from
 // pytorch_model.bin (or its index); both are mapped, not read whole.
 // Logical tensors are rebuilt by inverting ckpt-export's mapping
-// (ckpt::HfTensorsFor in ckpt/shard/model_family.h): q/k/v back into per-head [q;k;v]
+// (ckpt::HfTensorsFor in ckpt/spec/model_family.h): q/k/v back into per-head [q;k;v]
 // (or query and per-group [k;v]), gate/up into [gate; up], GPT-2's Conv1D
 // transposed back (one tensor held at a time). Vocab rows past vocab_size
 // read as zero padding. No optimizer state: the tag is weights only.
@@ -30,7 +30,7 @@
 
 namespace tools {
 
-using ckpt::FormatOfHfConfig;  // ckpt/shard/model_family.h
+using ckpt::FormatOfHfConfig;  // ckpt/spec/model_family.h
 // A JSON file read through `env`. Throws ckpt::Error naming it.
 nlohmann::json ReadJson(ckpt::Env* env, const std::string& path);
 

@@ -7,7 +7,7 @@
 #include <fstream>
 
 #include "ckpt/util/error.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace tools {
 namespace {

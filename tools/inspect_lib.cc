@@ -6,10 +6,10 @@
 #include <filesystem>
 #include <sstream>
 
-#include "ckpt/store/input_guard.h"
+#include "ckpt/util/input_guard.h"
 #include "ckpt/util/error.h"
 #include "ckpt/store/manifest.h"
-#include "ckpt/shard/model_family.h"
+#include "ckpt/spec/model_family.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/store/tag_verify.h"
 #include "ckpt/pt/value_json.h"

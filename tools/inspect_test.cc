@@ -5,9 +5,9 @@
 #include <filesystem>
 
 #include "ckpt/util/error.h"
-#include "ckpt/util/fault_env.h"
+#include "ckpt/testing/fault_env.h"
 #include "ckpt/pt/pt_file.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace shardkit {
 namespace {

@@ -18,14 +18,14 @@
 #include <optional>
 #include <thread>
 
-#include "ckpt/util/mpi_group.h"
+#include "ckpt/mpi/mpi_group.h"
 #include "tools/common/cli.h"
 #include "tools/common/job_cli.h"
 #include "ckpt/util/error.h"
-#include "ckpt/shard/rank_grid.h"
-#include "ckpt/store/output_guard.h"
+#include "ckpt/spec/rank_grid.h"
+#include "ckpt/util/output_guard.h"
 #include "ckpt/util/progress.h"
-#include "ckpt/shard/model_family.h"
+#include "ckpt/spec/model_family.h"
 #include "tools/format_hints_cli.h"
 #include "tools/h5_state.h"
 #include "tools/hf_state.h"

@@ -5,7 +5,7 @@
 #include "ckpt/pt/pickle_writer.h"
 #include "ckpt/pt/xser.h"
 #include "ckpt/util/error.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {

@@ -7,7 +7,7 @@
 
 #include "ckpt/util/crc32.h"
 #include "ckpt/util/error.h"
-#include "ckpt/store/input_guard.h"
+#include "ckpt/util/input_guard.h"
 #include "ckpt/pt/pickle_reader.h"
 #include "ckpt/pt/zip_reader.h"
 #include "ckpt/pt/zip_writer.h"

@@ -7,7 +7,7 @@
 
 #include "ckpt/util/crc32.h"
 #include "ckpt/util/error.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 #include "ckpt/pt/zip_reader.h"
 #include "ckpt/pt/zip_writer.h"
 

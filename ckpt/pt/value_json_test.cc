@@ -4,7 +4,7 @@
 
 #include <chrono>
 
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 

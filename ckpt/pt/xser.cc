@@ -7,7 +7,7 @@
 
 #include "ckpt/pt/plain_data.h"
 #include "ckpt/util/error.h"
-#include "ckpt/store/input_guard.h"
+#include "ckpt/util/input_guard.h"
 
 namespace ckpt {
 

@@ -3,9 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/snapshot.h"
-#include "ckpt/store/tag_writer.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {
@@ -42,38 +40,6 @@ TEST(Xser, BinsDealTensorsAsNxdDoes) {
   EXPECT_EQ(XserBins({30, 10, 20, 10}, 2), (std::vector<int>{1, 0, 0, 1}));
   EXPECT_EQ(XserBins({5, 5, 5}, 1), (std::vector<int>{0, 0, 0}));
   EXPECT_EQ(XserBins({}, 3), std::vector<int>{});
-}
-
-// Each dp rank writes its bin of the tensor files; together they write each once, and
-// dp rank 0 the references and info.pt. A tensor outside the bin is a placeholder
-// (CopyForSnapshot with a filter), which fails if it is ever written.
-TEST(Xser, BinsOfAFileWriteEachPartOnce) {
-  Value root = Value::NewDict();
-  for (int i = 0; i < 7; ++i) root.as_dict().Set("t" + std::to_string(i), Value(testing::Arange({i + 1, 3})));
-  const std::vector<FileToWrite> all = XserFiles({"model/x.pt", root, {}});
-  std::map<std::string, int> writers;
-  for (int bin = 0; bin < 3; ++bin) {
-    const std::vector<int> bins = XserBins([&] {
-      std::vector<uint64_t> b;
-      for (int i = 0; i < 7; ++i) b.push_back(static_cast<uint64_t>(i + 1) * 3 * 4);
-      return b;
-    }(), 3);
-    Value snap = CopyForSnapshot(root, nullptr, std::nullopt, [&](size_t i) { return bins[i] == bin; });
-    for (const FileToWrite& f : XserFilesOfBin({"model/x.pt", snap, {}}, 3, bin)) {
-      ++writers[f.relpath];
-      if (f.value.is_tensor()) {
-        testing::TempDir dir("bins");
-        EXPECT_NO_THROW(SavePt(dir / "t.pt", f.value)) << f.relpath;  // its own tensors are real copies
-      }
-    }
-    for (size_t i = 0; i < bins.size(); ++i)
-      if (bins[i] != bin) {
-        testing::TempDir dir("placeholder");
-        EXPECT_THROW(SavePt(dir / "t.pt", snap.as_dict().items[i].second), Error) << i;
-      }
-  }
-  ASSERT_EQ(writers.size(), all.size());
-  for (const FileToWrite& f : all) EXPECT_EQ(writers[f.relpath], 1) << f.relpath;
 }
 
 }  // namespace

@@ -17,10 +17,10 @@
 
 #include "ckpt/pt/dtype.h"
 #include "ckpt/util/env.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 #include "ckpt/store/manifest.h"
-#include "ckpt/shard/optimizer_groups.h"
-#include "ckpt/shard/partition.h"
+#include "ckpt/spec/optimizer_groups.h"
+#include "ckpt/spec/partition.h"
 #include "ckpt/pt/value.h"
 
 namespace ckpt {
@@ -32,7 +32,7 @@ struct FormatHints {
   std::optional<int64_t> heads, kv_heads, vocab_size, make_vocab_size_divisible_by;
   // What the forward pass needs beyond the tensors (ModelFormat::rope_theta, ...).
   std::optional<double> rope_theta, norm_eps, rotary_percentage;
-  // The HF-style family's (ckpt/shard/model_family.h): what the data may not tell,
+  // The HF-style family's (ckpt/spec/model_family.h): what the data may not tell,
   // and sizes an HF config.json states, checked against the tensors.
   std::optional<int64_t> kv_size_multiplier;
   std::optional<HwBackend> hw_backend;
@@ -55,7 +55,7 @@ struct TagDescription {
   bool format_from_manifest = false;
   bool has_optimizer = false;
   GroupingRule grouping = GroupingRule::kNxdt;  // how the optimizer files group parameters (ckpt::FamilyGrouping)
-  TiedCopyNaming tied_naming = TiedCopyNaming::kNxdt;  // how GPT's tied output copy is named (ckpt/shard/partition.h)
+  TiedCopyNaming tied_naming = TiedCopyNaming::kNxdt;  // how GPT's tied output copy is named (ckpt/spec/partition.h)
   bool master_weights = false;  // ZeRO-1 sharded_master_weights
 };
 

@@ -1,6 +1,6 @@
 #include "ckpt/shard/reshard.h"
 
-#include "ckpt/shard/model_family.h"
+#include "ckpt/spec/model_family.h"
 #include "ckpt/shard/renamed_state.h"
 
 #include <sys/resource.h>
@@ -19,10 +19,10 @@
 
 #include "ckpt/util/error.h"
 #include "ckpt/shard/fingerprint.h"
-#include "ckpt/store/tag_paths.h"
-#include "ckpt/shard/optimizer_state.h"
-#include "ckpt/store/output_guard.h"
-#include "ckpt/shard/partition.h"
+#include "ckpt/spec/tag_paths.h"
+#include "ckpt/spec/optimizer_state.h"
+#include "ckpt/util/output_guard.h"
+#include "ckpt/spec/partition.h"
 #include "ckpt/util/progress.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/store/resume.h"

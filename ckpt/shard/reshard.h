@@ -4,7 +4,7 @@
 // The source is read through ShardedTag (ckpt/shard/sharded_tag.h), which indexes
 // every logical tensor's runs in the mapped rank files. Every target tensor
 // is a generated storage (Storage::Generated): when the writer asks for a
-// chunk of its bytes, the target rank's runs (ckpt/shard/partition.h) name the
+// chunk of its bytes, the target rank's runs (ckpt/spec/partition.h) name the
 // logical elements, which are copied from the source's mapped pages, and
 // those pages are then released. So memory holds a few chunks per writing
 // thread, never a tensor or a file, and each byte is read once and written
@@ -26,7 +26,7 @@
 #include "ckpt/util/env.h"
 #include "ckpt/store/resume.h"
 #include "ckpt/shard/sharded_tag.h"
-#include "ckpt/store/writer_group.h"
+#include "ckpt/util/writer_group.h"
 
 namespace ckpt {
 
@@ -46,7 +46,7 @@ struct ReshardArgs {
   // Write rank files as xser (NxD's use_xser) or plain .pt; default: the source's container.
   std::optional<bool> save_xser;
   ckpt::FormatHints hints;
-  // The HF-style family's target attention layout (ckpt/shard/model_family.h);
+  // The HF-style family's target attention layout (ckpt/spec/model_family.h);
   // default: the source's. A kv_size_multiplier the target tp cannot take is
   // refused with the one it can.
   std::optional<int64_t> out_kv_size_multiplier;

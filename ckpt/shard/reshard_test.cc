@@ -10,11 +10,11 @@
 #include <cstring>
 
 #include "ckpt/util/crc32.h"
-#include "ckpt/shard/model_family.h"
+#include "ckpt/spec/model_family.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/shard/sharded_tag.h"
 #include "ckpt/shard/fake_state.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {

@@ -13,12 +13,12 @@
 #include <variant>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/input_guard.h"
+#include "ckpt/util/input_guard.h"
 #include "ckpt/store/manifest.h"
-#include "ckpt/shard/model_family.h"
-#include "ckpt/shard/optimizer_groups.h"
-#include "ckpt/shard/optimizer_state.h"
-#include "ckpt/store/output_guard.h"
+#include "ckpt/spec/model_family.h"
+#include "ckpt/spec/optimizer_groups.h"
+#include "ckpt/spec/optimizer_state.h"
+#include "ckpt/util/output_guard.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/store/training_state.h"
 #include "ckpt/pt/xser.h"

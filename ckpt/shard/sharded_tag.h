@@ -1,7 +1,7 @@
 // ShardedTag reads a checkpoint tag of any layout as logical tensors: it maps
 // every rank file, learns the layout (degrees, stage split, model format,
 // optimizer form), checks every tensor against the partition rules
-// (ckpt/shard/partition.h), and indexes where each run of each logical tensor's
+// (ckpt/spec/partition.h), and indexes where each run of each logical tensor's
 // elements lies in which mapped file. A reader then copies any range of a
 // logical tensor without assembling it, so tools that re-lay a checkpoint
 // (ckpt-reshard, export) need memory for what they copy, not for the model.

@@ -8,7 +8,7 @@
 
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/shard/fake_state.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {

@@ -7,7 +7,7 @@
 
 #include "ckpt/shard/fake_state.h"
 #include "ckpt/shard/sharded_tag.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {

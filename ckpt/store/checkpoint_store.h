@@ -35,8 +35,8 @@
 #include <vector>
 
 #include "ckpt/util/env.h"
-#include "ckpt/store/tag_paths.h"
-#include "ckpt/shard/partition.h"
+#include "ckpt/spec/tag_paths.h"
+#include "ckpt/spec/partition.h"
 #include "ckpt/store/resume.h"
 #include "ckpt/store/snapshot.h"
 #include "ckpt/store/tag_writer.h"

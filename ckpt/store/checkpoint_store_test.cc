@@ -6,11 +6,11 @@
 #include <set>
 
 #include "ckpt/util/error.h"
-#include "ckpt/util/fault_env.h"
+#include "ckpt/testing/fault_env.h"
 #include "ckpt/store/manifest.h"
 #include "ckpt/store/resume.h"
 #include "ckpt/store/tag_verify.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {

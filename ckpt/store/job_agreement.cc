@@ -4,8 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "ckpt/store/input_guard.h"
-#include "ckpt/store/output_guard.h"
+#include "ckpt/util/input_guard.h"
+#include "ckpt/util/output_guard.h"
 #include "ckpt/util/error.h"
 
 namespace ckpt {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "ckpt/util/env.h"
-#include "ckpt/store/writer_group.h"
+#include "ckpt/util/writer_group.h"
 
 namespace ckpt {
 

@@ -15,9 +15,9 @@
 #include <string>
 
 #include "ckpt/util/env.h"
-#include "ckpt/store/tag_paths.h"
-#include "ckpt/shard/optimizer_groups.h"
-#include "ckpt/shard/partition.h"
+#include "ckpt/spec/tag_paths.h"
+#include "ckpt/spec/optimizer_groups.h"
+#include "ckpt/spec/partition.h"
 
 namespace ckpt {
 

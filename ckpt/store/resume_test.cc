@@ -10,10 +10,10 @@
 #include <limits>
 
 #include "ckpt/store/checkpoint_store.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 #include "ckpt/store/tag_writer.h"
 #include "ckpt/store/training_state.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "ckpt/pt/value.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 #include "ckpt/store/tag_writer.h"
 
 namespace ckpt {

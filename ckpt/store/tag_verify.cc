@@ -11,10 +11,10 @@
 #include <sstream>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/input_guard.h"
+#include "ckpt/util/input_guard.h"
 #include "ckpt/store/manifest.h"
-#include "ckpt/shard/optimizer_state.h"
-#include "ckpt/store/output_guard.h"
+#include "ckpt/spec/optimizer_state.h"
+#include "ckpt/util/output_guard.h"
 #include "ckpt/pt/xser.h"
 #include "ckpt/store/tag_writer.h"
 #include "ckpt/store/training_state.h"

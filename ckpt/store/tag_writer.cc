@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/output_guard.h"
+#include "ckpt/util/output_guard.h"
 #include "ckpt/pt/value_json.h"
 #include "ckpt/util/progress.h"
 #include "ckpt/pt/xser.h"

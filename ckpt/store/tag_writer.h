@@ -27,11 +27,11 @@
 #include <vector>
 
 #include "ckpt/util/env.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 #include "ckpt/store/manifest.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/pt/value.h"
-#include "ckpt/store/writer_group.h"
+#include "ckpt/util/writer_group.h"
 
 namespace ckpt {
 

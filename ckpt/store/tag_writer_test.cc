@@ -7,13 +7,16 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
 #include <tuple>
 #include <set>
 #include <sstream>
 
 #include "ckpt/pt/pt_file.h"
+#include "ckpt/pt/xser.h"
+#include "ckpt/store/snapshot.h"
 #include "ckpt/util/crc32.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {
@@ -189,6 +192,38 @@ TEST(TagWriter, TheWriterLockIsReleasedBeforeTheOutcomeIsBroadcast) {
     EXPECT_EQ(group.lock_there_at_broadcast, (std::vector<bool>{true, false}));  // held while beginning; gone before the outcome
     EXPECT_EQ(std::filesystem::exists(t.target + "/" + kDoneMarker), !refuse);
   }
+}
+
+// Each dp rank writes its bin of the tensor files; together they write each once, and
+// dp rank 0 the references and info.pt. A tensor outside the bin is a placeholder
+// (CopyForSnapshot with a filter), which fails if it is ever written.
+TEST(Xser, BinsOfAFileWriteEachPartOnce) {
+  Value root = Value::NewDict();
+  for (int i = 0; i < 7; ++i) root.as_dict().Set("t" + std::to_string(i), Value(testing::Arange({i + 1, 3})));
+  const std::vector<FileToWrite> all = XserFiles({"model/x.pt", root, {}});
+  std::map<std::string, int> writers;
+  for (int bin = 0; bin < 3; ++bin) {
+    const std::vector<int> bins = XserBins([&] {
+      std::vector<uint64_t> b;
+      for (int i = 0; i < 7; ++i) b.push_back(static_cast<uint64_t>(i + 1) * 3 * 4);
+      return b;
+    }(), 3);
+    Value snap = CopyForSnapshot(root, nullptr, std::nullopt, [&](size_t i) { return bins[i] == bin; });
+    for (const FileToWrite& f : XserFilesOfBin({"model/x.pt", snap, {}}, 3, bin)) {
+      ++writers[f.relpath];
+      if (f.value.is_tensor()) {
+        testing::TempDir dir("bins");
+        EXPECT_NO_THROW(SavePt(dir / "t.pt", f.value)) << f.relpath;  // its own tensors are real copies
+      }
+    }
+    for (size_t i = 0; i < bins.size(); ++i)
+      if (bins[i] != bin) {
+        testing::TempDir dir("placeholder");
+        EXPECT_THROW(SavePt(dir / "t.pt", snap.as_dict().items[i].second), Error) << i;
+      }
+  }
+  ASSERT_EQ(writers.size(), all.size());
+  for (const FileToWrite& f : all) EXPECT_EQ(writers[f.relpath], 1) << f.relpath;
 }
 
 }  // namespace

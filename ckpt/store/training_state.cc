@@ -7,7 +7,7 @@
 #include <regex>
 
 #include "ckpt/pt/xser.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 #include "ckpt/util/error.h"
 
 namespace ckpt {

@@ -14,7 +14,7 @@
 //   scheduler.pt     a torch LR scheduler's state_dict (NxD's own trainer;
 //                    shardkit writes it too, NxDT ignores it); only
 //                    `last_epoch` is interpreted.
-// The optimizer's schema is OptimizerFile (ckpt/shard/optimizer_state.h).
+// The optimizer's schema is OptimizerFile (ckpt/spec/optimizer_state.h).
 #pragma once
 
 #include <cstdint>

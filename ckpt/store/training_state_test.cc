@@ -8,9 +8,9 @@
 
 #include "ckpt/pt/pickle_writer.h"
 #include "ckpt/pt/pt_file.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 #include "ckpt/util/error.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {

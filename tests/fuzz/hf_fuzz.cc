@@ -10,8 +10,8 @@
 
 #include "ckpt/util/error.h"
 #include "ckpt/shard/fingerprint.h"
-#include "ckpt/shard/model_family.h"
-#include "ckpt/shard/partition.h"
+#include "ckpt/spec/model_family.h"
+#include "ckpt/spec/partition.h"
 #include "ckpt/pt/value.h"
 #include "ckpt/pt/value_json.h"
 #include "tools/hf_state.h"

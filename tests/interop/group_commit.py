@@ -1,7 +1,7 @@
 """A failing rank ends the whole multi-process job fast, and nothing looks complete.
 
 The tools that write a tag from several processes (ckpt-reshard, ckpt-import,
-nnm2nxdt-ckpt under mpirun; ckpt/store/writer_group.h) agree through MPI
+nnm2nxdt-ckpt under mpirun; ckpt/util/writer_group.h) agree through MPI
 collectives: rank 0 broadcasts the save id, gathers every rank's completion
 record and broadcasts its decision to commit or abort. A rank that fails
 aborts the group. These tests run that protocol (tests/tools/group_commit_check.cc)

@@ -19,7 +19,7 @@ What a layout writes (sources are NxD's, aws-neuron/neuronx-distributed):
     into lists.
   - Tensor parallelism: Megatron's partition (megatron_partition.py). With
     fewer KV heads than tp ranks, the fused `key_value` is replicated by
-    shardkit's rule (ckpt/shard/partition.h): each group over m = tp / kv_heads
+    shardkit's rule (ckpt/spec/partition.h): each group over m = tp / kv_heads
     consecutive ranks, rank r holding group r // m (its query heads' group).
     This is NOT NxD's layout: NxD's GQAQKVColumnParallelLinear
     (modules/qkv_linear.py, _initialize_affine_weight) tiles the heads with

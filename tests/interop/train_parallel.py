@@ -232,7 +232,7 @@ class DataParallel(TempDirTest):
         self.assert_merges_to_one_process("tiny_llama", 2, 2, True, 1e-3)
 
     def test_llama_gqa_tp4_with_replicated_kv_groups_matches_one_process(self):
-        # 2 KV groups over 4 ranks: ranks 0-1 hold group 0, ranks 2-3 group 1 (ckpt/shard/partition.h).
+        # 2 KV groups over 4 ranks: ranks 0-1 hold group 0, ranks 2-3 group 1 (ckpt/spec/partition.h).
         parts = self.check_tensor_parallel(CONF, "tiny_llama", ["model.num_kv_heads=2", "distributed_strategy.zero1=True", *DROPOUT],
                                            4, 1, 1e-3)
         kv = "language_model.encoder.layers.1.self_attention.key_value.weight"

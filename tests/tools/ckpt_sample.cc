@@ -13,7 +13,7 @@
 #include "tools/common/cli.h"
 #include "ckpt/util/env.h"
 #include "ckpt/util/error.h"
-#include "ckpt/shard/optimizer_state.h"
+#include "ckpt/spec/optimizer_state.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/store/training_state.h"
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "ckpt/store/checkpoint_store.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 int main(int argc, char** argv) {
   if (argc != 5) {

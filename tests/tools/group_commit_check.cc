@@ -17,7 +17,7 @@
 #include <thread>
 
 #include "ckpt/util/error.h"
-#include "ckpt/util/mpi_group.h"
+#include "ckpt/mpi/mpi_group.h"
 #include "ckpt/store/tag_writer.h"
 #include "ckpt/pt/tensor.h"
 

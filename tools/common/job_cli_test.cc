@@ -8,8 +8,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "ckpt/store/output_guard.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/util/output_guard.h"
+#include "ckpt/testing/test_util.h"
 
 namespace tools {
 namespace {

@@ -1,5 +1,5 @@
 // Model families: the one place that knows a family's parameter names, how
-// each is partitioned (ckpt/shard/partition.h's rules are built from here), how KV
+// each is partitioned (ckpt/spec/partition.h's rules are built from here), how KV
 // heads are replicated over tensor-parallel ranks, and how its tensors map to
 // Hugging Face's. Tools and the trainer ask these functions. (Still outside:
 // ShardedTag finds a manifest-less tag's sizes by name suffixes, and the NNM
@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "ckpt/pt/dtype.h"
-#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/spec/optimizer_groups.h"
 #include "ckpt/pt/tensor.h"
-#include "ckpt/shard/partition.h"
+#include "ckpt/spec/partition.h"
 
 namespace ckpt {
 
@@ -117,7 +117,7 @@ bool BackendMatters(const ModelFormat& f, int tp);
 // The KV heads and query heads tp rank `rank` holds, in local order.
 std::vector<int64_t> KvHeadsOfRank(const ModelFormat& f, int tp, int rank);
 std::vector<int64_t> QueryHeadsOfRank(const ModelFormat& f, int tp, int rank);
-// The runs (ckpt/shard/partition.h) of a kQueryHeads, kKvHeads or kQkvHeads rule.
+// The runs (ckpt/spec/partition.h) of a kQueryHeads, kKvHeads or kQkvHeads rule.
 std::vector<Run> HeadRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank);
 
 // What the data of an HF-style tag says about its KV replication: the tp

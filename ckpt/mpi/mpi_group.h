@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "ckpt/store/writer_group.h"
+#include "ckpt/util/writer_group.h"
 
 namespace ckpt {
 

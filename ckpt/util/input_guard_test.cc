@@ -1,4 +1,4 @@
-#include "ckpt/store/input_guard.h"
+#include "ckpt/util/input_guard.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -8,7 +8,7 @@
 
 #include "ckpt/util/env.h"
 #include "ckpt/util/error.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {

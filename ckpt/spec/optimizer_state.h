@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/spec/optimizer_groups.h"
 #include "ckpt/pt/value.h"
 
 namespace ckpt {

@@ -1,8 +1,8 @@
-#include "ckpt/shard/optimizer_state.h"
+#include "ckpt/spec/optimizer_state.h"
 
 #include <algorithm>
 
-#include "ckpt/shard/partition.h"
+#include "ckpt/spec/partition.h"
 #include "ckpt/util/error.h"
 
 namespace ckpt {

@@ -1,4 +1,4 @@
-#include "ckpt/shard/rank_grid.h"
+#include "ckpt/spec/rank_grid.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "ckpt/util/fault_env.h"
+#include "ckpt/testing/fault_env.h"
 
 #include <signal.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-#include "ckpt/store/output_guard.h"
+#include "ckpt/util/output_guard.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -9,8 +9,8 @@
 
 #include "ckpt/util/env.h"
 #include "ckpt/util/error.h"
-#include "ckpt/util/fault_env.h"
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/fault_env.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {

@@ -1,4 +1,4 @@
-#include "ckpt/shard/partition.h"
+#include "ckpt/spec/partition.h"
 
 #include <fstream>
 

@@ -1,4 +1,4 @@
-#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/spec/optimizer_groups.h"
 
 #include <functional>
 #include <set>

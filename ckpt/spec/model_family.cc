@@ -1,4 +1,4 @@
-#include "ckpt/shard/model_family.h"
+#include "ckpt/spec/model_family.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 #include <optional>
 
 #include "ckpt/util/error.h"
-#include "ckpt/shard/rank_grid.h"
+#include "ckpt/spec/rank_grid.h"
 
 namespace ckpt {
 namespace {

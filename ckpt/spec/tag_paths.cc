@@ -1,4 +1,4 @@
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 
 #include <charconv>
 #include <cmath>

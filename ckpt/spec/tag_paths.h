@@ -1,5 +1,5 @@
 // The paths of an NxDT tag: rank file names, tag names and markers (the rank
-// grid, in ckpt/shard/rank_grid.h, says which files a tag holds). This is the
+// grid, in ckpt/spec/rank_grid.h, says which files a tag holds). This is the
 // one place that knows these names; the store, resume, verify and every tool
 // use it. (What a tag holds, its parallel layout and model format, is
 // ckpt::TagDescription in ckpt/shard/logical_state.h.)
@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/shard/rank_grid.h"
+#include "ckpt/spec/rank_grid.h"
 
 namespace ckpt {
 

@@ -1,8 +1,8 @@
-#include "ckpt/shard/model_family.h"
+#include "ckpt/spec/model_family.h"
 
 #include <gtest/gtest.h>
 
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {

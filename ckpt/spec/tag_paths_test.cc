@@ -1,8 +1,8 @@
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 
 #include <gtest/gtest.h>
 
-#include "ckpt/util/test_util.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 

@@ -1,4 +1,4 @@
-#include "ckpt/util/mpi_group.h"
+#include "ckpt/mpi/mpi_group.h"
 
 // The C API only: Open MPI otherwise pulls in its deprecated C++ bindings.
 #define OMPI_SKIP_MPICXX 1
@@ -9,7 +9,7 @@
 #include <cstdlib>
 
 #include "ckpt/util/error.h"
-#include "ckpt/shard/rank_grid.h"
+#include "ckpt/spec/rank_grid.h"
 
 namespace ckpt {
 namespace {

@@ -1,4 +1,4 @@
-#include "ckpt/store/writer_group.h"
+#include "ckpt/util/writer_group.h"
 
 #include <cstdio>
 #include <cstdlib>

@@ -39,12 +39,12 @@
 namespace ckpt {
 
 // The model family a checkpoint's names and partitioning follow
-// (ckpt/shard/model_family.h states each): Megatron-style
+// (ckpt/spec/model_family.h states each): Megatron-style
 // (`language_model.encoder.layers.N...`, NNM and NxDT's megatron models) or
 // HF-style Llama (`model.layers.N...`, NxDT's `model_source: hf`).
 enum class ModelFamily { kMegatron, kHfLlama };
 // NxD's hardware backend, which decides how KV heads are replicated over tp
-// ranks (ckpt/shard/model_family.h); kUnknown when the data cannot tell and it does
+// ranks (ckpt/spec/model_family.h); kUnknown when the data cannot tell and it does
 // not matter for the layout at hand.
 enum class HwBackend { kUnknown, kTrn1, kTrn2 };
 
@@ -110,7 +110,7 @@ struct ModelFormat {
 
 enum class SplitDim { kReplicated, kRows, kColumns };
 // kQueryHeads, kKvHeads and kQkvHeads are the HF-style family's, whose head
-// placement over tp ranks follows NxD's KV replication (ckpt/shard/model_family.h):
+// placement over tp ranks follows NxD's KV replication (ckpt/spec/model_family.h):
 // head blocks of head_dim rows (o_proj: columns) of the query, of K or V, or of
 // the logical [Q; K; V] (rank r holds [its q heads; its k heads; its v heads]).
 enum class FusedRows { kPlain, kPerHeadQkv, kPerGroupKv, kGateUp, kQueryHeads, kKvHeads, kQkvHeads };

@@ -1,4 +1,4 @@
-#include "ckpt/store/output_guard.h"
+#include "ckpt/util/output_guard.h"
 
 #include <sys/stat.h>
 

@@ -1,9 +1,9 @@
-#include "ckpt/shard/rank_grid.h"
+#include "ckpt/spec/rank_grid.h"
 
 #include <cstdlib>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 
 namespace ckpt {
 

@@ -1,10 +1,10 @@
-#include "ckpt/store/input_guard.h"
+#include "ckpt/util/input_guard.h"
 
 #include <filesystem>
 #include <vector>
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/output_guard.h"
+#include "ckpt/util/output_guard.h"
 
 namespace ckpt {
 namespace {

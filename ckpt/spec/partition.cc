@@ -1,11 +1,11 @@
-#include "ckpt/shard/partition.h"
+#include "ckpt/spec/partition.h"
 
 #include "ckpt/util/error.h"
-#include "ckpt/store/tag_paths.h"
+#include "ckpt/spec/tag_paths.h"
 #include <algorithm>
 
-#include "ckpt/shard/model_family.h"
-#include "ckpt/shard/optimizer_groups.h"
+#include "ckpt/spec/model_family.h"
+#include "ckpt/spec/optimizer_groups.h"
 
 namespace ckpt {
 namespace {

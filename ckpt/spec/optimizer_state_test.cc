@@ -1,5 +1,5 @@
 // Zero1ShardProblem: a ZeRO-1 file's shards against its shape_info and dp.
-#include "ckpt/shard/optimizer_state.h"
+#include "ckpt/spec/optimizer_state.h"
 
 #include <gtest/gtest.h>
 
