@@ -316,7 +316,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     store = std::make_unique<ckpt::CheckpointStore>(
         ckpt::StoreOptions{.dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .env = env, .log = log,
                            .damaged = DamagedNames(damaged), .model = model.config().format(c.grid.tp),
-                           .optimizer_grouping = ckpt::NxdtGroupingRule(c.optim.do_layer_norm_weight_decay)},
+                           .optimizer_grouping = ckpt::NxdtGroupingRule(c.optim.do_layer_norm_weight_decay),
+                           .stages = ckpt::StageMapOf(c.stage_bounds), .master_weights = adamw.SavesMasterWeights()},
         ckpt::MpiLaunch{.rank = pc.world->rank(), .world_size = pc.world->size(), .job_id = job_id});
     // Snapshot buffers, faulted in before the first step: for what this rank copies (save's `add`).
     auto reserve = [&](const ckpt::Value& live, std::optional<ckpt::DType> floats_to, bool replicated) {
