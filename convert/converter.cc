@@ -72,6 +72,30 @@ void PrintPlan(const NnmSource& src, const ConvertPlan& plan, const std::string&
   log("  total " + std::to_string(plan.files.size()) + " files, " + ckpt::HumanBytes(total));
 }
 
+// The layers each pp rank holds as NNM's chunks lay them out: chunk c of
+// stage p follows every earlier chunk of every stage (nnm_convert.cc's
+// offsets), so with several chunks a rank holds several ranges (virtual
+// stages). Nullopt when a chunk is empty, which a stage map cannot record.
+std::optional<ckpt::StageMap> StageMapOfPlan(const ConvertPlan& plan) {
+  ckpt::StageMap m(plan.grid.pp);
+  int64_t first = 0;
+  for (const auto& chunk : plan.layers)
+    for (size_t p = 0; p < chunk.size() && p < m.size(); ++p) {
+      if (chunk[p] <= 0) return std::nullopt;
+      m[p].push_back({first, first + chunk[p]});
+      first += chunk[p];
+    }
+  return m;
+}
+
+// Whether the optimizer files written hold fp32 master weights (NNM's ZeRO-1
+// sharded_master_weights, carried over as they are).
+bool WritesMasterWeights(const ConvertPlan& plan) {
+  for (const auto& f : plan.files)
+    if (f.file.relpath.starts_with("optim/") && f.file.value.is_dict() && f.file.value.as_dict().Find("sharded_master_weights")) return true;
+  return false;
+}
+
 // The input of a planned file whose tensors are generated as they are written
 // (NNM's unmerged SwiGLU, merged then: ConcatRows), which no reader can
 // index; null when there is none.
@@ -246,6 +270,8 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
   ci.grid = plan.grid;
   if (plan.optimizer)
     ci.optimizer_grouping = ckpt::NxdtGroupingRule(plan.do_layer_norm_weight_decay);
+  ci.stages = StageMapOfPlan(plan);
+  ci.master_weights = plan.optimizer && WritesMasterWeights(plan);
   ckpt::CommitStaged(env, staged, *a.group, ci, &writing);
   sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return sum;

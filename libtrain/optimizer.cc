@@ -222,7 +222,7 @@ ckpt::Value AdamW::StateDict(double lr) const {
     ckpt::Tensor step = ckpt::Tensor::Zeros(ckpt::DType::kFloat32, {});
     reinterpret_cast<float*>(step.mutable_data())[0] = static_cast<float>(step_);
     ckpt::ParamState ps{ckpt::Value(step), ckpt::Value(m_[i]), ckpt::Value(v_[i]), std::nullopt, slot_[i].shape};
-    if (c_.zero1 && c_.master_weights_in_ckpt && !master_.empty()) ps.master = ckpt::Value(master_[i]);
+    if (SavesMasterWeights()) ps.master = ckpt::Value(master_[i]);
     f.params.push_back(std::move(ps));
   }
   f.param_groups = ckpt::Value::List();

@@ -67,6 +67,8 @@ class AdamW {
   // exp_avg_sq}}, "param_groups": [...]}, or the ZeRO-1 layout with zero1;
   // `lr` is recorded in the groups.
   ckpt::Value StateDict(double lr) const;
+  // Whether StateDict holds fp32 master weights (ZeRO-1 with master_weights_in_ckpt).
+  bool SavesMasterWeights() const { return c_.zero1 && c_.master_weights_in_ckpt && !master_.empty(); }
   // Reads either layout. Returns true when it held master weights and they
   // were taken; without them the master weights stay as they are (copies of
   // the bfloat16 parameters, as NxD resumes). Throws ckpt::Error naming what

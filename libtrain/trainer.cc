@@ -10,9 +10,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <random>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "ckpt/store/checkpoint_store.h"
+#include "ckpt/store/manifest.h"
+#include "ckpt/store/tag_verify.h"
 #include "ckpt/util/error.h"
 #include "ckpt/util/progress.h"
 #include "ckpt/shard/reshard.h"
@@ -76,6 +79,7 @@ ckpt::ReshardArgs ReshardFor(const std::string& tag, const TrainConfig& c) {
   a.hints = HintsOf(c);
   a.tool = "resume-reshard";
   a.weights_only = c.weight_init_only;
+  a.verify_source = false;  // resume checked every byte of it against its manifest just now (ResolveResume)
   // The run's model family and, for the HF-style one, its attention tensors and KV replication.
   a.out_model_family = c.model.family;
   if (c.model.family == ckpt::ModelFamily::kHfLlama) {
@@ -99,12 +103,10 @@ std::string ReshardAdvice(const ckpt::ReshardArgs& a, const TrainConfig& c) {
          " and resume from it with exp_manager.resume_from_checkpoint=" + a.dst + " (or set exp_manager.resume_reshard: True)";
 }
 
-// Why `tag` cannot be resumed by this run as it is cut ("" when it can): its
+// Why a tag laid out as `L` cannot be resumed by this run as it is cut ("" when it can): its
 // degrees, or its pipeline stages' layers. A tag without optimizer files
 // (weights only) needs only tp and the stages to match.
-std::string LayoutMismatch(ckpt::Env* env, const std::string& tag, const TrainConfig& c) {
-  const auto t = ckpt::ShardedTag::Open(env, tag, HintsOf(c), {.weights_only = c.weight_init_only});
-  const ckpt::TagDescription& L = t->layout();
+std::string MismatchOf(const ckpt::TagDescription& L, const TrainConfig& c) {
   const ckpt::RankGrid &was = L.grid, &run = c.grid;
   // Optimizer files must be cut as this run cuts them: in dp ZeRO-1 shards, or whole (plain, or
   // ZeRO-1 over one rank, whose one shard is the whole state).
@@ -134,6 +136,123 @@ std::string LayoutMismatch(ckpt::Env* env, const std::string& tag, const TrainCo
            " (other pipeline cuts)";
   }
   return "";
+}
+
+// MismatchOf the layout manifest `m` records, when it records all that asks (the grid, one layer
+// range per stage, the model format) and a format this run's config agrees with, so that reading
+// the tag's files (ShardedTag, which checks the config's hints against the manifest) could tell
+// nothing more; else nullopt, and the files are read as before.
+std::optional<std::string> RecordedMismatch(const ckpt::Manifest& m, const TrainConfig& c) {
+  if (!m.layout || !m.model || *m.model != c.model.format(m.grid.tp)) return std::nullopt;
+  const std::optional<std::vector<int64_t>> bounds = ckpt::StageBoundsOf(m.layout->stages);
+  if (!bounds) return std::nullopt;
+  ckpt::TagDescription L;
+  L.grid = m.grid, L.stage_bounds = *bounds, L.format = *m.model;
+  L.has_optimizer = !c.weight_init_only && std::any_of(m.files.begin(), m.files.end(), [](const auto& f) { return f.first.starts_with("optim/"); });
+  return MismatchOf(L, c);
+}
+
+// Why `tag` cannot be resumed by this run as it is cut ("" when it can): from its manifest when
+// that tells (RecordedMismatch), else from its files.
+std::string LayoutMismatch(ckpt::Env* env, const std::string& tag, const TrainConfig& c) {
+  if (env->Exists(tag + "/" + ckpt::kManifestFile)) {
+    std::optional<ckpt::Manifest> m;
+    try {
+      m = ckpt::Manifest::Load(env, tag + "/" + ckpt::kManifestFile);
+    } catch (const ckpt::Error&) {
+      // ShardedTag::Open reports it, as before
+    }
+    if (m)
+      if (std::optional<std::string> why = RecordedMismatch(*m, c)) return *why;
+  }
+  const auto t = ckpt::ShardedTag::Open(env, tag, HintsOf(c), {.weights_only = c.weight_init_only});
+  return MismatchOf(t->layout(), c);
+}
+
+// The rank whose files `rel` (a path in a tag) belongs to: model/ or optim/
+// and a rank file name, or an xser part of one; else nullopt.
+std::optional<ckpt::RankCoord> RankFileCoord(const std::string& rel) {
+  if (!rel.starts_with("model/") && !rel.starts_with("optim/")) return std::nullopt;
+  const std::string name = rel.substr(6);
+  const size_t pt = name.find(".pt");
+  if (pt == std::string::npos) return std::nullopt;
+  try {
+    return ckpt::ParseRankFileName(name.substr(0, pt + 3));
+  } catch (const ckpt::Error&) {
+    return std::nullopt;
+  }
+}
+
+// The listed files of a candidate tag whose contents rank `at` (world rank `rank`) reads for
+// resume's verification. Resumed as it is (`as_is`), each rank checks the rank files it loads
+// (RestoreFromTag's), and rank 0 the tag's own files and any no rank loads; to be resharded, every
+// rank an equal share, each file once, since the reshard reads them all.
+std::vector<std::string> FilesToCheck(const ckpt::Manifest& m, bool as_is, const TrainConfig& c, ckpt::RankCoord at, int rank) {
+  std::vector<std::string> out;
+  size_t i = 0;
+  for (const auto& [rel, digest] : m.files) {
+    const size_t index = i++;
+    if (!as_is) {
+      if (static_cast<int>(index % c.grid.world_size()) == rank) out.push_back(rel);
+      continue;
+    }
+    const std::optional<ckpt::RankCoord> of = RankFileCoord(rel);
+    const bool model = rel.starts_with("model/");
+    const bool loaded = of && of->tp < c.grid.tp && of->pp < c.grid.pp &&
+                        (model ? of->dp == 0 : !c.weight_init_only && of->dp < (c.grid.zero1 ? c.grid.dp : 1));
+    const bool mine = loaded && of->tp == at.tp && of->pp == at.pp && (model || !c.grid.zero1 || of->dp == at.dp);
+    if (mine || (!loaded && rank == 0)) out.push_back(rel);
+  }
+  return out;
+}
+
+// Every rank's problems, on every rank, each once (ranks that load the same file find the same).
+std::vector<ckpt::TagProblem> GatherProblems(Comm& world, const std::vector<ckpt::TagProblem>& mine) {
+  std::set<std::pair<std::string, std::string>> all;
+  for (int r = 0; r < world.size(); ++r) {
+    std::string text;  // each string as its length, a newline and its bytes (a problem may quote any bytes)
+    if (r == world.rank())
+      for (const auto& p : mine)
+        for (const std::string* part : {&p.file, &p.what}) text += std::to_string(part->size()) + "\n" + *part;
+    world.Broadcast(&text, r);
+    for (size_t at = 0; at < text.size();) {
+      std::string parts[2];
+      for (std::string& part : parts) {
+        const size_t nl = text.find('\n', at), n = std::stoul(text.substr(at, nl - at));
+        part = text.substr(nl + 1, n);
+        at = nl + 1 + n;
+      }
+      all.insert({std::move(parts[0]), std::move(parts[1])});
+    }
+  }
+  std::vector<ckpt::TagProblem> out;
+  for (const auto& [file, what] : all) out.push_back({file, what});
+  return out;
+}
+
+// Resume's content check spread over the job (ckpt::ContentCheck): rank 0, choosing the tag,
+// names each candidate whose manifest answers whether it fits (RecordedMismatch) to every rank
+// ("l" as it is loaded, "a" all of it for a reshard, then the tag); each checks its share
+// (FilesToCheck) and all gather the problems. Ranks but 0 run CheckCandidatesForRankZero until
+// rank 0 names none (an empty command).
+std::optional<std::vector<ckpt::TagProblem>> CheckCandidateTogether(ckpt::Env* env, Comm& world, const std::string& tag,
+                                                                    const ckpt::Manifest& m, const TrainConfig& c, ckpt::RankCoord at) {
+  const std::optional<std::string> why = RecordedMismatch(m, c);
+  if (!why) return std::nullopt;
+  std::string command = std::string(why->empty() ? "l" : "a") + "\n" + tag;
+  world.Broadcast(&command, 0);
+  return GatherProblems(world, ckpt::VerifyListedContent(env, tag, m, FilesToCheck(m, why->empty(), c, at, world.rank())));
+}
+
+void CheckCandidatesForRankZero(ckpt::Env* env, Comm& world, const TrainConfig& c, ckpt::RankCoord at) {
+  for (;;) {
+    std::string command;
+    world.Broadcast(&command, 0);
+    if (command.empty()) return;
+    const std::string tag = command.substr(2);
+    const ckpt::Manifest m = ckpt::Manifest::Load(env, tag + "/" + ckpt::kManifestFile);
+    GatherProblems(world, ckpt::VerifyListedContent(env, tag, m, FilesToCheck(m, command[0] == 'l', c, at, world.rank())));
+  }
 }
 
 // The tensors (in CopyForSnapshot's order, which is xser's tid order) that dp
@@ -257,6 +376,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   // Rank 0 chooses the tag and every rank takes its choice. Every byte of the tag is checked
   // against its manifest before it is loaded; a damaged tag is skipped for the next one that
   // verifies, and kept (retention neither counts nor deletes it).
+  // A tag whose manifest records its layout is checked by every rank together: each reads the
+  // files it loads (or, for a reshard, its share), so no rank reads another's files first.
   std::vector<ckpt::DamagedTag> damaged;
   std::string chosen;
   if (rank0) {
@@ -266,9 +387,16 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
                                         .resume_from_checkpoint = c.resume_from_checkpoint,
                                         .verify_checksums = true,
                                         .start_over_damaged = c.resume_past_damaged_checkpoints,
-                                        .weights_only = c.weight_init_only},
+                                        .weights_only = c.weight_init_only,
+                                        .content_check = [&](const std::string& dir, const ckpt::Manifest& m) {
+                                          return CheckCandidateTogether(env, *pc.world, dir, m, c, pc.coord);
+                                        }},
                                        log, &damaged);
     chosen = t.value_or("");
+    std::string no_more;
+    pc.world->Broadcast(&no_more, 0);
+  } else {
+    CheckCandidatesForRankZero(env, *pc.world, c, pc.coord);
   }
   pc.world->Broadcast(&chosen, 0);
   std::optional<std::string> tag = chosen.empty() ? std::nullopt : std::optional(chosen);
@@ -316,7 +444,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     store = std::make_unique<ckpt::CheckpointStore>(
         ckpt::StoreOptions{.dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .env = env, .log = log,
                            .damaged = DamagedNames(damaged), .model = model.config().format(c.grid.tp),
-                           .optimizer_grouping = ckpt::NxdtGroupingRule(c.optim.do_layer_norm_weight_decay)},
+                           .optimizer_grouping = ckpt::NxdtGroupingRule(c.optim.do_layer_norm_weight_decay),
+                           .stages = ckpt::StageMapOf(c.stage_bounds), .master_weights = adamw.SavesMasterWeights()},
         ckpt::MpiLaunch{.rank = pc.world->rank(), .world_size = pc.world->size(), .job_id = job_id});
     // Snapshot buffers, faulted in before the first step: for what this rank copies (save's `add`).
     auto reserve = [&](const ckpt::Value& live, std::optional<ckpt::DType> floats_to, bool replicated) {

@@ -480,6 +480,8 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     ci.grid = to;
     ci.model = to_format;
     if (src->layout().has_optimizer) ci.optimizer_grouping = src->layout().grouping;
+    ci.stages = ckpt::StageMapOf(sum.to_bounds);
+    ci.master_weights = src->layout().has_optimizer && src->layout().master_weights;  // the planner copies them when the source has them
     ci.complete_manifest = [&](const std::vector<ckpt::RankRecord>& records, ckpt::Manifest& m) {
       ckpt::FingerprintCollector all;
       for (size_t r = 0; r < records.size(); ++r)

@@ -131,7 +131,7 @@ void CheckpointStore::Persist(const Snapshot& snap) {
   if (launch_.rank != 0) return;
   CommitTag(env, tag_dir,
             {save_id, snap.tag.step, snap.tag.consumed_samples, snap.grid, launch_.world_size, opts_.rank_timeout, opts_.model,
-             opts_.optimizer_grouping, {}});
+             opts_.optimizer_grouping, {}, opts_.stages, opts_.master_weights});
   {
     std::lock_guard<std::mutex> l(mu_);
     committed_.push_back(tag_dir);

@@ -54,6 +54,9 @@ struct StoreOptions {
   std::vector<std::string> damaged = {};  // tag folder names (not paths) that failed verification
   std::optional<ModelFormat> model = {};   // recorded in every manifest
   std::optional<GroupingRule> optimizer_grouping = {};  // likewise
+  // The parallel layout recorded in every manifest (CommitInfo::stages, master_weights).
+  std::optional<StageMap> stages = {};
+  bool master_weights = false;
 };
 
 inline constexpr const char* kStoreLockFile = ".shardkit.lock";

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <set>
 
 #include "ckpt/util/crc32.h"
 #include "ckpt/util/error.h"
@@ -22,6 +23,43 @@ FileDigest DigestFile(Env* env, const std::string& path) {
   return {m->size(), Crc32Mapped(*m, m->bytes())};
 }
 
+const char* ContainerName(Container c) { return c == Container::kXser ? "xser" : "pt"; }
+
+Container ContainerOfFiles(const std::map<std::string, FileDigest>& files) {
+  for (const auto& [path, digest] : files)
+    if (path.find(".pt.tensors/") != std::string::npos) return Container::kXser;
+  return Container::kPlainPt;
+}
+
+StageMap StageMapOf(const std::vector<int64_t>& bounds) {
+  StageMap m;
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) m.push_back({{bounds[i], bounds[i + 1]}});
+  return m;
+}
+
+std::optional<std::vector<int64_t>> StageBoundsOf(const StageMap& stages) {
+  std::vector<int64_t> b{0};
+  for (const auto& ranges : stages) {
+    if (ranges.size() != 1 || ranges[0].first != b.back()) return std::nullopt;
+    b.push_back(ranges[0].second);
+  }
+  return b;
+}
+
+namespace {
+
+nlohmann::ordered_json LayoutToJson(const RecordedLayout& l) {
+  nlohmann::ordered_json stages = nlohmann::ordered_json::array();
+  for (const auto& ranges : l.stages) {
+    nlohmann::ordered_json r = nlohmann::ordered_json::array();
+    for (const auto& [first, end] : ranges) r.push_back({first, end});
+    stages.push_back(std::move(r));
+  }
+  return {{"stages", stages}, {"master_weights", l.master_weights}, {"container", ContainerName(l.container)}};
+}
+
+}  // namespace
+
 nlohmann::ordered_json Manifest::ToJson() const {
   nlohmann::ordered_json files_json = nlohmann::ordered_json::object();
   for (const auto& [p, d] : files) files_json[p] = {{"size", d.size}, {"crc32", CrcHex(d.crc32)}};
@@ -35,6 +73,7 @@ nlohmann::ordered_json Manifest::ToJson() const {
   if (optimizer_grouping) j["optimizer_grouping"] = GroupingRuleName(*optimizer_grouping);
   j["files"] = files_json;
   if (tensors) j["tensors"] = FingerprintsToJson(*tensors);
+  if (layout) j["layout"] = LayoutToJson(*layout);
   return j;
 }
 
@@ -55,6 +94,36 @@ int64_t BoundedInt(const nlohmann::json& j, const char* key, int64_t lo, int64_t
     throw Error(where + ": malformed manifest: '" + key + "' is " + v.dump() + ", not a whole number from " + std::to_string(lo) +
                 " to " + std::to_string(hi));
   return x;
+}
+
+// The "layout" object of a manifest whose grid has `pp` stages: half-open,
+// non-empty, non-overlapping layer ranges, at least one per pp rank.
+RecordedLayout LayoutFromJson(const nlohmann::json& j, int pp, const std::string& source) {
+  const std::string where = source + ": malformed manifest 'layout'";
+  if (!j.is_object()) throw Error(where + ": not an object");
+  RecordedLayout l;
+  const nlohmann::json& stages = j.at("stages");
+  if (!stages.is_array() || stages.size() != static_cast<size_t>(pp))
+    throw Error(where + ": 'stages' is not a list of " + std::to_string(pp) + " pp ranks' layer ranges");
+  std::set<int64_t> firsts;
+  for (size_t p = 0; p < stages.size(); ++p) {
+    const std::string at = where + ": 'stages' pp rank " + std::to_string(p);
+    if (!stages[p].is_array() || stages[p].empty()) throw Error(at + " is not a non-empty list of [first, end) layer ranges");
+    l.stages.emplace_back();
+    for (const auto& r : stages[p]) {
+      if (!r.is_array() || r.size() != 2) throw Error(at + ": " + r.dump() + " is not a [first, end) layer range");
+      const nlohmann::json pair = {{"first", r[0]}, {"end", r[1]}};
+      const int64_t first = BoundedInt(pair, "first", 0, int64_t{1} << 40, at), end = BoundedInt(pair, "end", 1, int64_t{1} << 40, at);
+      if (first >= end || !firsts.insert(first).second) throw Error(at + ": layer range " + r.dump() + " is empty or repeated");
+      l.stages.back().push_back({first, end});
+    }
+  }
+  if (!j.at("master_weights").is_boolean()) throw Error(where + ": 'master_weights' is " + j.at("master_weights").dump() + ", not true or false");
+  l.master_weights = j.at("master_weights").get<bool>();
+  const nlohmann::json& c = j.at("container");
+  if (c != "pt" && c != "xser") throw Error(where + ": 'container' is " + c.dump() + ", not \"pt\" or \"xser\"");
+  l.container = c == "xser" ? Container::kXser : Container::kPlainPt;
+  return l;
 }
 
 }  // namespace
@@ -122,6 +191,7 @@ Manifest Manifest::FromJson(const nlohmann::json& j, const std::string& source) 
       throw Error(source + ": malformed manifest: its grid tp=" + std::to_string(m.grid.tp) + " pp=" + std::to_string(m.grid.pp) +
                   " needs " + std::to_string(int64_t{m.grid.tp} * m.grid.pp) + " model files, but it lists " +
                   std::to_string(m.files.size()) + " files");
+    if (j.contains("layout")) m.layout = LayoutFromJson(j.at("layout"), m.grid.pp, source);
     return m;
   } catch (const nlohmann::json::exception& e) {
     throw Error(source + ": malformed manifest: " + JsonErrorText(e));

@@ -1,6 +1,7 @@
 // manifest.json: what a committed tag holds. For every file (path relative to
 // the tag) its size and CRC-32, plus the step, consumed samples,
-// rank grid and world size. NxD ignores the file; shardkit uses it to verify
+// rank grid and world size, and the parallel layout beyond the grid (the stage
+// map, master weights, container) so that resume decides from the manifest alone. NxD ignores the file; shardkit uses it to verify
 // a tag and to pick a resume point without trusting modification times.
 // CRC-32 because the writer already has it: the zip format needs every
 // record's CRC, and the whole-file CRC follows from those by combination
@@ -13,6 +14,8 @@
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "ckpt/util/env.h"
 #include "ckpt/spec/tag_paths.h"
@@ -44,6 +47,36 @@ nlohmann::ordered_json FingerprintsToJson(const TensorFingerprints& t);
 // Throws ckpt::Error naming `where`, the tensor and the field when malformed.
 TensorFingerprints FingerprintsFromJson(const nlohmann::json& j, const std::string& where);
 
+// One pp rank's layers: half-open [first, end) ranges of global layer
+// indices, in the order the rank runs them. One range per rank today; with
+// virtual pipeline stages (NxD's virtual_pipeline_size, NNM's chunks) pp rank p
+// holds several (stages p, p+pp, ...).
+using LayerRange = std::pair<int64_t, int64_t>;
+using StageMap = std::vector<std::vector<LayerRange>>;  // by pp rank
+
+// The container of a tag's rank files: plain torch .pt, or NxD's xser (X.pt
+// of references plus X.pt.tensors/). One per tag, as NxD decides it
+// (checkpoint_storage.py is_checkpoint_xser).
+enum class Container { kPlainPt, kXser };
+const char* ContainerName(Container c);  // "pt", "xser"
+// The container the files of a tag are in: xser when any is an xser tensor file.
+Container ContainerOfFiles(const std::map<std::string, FileDigest>& files);
+
+// The parallel layout a tag was written in, beyond Manifest::grid (which holds
+// tp, pp, dp and ZeRO-1).
+struct RecordedLayout {
+  StageMap stages;
+  bool master_weights = false;  // the optimizer files hold fp32 master weights (ZeRO-1 sharded_master_weights)
+  Container container = Container::kPlainPt;
+  bool operator==(const RecordedLayout&) const = default;
+};
+
+// The stage map of StageBounds `bounds` (one range per pp rank).
+StageMap StageMapOf(const std::vector<int64_t>& bounds);
+// The StageBounds of `stages`, or nullopt when a rank holds other than one
+// range or the ranges are not consecutive from layer 0 (virtual stages).
+std::optional<std::vector<int64_t>> StageBoundsOf(const StageMap& stages);
+
 struct Manifest {
   int64_t step = 0;
   double consumed_samples = 0;
@@ -58,6 +91,10 @@ struct Manifest {
   // Every logical tensor's fingerprint, when the writer computed them as it
   // wrote (ckpt-reshard does): ckpt-verify --against compares them.
   std::optional<TensorFingerprints> tensors;
+  // The layout beyond the grid, when the writer recorded it (every shardkit
+  // writer does since #36 step 3; readers of older manifests derive it from
+  // the rank files, as before).
+  std::optional<RecordedLayout> layout;
 
   nlohmann::ordered_json ToJson() const;
   // Throws ckpt::Error naming `source` and the bad field.

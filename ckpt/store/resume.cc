@@ -45,10 +45,32 @@ int64_t OrderingStep(Env* env, const TagEntry& t) {
   return ParseNxdStepTagName(t.dir_name).value_or(-1);
 }
 
+// VerifyTag of a candidate, with its contents read by `content_check` when it
+// takes them (a tag with a readable manifest), else here.
+TagReport CheckCandidate(Env* env, const std::string& tag, bool verify_checksums, const ContentCheck& content_check) {
+  if (!verify_checksums || !content_check || !env->Exists(tag + "/" + kManifestFile)) return VerifyTag(env, tag, {.checksums = verify_checksums});
+  TagReport r = VerifyTag(env, tag, {.checksums = false});
+  if (!r.has_manifest) return VerifyTag(env, tag, {.checksums = true});
+  Manifest m;
+  try {
+    m = Manifest::Load(env, tag + "/" + kManifestFile);
+  } catch (const Error&) {
+    return r;  // VerifyTag stops at a manifest that does not load, checksums or not
+  }
+  std::optional<std::vector<TagProblem>> found = content_check(tag, m);
+  if (!found) return VerifyTag(env, tag, {.checksums = true});
+  r.problems.insert(r.problems.end(), found->begin(), found->end());
+  std::sort(r.problems.begin(), r.problems.end(), [](const TagProblem& a, const TagProblem& b) {
+    return std::tie(a.file, a.what) < std::tie(b.file, b.what);
+  });
+  return r;
+}
+
 }  // namespace
 
 std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& checkpoint_dir, bool verify_checksums,
-                                                const LogFn& log, std::vector<DamagedTag>* damaged, bool weights_only) {
+                                                const LogFn& log, std::vector<DamagedTag>* damaged, bool weights_only,
+                                                const ContentCheck& content_check) {
   if (!env->IsDirectory(checkpoint_dir)) return std::nullopt;
   // Complete tags, newest first by the step each records, not the one its name gives: a name is a
   // label (a rename or copy changes it) and one naming a step past every real one would otherwise
@@ -66,7 +88,7 @@ std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& che
   }
   std::stable_sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (const auto& [step, t] : candidates) {
-    TagReport r = VerifyTag(env, t.path, {.checksums = verify_checksums});
+    TagReport r = CheckCandidate(env, t.path, verify_checksums, content_check);
     if (!r.has_done && t.listed_in_newest)  // NxD 2.16 marked completion with `newest`, not `done`
       std::erase_if(r.problems, [](const TagProblem& p) { return p.file == "done"; });
     if (weights_only) DropOptimizerProblems(r, t.dir_name, log);
@@ -92,7 +114,7 @@ std::optional<std::string> ResolveResume(Env* env, const std::string& checkpoint
     std::string path = opts.resume_from_checkpoint;
     if (!env->IsDirectory(path) && env->IsDirectory(checkpoint_dir + "/" + path)) path = checkpoint_dir + "/" + path;
     if (!env->IsDirectory(path)) throw Error("resume_from_checkpoint: " + opts.resume_from_checkpoint + ": no such checkpoint");
-    TagReport r = VerifyTag(env, path, {.checksums = opts.verify_checksums});
+    TagReport r = CheckCandidate(env, path, opts.verify_checksums, opts.content_check);
     if (opts.weights_only) DropOptimizerProblems(r, path, log);
     if (r.ok())
       if (std::string why = PositionProblem(env, path); !why.empty()) r.problems.push_back({"", std::move(why)});
@@ -101,7 +123,7 @@ std::optional<std::string> ResolveResume(Env* env, const std::string& checkpoint
   }
   if (!opts.resume_if_exists) return std::nullopt;
   std::vector<DamagedTag> found;
-  auto latest = FindLatestCheckpoint(env, checkpoint_dir, opts.verify_checksums, log, &found, opts.weights_only);
+  auto latest = FindLatestCheckpoint(env, checkpoint_dir, opts.verify_checksums, log, &found, opts.weights_only, opts.content_check);
   if (damaged) damaged->insert(damaged->end(), found.begin(), found.end());
   if (latest) {
     if (log) log("resume: from " + *latest);

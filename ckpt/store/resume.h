@@ -20,6 +20,8 @@
 #include "ckpt/util/error.h"
 
 #include "ckpt/util/env.h"
+#include "ckpt/store/manifest.h"
+#include "ckpt/store/tag_verify.h"
 
 namespace ckpt {
 
@@ -38,8 +40,17 @@ class DamagedCheckpoints : public Error {
 
 // The newest tag under `checkpoint_dir` that verifies, or nullopt. Complete
 // tags that fail verification on the way are appended to `damaged`.
+// Reads the contents of a candidate tag's files on the caller's behalf: a job
+// whose ranks each check the files they load (the trainer). Called for a tag
+// with a readable manifest `m`, once the files' presence and sizes were
+// checked (VerifyTag without checksums); returns what VerifyListedContent
+// finds over every file `m` lists, or nullopt to have every byte checked here
+// instead (VerifyTag with checksums). Either way the tag's report is the same.
+using ContentCheck = std::function<std::optional<std::vector<TagProblem>>(const std::string& tag, const Manifest& m)>;
+
 std::optional<std::string> FindLatestCheckpoint(Env* env, const std::string& checkpoint_dir, bool verify_checksums,
-                                                const LogFn& log, std::vector<DamagedTag>* damaged = nullptr, bool weights_only = false);
+                                                const LogFn& log, std::vector<DamagedTag>* damaged = nullptr, bool weights_only = false,
+                                                const ContentCheck& content_check = nullptr);
 
 struct ResumeOptions {
   bool resume_if_exists = false;
@@ -54,6 +65,8 @@ struct ResumeOptions {
   // Only the model is read (NxDT's model.weight_init_only): problems of
   // optim/ files do not make a tag damaged.
   bool weights_only = false;
+  // With verify_checksums: who reads the files' contents (ContentCheck); unset, this process.
+  ContentCheck content_check = nullptr;
 };
 
 // The tag to resume from, or nullopt to start fresh. Throws ckpt::Error when

@@ -6,6 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <fstream>
+
 #include <cmath>
 #include <limits>
 
@@ -122,6 +125,48 @@ TEST(FindLatestCheckpoint, SkipsATagRecordingAnAbsurdPositionSayingWhichValue) {
     EXPECT_NE(ErrorOf([&] { ResolveResume(Env::Default(), d.path(), {.resume_from_checkpoint = bad}, nullptr); }).find(why),
               std::string::npos);
   }
+}
+
+// With a ContentCheck the contents of a candidate with a manifest are read by
+// the check, not here: what it finds decides as VerifyTag's own reading would,
+// and nullopt has every byte read here as before.
+TEST(FindLatestCheckpoint, AContentCheckReadsTheFilesInsteadAndDecidesTheSame) {
+  TempDir d("resume");
+  const std::string good = SaveTagRecording(d.path(), 5, Recorded(5, Value(40.0)));
+  const std::string bad = SaveTagRecording(d.path(), 9, Recorded(9, Value(72.0)));
+  const std::string victim = "model/" + RankFileName({0, 0, 0});
+  {
+    std::fstream f(bad + "/" + victim, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(200);
+    const char c = static_cast<char>(f.get() ^ 0x40);
+    f.seekp(200);
+    f.put(c);
+  }
+  std::vector<DamagedTag> read_here;
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, nullptr, &read_here), good);
+  ASSERT_EQ(read_here.size(), 1u);
+  EXPECT_NE(read_here[0].problem.find(victim + ": checksum"), std::string::npos) << read_here[0].problem;
+  // Read by the check: the same choice, the same problem.
+  std::vector<std::string> asked;
+  const ContentCheck read_apart = [&](const std::string& tag, const Manifest& m) -> std::optional<std::vector<TagProblem>> {
+    asked.push_back(tag);
+    std::vector<std::string> listed;
+    for (const auto& [rel, digest] : m.files) listed.push_back(rel);
+    return VerifyListedContent(Env::Default(), tag, m, listed);
+  };
+  std::vector<DamagedTag> read_apart_damaged;
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, nullptr, &read_apart_damaged, false, read_apart), good);
+  EXPECT_EQ(asked, std::vector<std::string>({bad, good}));
+  ASSERT_EQ(read_apart_damaged.size(), 1u);
+  EXPECT_EQ(read_apart_damaged[0].problem, read_here[0].problem);
+  // A check that finds nothing is trusted (this process read no contents), and nullopt reads them here.
+  const ContentCheck finds_nothing = [](const std::string&, const Manifest&) { return std::optional<std::vector<TagProblem>>(std::vector<TagProblem>{}); };
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, nullptr, nullptr, false, finds_nothing), bad);
+  const ContentCheck declines = [](const std::string&, const Manifest&) { return std::optional<std::vector<TagProblem>>(); };
+  EXPECT_EQ(FindLatestCheckpoint(Env::Default(), d.path(), true, nullptr, nullptr, false, declines), good);
+  EXPECT_EQ(ResolveResume(Env::Default(), d.path(), {.resume_from_checkpoint = bad, .verify_checksums = true, .content_check = finds_nothing},
+                          nullptr),
+            bad);
 }
 
 }  // namespace

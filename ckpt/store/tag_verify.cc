@@ -95,6 +95,16 @@ std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string&
   return "";
 }
 
+// The problem of a listed file whose size matches the manifest: its CRC-32
+// differs, or it does not load; or "".
+std::string ContentProblem(Env* env, const std::string& tag_dir, const std::string& rel, const FileDigest& want, int zero1_dp) {
+  const FileDigest got = DigestFile(env, tag_dir + "/" + rel);
+  if (got.crc32 != want.crc32) return "checksum " + CrcHex(got.crc32) + " differs from the manifest's " + CrcHex(want.crc32);
+  // Bytes that match a manifest rewritten to match them (a truncated file
+  // and its recomputed record) must still load.
+  return IsDirectlyLoaded(rel) ? LoadProblem(env, tag_dir, rel, false, zero1_dp) : "";
+}
+
 // Where training stands, as `rel` (user_content.pt, scheduler.pt) records it: a step, sample count
 // or LR a resumed run could not continue from (UserContent/SchedulerState::FromValue: negative,
 // non-finite, fractional or absurd) is a problem, or "". NxD's free-form user content (no
@@ -177,14 +187,8 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
           if (size != want.size) {
             what = "size " + std::to_string(size) + " differs from the manifest's " + std::to_string(want.size);
           } else if (opts.checksums) {
-            const FileDigest got = DigestFile(env, path);
-            bytes = got.size;
-            if (got.crc32 != want.crc32)
-              what = "checksum " + CrcHex(got.crc32) + " differs from the manifest's " + CrcHex(want.crc32);
-            // Bytes that match a manifest rewritten to match them (a truncated file
-            // and its recomputed record) must still load.
-            else if (IsDirectlyLoaded(rel))
-              what = LoadProblem(env, tag_dir, rel, false, zero1_dp);
+            what = ContentProblem(env, tag_dir, rel, want, zero1_dp);
+            bytes = size;
           }
         } catch (const Error& e) {
           what = e.what();
@@ -273,6 +277,31 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
     return std::tie(a.file, a.what) < std::tie(b.file, b.what);
   });
   return r;
+}
+
+std::vector<TagProblem> VerifyListedContent(Env* env, const std::string& tag_dir, const Manifest& m, const std::vector<std::string>& files) {
+  std::vector<TagProblem> problems;
+  std::mutex mu;
+  tbb::parallel_for(size_t{0}, files.size(), [&](size_t i) {
+    const std::string& rel = files[i];
+    const std::string path = tag_dir + "/" + rel;
+    const auto want = m.files.find(rel);
+    std::error_code ec;
+    // What VerifyTag without checksums reports (unlisted, missing, outside, not regular, wrong size) is not read.
+    if (want == m.files.end() || IsTempPath(rel) || !env->Exists(path) || !ResolvesInside(tag_dir, path) ||
+        !std::filesystem::is_regular_file(path, ec))
+      return;
+    std::string what;
+    try {
+      if (env->FileSize(path) != want->second.size) return;
+      what = ContentProblem(env, tag_dir, rel, want->second, m.grid.dp);
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    if (!what.empty()) problems.push_back({rel, what});
+  });
+  return problems;
 }
 
 void DropOptimizerProblems(TagReport& r, const std::function<void(const TagProblem&)>& told) {

@@ -15,6 +15,7 @@
 
 #include "ckpt/util/env.h"
 #include "ckpt/spec/tag_paths.h"
+#include "ckpt/store/manifest.h"
 
 namespace ckpt {
 
@@ -44,6 +45,16 @@ struct VerifyOptions {
 };
 
 TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& opts = {});
+
+// The part of VerifyTag with checksums that reads file contents, for the files
+// `files` of a tag whose manifest is `m`: each one's CRC-32 against the
+// manifest, and that each directly loaded .pt loads (ZeRO-1 shards against
+// m.grid.dp). Files VerifyTag without checksums already finds wanting (not
+// listed, missing, outside the tag, of another size) are skipped, not read.
+// So VerifyTag without checksums plus this over every listed file finds what
+// VerifyTag with checksums finds, and the work can be spread over the ranks
+// that load the files (a resume's).
+std::vector<TagProblem> VerifyListedContent(Env* env, const std::string& tag_dir, const Manifest& m, const std::vector<std::string>& files);
 
 // For a reader of the model alone (--weights_only, model.weight_init_only): removes
 // the problems of optim/ files, which it does not open, handing each to `told`.

@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <fstream>
+
 #include <filesystem>
 
 #include "ckpt/store/checkpoint_store.h"
@@ -47,6 +50,47 @@ TEST(TagVerify, AFolderLinkedOutOfTheTagIsReportedAndNeverListed) {
   const std::string tensors = "model/dp_rank_00_tp_rank_00_pp_rank_00.tensors";
   EXPECT_NE(ProblemsOf(r, tensors).find("outside the tag"), std::string::npos) << ProblemsOf(r, tensors);
   for (const auto& read : env2.reads()) EXPECT_EQ(read.find(away), std::string::npos) << read << " was read";
+}
+
+// Reading the contents apart (each rank of a resume its files): VerifyTag
+// without checksums plus VerifyListedContent over every listed file reports
+// what VerifyTag with checksums reports, each problem once.
+TEST(TagVerify, ContentCheckedApartAddsUpToTheWholeCheck) {
+  TempDir d("verify");
+  CheckpointStore({.dir = d / "ckpts"}).Save(MakeSnapshot("m", 5, {2, 1, 2, true}, 4000, 1));
+  const std::string tag = d / ("ckpts/" + FormatTagName({"m", 5, 40.0, false}));
+  const std::string flipped = "model/dp_rank_00_tp_rank_01_pp_rank_00.pt", cut = "optim/dp_rank_01_tp_rank_00_pp_rank_00.pt";
+  {
+    std::fstream f(tag + "/" + flipped, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(2000);
+    const char c = static_cast<char>(f.get() ^ 0x40);
+    f.seekp(2000);
+    f.put(c);
+  }
+  fs::resize_file(tag + "/" + cut, fs::file_size(tag + "/" + cut) - 10);
+  fs::remove(tag + "/" + kSchedulerFile);
+  const Manifest m = Manifest::Load(Env::Default(), tag + "/" + kManifestFile);
+  std::vector<std::string> listed;
+  for (const auto& [rel, digest] : m.files) listed.push_back(rel);
+  // The file read apart: only the flipped byte is found; the cut and missing files are left to the structure check.
+  const std::vector<TagProblem> content = VerifyListedContent(Env::Default(), tag, m, listed);
+  ASSERT_EQ(content.size(), 1u);
+  EXPECT_EQ(content[0].file, flipped);
+  EXPECT_NE(content[0].what.find("checksum"), std::string::npos) << content[0].what;
+  TagReport apart = VerifyTag(Env::Default(), tag, {.checksums = false});
+  apart.problems.insert(apart.problems.end(), content.begin(), content.end());
+  std::sort(apart.problems.begin(), apart.problems.end(), [](const TagProblem& a, const TagProblem& b) {
+    return std::tie(a.file, a.what) < std::tie(b.file, b.what);
+  });
+  const TagReport whole = VerifyTag(Env::Default(), tag, {.checksums = true});
+  ASSERT_EQ(whole.problems.size(), 3u);
+  ASSERT_EQ(apart.problems.size(), whole.problems.size());
+  for (size_t i = 0; i < whole.problems.size(); ++i) {
+    EXPECT_EQ(apart.problems[i].file, whole.problems[i].file);
+    EXPECT_EQ(apart.problems[i].what, whole.problems[i].what);
+  }
+  // A subset reads only its files.
+  EXPECT_TRUE(VerifyListedContent(Env::Default(), tag, m, {"model/dp_rank_00_tp_rank_00_pp_rank_00.pt"}).empty());
 }
 
 }  // namespace

@@ -390,6 +390,7 @@ void CommitRecords(Env* env, const std::string& tag_dir, const CommitInfo& info,
       if (m.files.count(p)) throw Error(RankRecordPath(tag_dir, static_cast<int>(r)) + ": file '" + p + "' was also written by another rank");
       m.files[p] = d;
     }
+  if (info.stages) m.layout = RecordedLayout{*info.stages, info.master_weights, ContainerOfFiles(m.files)};
   if (info.complete_manifest) info.complete_manifest(records, m);
   m.Save(env, tag_dir + "/" + kManifestFile);
   WriteMarker(env, tag_dir + "/" + kDoneMarker);

@@ -100,6 +100,11 @@ struct CommitInfo {
   // Called with every rank's record before the manifest is written, to add
   // what the records' `extra` carries; throwing leaves the tag without `done`.
   std::function<void(const std::vector<RankRecord>&, Manifest&)> complete_manifest;
+  // The stage map and master weights of what was written: with `stages`, the
+  // manifest records the parallel layout (Manifest::layout; the container
+  // follows from the files written).
+  std::optional<StageMap> stages;
+  bool master_weights = false;
 };
 
 // Merges every rank's record (in rank order) into manifest.json, then writes `done`.
