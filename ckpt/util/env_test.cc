@@ -13,7 +13,7 @@
 namespace ckpt {
 namespace {
 
-std::string TempDir() {
+std::string EnvTestDir() {
   auto d = std::filesystem::temp_directory_path() / ("env_test_" + std::to_string(::getpid()));
   std::filesystem::create_directories(d);
   return d.string();
@@ -25,7 +25,7 @@ std::string ReadAll(const std::string& p) {
 }
 
 TEST(Env, AtomicWriteReplacesWholeFile) {
-  const std::string dir = TempDir(), path = dir + "/f.bin";
+  const std::string dir = EnvTestDir(), path = dir + "/f.bin";
   auto* env = Env::Default();
   WriteFileAtomically(env, path, [](WritableFile& f) { f.Append({reinterpret_cast<const uint8_t*>("old"), 3}); });
   WriteFileAtomically(env, path, [](WritableFile& f) {
@@ -39,7 +39,7 @@ TEST(Env, AtomicWriteReplacesWholeFile) {
 }
 
 TEST(Env, AppendableFileKeepsWhatTheFileHeld) {
-  const std::string dir = TempDir(), path = dir + "/metrics.jsonl";
+  const std::string dir = EnvTestDir(), path = dir + "/metrics.jsonl";
   auto* env = Env::Default();
   for (const std::string line : {"{\"step\": 1}\n", "{\"step\": 2}\n"}) {
     auto f = env->NewAppendableFile(path);
@@ -53,7 +53,7 @@ TEST(Env, AppendableFileKeepsWhatTheFileHeld) {
 }
 
 TEST(Env, FailedAtomicWriteKeepsOldFileAndRemovesTemp) {
-  const std::string dir = TempDir(), path = dir + "/f.bin";
+  const std::string dir = EnvTestDir(), path = dir + "/f.bin";
   auto* env = Env::Default();
   WriteFileAtomically(env, path, [](WritableFile& f) { f.Append({reinterpret_cast<const uint8_t*>("old"), 3}); });
   EXPECT_THROW(WriteFileAtomically(env, path,
@@ -90,7 +90,7 @@ TEST(Env, WriteToFullDiskReportsEnospc) {
 }
 
 TEST(Env, AnExclusiveLockTurnsAwayASecondTakerAndHoldsWhatItWrote) {
-  const std::string dir = TempDir(), path = dir + "/out.writer-lock";
+  const std::string dir = EnvTestDir(), path = dir + "/out.writer-lock";
   auto* env = Env::Default();
   auto first = env->LockFile(path, /*exclusive=*/true, /*wait=*/false);
   ASSERT_TRUE(first);
@@ -108,7 +108,7 @@ TEST(Env, AnExclusiveLockTurnsAwayASecondTakerAndHoldsWhatItWrote) {
 // the removed file must not count that as holding the lock, or a third
 // taker, creating the file anew, would hold it at the same time.
 TEST(Env, ALockOnAFileRemovedWhileWaitingIsTakenAnew) {
-  const std::string dir = TempDir(), path = dir + "/out.writer-lock";
+  const std::string dir = EnvTestDir(), path = dir + "/out.writer-lock";
   auto* env = Env::Default();
   auto first = env->LockFile(path, true, false);
   ASSERT_TRUE(first);
