@@ -77,7 +77,7 @@ LoopResult Loop(int mode, const ckpt::Value& state, int steps, int save_every, i
         const auto b0 = Clock::now();
         ckpt::Snapshot s;
         s.tag = {"bench", step, static_cast<double>(step), false};
-        s.files = {{"model/" + ckpt::RankFileName({0, 0, 0}), ckpt::CopyForSnapshot(state, pool.get()), {}}};
+        s.files = {{ckpt::RankFilePath(ckpt::RankFileKind::kModel, {}), ckpt::CopyForSnapshot(state, pool.get()), {}}};
         store->Save(std::move(s));
         const double b = Seconds(Clock::now() - b0);
         if (saves == 0) r.first_block = b;

@@ -215,7 +215,7 @@ void PlanOptimizerFiles(ConvertPlan& plan, const std::vector<RankOptimizer>& ran
     const RankOptimizer& r = ranks[i];
     const int t = r.unit % src.grid.tp, p = r.unit / src.grid.tp;
     for (size_t d = 0; d < r.sources.size(); ++d)
-      AddFile(plan, "optim/" + ckpt::RankFileName({static_cast<int>(d), t, p}),
+      AddFile(plan, ckpt::RankFilePath(ckpt::RankFileKind::kOptim, {static_cast<int>(d), t, p}),
               RegroupOptimizerState(r.sources[d], r.from, target.by_rank[i]), false, opts.save_xser, r.sources[d].path, r.unit);
   }
 }
@@ -343,9 +343,9 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
   bool unmerged_swiglu = false;
   std::vector<RankOptimizer> ranks;
   std::vector<std::string> without_optimizer;
-  for (int p = 0; p < pp; ++p)
-    for (int t = 0; t < tp; ++t) {
-      const int unit = p * tp + t;
+  // The source's model files, one per (tp, pp) place, as the target's.
+  src.grid.ForEachRankFile(ckpt::RankFileKind::kModel, [&](const ckpt::RankCoord& rank) {
+      const int t = rank.tp, p = rank.pp, unit = p * tp + t;
       const RankInput& in = inputs[unit];
       Value model = Value::NewDict(/*ordered=*/true);
       std::vector<ckpt::ParamInfo> params;
@@ -387,9 +387,8 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
             plan.renames[p].push_back({"model." + ckpt::ParamName(ckpt::ModelFormat{}, ckpt::Module::kEmbedding),
                                        std::string(ckpt::kTiedOutputCopy) + " (GPT's tied output layer, as NxDT's state_dict names it too)"});
         }
-      const ckpt::RankCoord rank{0, t, p};
-      AddFile(plan, "model/" + ckpt::RankFileName(rank), model, true, opts.save_xser, in.path, unit);
-      if (opts.weights_only) continue;
+      AddFile(plan, ckpt::RankFilePath(ckpt::RankFileKind::kModel, rank), model, true, opts.save_xser, in.path, unit);
+      if (opts.weights_only) return;
 
       RankOptimizer ro{unit, params, {}, {}, same_stage_copy};
       if (src.zero1_dp() > 0) {
@@ -404,7 +403,7 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
             throw Error(in.path + ": hyper_parameters.cfg.wrap_with_zero is True, but no ZeRO-1 optimizer folder (" +
                         "optim/dp_rank_000/) was found beside it: the optimizer state is missing");
           without_optimizer.push_back(in.path);
-          continue;
+          return;
         }
         ro.sources.push_back(std::move(so));
       }
@@ -419,7 +418,7 @@ ConvertPlan PlanConversion(const NnmSource& src, const std::vector<RankInput>& i
         ro.from = std::move(g);
       }
       ranks.push_back(std::move(ro));
-    }
+    });
   if (!without_optimizer.empty() && !ranks.empty())
     throw Error(without_optimizer[0] + ": holds no optimizer state, but " + ranks[0].sources[0].path +
                 " does: the rank files are from different kinds of save");

@@ -203,9 +203,9 @@ ParallelComms MakeParallelComms(const ckpt::RankGrid& grid, const std::string& w
   pc.grid = grid;
   pc.coord = grid.CoordOf(world.rank());
   pc.world = &world;
-  pc.tp = world.Group(grid.TpGroup(world.rank()));
-  pc.dp = world.Group(grid.DpGroup(world.rank()));
-  pc.pp = world.Group(grid.PpGroup(world.rank()));
+  pc.tp = world.Group(grid.Group(world.rank(), {ckpt::Axis::kTp}));
+  pc.dp = world.Group(grid.Group(world.rank(), {ckpt::Axis::kDp}));
+  pc.pp = world.Group(grid.Group(world.rank(), {ckpt::Axis::kPp}));
   return pc;
 }
 

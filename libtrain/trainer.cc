@@ -43,13 +43,6 @@ std::vector<std::string> DamagedNames(const std::vector<ckpt::DamagedTag>& damag
   return names;
 }
 
-// The optimizer file this rank reads and writes: its own dp rank's under
-// ZeRO-1, else dp rank 0's (which holds the whole state).
-std::string OptimFile(const ckpt::RankGrid& grid, ckpt::RankCoord at) {
-  if (!grid.zero1) at.dp = 0;
-  return "optim/" + ckpt::RankFileName(at);
-}
-
 // Where a tag cut for another layout goes when resharded for this run: a
 // folder beside the checkpoint directory named for the run's degrees (never
 // the checkpoint directory itself, which holds the source).
@@ -291,8 +284,8 @@ ResumePoint RestoreFromTag(ckpt::Env* env, const std::string& tag, const TrainCo
                            AdamW& adamw, const std::function<void(const std::string&)>& log) {
   ResumePoint at;
   try {
-    const std::string model_file = "model/" + ckpt::RankFileName({0, coord.tp, coord.pp});
-    const std::string optim_file = OptimFile(c.grid, coord);
+    const std::string model_file = c.grid.FileOf(ckpt::RankFileKind::kModel, coord);
+    const std::string optim_file = c.grid.FileOf(ckpt::RankFileKind::kOptim, coord);
     // Each file as it is, plain .pt or xser, like NxD's load_checkpoint.
     model.LoadStateDict(ckpt::LoadTagFile(env, tag, model_file));
     adamw.ResetMasterWeights(model);
@@ -351,7 +344,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   // A replicated KV group (fewer groups than tp ranks) is summed over the ranks sharing it.
   std::unique_ptr<Comm> kv_comm;
   if (const std::vector<int> holders = KvHolders(c.model, c.grid.tp, pc.coord.tp); !holders.empty()) {
-    const std::vector<int> tp_group = c.grid.TpGroup(pc.world->rank());
+    const std::vector<int> tp_group = c.grid.Group(pc.world->rank(), {ckpt::Axis::kTp});
     std::vector<int> ranks;
     for (int t : holders) ranks.push_back(tp_group[t]);
     kv_comm = pc.world->Group(ranks);
@@ -494,8 +487,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
       if (!c.save_xser) snap.files.push_back(std::move(f));
       else for (auto& part : ckpt::XserFiles(f)) snap.files.push_back(std::move(part));
     };
-    add("model/" + ckpt::RankFileName({0, pc.coord.tp, pc.coord.pp}), model.CheckpointDict(), model.checkpoint_dtype(), true, true);
-    add(OptimFile(c.grid, pc.coord), adamw.StateDict(lr), std::nullopt, false, !c.grid.zero1);
+    add(c.grid.FileOf(ckpt::RankFileKind::kModel, pc.coord), model.CheckpointDict(), model.checkpoint_dtype(), true, true);
+    add(c.grid.FileOf(ckpt::RankFileKind::kOptim, pc.coord), adamw.StateDict(lr), std::nullopt, false, !c.grid.zero1);
     if (rank0) {
       snap.files.push_back({ckpt::kSchedulerFile, sched.ToValue(), {}});
       snap.files.push_back({ckpt::kUserContentFile, user.ToValue(), {}});

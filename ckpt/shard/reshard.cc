@@ -129,14 +129,14 @@ class Planner {
   std::vector<PlannedFile> Plan() {
     std::vector<PlannedFile> out;
     int unit = 0;
-    for (int p = 0; p < to_.pp; ++p) {
-      const auto stage = ckpt::StageParameters(rules_, bounds_, p);
-      for (int t = 0; t < to_.tp; ++t) {
-        out.push_back(ModelFile(stage, t, p, unit++));
-        if (!src_.layout().has_optimizer) continue;
-        for (int d = 0; d < (to_.zero1 ? to_.dp : 1); ++d) out.push_back(OptimFile(stage, t, p, d, unit++));
-      }
-    }
+    std::vector<ckpt::StageParam> stage;
+    // Each model file, then the optim files of its place; the files walk stage by stage.
+    to_.ForEachRankFile(ckpt::RankFileKind::kModel, [&](const ckpt::RankCoord& at) {
+      if (at.tp == 0) stage = ckpt::StageParameters(rules_, bounds_, at.pp);
+      out.push_back(ModelFile(stage, at.tp, at.pp, unit++));
+      if (!src_.layout().has_optimizer) return;
+      to_.ForEachRankFile(ckpt::RankFileKind::kOptim, at, [&](const ckpt::RankCoord& o) { out.push_back(OptimFile(stage, o.tp, o.pp, o.dp, unit++)); });
+    });
     return out;
   }
 
@@ -180,7 +180,7 @@ class Planner {
       d.Set(sp.name, SliceTensor(s, src_.dtype(sp.rule->name, StateField::kParam)));
       AddBuffersAfter(sp.name, d, p);
     }
-    pf.file = {"model/" + ckpt::RankFileName({0, t, p}), model, {.weights_only = true, .stream_chunk = chunk_, .stream_buffers = chunks_}};
+    pf.file = {ckpt::RankFilePath(ckpt::RankFileKind::kModel, {0, t, p}), model, {.weights_only = true, .stream_chunk = chunk_, .stream_buffers = chunks_}};
     pf.unit = unit;
     return pf;
   }
@@ -222,7 +222,7 @@ class Planner {
       if (src_.layout().master_weights) ps.master = tensor(StateField::kMaster);
       of.params.push_back(std::move(ps));
     }
-    pf.file = {"optim/" + ckpt::RankFileName({d, t, p}), of.ToValue(), {.weights_only = false, .stream_chunk = chunk_, .stream_buffers = chunks_}};
+    pf.file = {ckpt::RankFilePath(ckpt::RankFileKind::kOptim, {d, t, p}), of.ToValue(), {.weights_only = false, .stream_chunk = chunk_, .stream_buffers = chunks_}};
     pf.unit = unit;
     return pf;
   }

@@ -77,20 +77,6 @@ std::vector<HfTensorSpec> HfLlamaTensors(const ModelFormat& f, DType dt) {
   return out;
 }
 
-// Head blocks of `hd` rows, local order, as runs (adjacent ones merged).
-// Runs of different regions ([Q; K; V]) are never merged, so a replicated K
-// or V head is always a run of its own, as its other holders have it.
-void AddHeadRuns(std::vector<Run>& runs, int64_t& local, int64_t base, const std::vector<int64_t>& heads, int64_t hd) {
-  const size_t first = runs.size();
-  for (int64_t h : heads) {
-    if (runs.size() > first && runs.back().local + runs.back().count == local && runs.back().logical + runs.back().count == base + h * hd)
-      runs.back().count += hd;
-    else
-      runs.push_back({local, base + h * hd, hd});
-    local += hd;
-  }
-}
-
 std::string L(int64_t layer, const std::string& rest) { return "language_model.encoder.layers." + std::to_string(layer) + "." + rest; }
 
 std::vector<HfTensorSpec> LlamaTensors(const ckpt::ModelFormat& f, DType dt) {
@@ -331,6 +317,7 @@ std::vector<ParamRule> HfLlamaParameters(const ModelFormat& f, int tp) {
   StagePlace place = StagePlace::kFirst;
   auto add = [&](std::string name, std::vector<int64_t> shape, SplitDim split, FusedRows fused = FusedRows::kPlain) {
     ParamRule r{std::move(name), std::move(shape), split, fused};
+    r.spec = TensorParallelSpec(r.shape, split, fused, f);
     r.layer = layer, r.place = place;
     p.push_back(std::move(r));
   };
@@ -399,41 +386,11 @@ std::string MegatronKvReplicationNote(const ModelFormat& f, int tp) {
 bool BackendMatters(const ModelFormat& f, int tp) { return f.kv_size_multiplier > 1 && f.kv_size_multiplier < tp; }
 
 std::vector<int64_t> KvHeadsOfRank(const ModelFormat& f, int tp, int rank) {
-  const int64_t m = f.kv_size_multiplier, kv = f.kv_heads, n = kv * m / tp;
-  std::vector<int64_t> heads;
-  if (m == 1) {
-    for (int64_t i = 0; i < n; ++i) heads.push_back(rank * n + i);
-  } else {
-    heads.push_back(f.hw_backend == HwBackend::kTrn2 ? rank / m : rank % kv);
-  }
-  return heads;
+  return KvHeadsOf(KvReplicationOf(f), tp, rank);
 }
 
 std::vector<int64_t> QueryHeadsOfRank(const ModelFormat& f, int tp, int rank) {
-  const int64_t m = f.kv_size_multiplier, kv = f.kv_heads, qn = f.heads / tp;
-  const int64_t block = m > 1 && f.hw_backend != HwBackend::kTrn2 ? rank % kv * m + rank / kv : rank;
-  std::vector<int64_t> heads;
-  for (int64_t i = 0; i < qn; ++i) heads.push_back(block * qn + i);
-  return heads;
-}
-
-std::vector<Run> HeadRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank) {
-  const int64_t hd = f.head_dim();
-  std::vector<Run> runs;
-  int64_t local = 0;
-  switch (p.fused) {
-    case FusedRows::kQueryHeads: AddHeadRuns(runs, local, 0, QueryHeadsOfRank(f, tp, rank), hd); break;
-    case FusedRows::kKvHeads: AddHeadRuns(runs, local, 0, KvHeadsOfRank(f, tp, rank), hd); break;
-    case FusedRows::kQkvHeads: {
-      const auto kv = KvHeadsOfRank(f, tp, rank);
-      AddHeadRuns(runs, local, 0, QueryHeadsOfRank(f, tp, rank), hd);
-      AddHeadRuns(runs, local, f.heads * hd, kv, hd);
-      AddHeadRuns(runs, local, (f.heads + f.kv_heads) * hd, kv, hd);
-      break;
-    }
-    default: throw Error("HeadRuns: " + p.name + " is not laid out by heads");
-  }
-  return runs;
+  return QueryHeadsOf(KvReplicationOf(f), f.heads, tp, rank);
 }
 
 ModelFormat LayoutFree(const ModelFormat& f) {

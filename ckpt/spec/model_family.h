@@ -114,11 +114,10 @@ std::string KvReplicationProblem(const ModelFormat& f, int tp);
 std::string MegatronKvReplicationNote(const ModelFormat& f, int tp);
 // Whether the backend changes which tp ranks hold which KV heads at tp (1 < m < tp).
 bool BackendMatters(const ModelFormat& f, int tp);
-// The KV heads and query heads tp rank `rank` holds, in local order.
+// The KV heads and query heads tp rank `rank` holds, in local order (the
+// head split of the family's spec: KvHeadsOf, QueryHeadsOf in ckpt/spec/shard_spec.h).
 std::vector<int64_t> KvHeadsOfRank(const ModelFormat& f, int tp, int rank);
 std::vector<int64_t> QueryHeadsOfRank(const ModelFormat& f, int tp, int rank);
-// The runs (ckpt/spec/partition.h) of a kQueryHeads, kKvHeads or kQkvHeads rule.
-std::vector<Run> HeadRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank);
 
 // What the data of an HF-style tag says about its KV replication: the tp
 // ranks holding equal KV rows (`same(a, b)`) form NxD's KV groups; their size

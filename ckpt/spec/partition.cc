@@ -177,6 +177,7 @@ std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
   int layer = -1;
   auto add = [&](std::string name, std::vector<int64_t> shape, SplitDim split, FusedRows fused = FusedRows::kPlain) {
     ParamRule r{std::move(name), std::move(shape), split, fused};
+    r.spec = TensorParallelSpec(r.shape, split, fused, f);
     r.layer = layer;
     p.push_back(std::move(r));
   };
@@ -226,20 +227,40 @@ std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
   return p;
 }
 
-std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank) {
-  if (p.split == SplitDim::kReplicated) return {{0, 0, p.shape.at(0)}};
-  if (p.fused == FusedRows::kQueryHeads || p.fused == FusedRows::kKvHeads || p.fused == FusedRows::kQkvHeads) return HeadRuns(p, f, tp, rank);
-  const int64_t extent = p.shape.at(p.split == SplitDim::kRows ? 0 : 1);
-  if (p.fused == FusedRows::kGateUp) {
-    const int64_t half = extent / 2 / tp;
-    return {{0, rank * half, half}, {half, extent / 2 + rank * half, half}};
+HeadSplit KvReplicationOf(const ModelFormat& f) {
+  HeadSplit h;
+  h.kv_heads = f.kv_heads, h.kv_multiplier = f.kv_size_multiplier;
+  h.order = f.hw_backend == HwBackend::kTrn2 ? KvOrder::kConsecutive : KvOrder::kInterleaved;
+  return h;
+}
+
+ShardSpec TensorParallelSpec(const std::vector<int64_t>& shape, SplitDim split, FusedRows fused, const ModelFormat& f) {
+  if (split == SplitDim::kReplicated) return ShardSpec::Whole(shape, {Axis::kTp, Axis::kDp});
+  const int dim = split == SplitDim::kRows ? 0 : 1;
+  const int64_t hd = f.head_dim();
+  DimSplit cut;
+  HeadSplit& heads = cut.heads;
+  heads = KvReplicationOf(f);
+  switch (fused) {
+    case FusedRows::kPlain:
+    case FusedRows::kPerHeadQkv: break;  // whole heads, tp divides them: contiguous
+    case FusedRows::kGateUp: cut.kind = SplitKind::kStrided, cut.parts = 2; break;
+    case FusedRows::kPerGroupKv:  // shardkit's rule: groups replicated over consecutive ranks (KvReplicasOf)
+      cut.kind = SplitKind::kHeads;
+      heads = {{{f.kv_heads, shape.at(dim) / f.kv_heads, true}}, f.kv_heads, 0, KvOrder::kConsecutive};
+      break;
+    case FusedRows::kQueryHeads: cut.kind = SplitKind::kHeads, heads.regions = {{f.heads, hd, false}}; break;
+    case FusedRows::kKvHeads: cut.kind = SplitKind::kHeads, heads.regions = {{f.kv_heads, hd, true}}; break;
+    case FusedRows::kQkvHeads: cut.kind = SplitKind::kHeads, heads.regions = {{f.heads, hd, false}, {f.kv_heads, hd, true}, {f.kv_heads, hd, true}}; break;
   }
-  if (p.fused == FusedRows::kPerGroupKv && f.kv_heads < tp) {
-    const int64_t group = extent / f.kv_heads;
-    return {{0, KvReplicasOf(f.kv_heads, tp, rank).group * group, group}};
-  }
-  const int64_t n = extent / tp;
-  return {{0, rank * n, n}};
+  return ShardSpec::Whole(shape, {Axis::kDp}).Split(dim, cut);
+}
+
+std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat&, int tp, int rank) {
+  const int dim = p.split == SplitDim::kColumns ? 1 : 0;
+  std::vector<Run> runs;
+  for (const Box& b : BoxesOf(p.spec, AxisCoords::Tp(tp, rank))) runs.push_back({b.local.at(dim), b.offset.at(dim), b.size.at(dim)});
+  return runs;
 }
 
 KvReplicas KvReplicasOf(int64_t kv_heads, int tp, int rank) {
@@ -247,13 +268,8 @@ KvReplicas KvReplicasOf(int64_t kv_heads, int tp, int rank) {
   return {rank / sharing, rank / sharing * sharing, sharing};
 }
 
-std::vector<int64_t> LocalShape(const ParamRule& p, const ModelFormat& f, int tp, int rank) {
-  std::vector<int64_t> shape = p.shape;
-  if (p.split == SplitDim::kReplicated) return shape;
-  int64_t n = 0;
-  for (const Run& r : LocalRuns(p, f, tp, rank)) n += r.count;
-  shape[p.split == SplitDim::kRows ? 0 : 1] = n;
-  return shape;
+std::vector<int64_t> LocalShape(const ParamRule& p, const ModelFormat&, int tp, int rank) {
+  return LocalShapeOf(p.spec, AxisCoords::Tp(tp, rank));
 }
 
 std::vector<int64_t> StageBounds(int64_t layers, int pp, const std::vector<int64_t>& cuts) {

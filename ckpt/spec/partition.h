@@ -36,6 +36,8 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/spec/shard_spec.h"
+
 namespace ckpt {
 
 // The model family a checkpoint's names and partitioning follow
@@ -127,19 +129,31 @@ struct ParamRule {
   int layer = -1;               // the decoder layer it belongs to; -1 for embeddings, final norm, output
   StagePlace place = StagePlace::kLayer;  // embeddings: the first stage; final norm and output: the last
   bool norm = false;            // a norm's weight or bias
+  // How the parameter is cut over the parallel axes: the family's table
+  // declares it (TensorParallelSpec of the split and fused layout above);
+  // every layout question is asked of it (ckpt/spec/shard_spec.h).
+  ShardSpec spec = {};
 };
+
+// The shard spec of a parameter of logical `shape` that tensor parallelism
+// cuts by `split` and `fused`, with f's heads and KV replication; replicated
+// over dp, and over tp too when not split. Pipeline stages place it
+// (StagePlace), they do not cut it.
+ShardSpec TensorParallelSpec(const std::vector<int64_t>& shape, SplitDim split, FusedRows fused, const ModelFormat& f);
+// The KV replication of f's head splits, no regions yet: NxD's rule
+// (ckpt/shard/model_family.h), kv_size_multiplier and the backend's order.
+HeadSplit KvReplicationOf(const ModelFormat& f);
 
 // Every logical parameter in module (state-dict) order, vocab padded for `tp`.
 std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp = 1);
 
-// One run of a rank's local tensor: `count` indices along the split dim
-// starting at local index `local` are logical indices from `logical`.
-struct Run {
-  int64_t local, logical, count;
-};
-// The runs of tp rank `rank` in local order (one whole run when replicated).
+// The runs (ckpt/spec/shard_spec.h: `count` indices along the split dim from
+// local index `local` are logical indices from `logical`) of tp rank `rank`
+// in local order (one whole run of dim 0 when replicated): its boxes
+// (BoxesOf of p.spec) along the split dim. p.spec carries f's heads and KV
+// replication, so `f` is that of the table p came from.
 std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank);
-// The local shape of tp rank `rank`'s slice.
+// The local shape of tp rank `rank`'s slice (LocalShapeOf of p.spec).
 std::vector<int64_t> LocalShape(const ParamRule& p, const ModelFormat& f, int tp, int rank);
 
 // With fewer KV groups than tp ranks (kv_heads < tp), the KV group tp rank

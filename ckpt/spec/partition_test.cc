@@ -6,9 +6,11 @@
 #include <nlohmann/json.hpp>
 
 #include <map>
+#include <set>
 #include <tuple>
 #include <vector>
 
+#include "ckpt/spec/model_family.h"
 #include "ckpt/util/error.h"
 
 namespace ckpt {
@@ -270,6 +272,114 @@ TEST(Partition, ModelFormatRoundTripsThroughJsonAndBadFieldsAreNamed) {
   j = f.ToJson();
   j.erase("hidden_size");
   EXPECT_THROW(ModelFormat::FromJson(j, "m"), Error);
+}
+
+// LocalRuns as it was before shard specs (b7a6ebd: partition.cc LocalRuns and
+// model_family.cc HeadRuns, KvHeadsOfRank, QueryHeadsOfRank), kept verbatim as
+// the oracle the boxes of the specs must match.
+namespace before_specs {
+void AddHeadRuns(std::vector<Run>& runs, int64_t& local, int64_t base, const std::vector<int64_t>& heads, int64_t hd) {
+  const size_t first = runs.size();
+  for (int64_t h : heads) {
+    if (runs.size() > first && runs.back().local + runs.back().count == local && runs.back().logical + runs.back().count == base + h * hd)
+      runs.back().count += hd;
+    else
+      runs.push_back({local, base + h * hd, hd});
+    local += hd;
+  }
+}
+std::vector<int64_t> KvHeads(const ModelFormat& f, int tp, int rank) {
+  const int64_t m = f.kv_size_multiplier, kv = f.kv_heads, n = kv * m / tp;
+  std::vector<int64_t> heads;
+  if (m == 1) {
+    for (int64_t i = 0; i < n; ++i) heads.push_back(rank * n + i);
+  } else {
+    heads.push_back(f.hw_backend == HwBackend::kTrn2 ? rank / m : rank % kv);
+  }
+  return heads;
+}
+std::vector<int64_t> QueryHeads(const ModelFormat& f, int tp, int rank) {
+  const int64_t m = f.kv_size_multiplier, kv = f.kv_heads, qn = f.heads / tp;
+  const int64_t block = m > 1 && f.hw_backend != HwBackend::kTrn2 ? rank % kv * m + rank / kv : rank;
+  std::vector<int64_t> heads;
+  for (int64_t i = 0; i < qn; ++i) heads.push_back(block * qn + i);
+  return heads;
+}
+std::vector<Run> HeadRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank) {
+  const int64_t hd = f.head_dim();
+  std::vector<Run> runs;
+  int64_t local = 0;
+  if (p.fused == FusedRows::kQueryHeads) AddHeadRuns(runs, local, 0, QueryHeads(f, tp, rank), hd);
+  if (p.fused == FusedRows::kKvHeads) AddHeadRuns(runs, local, 0, KvHeads(f, tp, rank), hd);
+  if (p.fused == FusedRows::kQkvHeads) {
+    const auto kv = KvHeads(f, tp, rank);
+    AddHeadRuns(runs, local, 0, QueryHeads(f, tp, rank), hd);
+    AddHeadRuns(runs, local, f.heads * hd, kv, hd);
+    AddHeadRuns(runs, local, (f.heads + f.kv_heads) * hd, kv, hd);
+  }
+  return runs;
+}
+std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank) {
+  if (p.split == SplitDim::kReplicated) return {{0, 0, p.shape.at(0)}};
+  if (p.fused == FusedRows::kQueryHeads || p.fused == FusedRows::kKvHeads || p.fused == FusedRows::kQkvHeads) return HeadRuns(p, f, tp, rank);
+  const int64_t extent = p.shape.at(p.split == SplitDim::kRows ? 0 : 1);
+  if (p.fused == FusedRows::kGateUp) {
+    const int64_t half = extent / 2 / tp;
+    return {{0, rank * half, half}, {half, extent / 2 + rank * half, half}};
+  }
+  if (p.fused == FusedRows::kPerGroupKv && f.kv_heads < tp) {
+    const int64_t group = extent / f.kv_heads;
+    return {{0, KvReplicasOf(f.kv_heads, tp, rank).group * group, group}};
+  }
+  const int64_t n = extent / tp;
+  return {{0, rank * n, n}};
+}
+}  // namespace before_specs
+
+// Every format the families lay out: Megatron-style llama (MHA and GQA, KV
+// groups replicated below tp), GPT, and the HF-style family in each attention
+// form, with KV replication by each backend.
+std::vector<ModelFormat> EveryLayoutFormat() {
+  std::vector<ModelFormat> out{Llama(), Gpt()};
+  ModelFormat gqa = Llama();
+  gqa.kv_heads = 2;
+  out.push_back(gqa);
+  for (auto [fuse, linear, kv] : {std::tuple{true, true, 2}, {false, true, 2}, {true, false, 8}, {false, false, 2}})
+    for (int64_t m : {1, 2, 4})
+      for (HwBackend hw : {HwBackend::kUnknown, HwBackend::kTrn1, HwBackend::kTrn2}) {
+        ModelFormat f = Llama();
+        f.family = ModelFamily::kHfLlama, f.vocab_size = 256, f.make_vocab_size_divisible_by = 1;
+        f.fuse_qkv = fuse, f.qkv_linear = linear, f.kv_heads = kv, f.kv_size_multiplier = m, f.hw_backend = hw;
+        out.push_back(f);
+      }
+  return out;
+}
+
+TEST(Partition, BoxesOfEverySpecGiveTheRunsOfTheRulesBeforeSpecs) {
+  int compared = 0, replicated_kv = 0;
+  std::set<FusedRows> kinds;
+  for (const ModelFormat& f : EveryLayoutFormat())
+    for (int tp : {1, 2, 4, 8}) {
+      if (!f.CheckTensorParallel(tp).empty()) continue;
+      for (const ParamRule& p : LogicalParameters(f, tp))
+        for (int r = 0; r < tp; ++r) {
+          const std::vector<ckpt::Run> want = before_specs::LocalRuns(p, f, tp, r);
+          const std::vector<ckpt::Run> got = LocalRuns(p, f, tp, r);
+          ASSERT_EQ(got, want) << p.name << " at tp " << tp << " rank " << r << ": " << f.Describe();
+          std::vector<int64_t> shape = p.shape;
+          if (p.split != SplitDim::kReplicated) {
+            shape[p.split == SplitDim::kRows ? 0 : 1] = 0;
+            for (const ckpt::Run& run : want) shape[p.split == SplitDim::kRows ? 0 : 1] += run.count;
+          }
+          ASSERT_EQ(LocalShape(p, f, tp, r), shape) << p.name << " at tp " << tp << " rank " << r;
+          ++compared, kinds.insert(p.fused);
+          replicated_kv += (p.fused == FusedRows::kPerGroupKv || p.fused == FusedRows::kKvHeads) && f.kv_heads < tp;
+        }
+    }
+  // Every fused layout, KV replication of both families, and enough cases to mean it.
+  EXPECT_EQ(kinds.size(), 7u);
+  EXPECT_GT(replicated_kv, 100);
+  EXPECT_GT(compared, 5000);
 }
 
 TEST(Partition, LayerOfName) {

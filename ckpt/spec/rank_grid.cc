@@ -1,5 +1,6 @@
 #include "ckpt/spec/rank_grid.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "ckpt/util/error.h"
@@ -13,24 +14,32 @@ RankCoord RankGrid::CoordOf(int rank) const {
 
 int RankGrid::RankOf(const RankCoord& c) const { return (c.pp * dp + c.dp) * tp + c.tp; }
 
-std::vector<int> RankGrid::TpGroup(int rank) const {
-  RankCoord c = CoordOf(rank);
-  std::vector<int> g;
-  for (c.tp = 0; c.tp < tp; ++c.tp) g.push_back(RankOf(c));
-  return g;
+int RankGrid::size(Axis a) const {
+  switch (a) {
+    case Axis::kTp: return tp;
+    case Axis::kDp: return dp;
+    case Axis::kPp: return pp;
+    default: return 1;
+  }
 }
 
-std::vector<int> RankGrid::DpGroup(int rank) const {
-  RankCoord c = CoordOf(rank);
-  std::vector<int> g;
-  for (c.dp = 0; c.dp < dp; ++c.dp) g.push_back(RankOf(c));
-  return g;
+AxisCoords RankGrid::AxisCoordsOf(const RankCoord& c) const {
+  AxisCoords at;
+  at[Axis::kTp] = {tp, c.tp}, at[Axis::kDp] = {dp, c.dp}, at[Axis::kPp] = {pp, c.pp};
+  return at;
 }
 
-std::vector<int> RankGrid::PpGroup(int rank) const {
-  RankCoord c = CoordOf(rank);
+std::vector<int> RankGrid::Group(int rank, std::initializer_list<Axis> axes) const {
+  const AxisCoords mine = AxisCoordsOf(CoordOf(rank));
+  auto in_group = [&](int q) {
+    const AxisCoords theirs = AxisCoordsOf(CoordOf(q));
+    for (Axis a : kGridAxes)
+      if (std::find(axes.begin(), axes.end(), a) == axes.end() && theirs[a] != mine[a]) return false;
+    return true;
+  };
   std::vector<int> g;
-  for (c.pp = 0; c.pp < pp; ++c.pp) g.push_back(RankOf(c));
+  for (int q = 0; q < world_size(); ++q)
+    if (in_group(q)) g.push_back(q);
   return g;
 }
 
@@ -44,18 +53,32 @@ RankGrid RankGrid::ForWorld(int64_t world, int64_t tp, int64_t pp, bool zero1, c
   return RankGrid{static_cast<int>(tp), static_cast<int>(pp), static_cast<int>(world / (tp * pp)), zero1};
 }
 
+void RankGrid::ForEachRankFile(RankFileKind kind, const std::function<void(const RankCoord&)>& fn) const {
+  const int dps = kind == RankFileKind::kOptim && zero1 ? dp : 1;
+  for (int d = 0; d < dps; ++d)
+    for (int p = 0; p < pp; ++p)
+      for (int t = 0; t < tp; ++t) fn({d, t, p});
+}
+
+void RankGrid::ForEachRankFile(RankFileKind kind, const RankCoord& place, const std::function<void(const RankCoord&)>& fn) const {
+  const int dps = kind == RankFileKind::kOptim && zero1 ? dp : 1;
+  for (int d = 0; d < dps; ++d) fn({d, place.tp, place.pp});
+}
+
+std::string RankGrid::FileOf(RankFileKind kind, RankCoord at) const {
+  if (kind == RankFileKind::kModel || !zero1) at.dp = 0;
+  return RankFilePath(kind, at);
+}
+
 std::vector<std::string> RankGrid::ModelFiles() const {
   std::vector<std::string> out;
-  for (int p = 0; p < pp; ++p)
-    for (int t = 0; t < tp; ++t) out.push_back("model/" + RankFileName({0, t, p}));
+  ForEachRankFile(RankFileKind::kModel, [&](const RankCoord& c) { out.push_back(RankFilePath(RankFileKind::kModel, c)); });
   return out;
 }
 
 std::vector<std::string> RankGrid::OptimFiles() const {
   std::vector<std::string> out;
-  for (int d = 0; d < (zero1 ? dp : 1); ++d)
-    for (int p = 0; p < pp; ++p)
-      for (int t = 0; t < tp; ++t) out.push_back("optim/" + RankFileName({d, t, p}));
+  ForEachRankFile(RankFileKind::kOptim, [&](const RankCoord& c) { out.push_back(RankFilePath(RankFileKind::kOptim, c)); });
   return out;
 }
 

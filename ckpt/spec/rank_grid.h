@@ -1,16 +1,23 @@
 // The rank grid: the one place that knows how a job's ranks map to
-// (dp, tp, pp) coordinates, which files a tag of that grid holds, and how
-// mpirun started this process. The store, the trainer, the converter and the
-// layout tools take a RankGrid and an MpiLaunch; nothing else computes ranks.
+// coordinates on the named axes (ckpt/spec/axes.h), which rank groups they
+// form, which files a tag of that grid holds, and how mpirun started this
+// process. The store, the trainer, the converter and the layout tools take a
+// RankGrid and an MpiLaunch; nothing else computes ranks or walks rank files.
 //
 // Rank order is NxD's and Megatron's parallel_state order: tensor-parallel
 // ranks are consecutive, then data-parallel, then pipeline stages:
 //   rank = pp * (dp_size * tp_size) + dp * tp_size + tp.
+// Expert parallelism and virtual pipeline stages would be further axes of
+// kGridAxes (NxD puts ep inside dp); the grid does not lay them out yet.
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <initializer_list>
 #include <string>
 #include <vector>
+
+#include "ckpt/spec/axes.h"
 
 namespace ckpt {
 
@@ -23,6 +30,14 @@ struct RankCoord {
   bool operator==(const RankCoord&) const = default;
 };
 
+// The axes of the grid, fastest first: a rank's number is its place along
+// them read as a mixed-radix number.
+inline constexpr Axis kGridAxes[] = {Axis::kTp, Axis::kDp, Axis::kPp};
+
+// The two kinds of rank file of a tag: model/ (one per tp, pp place, written
+// by dp rank 0) and optim/ (one per dp rank under ZeRO-1, else dp 0's alone).
+enum class RankFileKind { kModel, kOptim };
+
 struct RankGrid {
   int tp = 1, pp = 1, dp = 1;
   // ZeRO-1: one optim file per dp rank; otherwise dp rank 0 only.
@@ -33,11 +48,17 @@ struct RankGrid {
   // The coordinates of `rank` (0 <= rank < world_size()) and back.
   RankCoord CoordOf(int rank) const;
   int RankOf(const RankCoord& c) const;
-  // The ranks of the tensor-, data- and pipeline-parallel groups `rank` is
-  // in, ordered by their rank within the group.
-  std::vector<int> TpGroup(int rank) const;
-  std::vector<int> DpGroup(int rank) const;
-  std::vector<int> PpGroup(int rank) const;
+  // The degree along `a` (1 for an axis the grid does not lay out), and a
+  // rank's place along every axis (what a shard spec's boxes are asked of).
+  int size(Axis a) const;
+  AxisCoords AxisCoordsOf(const RankCoord& c) const;
+  // The rank group of `rank` over `axes`: the ranks that differ from it only
+  // along those axes, ascending (so ordered by their place in the group, tp
+  // fastest). {kTp}, {kDp}, {kPp} are NxD's tensor-, data- and
+  // pipeline-parallel groups; {kTp, kPp} its model-parallel group
+  // (parallel_layers/parallel_state.py initialize_model_parallel; Megatron
+  // core's RankGenerator.get_ranks does the same for any set of axes).
+  std::vector<int> Group(int rank, std::initializer_list<Axis> axes) const;
 
   // The grid of `world` ranks at tensor degree tp and pipeline degree pp:
   // dp = world / (tp * pp). Throws ckpt::Error naming `where` when a degree is
@@ -45,8 +66,16 @@ struct RankGrid {
   static RankGrid ForWorld(int64_t world, int64_t tp, int64_t pp, bool zero1, const std::string& where,
                            const std::string& world_what = "the world size");
 
-  // Relative paths a complete tag holds: model/ files for dp 0, optim/ files
-  // for every dp rank under ZeRO-1 (dp 0 only otherwise).
+  // Calls fn with the coordinates of every `kind` file a complete tag of this
+  // grid holds: model files of dp 0, pp outer and tp inner; optim files
+  // likewise for each dp rank that writes them (every one under ZeRO-1, else
+  // dp 0), dp outermost. With `place`, only the files of its tp and pp.
+  void ForEachRankFile(RankFileKind kind, const std::function<void(const RankCoord&)>& fn) const;
+  void ForEachRankFile(RankFileKind kind, const RankCoord& place, const std::function<void(const RankCoord&)>& fn) const;
+  // The `kind` file the rank at `at` reads and writes (RankFilePath in
+  // ckpt/store/tag_paths.h): model files are dp 0's, optim files too unless ZeRO-1.
+  std::string FileOf(RankFileKind kind, RankCoord at) const;
+  // Relative paths a complete tag holds, in ForEachRankFile's order.
   std::vector<std::string> ModelFiles() const;
   std::vector<std::string> OptimFiles() const;
   // "tp 2, pp 1, dp 2 (ZeRO-1)".

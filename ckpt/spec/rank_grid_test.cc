@@ -16,9 +16,9 @@ namespace {
 TEST(RankGrid, GroupsAreNxDParallelStateGroups) {
   const RankGrid g{.tp = 2, .pp = 2, .dp = 2};
   ASSERT_EQ(g.world_size(), 8);
-  EXPECT_EQ(g.TpGroup(5), (std::vector<int>{4, 5}));
-  EXPECT_EQ(g.DpGroup(5), (std::vector<int>{5, 7}));
-  EXPECT_EQ(g.PpGroup(5), (std::vector<int>{1, 5}));
+  EXPECT_EQ(g.Group(5, {Axis::kTp}), (std::vector<int>{4, 5}));
+  EXPECT_EQ(g.Group(5, {Axis::kDp}), (std::vector<int>{5, 7}));
+  EXPECT_EQ(g.Group(5, {Axis::kPp}), (std::vector<int>{1, 5}));
   EXPECT_EQ(g.CoordOf(5), (RankCoord{.dp = 0, .tp = 1, .pp = 1}));
   EXPECT_EQ(g.CoordOf(6), (RankCoord{.dp = 1, .tp = 0, .pp = 1}));
 }
@@ -31,7 +31,7 @@ TEST(RankGrid, CoordinatesAreABijection) {
     EXPECT_EQ(g.RankOf(c), r);
     EXPECT_TRUE(c.tp < 4 && c.pp < 3 && c.dp < 2);
     seen.insert({c.dp, c.tp, c.pp});
-    for (int q : g.TpGroup(r)) EXPECT_EQ(g.CoordOf(q).pp, c.pp);
+    for (int q : g.Group(r, {Axis::kTp})) EXPECT_EQ(g.CoordOf(q).pp, c.pp);
   }
   EXPECT_EQ(seen.size(), 24u);
 }
@@ -46,6 +46,52 @@ TEST(RankGrid, ForWorldDerivesDpOrNamesWhatDoesNotDivide) {
               std::string::npos) << e.what();
   }
   EXPECT_THROW(RankGrid::ForWorld(4, 0, 1, false, "x"), Error);
+}
+
+// Groups over several axes come from the same generator: NxD's
+// model-parallel group is {tp, pp}, the ranks of one dp rank
+// (parallel_state.py initialize_model_parallel), and the groups over any set
+// of axes partition the world.
+TEST(RankGrid, GroupsOverAnySetOfAxesPartitionTheWorld) {
+  const RankGrid g{.tp = 2, .pp = 2, .dp = 3};
+  EXPECT_EQ(g.Group(3, {Axis::kTp, Axis::kPp}), (std::vector<int>{2, 3, 8, 9}));
+  EXPECT_EQ(g.Group(3, {Axis::kTp, Axis::kDp}), (std::vector<int>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(g.Group(7, {}), (std::vector<int>{7}));
+  EXPECT_EQ(g.Group(7, {Axis::kTp, Axis::kDp, Axis::kPp}).size(), 12u);
+  EXPECT_EQ(g.Group(7, {Axis::kEp}), (std::vector<int>{7}));  // an axis the grid does not lay out: size 1
+  for (std::initializer_list<Axis> axes : {std::initializer_list<Axis>{Axis::kDp}, {Axis::kPp, Axis::kDp}}) {
+    std::vector<int> seen(g.world_size(), 0);
+    for (int r = 0; r < g.world_size(); ++r)
+      if (g.Group(r, axes).front() == r)
+        for (int q : g.Group(r, axes)) ++seen[q];
+    EXPECT_EQ(seen, std::vector<int>(g.world_size(), 1));
+  }
+  const AxisCoords at = g.AxisCoordsOf(g.CoordOf(9));
+  EXPECT_EQ(at[Axis::kTp], (AxisPlace{2, 1}));
+  EXPECT_EQ(at[Axis::kDp], (AxisPlace{3, 1}));
+  EXPECT_EQ(at[Axis::kPp], (AxisPlace{2, 1}));
+  EXPECT_EQ(at[Axis::kEp], (AxisPlace{1, 0}));
+}
+
+TEST(RankGrid, EachRankFileOnceAndTheFileEachRankWrites) {
+  RankGrid g{.tp = 2, .pp = 2, .dp = 3, .zero1 = true};
+  std::vector<RankCoord> optim;
+  g.ForEachRankFile(RankFileKind::kOptim, [&](const RankCoord& c) { optim.push_back(c); });
+  ASSERT_EQ(optim.size(), 12u);
+  EXPECT_EQ(optim[1], (RankCoord{.dp = 0, .tp = 1, .pp = 0}));
+  EXPECT_EQ(optim[2], (RankCoord{.dp = 0, .tp = 0, .pp = 1}));
+  EXPECT_EQ(optim[4], (RankCoord{.dp = 1, .tp = 0, .pp = 0}));
+  std::vector<RankCoord> of_place;
+  g.ForEachRankFile(RankFileKind::kOptim, {.dp = 2, .tp = 1, .pp = 1}, [&](const RankCoord& c) { of_place.push_back(c); });
+  EXPECT_EQ(of_place, (std::vector<RankCoord>{{0, 1, 1}, {1, 1, 1}, {2, 1, 1}}));
+  EXPECT_EQ(g.FileOf(RankFileKind::kOptim, {.dp = 2, .tp = 1, .pp = 0}), "optim/dp_rank_02_tp_rank_01_pp_rank_00.pt");
+  EXPECT_EQ(g.FileOf(RankFileKind::kModel, {.dp = 2, .tp = 1, .pp = 0}), "model/dp_rank_00_tp_rank_01_pp_rank_00.pt");
+  g.zero1 = false;
+  of_place.clear();
+  g.ForEachRankFile(RankFileKind::kOptim, {.dp = 2, .tp = 1, .pp = 1}, [&](const RankCoord& c) { of_place.push_back(c); });
+  EXPECT_EQ(of_place, (std::vector<RankCoord>{{0, 1, 1}}));
+  EXPECT_EQ(g.FileOf(RankFileKind::kOptim, {.dp = 2, .tp = 1, .pp = 0}), "optim/dp_rank_00_tp_rank_01_pp_rank_00.pt");
+  EXPECT_EQ(g.OptimFiles().size(), 4u);
 }
 
 TEST(RankGrid, FilesOfATag) {

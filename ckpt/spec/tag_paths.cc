@@ -21,6 +21,10 @@ std::string RankFileName(const RankCoord& r) {
   return "dp_rank_" + Pad2(r.dp) + "_tp_rank_" + Pad2(r.tp) + "_pp_rank_" + Pad2(r.pp) + ".pt";
 }
 
+std::string RankFilePath(RankFileKind kind, const RankCoord& r) {
+  return (kind == RankFileKind::kModel ? "model/" : "optim/") + RankFileName(r);
+}
+
 std::optional<RankCoord> ParseRankFileName(const std::string& name) {
   // At most 6 digits: longer numbers are no rank file (and would overflow int).
   static const std::regex re(R"(dp_rank_(\d{1,6})_tp_rank_(\d{1,6})_pp_rank_(\d{1,6})\.pt)");

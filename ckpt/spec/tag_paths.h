@@ -31,6 +31,9 @@ inline constexpr const char* kUserContentFile = "user_content.pt";
 
 // "dp_rank_00_tp_rank_03_pp_rank_01.pt"; {:02d} is a minimum width.
 std::string RankFileName(const RankCoord& r);
+// "model/" or "optim/" + RankFileName(r): a rank file's path in its tag
+// (RankGrid::ForEachRankFile walks them).
+std::string RankFilePath(RankFileKind kind, const RankCoord& r);
 // Parses a rank file name. An expert-parallel one (dp_rank_.._ep_rank_..) throws
 // ckpt::Error: it is not read yet, and taking it for another rank's file would be wrong.
 std::optional<RankCoord> ParseRankFileName(const std::string& name);

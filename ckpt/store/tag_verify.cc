@@ -247,7 +247,7 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
   }
   // NxDT's ZeRO-1 at dp > 1: one optimizer file per stage whose shards hold a part of each tensor.
   if (r.grid && r.grid->dp == 1 && !r.has_manifest) {
-    const std::string first = "optim/" + RankFileName({0, 0, 0});
+    const std::string first = RankFilePath(RankFileKind::kOptim, {0, 0, 0});
     if (present.count(first) && !outside.count(first)) {
       try {
         if (const int64_t dp = Zero1SavedAsOneShard(LoadTagFile(env, tag_dir, first)))

@@ -105,13 +105,12 @@ int main(int argc, char** argv) {
     for (int step = 1; step <= steps; ++step) {
       ckpt::Snapshot snap;
       snap.tag = {"sample", step, static_cast<double>(step * 8), false};
-      const std::string shard = ckpt::RankFileName({0, 0, 0});
       ckpt::SchedulerState sched;
       sched.last_epoch = step;
       sched.carried = {{"_step_count", Value(static_cast<int64_t>(step + 1))}};
       const ckpt::UserContent user{.epoch = 0, .global_step = step, .consumed_samples = static_cast<double>(step * 8), .carried = {}};
-      snap.files = {{"model/" + shard, model, {.weights_only = true}},
-                    {"optim/" + shard, optim, {}},
+      snap.files = {{ckpt::RankFilePath(ckpt::RankFileKind::kModel, {}), model, {.weights_only = true}},
+                    {ckpt::RankFilePath(ckpt::RankFileKind::kOptim, {}), optim, {}},
                     {ckpt::kSchedulerFile, sched.ToValue(), {}},
                     {ckpt::kUserContentFile, user.ToValue(), {}}};
       store.Save(std::move(snap));
