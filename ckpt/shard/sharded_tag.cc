@@ -172,34 +172,25 @@ class ShardedTagBuilder {
           if (rule.vocab) t_->recorded_->erase(rule.name);
       return;
     }
-    // What the tag records wins over its name, as resume decides (ReadTrainingPosition):
+    // What the tag records wins over its name, as resume decides (PositionFromContent):
     // a name is a label, and a lying one would otherwise pass into the new tag's manifest.
+    // NxD saves whatever user content its caller passes: a dict without NxDT's step
+    // entries leaves the step to the name (NxD's llama example names tags step_<N>).
     const std::string name = std::filesystem::path(dir()).filename().string();
-    const std::optional<TagName> tn = ParseTagName(name);
+    std::optional<UserContent> uc;
     if (const Value* v = files_->UserContent()) {
-      // NxD saves whatever user content its caller passes: a dict without
-      // NxDT's step entries leaves the step to the name below.
       try {
-        const UserContent uc = UserContent::FromValue(*v, files_->Path(kUserContentFile));
-        t_->step_ = uc.ResumeStep();
-        if (uc.consumed_samples) t_->consumed_ = *uc.consumed_samples;
-        else if (tn) t_->consumed_ = tn->consumed_samples;
-        else if (auto c = ConsumedSamplesFromTagPath(name)) t_->consumed_ = static_cast<double>(*c);
-        else t_->consumed_known_ = false;
-        if (tn && tn->step != t_->step_)
-          t_->format_notes_.push_back("the tag's name says step " + std::to_string(tn->step) + " but its " + std::string(kUserContentFile) +
-                                      " records step " + std::to_string(t_->step_) + ", which is taken");
-        return;
+        uc = UserContent::FromValue(*v, files_->Path(kUserContentFile));
       } catch (const Error&) {
       }
     }
-    if (tn) {
-      t_->step_ = tn->step, t_->consumed_ = tn->consumed_samples;
-      return;
-    }
-    // NxD's llama example names its tags step_<N> (run_llama_nxd.py) and records no samples.
-    t_->consumed_known_ = false;
-    if (auto n = ParseNxdStepTagName(name)) t_->step_ = *n;
+    const RecordedPosition pos = PositionFromContent(uc ? &*uc : nullptr, name, SamplesFromName::kTagName);
+    t_->step_ = pos.step.value_or(0);
+    if (pos.consumed_samples) t_->consumed_ = *pos.consumed_samples;
+    else t_->consumed_known_ = false;
+    if (const std::optional<TagName> tn = ParseTagName(name); tn && pos.step_from_content && tn->step != t_->step_)
+      t_->format_notes_.push_back("the tag's name says step " + std::to_string(tn->step) + " but its " + std::string(kUserContentFile) +
+                                  " records step " + std::to_string(t_->step_) + ", which is taken");
   }
 
   FormatHints hints_;
