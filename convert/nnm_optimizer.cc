@@ -29,7 +29,7 @@ const ckpt::Dict& DictAt(const Value& v, const std::string& where) {
 }
 
 std::vector<size_t> FileGroupSizes(const SourceOptimizer& so) {
-  return ckpt::ParamGroupSizes(DictAt(so.state_dict, so.where).At("param_groups"), so.where + ": param_groups");
+  return ckpt::ParamGroupSizes(ckpt::OptimizerFileView(so.state_dict, so.where).param_groups(), so.where + ": param_groups");
 }
 
 // The shape a moment of a parameter of `shape` has in this file: itself, or
@@ -74,7 +74,7 @@ std::string Misfit(const Grouping& g, const std::vector<size_t>& file_sizes, con
       }
     return "";
   };
-  std::string why = check_by_id(so.zero1_dp ? "base_state" : "state", moments_fit);
+  std::string why = check_by_id(ckpt::OptimizerFileView(so.state_dict, so.where).moments_key(), moments_fit);
   if (why.empty() && so.zero1_dp) {
     why = check_by_id("shape_info", [&](int64_t, const std::string& name, const Value& s) -> std::string {
       std::vector<int64_t> dims;
@@ -109,6 +109,14 @@ Value Renumbered(const Value& by_id, const std::vector<int64_t>& to_target, cons
   return d;
 }
 
+// Whether `osd` is an optimizer file of the form asked for: a dict with
+// param_groups and the form's moments (state, or ZeRO-1's base_state).
+bool IsOptimizerFile(const Value& osd, bool zero1) {
+  if (!osd.is_dict()) return false;
+  const ckpt::OptimizerFileView file(osd, "");
+  return file.top().Find("param_groups") && (zero1 ? file.zero1() : file.top().Find("state") != nullptr);
+}
+
 }  // namespace
 
 SourceOptimizer PlainOptimizer(const Value& checkpoint, const std::string& path, bool* found) {
@@ -120,8 +128,7 @@ SourceOptimizer PlainOptimizer(const Value& checkpoint, const std::string& path,
     throw Error(path + ": 'optimizer_states' holds " + std::to_string(states->as_seq().items.size()) +
                 " optimizers; NNM trains with one");
   SourceOptimizer so{path, path + ": optimizer_states[0]", states->as_seq().items[0], 0};
-  const Value& osd = so.state_dict;
-  if (!osd.is_dict() || !osd.as_dict().Find("param_groups") || !osd.as_dict().Find("state"))
+  if (!IsOptimizerFile(so.state_dict, /*zero1=*/false))
     throw Error(so.where + " is not a torch optimizer state dict (needs 'state' and 'param_groups')");
   return so;
 }
@@ -134,7 +141,7 @@ SourceOptimizer Zero1Optimizer(const Value& file, const std::string& path, int d
     throw Error(path + ": holds " + (file.is_seq() ? "a list of " + std::to_string(file.as_seq().items.size()) : "a " + file.kind_name()) +
                 ", not NNM's one-element 'optimizer_states' list");
   SourceOptimizer so{path, path + ": optimizer_states[0]", file.as_seq().items[0], dp};
-  if (!so.state_dict.is_dict() || !so.state_dict.as_dict().Find("base_state") || !so.state_dict.as_dict().Find("param_groups"))
+  if (!IsOptimizerFile(so.state_dict, /*zero1=*/true))
     throw Error(so.where + " is not a ZeRO-1 optimizer state dict (needs 'base_state' and 'param_groups')");
   return so;
 }
@@ -191,7 +198,7 @@ Value RegroupOptimizerState(const SourceOptimizer& so, const Grouping& from, con
   for (const auto& [k, v] : in.items) {
     const std::string key = k.is_str() ? k.as_str() : "";
     if (key == "param_groups") out.as_dict().items.emplace_back(k, ckpt::ParamGroupsFor(v, to));
-    else if (key == "state" || key == "base_state" || key == "shape_info" || key == "sharded_master_weights")
+    else if (ckpt::OptimizerFileView::KeyedById(key))
       out.as_dict().items.emplace_back(k, Renumbered(v, to_target, so.where + "['" + key + "']", also));
     else out.as_dict().items.emplace_back(k, v);  // anything else, as it is
   }

@@ -326,9 +326,9 @@ std::vector<size_t> AdamW::FileIds(const ckpt::Value& groups, bool zero1) {
 }
 
 bool AdamW::LoadStateDict(const ckpt::Value& sd) {
-  const ckpt::Dict& top = sd.as_dict();
-  const bool zero1 = top.Find("base_state") != nullptr;
-  const ckpt::Dict& state = top.At(zero1 ? "base_state" : "state").as_dict();
+  const ckpt::OptimizerFileView file(sd, "optimizer state");
+  const bool zero1 = file.zero1();
+  const ckpt::Dict& state = file.Moments();
   auto what = [&](size_t i) { return "parameter " + std::to_string(i) + " (" + order_[i] + ")"; };
   auto copy = [&](const ckpt::Value& v, ckpt::Tensor& dst, const std::string& key, size_t i) {
     const ckpt::Tensor& t = v.as_tensor();
@@ -341,7 +341,7 @@ bool AdamW::LoadStateDict(const ckpt::Value& sd) {
       throw ckpt::Error("optimizer " + key + " of " + what(i) + " is " + std::string(ckpt::DTypeName(t.dtype())));
     ckpt::CastInto(t, dst);
   };
-  const std::vector<size_t> file_id = FileIds(top.At("param_groups"), zero1);
+  const std::vector<size_t> file_id = FileIds(file.param_groups(), zero1);
   int64_t step = -1;
   for (size_t i = 0; i < order_.size(); ++i) {
     const ckpt::Value* s = ckpt::EntryById(state, file_id[i]);
@@ -353,10 +353,10 @@ bool AdamW::LoadStateDict(const ckpt::Value& sd) {
     step = static_cast<int64_t>(st);
   }
   step_ = step < 0 ? 0 : step;
-  const ckpt::Value* master = top.Find("sharded_master_weights");
+  const ckpt::Dict* master = file.Masters();
   if (!master || master_.empty()) return false;
   for (size_t i = 0; i < order_.size(); ++i) {
-    const ckpt::Value* w = ckpt::EntryById(master->as_dict(), file_id[i]);
+    const ckpt::Value* w = ckpt::EntryById(*master, file_id[i]);
     if (!w) throw ckpt::Error("sharded_master_weights has no entry for " + what(i));
     copy(*w, master_[i], "master weight", i);
   }

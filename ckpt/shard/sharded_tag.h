@@ -12,6 +12,12 @@
 // each stage's file, and the model format from tensor shapes plus what
 // shapes cannot tell (FormatHints: heads, KV heads, the unpadded vocabulary).
 //
+// The reader is four parts: TagFiles finds and loads the rank files
+// (ckpt/shard/tag_files.h), DescribeModel learns the stages and the model
+// format (ckpt/shard/model_description.h), ExtentIndex indexes where each
+// run of elements lies (ckpt/shard/extent_index.h), and ReadTagOptimizer
+// reads the optimizer files (ckpt/shard/tag_optimizer.h).
+//
 // Optimizer state: torch's AdamW state dict (`state`), or torch-xla ZeRO-1's
 // (`base_state` of dim-0 shards, `shape_info`, optional
 // `sharded_master_weights`); ids are tied to parameters by NxDT's grouping
@@ -26,7 +32,11 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/shard/extent_index.h"
 #include "ckpt/shard/logical_state.h"
+#include "ckpt/shard/model_description.h"
+#include "ckpt/shard/tag_files.h"
+#include "ckpt/shard/tag_optimizer.h"
 #include "ckpt/util/error.h"
 
 namespace ckpt {
@@ -40,12 +50,6 @@ struct TagReadOptions {
   // compared across their holders, and a difference is refused; with this,
   // the first holder's copy is read and the others are not compared.
   bool trust_first_replica = false;
-};
-
-// The tag's model format cannot be learned without hints the reader lacks (heads, KV heads).
-class FormatUnknown : public Error {
- public:
-  using Error::Error;
 };
 
 class ShardedTag final : public LogicalState {
@@ -72,7 +76,7 @@ class ShardedTag final : public LogicalState {
   const TagDescription& layout() const override { return layout_; }
   // The logical parameters, vocab padded as this tag pads it.
   const std::vector<ParamRule>& params() const override { return params_; }
-  bool Has(const std::string& name, StateField f) const override { return index_.count({name, f}) > 0; }
+  bool Has(const std::string& name, StateField f) const override { return index_.Has(name, f); }
   DType dtype(const std::string& name, StateField f) const override;
   // Copies logical (row-major) elements [begin, begin + out.size() / element
   // size) of `name`'s `f` into `out`. Elements past what the tag holds (vocab
@@ -81,14 +85,14 @@ class ShardedTag final : public LogicalState {
   // The optimizer `step` entry of a logical parameter (as its first holder wrote it).
   const Value& Step(const std::string& name) const override;
   // `param_groups` of the first optimizer file: the hyperparameters.
-  const Value& ParamGroups() const override { return param_groups_; }
+  const Value& ParamGroups() const override { return optimizer_.param_groups; }
   using Buffer = StateBuffer;
   const std::vector<Buffer>& buffers() const override { return buffers_; }
   bool model_dict_ordered() const override { return ordered_; }
   // Bytes of every rank file (with xser, of every tensor file too).
-  uint64_t bytes() const { return bytes_; }
+  uint64_t bytes() const { return files_->bytes(); }
   // Whether the rank files are xser (X.pt + X.pt.tensors/) rather than plain .pt.
-  bool xser() const override { return xser_; }
+  bool xser() const override { return files_->xser(); }
   // The tag has optimizer files that were not read (TagReadOptions::weights_only).
   bool optimizer_skipped() const { return optimizer_skipped_; }
   int64_t step() const override { return step_; }
@@ -101,39 +105,15 @@ class ShardedTag final : public LogicalState {
   std::optional<Value> TagFile(const std::string& name) const override;
 
  private:
-  struct Extent {
-    uint64_t begin, end;  // logical elements
-    const uint8_t* data;  // element `begin`
-    const MappedFile* file;
-    int64_t stride = 1;  // elements between consecutive logical elements in storage (a transposed tensor's rows)
-  };
-  // Copies `n` elements of `e` from its element `from` into `out`.
-  static void CopyOut(const Extent& e, uint64_t from, uint64_t n, size_t es, uint8_t* out, Touched* touched);
-  struct Index {
-    DType dtype = DType::kFloat32;
-    bool typed = false;
-    std::vector<Extent> extents;  // sorted, disjoint
-  };
-  struct Key {
-    std::string name;
-    StateField field;
-    bool operator<(const Key& o) const { return name != o.name ? name < o.name : field < o.field; }
-  };
-
-  Env* env_ = nullptr;
+  std::unique_ptr<TagFiles> files_;  // the rank files, kept mapped for the extents that view them
   std::string dir_;
   TagDescription layout_;
   std::vector<ParamRule> params_;
-  std::map<Key, Index> index_;
-  std::map<std::string, Value> steps_;
-  Value param_groups_;
+  ExtentIndex index_;
+  TagOptimizerState optimizer_;
   std::vector<Buffer> buffers_;
-  std::vector<std::shared_ptr<const MappedFile>> files_;
-  std::vector<Value> held_;  // xser rank files: their tensors keep the tensor files mapped
-  std::map<std::string, Value> given_;  // FromFiles's files; empty for a tag on disk
   bool ordered_ = false;
-  bool xser_ = false, optimizer_skipped_ = false;
-  uint64_t bytes_ = 0;
+  bool optimizer_skipped_ = false;
   int64_t step_ = 0;
   double consumed_ = 0;
   bool consumed_known_ = true;

@@ -1,6 +1,7 @@
 #include "ckpt/spec/optimizer_state.h"
 
 #include <algorithm>
+#include <set>
 
 #include "ckpt/spec/partition.h"
 #include "ckpt/util/error.h"
@@ -39,6 +40,55 @@ Value OptimizerFile::ToValue() const {
   d.Set("shape_info", shapes);
   if (any_master) d.Set("sharded_master_weights", masters);
   return out;
+}
+
+namespace {
+
+const Dict& DictNamed(const Value& v, const std::string& where) {
+  if (!v.is_dict()) throw Error(where + " is a " + v.kind_name() + ", not a dict");
+  return v.as_dict();
+}
+
+}  // namespace
+
+OptimizerFileView::OptimizerFileView(const Value& file, std::string where) : top_(&DictNamed(file, where)), where_(std::move(where)) {}
+
+std::optional<std::string> OptimizerFileView::UnknownKey() const {
+  static const std::set<std::string> kKnown{"state", "param_groups", "base_state", "shape_info", "sharded_master_weights"};
+  for (const auto& [k, _] : top_->items) {
+    const std::string key = k.is_str() ? k.as_str() : "?";
+    if (!kKnown.count(key)) return key;
+  }
+  return std::nullopt;
+}
+
+bool OptimizerFileView::KeyedById(const std::string& key) {
+  return key == "state" || key == "base_state" || key == "shape_info" || key == "sharded_master_weights";
+}
+
+const Dict& OptimizerFileView::Moments() const {
+  const char* key = moments_key();
+  return DictNamed(top_->At(key), where_ + ": '" + key + "'");
+}
+
+void OptimizerFileView::CheckZero1StateEmpty() const {
+  if (!DictNamed(top_->At("state"), where_ + ": 'state'").items.empty())
+    throw Error(where_ + ": ZeRO-1 'state' is not empty; its entries have no known place in a re-laid file");
+}
+
+const Dict* OptimizerFileView::ShapeInfo() const { return zero1() ? &DictNamed(top_->At("shape_info"), where_ + ": 'shape_info'") : nullptr; }
+
+const Dict* OptimizerFileView::Masters() const {
+  const Value* m = top_->Find("sharded_master_weights");
+  return m ? &DictNamed(*m, where_ + ": masters") : nullptr;
+}
+
+const Dict& OptimizerFileView::AdamWEntry(const Value& e, const std::string& at) {
+  const Dict& entry = DictNamed(e, at);
+  for (const auto& [k, _] : entry.items)
+    if (!k.is_str() || (k.as_str() != "step" && k.as_str() != "exp_avg" && k.as_str() != "exp_avg_sq"))
+      throw Error(at + " holds '" + (k.is_str() ? k.as_str() : "?") + "', not AdamW's step, exp_avg and exp_avg_sq");
+  return entry;
 }
 
 const Value* EntryById(const Dict& by_id, size_t id) {

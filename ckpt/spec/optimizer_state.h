@@ -3,6 +3,10 @@
 // and torch-xla ZeRO-1's ({"state": {}, "param_groups", "base_state": {id:
 // shards}, "shape_info": {id: torch.Size}, optional
 // "sharded_master_weights"}). Ids are positions in the grouping's order.
+// One writer (OptimizerFile::ToValue) and one parser (OptimizerFileView),
+// which the tag reader (ckpt/shard/tag_optimizer.h), nnm2nxdt-ckpt
+// (convert/nnm_optimizer.h) and the trainer (libtrain/optimizer.h) read
+// every optimizer file through.
 #pragma once
 
 #include <functional>
@@ -27,6 +31,44 @@ struct OptimizerFile {
   Value param_groups;               // ParamGroupsFor
   std::vector<ParamState> params;   // by optimizer id
   Value ToValue() const;
+};
+
+// One optimizer file viewed in place as the schemas above lay it out: which
+// form it is, and each part, checked when asked for (so each reader keeps the
+// order of its own checks). Pure: no copies, no I/O; `file` must outlive it.
+// Messages name `where` and the key.
+class OptimizerFileView {
+ public:
+  // Throws "<where> is a <kind>, not a dict" unless `file` is a dict.
+  OptimizerFileView(const Value& file, std::string where);
+  const Dict& top() const { return *top_; }
+  const std::string& where() const { return where_; }
+  // torch-xla ZeRO-1's form: the file holds base_state.
+  bool zero1() const { return top_->Find("base_state") != nullptr; }
+  // Where the moments lie by id: "base_state" (ZeRO-1) or "state".
+  const char* moments_key() const { return zero1() ? "base_state" : "state"; }
+  // The first top-level key neither form has ("?" for a key that is not a string), or nullopt.
+  std::optional<std::string> UnknownKey() const;
+  // param_groups; throws "missing key 'param_groups'" when absent.
+  const Value& param_groups() const { return top_->At("param_groups"); }
+  // The moments by id (moments_key()); throws "<where>: '<key>' is a <kind>, not a dict".
+  const Dict& Moments() const;
+  // Throws unless a ZeRO-1 file's own `state` is an empty dict (its entries would have no place).
+  void CheckZero1StateEmpty() const;
+  // ZeRO-1's shape_info (null for a plain file), sharded_master_weights (null
+  // when absent); each throws when present but not a dict.
+  const Dict* ShapeInfo() const;
+  const Dict* Masters() const;
+  // One parameter's entry of Moments(): throws naming `at` unless it is a dict
+  // holding AdamW's step, exp_avg and exp_avg_sq only.
+  static const Dict& AdamWEntry(const Value& entry, const std::string& at);
+  // Whether a top-level key holds entries by parameter id (state, base_state,
+  // shape_info, sharded_master_weights), which a renumbering rewrites.
+  static bool KeyedById(const std::string& key);
+
+ private:
+  const Dict* top_;
+  std::string where_;
 };
 
 // The entry for optimizer id `id` in a {id: value} dict (state, base_state,

@@ -1,7 +1,9 @@
-// Zero1ShardProblem: a ZeRO-1 file's shards against its shape_info and dp.
+// Zero1ShardProblem: a ZeRO-1 file's shards against its shape_info and dp; OptimizerFileView, the one parser.
 #include "ckpt/spec/optimizer_state.h"
 
 #include <gtest/gtest.h>
+
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {
@@ -62,6 +64,54 @@ TEST(Zero1ShardProblem, OtherShapesAreNamedAsNotCovering) {
   Value g = Zero1File(10, 5);
   g.as_dict().Find("shape_info")->as_dict().items[0].second = Value::List({Value(int64_t{10}), Value(int64_t{4})});
   EXPECT_EQ(Zero1ShardProblem(g, 2, "f"), "f: parameter id 0 exp_avg has shape [5, 3], which is no dim-0 shard of its shape_info [10, 4]");
+}
+
+}  // namespace
+}  // namespace ckpt
+
+namespace ckpt {
+namespace {
+
+using testing::ErrorOf;
+
+// The one parser: both forms' parts, and what each reader refuses, named.
+TEST(OptimizerFileView, ViewsEitherFormsParts) {
+  const Value z = Zero1File(10, 5, /*master=*/true);
+  const OptimizerFileView zero1(z, "f");
+  EXPECT_TRUE(zero1.zero1());
+  EXPECT_STREQ(zero1.moments_key(), "base_state");
+  EXPECT_EQ(zero1.Moments().items.size(), 1u);
+  ASSERT_NE(zero1.ShapeInfo(), nullptr);
+  ASSERT_NE(zero1.Masters(), nullptr);
+  EXPECT_EQ(zero1.UnknownKey(), std::nullopt);
+  EXPECT_EQ(ErrorOf([&] { zero1.CheckZero1StateEmpty(); }), "");
+
+  Value p = Value::NewDict();
+  p.as_dict().Set("state", Value::NewDict());
+  p.as_dict().Set("param_groups", Value::List({}));
+  const OptimizerFileView plain(p, "g");
+  EXPECT_FALSE(plain.zero1());
+  EXPECT_STREQ(plain.moments_key(), "state");
+  EXPECT_EQ(plain.ShapeInfo(), nullptr);
+  EXPECT_EQ(plain.Masters(), nullptr);
+  EXPECT_TRUE(plain.param_groups().is_seq());
+  EXPECT_TRUE(OptimizerFileView::KeyedById("shape_info"));
+  EXPECT_FALSE(OptimizerFileView::KeyedById("param_groups"));
+}
+
+TEST(OptimizerFileView, WhatNeitherFormHoldsIsNamed) {
+  EXPECT_EQ(ErrorOf([] { OptimizerFileView(Value::List({}), "f"); }), "f is a list, not a dict");
+  Value z = Zero1File(10, 5);
+  z.as_dict().Set("loss_scaler", Value(int64_t{1}));
+  EXPECT_EQ(OptimizerFileView(z, "f").UnknownKey(), "loss_scaler");
+  z.as_dict().Set("state", Value(int64_t{3}));
+  EXPECT_EQ(ErrorOf([&] { OptimizerFileView(z, "f").CheckZero1StateEmpty(); }), "f: 'state' is a int, not a dict");
+  Value entry = Value::NewDict();
+  entry.as_dict().Set("momentum_buffer", Value(int64_t{0}));
+  EXPECT_EQ(ErrorOf([&] { OptimizerFileView::AdamWEntry(entry, "f: parameter id 0 (w)"); }),
+            "f: parameter id 0 (w) holds 'momentum_buffer', not AdamW's step, exp_avg and exp_avg_sq");
+  z.as_dict().Set("shape_info", Value::List({}));
+  EXPECT_EQ(ErrorOf([&] { OptimizerFileView(z, "f").ShapeInfo(); }), "f: 'shape_info' is a list, not a dict");
 }
 
 }  // namespace

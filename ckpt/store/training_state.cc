@@ -214,6 +214,24 @@ SchedulerState SchedulerState::FromValue(const Value& v, const std::string& wher
   return s;
 }
 
+RecordedPosition PositionFromContent(const UserContent* content, const std::string& tag_name, SamplesFromName rule) {
+  RecordedPosition at;
+  const auto named = ParseTagName(tag_name);
+  at.named_step = named ? std::optional(named->step) : ParseNxdStepTagName(tag_name);
+  at.samples_nxdt_reads = ConsumedSamplesFromTagPath(tag_name);
+  // The name is a label a later rename or copy can change; the content is what the save recorded.
+  at.step_from_content = content != nullptr;
+  at.step = content ? std::optional(content->ResumeStep()) : at.named_step;
+  if (content && content->consumed_samples) {
+    at.consumed_samples = *content->consumed_samples, at.samples_from_content = true;
+  } else if (rule == SamplesFromName::kTagName && named) {
+    at.consumed_samples = named->consumed_samples;
+  } else if (at.samples_nxdt_reads) {
+    at.consumed_samples = static_cast<double>(*at.samples_nxdt_reads);
+  }
+  return at;
+}
+
 TrainingPosition ReadTrainingPosition(Env* env, const std::string& tag) {
   TrainingPosition at;
   const std::string name = std::filesystem::path(tag).filename().string();
@@ -222,31 +240,26 @@ TrainingPosition ReadTrainingPosition(Env* env, const std::string& tag) {
     return at;
   }
   const std::string path = tag + "/" + kUserContentFile;
-  Value content = LoadTagFile(env, tag, kUserContentFile);
+  const Value content = LoadTagFile(env, tag, kUserContentFile);
   // NxD's own trainer saves free-form user content (its llama example: total_steps, batch_idx,
   // cli_args) and names tags step_<N>: the step comes from the name, the schedule from scheduler.pt.
-  const auto nxd_step = ParseNxdStepTagName(name);
-  if (nxd_step && content.is_dict() && !content.as_dict().Find("global_step")) {
+  std::optional<UserContent> uc;
+  if (const auto nxd_step = ParseNxdStepTagName(name); nxd_step && content.is_dict() && !content.as_dict().Find("global_step"))
     at.notes.push_back("info: " + path + " is NxD's free-form user content (no global_step); the step is " + std::to_string(*nxd_step) +
                        ", from the tag's name");
-    Value v = Value::NewDict();
-    v.as_dict().Set("global_step", Value(*nxd_step));
-    content = v;
-  }
-  const UserContent uc = UserContent::FromValue(content, path);
-  at.step = uc.ResumeStep();
+  else
+    uc = UserContent::FromValue(content, path);
+  const RecordedPosition pos = PositionFromContent(uc ? &*uc : nullptr, name, SamplesFromName::kAsNxdtReads);
+  at.step = *pos.step;
   at.step_recorded = true;
-  // The name is a label a later rename or copy can change; the content is what the save recorded.
   // A name that disagrees is told and not used, so a tag named past every real step cannot hold
   // resume at its true step forever (resume orders tags by this step too).
-  const auto named = ParseTagName(name);
-  const auto named_samples = ConsumedSamplesFromTagPath(name);
-  const std::optional<int64_t> named_step = named ? std::optional(named->step) : nxd_step;
-  if (named_step && *named_step != at.step)
-    at.notes.push_back("warning: " + name + " is named for step " + std::to_string(*named_step) + " but " + kUserContentFile +
+  if (pos.named_step && *pos.named_step != at.step)
+    at.notes.push_back("warning: " + name + " is named for step " + std::to_string(*pos.named_step) + " but " + kUserContentFile +
                        " records step " + std::to_string(at.step) + "; resuming at step " + std::to_string(at.step) + ", what the tag records");
-  if (uc.consumed_samples) {
-    at.consumed_samples = static_cast<int64_t>(*uc.consumed_samples);
+  const std::optional<int64_t>& named_samples = pos.samples_nxdt_reads;
+  if (pos.samples_from_content) {
+    at.consumed_samples = static_cast<int64_t>(*pos.consumed_samples);
     if (named_samples && *named_samples != *at.consumed_samples)
       at.notes.push_back("warning: " + name + " is named consumed_samples=" + std::to_string(*named_samples) + " but " + kUserContentFile +
                          " records " + std::to_string(*at.consumed_samples) + "; resuming from " + std::to_string(*at.consumed_samples) +
@@ -259,7 +272,7 @@ TrainingPosition ReadTrainingPosition(Env* env, const std::string& tag) {
   } else {
     at.notes.push_back("warning: " + name + " names no consumed_samples=N.N and its user content records none; assuming 0, as NxDT does");
   }
-  if (const auto lr_step = uc.LrSchedulerStep()) {
+  if (const auto lr_step = uc ? uc->LrSchedulerStep() : std::nullopt) {
     at.schedule_step = *lr_step;
   } else if (env->Exists(tag + "/" + kSchedulerFile)) {  // shardkit's older tags, NxD's own trainer
     at.schedule_step = SchedulerState::FromValue(LoadTagFile(env, tag, kSchedulerFile), tag + "/" + kSchedulerFile).last_epoch;

@@ -107,6 +107,30 @@ struct SchedulerState {
   size_t last_epoch_at_ = 0;  // its position among the entries
 };
 
+// Where consumed samples come from in a tag's name, when its content records none.
+enum class SamplesFromName {
+  kAsNxdtReads,  // ConsumedSamplesFromTagPath only: resume, which must continue as NxDT would
+  kTagName,      // shardkit's and NxDT's tag name (ParseTagName) first, then as NxDT reads it: the tag reader
+};
+
+// Where a tag stands by what it records and what its folder's name says,
+// content over name: the one rule resume (ReadTrainingPosition) and the tag
+// reader (ShardedTag::step) both take. The step is the content's
+// (UserContent::ResumeStep) when there is content, else the name's (step=N,
+// else NxD's step_<N>); consumed samples the content's, else the name's. The
+// name's own values are kept so a caller can say when they disagree. Pure.
+struct RecordedPosition {
+  std::optional<int64_t> step;             // nullopt: neither content nor name gives one
+  bool step_from_content = false;
+  std::optional<int64_t> named_step;       // the name's: ParseTagName's step, else ParseNxdStepTagName
+  std::optional<double> consumed_samples;  // nullopt: recorded nowhere
+  bool samples_from_content = false;
+  std::optional<int64_t> samples_nxdt_reads;  // ConsumedSamplesFromTagPath of the name
+};
+// `content`: the tag's parsed user_content.pt, or null when it has none (or
+// none that records a step); `tag_name`: the tag folder's name.
+RecordedPosition PositionFromContent(const UserContent* content, const std::string& tag_name, SamplesFromName rule);
+
 // Where a tag says training stands, read from what it records, as a resumed
 // run continues: the step from user_content.pt (Lightning's loops, else
 // global_step; NxD's free-form user content has none, and its step_<N> name

@@ -177,6 +177,37 @@ std::string WriteTagOfFiles(const std::string& dir, const std::string& name, con
   return tag;
 }
 
+// The one rule both resume and the tag reader take: content over name; the name's values kept beside.
+TEST(PositionFromContent, TheContentWinsOverTheName) {
+  const std::string name = "megatron_llama--step=9-consumed_samples=72.0.ckpt";
+  UserContent uc{.global_step = 4, .consumed_samples = 32.0, .carried = {}};
+  RecordedPosition p = PositionFromContent(&uc, name, SamplesFromName::kAsNxdtReads);
+  EXPECT_EQ(p.step, 4);
+  EXPECT_TRUE(p.step_from_content);
+  EXPECT_EQ(p.named_step, 9);
+  EXPECT_EQ(p.consumed_samples, 32.0);
+  EXPECT_TRUE(p.samples_from_content);
+  EXPECT_EQ(p.samples_nxdt_reads, 72);
+  // No samples recorded: the name's.
+  uc.consumed_samples.reset();
+  p = PositionFromContent(&uc, name, SamplesFromName::kAsNxdtReads);
+  EXPECT_EQ(p.consumed_samples, 72.0);
+  EXPECT_FALSE(p.samples_from_content);
+  // No content: the name gives the step too; NxD's step_<N> names a step and no samples.
+  p = PositionFromContent(nullptr, name, SamplesFromName::kTagName);
+  EXPECT_EQ(std::tuple(p.step, p.step_from_content, p.consumed_samples), std::tuple(std::optional<int64_t>(9), false, std::optional(72.0)));
+  p = PositionFromContent(nullptr, "step_12", SamplesFromName::kTagName);
+  EXPECT_EQ(std::tuple(p.step, p.consumed_samples), std::tuple(std::optional<int64_t>(12), std::optional<double>()));
+  EXPECT_EQ(PositionFromContent(nullptr, "latest", SamplesFromName::kTagName).step, std::nullopt);
+}
+
+// Where the rules for samples from a name differ: NxDT's regex needs N.N; shardkit's tag name takes "=56".
+TEST(PositionFromContent, SamplesFromANameAsEachReaderTakesThem) {
+  const std::string name = "megatron_llama--step=9-consumed_samples=56.ckpt";
+  EXPECT_EQ(PositionFromContent(nullptr, name, SamplesFromName::kAsNxdtReads).consumed_samples, std::nullopt);
+  EXPECT_EQ(PositionFromContent(nullptr, name, SamplesFromName::kTagName).consumed_samples, 56.0);
+}
+
 TEST(TrainingPosition, ComesFromTheContentAndANameThatDisagreesIsAWarning) {
   testing::TempDir d("position");
   UserContent uc{.global_step = 4, .consumed_samples = 32.0, .carried = {}};

@@ -1,0 +1,102 @@
+// ExtentIndex: rank tensors' runs indexed, covered, compared and read back as logical tensors.
+#include "ckpt/shard/extent_index.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "ckpt/spec/partition.h"
+#include "ckpt/testing/test_util.h"
+
+namespace ckpt {
+namespace {
+
+using testing::Arange;
+using testing::ErrorOf;
+
+// tp rank t's local tensor of a logical `rows` x `cols` arange split by `split` over `tp`.
+Tensor Local(const ParamRule& r, const ModelFormat& f, int tp, int t) {
+  const Tensor whole = Arange(r.shape);
+  Tensor x = Tensor::Zeros(DType::kFloat32, LocalShape(r, f, tp, t));
+  const float* src = reinterpret_cast<const float*>(whole.data());
+  float* dst = reinterpret_cast<float*>(x.mutable_data());
+  const int64_t cols = r.shape[1], lcols = x.shape()[1];
+  for (const Run& run : LocalRuns(r, f, tp, t))
+    for (int64_t i = 0; i < run.count; ++i)
+      for (int64_t row = 0; row < x.shape()[0]; ++row)
+        for (int64_t c = 0; c < lcols; ++c) {
+          if (r.split == SplitDim::kRows && row == run.local + i) dst[row * lcols + c] = src[(run.logical + i) * cols + c];
+          if (r.split == SplitDim::kColumns && c == run.local + i) dst[row * lcols + c] = src[row * cols + run.logical + i];
+          if (r.split == SplitDim::kReplicated) dst[row * lcols + c] = src[row * cols + c];
+        }
+  return x;
+}
+
+std::vector<float> ReadAll(const ExtentIndex& idx, const std::string& name, uint64_t begin, uint64_t n) {
+  std::vector<uint8_t> out(n * 4);
+  idx.Read(name, StateField::kParam, begin, out, nullptr);
+  std::vector<float> got(n);
+  std::memcpy(got.data(), out.data(), out.size());
+  return got;
+}
+
+TEST(ExtentIndex, RowAndColumnSplitsReadBackAsTheLogicalTensor) {
+  const ModelFormat f;
+  for (SplitDim split : {SplitDim::kRows, SplitDim::kColumns}) {
+    const ParamRule r{.name = "w", .shape = {4, 6}, .split = split};
+    ExtentIndex idx;
+    ExtentIndex::Holders owner;
+    std::vector<Tensor> locals;
+    for (int t = 0; t < 2; ++t) locals.push_back(Local(r, f, 2, t));
+    for (int t = 0; t < 2; ++t)
+      idx.AddRuns(r, f, 2, StateField::kParam, t, locals[t], nullptr, 0, locals[t].shape()[0], locals[t].shape()[0], owner, DType::kFloat32, "w");
+    idx.CheckCovered("tag", {r});
+    const auto all = ReadAll(idx, "w", 0, 24);
+    for (int i = 0; i < 24; ++i) ASSERT_EQ(all[i], static_cast<float>(i)) << "element " << i;
+    EXPECT_EQ(ReadAll(idx, "w", 7, 3), (std::vector<float>{7, 8, 9}));
+  }
+}
+
+TEST(ExtentIndex, AMissingRankIsAGapNamedByItsElements) {
+  const ModelFormat f;
+  const ParamRule r{.name = "w", .shape = {4, 3}, .split = SplitDim::kRows};
+  ExtentIndex idx;
+  ExtentIndex::Holders owner;
+  const Tensor x = Local(r, f, 2, 1);  // rows 2..3 only
+  idx.AddRuns(r, f, 2, StateField::kParam, 1, x, nullptr, 0, 2, 2, owner, DType::kFloat32, "w");
+  EXPECT_EQ(ErrorOf([&] { idx.CheckCovered("tag", {r}); }), "tag: w (param): the rank files do not cover elements 0..6 of it");
+}
+
+TEST(ExtentIndex, ReplicasMustEqualTheirFirstHolder) {
+  const ModelFormat f;
+  const ParamRule r{.name = "norm", .shape = {1, 4}, .split = SplitDim::kReplicated};
+  ExtentIndex idx;
+  ExtentIndex::Holders owner;
+  Tensor a = Local(r, f, 2, 0), b = Local(r, f, 2, 1);
+  idx.AddRuns(r, f, 2, StateField::kParam, 0, a, nullptr, 0, 1, 1, owner, DType::kFloat32, "norm");
+  idx.AddRuns(r, f, 2, StateField::kParam, 1, b, nullptr, 0, 1, 1, owner, DType::kFloat32, "norm");
+  idx.CheckCovered("tag", {r});
+  EXPECT_EQ(ErrorOf([&] { idx.CompareReplicas("tag", f); }), "");
+  reinterpret_cast<float*>(b.mutable_data())[2] = 9;
+  EXPECT_EQ(ErrorOf([&] { idx.CompareReplicas("tag", f); }),
+            "tag: 'norm' (param): tp ranks 0 and 1 hold different copies of logical elements 0..3, which both replicate (NxD keeps "
+            "replicas equal); --trust_first_replica reads tp rank 0's");
+}
+
+TEST(ExtentIndex, ADtypeOtherRanksDoNotHoldIsRefused) {
+  const ModelFormat f;
+  const ParamRule r{.name = "w", .shape = {2, 2}, .split = SplitDim::kRows};
+  ExtentIndex idx;
+  ExtentIndex::Holders owner;
+  const Tensor x = Local(r, f, 2, 0);
+  idx.AddRuns(r, f, 2, StateField::kParam, 0, x, nullptr, 0, 1, 1, owner, DType::kFloat32, "w0");
+  EXPECT_EQ(ErrorOf([&] { idx.AddRuns(r, f, 2, StateField::kParam, 1, x, nullptr, 0, 1, 1, owner, DType::kBFloat16, "w1"); }),
+            "w1 is bfloat16 but other ranks hold float32");
+  DType d;
+  ASSERT_TRUE(idx.FindDType("w", StateField::kParam, &d));
+  EXPECT_EQ(d, DType::kFloat32);
+  EXPECT_FALSE(idx.FindDType("w", StateField::kExpAvg, &d));
+}
+
+}  // namespace
+}  // namespace ckpt

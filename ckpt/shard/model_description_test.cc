@@ -1,0 +1,117 @@
+// DescribeModel: stages and a model format from what the model files' names and shapes say, hints and a recorded job config.
+#include "ckpt/shard/model_description.h"
+
+#include <gtest/gtest.h>
+
+#include "ckpt/testing/test_util.h"
+
+namespace ckpt {
+namespace {
+
+using testing::ErrorOf;
+
+Value Zeros(std::vector<int64_t> shape) { return Value(Tensor::Zeros(DType::kFloat32, std::move(shape))); }
+
+// Megatron-style model files of hidden 8, ffn 16 (swiglu: h_to_4h holds 2 x ffn rows), vocab rows
+// 16 per rank, 4 KV heads of head_dim 2, one layer per stage, over tp x pp.
+struct MegatronFiles {
+  int tp, pp;
+  std::vector<Value> files;  // by (p, t)
+  MegatronFiles(int tp_, int pp_) : tp(tp_), pp(pp_) {
+    for (int p = 0; p < pp; ++p)
+      for (int t = 0; t < tp; ++t) {
+        Value d = Value::NewDict();
+        const std::string layer = "language_model.encoder.layers." + std::to_string(p) + ".";
+        if (p == 0) d.as_dict().Set("language_model.embedding.word_embeddings.weight", Zeros({16, 8}));
+        d.as_dict().Set(layer + "self_attention.key_value.weight", Zeros({4 * 2 * 2 / tp, 8}));
+        d.as_dict().Set(layer + "mlp.dense_h_to_4h.weight", Zeros({2 * 16 / tp, 8}));
+        d.as_dict().Set(layer + "mlp.dense_4h_to_h.weight", Zeros({8, 16 / tp}));
+        if (p + 1 == pp) d.as_dict().Set("language_model.encoder.final_layernorm.weight", Zeros({8}));
+        files.push_back(d);
+      }
+  }
+  ModelEvidence Evidence() const {
+    ModelEvidence e;
+    e.dir = "tag";
+    e.grid.tp = tp, e.grid.pp = pp;
+    e.model = [this](int t, int p) -> const Dict& { return files[static_cast<size_t>(p) * tp + t].as_dict(); };
+    e.path = [](const std::string& rel) { return "tag/" + rel; };
+    return e;
+  }
+};
+
+TEST(ModelDescription, StagesAreTheLayerNumbersOfEachStagesFiles) {
+  MegatronFiles m(1, 2);
+  EXPECT_EQ(StageBoundsOfFiles(m.Evidence()), (std::vector<int64_t>{0, 1, 2}));
+  // Stage 1 starting past the layer after stage 0's last: refused, naming its file.
+  Value& s1 = m.files[1];
+  Value moved = Value::NewDict();
+  for (const auto& [k, v] : s1.as_dict().items) {
+    std::string name = k.as_str();
+    if (auto at = name.find("layers.1."); at != std::string::npos) name.replace(at, 9, "layers.3.");
+    moved.as_dict().Set(name, v);
+  }
+  s1 = moved;
+  EXPECT_EQ(ErrorOf([&] { StageBoundsOfFiles(m.Evidence()); }),
+            "tag/model/dp_rank_00_tp_rank_00_pp_rank_01.pt: starts at layer 3 but the stage before ends at layer 0; stages must hold "
+            "consecutive layers");
+}
+
+TEST(ModelDescription, MegatronSizesComeFromShapesAndHeadsFromAHint) {
+  const MegatronFiles m(2, 1);
+  const ModelEvidence e = m.Evidence();
+  std::vector<std::string> notes;
+  const std::string unknown = ErrorOf([&] { DescribeMegatronModel(e, {0, 1}, {}, &notes); });
+  EXPECT_TRUE(unknown.ends_with("so give --heads (model.num_attention_heads)")) << unknown;
+  FormatHints hints;
+  hints.heads = 4;
+  const ModelFormat f = DescribeMegatronModel(e, {0, 1}, hints, &notes);
+  EXPECT_EQ(f.family, ModelFamily::kMegatron);
+  EXPECT_EQ(std::tuple(f.hidden, f.ffn, f.layers, f.heads, f.kv_heads), std::tuple(8, 16, 1, 4, 4));
+  EXPECT_FALSE(f.gelu);  // h_to_4h holds 2 x ffn rows: swiglu
+  EXPECT_EQ(std::pair(f.vocab_size, f.make_vocab_size_divisible_by), std::pair(int64_t{32}, int64_t{1}));  // every row, no rule known
+  EXPECT_TRUE(f.tied_output);
+}
+
+TEST(ModelDescription, TheRecordedJobConfigGivesHeadsAndContradictsAHint) {
+  const MegatronFiles m(2, 1);
+  Value cfg = Value::NewDict();
+  cfg.as_dict().Set("num_attention_heads", Value(int64_t{4}));
+  cfg.as_dict().Set("make_vocab_size_divisible_by", Value(int64_t{8}));
+  Value hp = Value::NewDict();
+  hp.as_dict().Set("cfg", cfg);
+  Value uc = Value::NewDict();
+  uc.as_dict().Set("hyper_parameters", hp);
+  ModelEvidence e = m.Evidence();
+  e.user_content = [&] { return &uc; };
+  std::vector<std::string> notes;
+  const ModelFormat f = DescribeMegatronModel(e, {0, 1}, {}, &notes);
+  EXPECT_EQ(f.heads, 4);
+  EXPECT_EQ(f.make_vocab_size_divisible_by, 8);
+  ASSERT_FALSE(notes.empty());
+  EXPECT_EQ(notes[0], "num_attention_heads 4 from the job config in user_content.pt");
+  FormatHints hints;
+  hints.heads = 2;
+  EXPECT_EQ(ErrorOf([&] { DescribeMegatronModel(e, {0, 1}, hints, &notes); }),
+            "--heads 2 contradicts tag/user_content.pt, whose job config (hyper_parameters.cfg.num_attention_heads) is 4");
+}
+
+TEST(ModelDescription, ARecordedFormatIsTakenAndHintsMustAgree) {
+  const MegatronFiles m(2, 1);
+  FormatHints hints;
+  hints.heads = 4;
+  std::vector<std::string> notes;
+  ModelFormat recorded = DescribeMegatronModel(m.Evidence(), {0, 1}, hints, &notes);
+  ModelEvidence e = m.Evidence();
+  e.recorded = &recorded;
+  const ModelDescription d = DescribeModel(e, {});
+  EXPECT_TRUE(d.from_manifest);
+  EXPECT_EQ(d.format, recorded);
+  EXPECT_EQ(d.stage_bounds, (std::vector<int64_t>{0, 1}));
+  EXPECT_FALSE(d.params.empty());
+  hints.heads = 8;
+  EXPECT_EQ(ErrorOf([&] { DescribeModel(e, hints); }), "--heads 8 contradicts tag/manifest.json, which records 4");
+}
+
+}  // namespace
+}  // namespace ckpt

@@ -1,0 +1,235 @@
+#include "ckpt/shard/tag_files.h"
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <thread>
+
+#include "ckpt/pt/pt_file.h"
+#include "ckpt/pt/xser.h"
+#include "ckpt/spec/optimizer_state.h"
+#include "ckpt/shard/sharded_tag.h"
+#include "ckpt/util/input_guard.h"
+#include "ckpt/util/output_guard.h"
+#include "ckpt/spec/tag_paths.h"
+#include "ckpt/util/error.h"
+
+namespace ckpt {
+
+std::string RankFileRel(const std::string& sub, const RankCoord& r) { return sub + "/" + RankFileName(r); }
+
+void TagFiles::SetInMemory(std::map<std::string, Value> files) {
+  in_memory_ = true;
+  given_ = std::move(files);
+}
+
+// A rank file (or model/ itself) linked out of the tag is refused, never read.
+std::string TagFiles::Path(const std::string& rel) const {
+  if (in_memory_) return dir_ + " (as " + rel + ")";
+  RequireInside(dir_, dir_ + "/" + rel);
+  return dir_ + "/" + rel;
+}
+
+// The rank files of model/ or optim/ (names); what the folder holds is added to `entries`.
+std::vector<std::string> TagFiles::ListRankFiles(const std::string& sub, std::set<std::string>& entries) const {
+  std::vector<std::string> out;
+  std::vector<std::string> names;
+  if (in_memory_) {
+    for (const auto& [rel, v] : given_)
+      if (rel.starts_with(sub + "/")) names.push_back(rel.substr(sub.size() + 1));
+  } else {
+    if (!env_->IsDirectory(Path(sub))) return out;
+    names = env_->ListDir(Path(sub));
+  }
+  for (const auto& n : names) {
+    if (IsTempPath(n)) continue;
+    entries.insert(sub + "/" + n);
+    try {
+      if (ParseRankFileName(n)) out.push_back(n);
+    } catch (const Error& e) {
+      throw Error(Path(sub) + "/" + e.what());
+    }
+  }
+  return out;
+}
+
+void TagFiles::Discover(const TagReadOptions& opts, std::optional<Manifest>& manifest, TagDescription& L, bool* optimizer_skipped) {
+  if (!in_memory_ && !env_->IsDirectory(dir_)) throw Error(dir_ + ": not a folder");
+  if (!in_memory_ && !env_->IsDirectory(Path("model"))) throw Error(dir_ + ": holds no model/ folder; not a checkpoint tag");
+  std::set<std::pair<int, int>> model;
+  int tp = 0, pp = 0;
+  // One container per tag, as NxD's loader reads it: a mix, or a tensor folder without its X.pt, is refused.
+  std::set<std::string> entries;
+  const auto model_files = ListRankFiles("model", entries);
+  const auto optim_files = ListRankFiles("optim", entries);
+  if (const auto bad = XserContainerProblems(entries); !bad.empty()) throw Error(Path(bad[0].entry) + ": " + bad[0].what);
+  xser_ = std::any_of(model_files.begin(), model_files.end(), [&](const std::string& n) { return entries.count("model/" + XserTensorDir(n)); });
+  for (const auto& n : model_files) {
+    auto r = ParseRankFileName(n);
+    if (r->dp != 0) throw Error(Path("model/" + n) + ": model files come from dp rank 0 only");
+    model.insert({r->tp, r->pp});
+    tp = std::max(tp, r->tp + 1), pp = std::max(pp, r->pp + 1);
+  }
+  if (model.empty()) throw Error(Path("model") + ": holds no rank files (dp_rank_00_tp_rank_XX_pp_rank_XX.pt)");
+  if (!in_memory_ && env_->Exists(Path(kManifestFile))) {
+    manifest = Manifest::Load(env_, Path(kManifestFile));
+    if (manifest->grid.tp != tp || manifest->grid.pp != pp)
+      throw Error(Path(kManifestFile) + ": records tp=" + std::to_string(manifest->grid.tp) + " pp=" + std::to_string(manifest->grid.pp) +
+                  " but model/ holds files up to tp rank " + std::to_string(tp - 1) + ", pp rank " + std::to_string(pp - 1));
+  }
+  for (int p = 0; p < pp; ++p)
+    for (int t = 0; t < tp; ++t)
+      if (!model.count({t, p})) throw Error(Path(RankFileRel("model", {0, t, p})) + ": missing; the tag holds other ranks' model files (tp " +
+                                            std::to_string(tp) + ", pp " + std::to_string(pp) + ")");
+  L.grid.tp = tp, L.grid.pp = pp;
+  L.has_optimizer = !optim_files.empty() && !opts.weights_only;
+  *optimizer_skipped = !optim_files.empty() && opts.weights_only;
+  if (!L.has_optimizer) {
+    L.grid.dp = manifest ? manifest->grid.dp : 1;
+    return;
+  }
+  CheckOptimizerFiles(optim_files, manifest, L);
+}
+
+// Optimizer files: ZeRO-1 when they hold base_state, one per dp rank; every
+// rank's present. ZeRO-1 or plain is read from the files themselves.
+void TagFiles::CheckOptimizerFiles(const std::vector<std::string>& names, const std::optional<Manifest>& manifest, TagDescription& L) {
+  const int tp = L.grid.tp, pp = L.grid.pp;
+  std::set<std::tuple<int, int, int>> optim;
+  int dp = 0;
+  for (const auto& n : names)
+    if (auto r = ParseRankFileName(n)) optim.insert({r->dp, r->tp, r->pp}), dp = std::max(dp, r->dp + 1);
+  for (int d = 0; d < dp; ++d)
+    for (int p = 0; p < pp; ++p)
+      for (int t = 0; t < tp; ++t)
+        if (!optim.count({d, t, p}))
+          throw Error(Path(RankFileRel("optim", {d, t, p})) + ": missing; the tag holds optimizer files for " + std::to_string(dp) +
+                      " dp rank(s) of tp " + std::to_string(tp) + ", pp " + std::to_string(pp));
+  L.grid.dp = dp;
+  const Value first = Peek(RankFileRel("optim", {0, 0, 0}));
+  L.grid.zero1 = first.is_dict() && first.as_dict().Find("base_state") != nullptr;
+  if (L.grid.zero1 && dp == 1 && (!manifest || manifest->grid.dp > 1))
+    if (const int64_t lost = Zero1SavedAsOneShard(first)) throw Error(Zero1OneShardMessage(Path(RankFileRel("optim", {0, 0, 0})), lost));
+  if (!L.grid.zero1) {
+    if (dp > 1) throw Error(Path(RankFileRel("optim", {1, 0, 0})) + ": a plain optimizer state dict comes from dp rank 0 only");
+    L.grid.dp = manifest ? manifest->grid.dp : 1;
+  } else if (manifest && (manifest->grid.dp != dp || !manifest->grid.zero1)) {
+    throw Error(Path(kManifestFile) + ": records dp=" + std::to_string(manifest->grid.dp) + (manifest->grid.zero1 ? " with" : " without") +
+                " ZeRO-1, but optim/ holds ZeRO-1 files for " + std::to_string(dp) + " dp rank(s)");
+  }
+}
+
+// An xser tag is thousands of small files, and a cold disk serves one open
+// at a time slowly: every rank file is read by 8 threads at once, so the
+// disk has many requests in flight, before they are checked in order (Load
+// takes each from here, or its error). Memory is what Load holds anyway.
+void TagFiles::Preload(const TagDescription& layout) {
+  const RankGrid& g = layout.grid;
+  std::vector<std::string> rels;
+  for (int p = 0; p < g.pp; ++p)
+    for (int t = 0; t < g.tp; ++t) {
+      rels.push_back(RankFileRel("model", {0, t, p}));
+      if (layout.has_optimizer)
+        for (int d = 0; d < (g.zero1 ? g.dp : 1); ++d) rels.push_back(RankFileRel("optim", {d, t, p}));
+    }
+  std::vector<std::variant<Value, std::exception_ptr>> got(rels.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next++) < rels.size();) {
+      try {
+        got[i] = LoadTagFile(env_, dir_, rels[i]);
+      } catch (...) {
+        got[i] = std::current_exception();
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t k = 1; k < std::min<size_t>(8, rels.size()); ++k) threads.emplace_back(work);
+  work();
+  for (auto& th : threads) th.join();
+  for (size_t i = 0; i < rels.size(); ++i) preloaded_.emplace(rels[i], std::move(got[i]));
+}
+
+Value TagFiles::Peek(const std::string& rel) const {
+  if (!in_memory_) return LoadTagFile(env_, dir_, rel);
+  auto it = given_.find(rel);
+  if (it == given_.end()) throw Error(Path(rel) + ": missing");
+  return it->second;
+}
+
+Value TagFiles::Load(const std::string& rel) {
+  if (in_memory_) {
+    Value v = Peek(rel);
+    ForEachTensor(v, [&](const Tensor& x) {
+      if (!x.data() && x.numel() > 0) throw Error(Path(rel) + ": holds a tensor whose bytes are generated as written, which a reader cannot index");
+      bytes_ += x.nbytes();
+    });
+    return v;
+  }
+  if (xser_) {
+    Value v;
+    if (auto pre = preloaded_.find(rel); pre != preloaded_.end()) {
+      auto got = std::move(pre->second);
+      preloaded_.erase(pre);
+      if (auto* e = std::get_if<std::exception_ptr>(&got)) std::rethrow_exception(*e);
+      v = std::move(std::get<Value>(got));
+    } else {
+      v = LoadTagFile(env_, dir_, rel);
+    }
+    bytes_ += env_->FileSize(Path(rel));
+    std::set<const MappedFile*> files;
+    ForEachTensor(v, [&](const Tensor& x) {
+      if (const StorageOrigin* o = x.storage() ? x.storage()->origin() : nullptr; o && files.insert(o->file).second) {
+        bytes_ += o->file->size();
+        o->file->DropPages(o->file->data(), o->file->size());  // what parsing touched is not needed again
+      }
+    });
+    held_.push_back(v);
+    return v;
+  }
+  auto f = env_->MapFile(Path(rel));
+  bytes_ += f->size();
+  Value v = LoadPtFromFile(f);
+  f->DropPages(f->data(), f->size());  // what parsing touched (headers, the pickle) is not needed again
+  files_.push_back(f);
+  file_of_[rel] = f.get();
+  return v;
+}
+
+const MappedFile* TagFiles::FileOf(const Tensor& x, const std::string& rel) const {
+  if (const StorageOrigin* o = x.storage() ? x.storage()->origin() : nullptr) return o->file;
+  auto it = file_of_.find(rel);
+  return it == file_of_.end() ? nullptr : it->second;
+}
+
+void TagFiles::LoadModelFiles(const RankGrid& g) {
+  tp_ = g.tp;
+  model_.resize(static_cast<size_t>(g.tp) * g.pp);
+  for (int p = 0; p < g.pp; ++p)
+    for (int t = 0; t < g.tp; ++t) {
+      const std::string rel = RankFileRel("model", {0, t, p});
+      Value& v = model_[static_cast<size_t>(p) * tp_ + t];
+      v = Load(rel);
+      if (!v.is_dict()) throw Error(Path(rel) + " is a " + v.kind_name() + ", not a dict");
+    }
+}
+
+const Value* TagFiles::UserContent() {
+  if (!user_content_loaded_) {
+    user_content_loaded_ = true;
+    if (in_memory_ ? given_.count(kUserContentFile) > 0 : env_->Exists(Path(kUserContentFile))) user_content_ = Peek(kUserContentFile);
+  }
+  return user_content_ ? &*user_content_ : nullptr;
+}
+
+std::optional<Value> TagFiles::TagFile(const std::string& name) const {
+  if (in_memory_) {
+    auto it = given_.find(name);
+    return it == given_.end() ? std::nullopt : std::optional<Value>(it->second);
+  }
+  const std::string path = dir_ + "/" + name;
+  if (!env_->Exists(path)) return std::nullopt;
+  return LoadTagFile(env_, dir_, name);
+}
+
+}  // namespace ckpt

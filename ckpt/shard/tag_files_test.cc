@@ -1,0 +1,75 @@
+// TagFiles: which rank files a tag holds, what is missing, and the degrees their names give.
+#include "ckpt/shard/tag_files.h"
+
+#include <gtest/gtest.h>
+
+#include "ckpt/shard/sharded_tag.h"
+#include "ckpt/testing/test_util.h"
+
+namespace ckpt {
+namespace {
+
+using testing::ErrorOf;
+
+Value ModelFile() {
+  Value v = Value::NewDict();
+  v.as_dict().Set("x", Value(Tensor::Zeros(DType::kFloat32, {2})));
+  return v;
+}
+
+Value OptimFile(bool zero1) {
+  Value v = Value::NewDict();
+  v.as_dict().Set(zero1 ? "base_state" : "state", Value::NewDict());
+  v.as_dict().Set("param_groups", Value::List({}));
+  return v;
+}
+
+// Discover over a tag in memory holding `rels`; the layout it found, or the error.
+std::string Discover(const std::vector<std::string>& rels, TagDescription* layout, bool weights_only = false, bool zero1 = false) {
+  std::map<std::string, Value> files;
+  for (const auto& r : rels) files[r] = r.starts_with("model/") ? ModelFile() : OptimFile(zero1);
+  TagFiles tf(Env::Default(), "tag");
+  tf.SetInMemory(std::move(files));
+  std::optional<Manifest> manifest;
+  bool skipped = false;
+  TagReadOptions opts;
+  opts.weights_only = weights_only;
+  return ErrorOf([&] { tf.Discover(opts, manifest, *layout, &skipped); });
+}
+
+TEST(TagFiles, TheDegreesComeFromTheRankFileNames) {
+  TagDescription L;
+  EXPECT_EQ(Discover({"model/dp_rank_00_tp_rank_00_pp_rank_00.pt", "model/dp_rank_00_tp_rank_01_pp_rank_00.pt",
+                      "model/dp_rank_00_tp_rank_00_pp_rank_01.pt", "model/dp_rank_00_tp_rank_01_pp_rank_01.pt"},
+                     &L),
+            "");
+  EXPECT_EQ(std::tuple(L.grid.tp, L.grid.pp, L.grid.dp, L.has_optimizer), std::tuple(2, 2, 1, false));
+}
+
+TEST(TagFiles, AMissingRankFileIsNamed) {
+  TagDescription L;
+  EXPECT_EQ(Discover({"model/dp_rank_00_tp_rank_00_pp_rank_00.pt", "model/dp_rank_00_tp_rank_01_pp_rank_01.pt"}, &L),
+            "tag (as model/dp_rank_00_tp_rank_01_pp_rank_00.pt): missing; the tag holds other ranks' model files (tp 2, pp 2)");
+  EXPECT_EQ(Discover({}, &L), "tag (as model): holds no rank files (dp_rank_00_tp_rank_XX_pp_rank_XX.pt)");
+  EXPECT_EQ(Discover({"model/dp_rank_01_tp_rank_00_pp_rank_00.pt"}, &L), "tag (as model/dp_rank_01_tp_rank_00_pp_rank_00.pt): model files come from dp rank 0 only");
+}
+
+TEST(TagFiles, OptimizerFilesGiveDpAndZero1) {
+  const std::string model = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt";
+  TagDescription L;
+  // Plain files (state) come from dp rank 0 only; ZeRO-1 ones (base_state) from each.
+  EXPECT_EQ(Discover({model, "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"}, &L), "");
+  EXPECT_EQ(std::tuple(L.grid.dp, L.grid.zero1, L.has_optimizer), std::tuple(1, false, true));
+  EXPECT_EQ(Discover({model, "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt", "optim/dp_rank_01_tp_rank_00_pp_rank_00.pt"}, &L),
+            "tag (as optim/dp_rank_01_tp_rank_00_pp_rank_00.pt): a plain optimizer state dict comes from dp rank 0 only");
+  EXPECT_EQ(Discover({model, "optim/dp_rank_01_tp_rank_00_pp_rank_00.pt"}, &L),
+            "tag (as optim/dp_rank_00_tp_rank_00_pp_rank_00.pt): missing; the tag holds optimizer files for 2 dp rank(s) of tp 1, pp 1");
+  EXPECT_EQ(Discover({model, "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt", "optim/dp_rank_01_tp_rank_00_pp_rank_00.pt"}, &L, false, true), "");
+  EXPECT_EQ(std::tuple(L.grid.dp, L.grid.zero1), std::tuple(2, true));
+  TagDescription W;
+  EXPECT_EQ(Discover({model, "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"}, &W, /*weights_only=*/true), "");
+  EXPECT_FALSE(W.has_optimizer);
+}
+
+}  // namespace
+}  // namespace ckpt
