@@ -32,6 +32,13 @@ Tensor Local(const ParamRule& r, const ModelFormat& f, int tp, int t) {
   return x;
 }
 
+// A rule as a family's table makes it: with its spec.
+ParamRule Rule(const std::string& name, std::vector<int64_t> shape, SplitDim split) {
+  ParamRule r{.name = name, .shape = shape, .split = split};
+  r.spec = TensorParallelSpec(shape, split, FusedRows::kPlain, ModelFormat{});
+  return r;
+}
+
 std::vector<float> ReadAll(const ExtentIndex& idx, const std::string& name, uint64_t begin, uint64_t n) {
   std::vector<uint8_t> out(n * 4);
   idx.Read(name, StateField::kParam, begin, out, nullptr);
@@ -43,7 +50,7 @@ std::vector<float> ReadAll(const ExtentIndex& idx, const std::string& name, uint
 TEST(ExtentIndex, RowAndColumnSplitsReadBackAsTheLogicalTensor) {
   const ModelFormat f;
   for (SplitDim split : {SplitDim::kRows, SplitDim::kColumns}) {
-    const ParamRule r{.name = "w", .shape = {4, 6}, .split = split};
+    const ParamRule r = Rule("w", {4, 6}, split);
     ExtentIndex idx;
     ExtentIndex::Holders owner;
     std::vector<Tensor> locals;
@@ -59,7 +66,7 @@ TEST(ExtentIndex, RowAndColumnSplitsReadBackAsTheLogicalTensor) {
 
 TEST(ExtentIndex, AMissingRankIsAGapNamedByItsElements) {
   const ModelFormat f;
-  const ParamRule r{.name = "w", .shape = {4, 3}, .split = SplitDim::kRows};
+  const ParamRule r = Rule("w", {4, 3}, SplitDim::kRows);
   ExtentIndex idx;
   ExtentIndex::Holders owner;
   const Tensor x = Local(r, f, 2, 1);  // rows 2..3 only
@@ -69,7 +76,7 @@ TEST(ExtentIndex, AMissingRankIsAGapNamedByItsElements) {
 
 TEST(ExtentIndex, ReplicasMustEqualTheirFirstHolder) {
   const ModelFormat f;
-  const ParamRule r{.name = "norm", .shape = {1, 4}, .split = SplitDim::kReplicated};
+  const ParamRule r = Rule("norm", {1, 4}, SplitDim::kReplicated);
   ExtentIndex idx;
   ExtentIndex::Holders owner;
   Tensor a = Local(r, f, 2, 0), b = Local(r, f, 2, 1);
@@ -85,7 +92,7 @@ TEST(ExtentIndex, ReplicasMustEqualTheirFirstHolder) {
 
 TEST(ExtentIndex, ADtypeOtherRanksDoNotHoldIsRefused) {
   const ModelFormat f;
-  const ParamRule r{.name = "w", .shape = {2, 2}, .split = SplitDim::kRows};
+  const ParamRule r = Rule("w", {2, 2}, SplitDim::kRows);
   ExtentIndex idx;
   ExtentIndex::Holders owner;
   const Tensor x = Local(r, f, 2, 0);

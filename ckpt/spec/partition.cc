@@ -6,6 +6,7 @@
 
 #include "ckpt/spec/model_family.h"
 #include "ckpt/spec/optimizer_groups.h"
+#include "ckpt/pt/tensor.h"
 
 namespace ckpt {
 namespace {
@@ -237,7 +238,7 @@ HeadSplit KvReplicationOf(const ModelFormat& f) {
 ShardSpec TensorParallelSpec(const std::vector<int64_t>& shape, SplitDim split, FusedRows fused, const ModelFormat& f) {
   if (split == SplitDim::kReplicated) return ShardSpec::Whole(shape, {Axis::kTp, Axis::kDp});
   const int dim = split == SplitDim::kRows ? 0 : 1;
-  const int64_t hd = f.head_dim();
+  const int64_t hd = f.heads > 0 ? f.head_dim() : 0;  // head splits only; a plain cut needs no heads
   DimSplit cut;
   HeadSplit& heads = cut.heads;
   heads = KvReplicationOf(f);
@@ -256,10 +257,19 @@ ShardSpec TensorParallelSpec(const std::vector<int64_t>& shape, SplitDim split, 
   return ShardSpec::Whole(shape, {Axis::kDp}).Split(dim, cut);
 }
 
+namespace {
+// A rule made by hand without its spec would index boxes of no dimensions.
+const ShardSpec& SpecOf(const ParamRule& p) {
+  if (p.spec.global_shape != p.shape)
+    throw Error("parameter " + p.name + " of shape " + ShapeString(p.shape) + " has no shard spec of that shape");
+  return p.spec;
+}
+}  // namespace
+
 std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat&, int tp, int rank) {
   const int dim = p.split == SplitDim::kColumns ? 1 : 0;
   std::vector<Run> runs;
-  for (const Box& b : BoxesOf(p.spec, AxisCoords::Tp(tp, rank))) runs.push_back({b.local.at(dim), b.offset.at(dim), b.size.at(dim)});
+  for (const Box& b : BoxesOf(SpecOf(p), AxisCoords::Tp(tp, rank))) runs.push_back({b.local.at(dim), b.offset.at(dim), b.size.at(dim)});
   return runs;
 }
 
@@ -269,7 +279,7 @@ KvReplicas KvReplicasOf(int64_t kv_heads, int tp, int rank) {
 }
 
 std::vector<int64_t> LocalShape(const ParamRule& p, const ModelFormat&, int tp, int rank) {
-  return LocalShapeOf(p.spec, AxisCoords::Tp(tp, rank));
+  return LocalShapeOf(SpecOf(p), AxisCoords::Tp(tp, rank));
 }
 
 std::vector<int64_t> StageBounds(int64_t layers, int pp, const std::vector<int64_t>& cuts) {

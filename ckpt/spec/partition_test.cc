@@ -46,6 +46,19 @@ std::vector<int64_t> Indices(const ParamRule& p, const ModelFormat& f, int tp, i
   return out;
 }
 
+TEST(Partition, ARuleWithoutItsShardSpecIsRefusedNamingIt) {
+  const ParamRule bare{.name = "w", .shape = {4, 6}, .split = SplitDim::kRows};
+  try {
+    LocalRuns(bare, ModelFormat{}, 2, 0);
+    FAIL() << "a rule with no spec gave runs";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter w of shape [4, 6] has no shard spec"), std::string::npos) << e.what();
+  }
+  ParamRule made = bare;
+  made.spec = TensorParallelSpec(made.shape, made.split, FusedRows::kPlain, ModelFormat{});  // no heads: a plain cut needs none
+  EXPECT_EQ(LocalShape(made, ModelFormat{}, 2, 1), (std::vector<int64_t>{2, 6}));
+}
+
 TEST(Partition, GptNamesInModuleOrderWithSplitsStatedPerLayer) {
   ModelFormat f = Gpt();
   f.layers = 1;
