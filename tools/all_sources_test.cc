@@ -63,7 +63,7 @@ Made MakeAll(const std::string& kind, const std::string& origin) {
   m.origin_kind = kind;
   ckpt::Env* env = ckpt::Env::Default();
   std::string from = origin;
-  if (kind == "fake") std::ofstream(from = *m.dir / "model.fake");
+  if (kind == "fake") std::ofstream(from = *m.dir / "model.fake") << "SmallLlama\n";  // bytes another detector might claim
   m.paths[kind] = from;
   const ckpt::OpenedSource src = Registry().Open(env, from, {});
   const ckpt::TagDescription& L = src.state->layout();
@@ -123,6 +123,22 @@ TEST_P(Conformance, IsDetectedAsItsKindAndNoOther) {
   EXPECT_EQ(Open(path()).kind, GetParam().kind);
 }
 
+// The largest file of `path` (itself when a file), relative to `path`.
+std::string LargestFile(const std::string& path) {
+  if (!fs::is_directory(path)) return "";
+  std::string best;
+  uintmax_t size = 0;
+  for (const auto& e : fs::recursive_directory_iterator(path))
+    if (e.is_regular_file() && e.file_size() > size) size = e.file_size(), best = fs::relative(e.path(), path).string();
+  return best;
+}
+
+TEST_P(Conformance, NoReaderClaimsAPartOfIt) {
+  const std::string part = LargestFile(path());  // a tag's rank file, an HF folder's weights
+  if (part.empty() || GetParam().kind == "nnm") return;  // one NNM rank file is itself a (tp 1) NNM checkpoint
+  EXPECT_EQ(Registry().Detect(ckpt::Env::Default(), path() + "/" + part), nullptr) << part;
+}
+
 TEST_P(Conformance, HoldsTheOriginsLogicalTensorsAndFingerprints) {
   const ckpt::OpenedSource origin = OpenOrigin(), s = Open(path());
   ASSERT_EQ(s.state->params().size(), origin.state->params().size());
@@ -167,16 +183,6 @@ TEST_P(Conformance, ReadsAPieceAtATimeTouchingOnlyThatPiece) {
   }
   EXPECT_GT(pieces, 7u);
   EXPECT_LE(st.ReadMemory(), uint64_t{64} << 20);  // what a reader may hold besides: fixed, not the model's size
-}
-
-// The largest file of `path` (itself when a file), relative to `path`.
-std::string LargestFile(const std::string& path) {
-  if (!fs::is_directory(path)) return "";
-  std::string best;
-  uintmax_t size = 0;
-  for (const auto& e : fs::recursive_directory_iterator(path))
-    if (e.is_regular_file() && e.file_size() > size) size = e.file_size(), best = fs::relative(e.path(), path).string();
-  return best;
 }
 
 enum class Damage { kTruncated, kRemoved, kFirstByteChanged };
