@@ -23,6 +23,7 @@
 #include "ckpt/shard/sharded_tag.h"
 #include "convert/nnm_convert.h"
 #include "convert/nnm_source.h"
+#include "convert/nnm_state.h"
 
 namespace convert {
 namespace {
@@ -96,37 +97,6 @@ bool WritesMasterWeights(const ConvertPlan& plan) {
   return false;
 }
 
-// The input of a planned file whose tensors are generated as they are written
-// (NNM's unmerged SwiGLU, merged then: ConcatRows), which no reader can
-// index; null when there is none.
-const PlannedFile* GeneratedFile(const ConvertPlan& plan) {
-  for (const auto& f : plan.files) {
-    bool generated = false;
-    ckpt::ForEachTensor(f.file.value, [&](const ckpt::Tensor& x) { generated |= x.storage() && x.storage()->producer(); });
-    if (generated) return &f;
-  }
-  return nullptr;
-}
-
-// The planned files (plain .pt, not xser parts) read as the NxDT tag they
-// make, at NNM's degrees: what the reshard engine reads, and what tells the
-// model format. Throws ckpt::Error when they do not make one.
-std::unique_ptr<ckpt::ShardedTag> PlannedTag(const NnmSource& src, const ConvertPlan& plan, const ckpt::FormatHints& hints,
-                                             const ckpt::TagReadOptions& opts) {
-  if (const PlannedFile* f = GeneratedFile(plan))
-    throw ckpt::Error(f->source + ": holds NNM's unmerged SwiGLU (dense_h_to_4h_2), which is merged only as it is written, so it " +
-                      "cannot be re-cut in the same pass: convert at the checkpoint's own degrees (--tp " + std::to_string(src.grid.tp) +
-                      " --pp " + std::to_string(src.grid.pp) + "), then ckpt-reshard the result");
-  std::map<std::string, ckpt::Value> files;
-  for (const auto& f : plan.files) files.emplace(f.file.relpath, f.file.value);
-  ckpt::Manifest m;  // what the manifest of the converted tag at NNM's degrees would say
-  m.step = plan.global_step;
-  m.consumed_samples = plan.consumed_samples;
-  m.grid = plan.grid;
-  if (plan.optimizer) m.optimizer_grouping = ckpt::NxdtGroupingRule(plan.do_layer_norm_weight_decay);
-  return ckpt::ShardedTag::FromFiles(src.root, std::move(files), m, hints, opts);
-}
-
 const char kFormatSources[] = "nnm2nxdt-ckpt reads the model's format from the checkpoint's hyper_parameters.cfg, else from --nnm_config "
                               "(the NNM job's YAML), --model_config (the HF config.json) or --heads/--kv_heads";
 
@@ -188,19 +158,7 @@ ConvertSummary RunConversion(const ConverterArgs& a, ckpt::Env* env, const std::
         " in one pass");
 
   // Load every input (pickles only: tensor bytes stay mapped) in parallel.
-  std::vector<RankInput> inputs(src.files.size());
-  tbb::parallel_for(size_t{0}, inputs.size(), [&](size_t i) {
-    RankInput& in = inputs[i];
-    in.path = src.files[i];
-    // Made plain as read: NNM's hyper_parameters (omegaconf) become dicts, and
-    // anything shardkit would not write again is refused naming its file.
-    const ckpt::LoadOptions confined{.confine_to = src.folder};  // an xser file's tensor folder too
-    in.checkpoint = ckpt::PlainCheckpointData(ckpt::LoadPtOrXser(in.path, confined, env), in.path);
-    for (int d = 0; d < src.zero1_dp(); ++d) {
-      in.zero1_paths.push_back(src.zero1_files[i * src.zero1_dp() + d]);
-      in.zero1.push_back(ckpt::PlainCheckpointData(ckpt::LoadPtOrXser(in.zero1_paths.back(), confined, env), in.zero1_paths.back()));
-    }
-  });
+  const std::vector<RankInput> inputs = LoadNnmInputs(env, src);
   // Planned as plain files: the engine splits xser files itself.
   const ConvertOptions opts{a.n_layers, a.weights_only, false, a.nxdt_optimizer_groups ? OptimizerGroups::kNxdt : OptimizerGroups::kKeep,
                             a.require_optimizer};

@@ -26,7 +26,7 @@
 #include "ckpt/pt/value_json.h"
 #include "ckpt/util/output_guard.h"
 #include "ckpt/util/progress.h"
-#include "ckpt/shard/sharded_tag.h"
+#include "ckpt/shard/source_registry.h"
 #include "tools/format_hints_cli.h"
 #include "tools/h5_state.h"
 #include "tools/hf_export.h"
@@ -96,8 +96,9 @@ int main(int argc, char** argv) {
       if (hf ? !IsHfExport(env, out) : !tools::IsH5State(out))
         throw ckpt::Error(out + ": --overwrite replaces only what ckpt-export --format " + format + " wrote, and this is not that");
     }
-    const auto state = ckpt::ShardedTag::Open(env, tag, hints.Hints(), {.weights_only = model_only});
-    for (const auto& n : state->format_notes()) log("note: " + n);
+    const ckpt::OpenedSource opened = ckpt::SourceRegistry::Default().Open(env, tag, {.hints = hints.Hints(), .weights_only = model_only}, "tag");
+    const ckpt::LogicalState* state = opened.state.get();
+    for (const auto& n : opened.notes) log("note: " + n);
     // Memory: what is resident now (the source's index), then blocks: one
     // read, one widened (float32), and what HDF5 and the writer buffer.
     const uint64_t base = ckpt::CurrentRss(), min_block = 1 << 20;

@@ -22,7 +22,7 @@
 #include "ckpt/util/error.h"
 #include "ckpt/shard/fingerprint.h"
 #include "ckpt/util/progress.h"
-#include "ckpt/shard/sharded_tag.h"
+#include "ckpt/shard/source_registry.h"
 #include "ckpt/shard/tag_compare.h"
 #include "ckpt/store/tag_verify.h"
 #include "ckpt/store/tag_writer.h"
@@ -91,8 +91,9 @@ int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ck
         failed.push_back({"", t + (p.file.empty() ? "" : "/" + p.file) + ": " + p.what});
   ckpt::CompareReport r;
   if (failed.empty()) {
-    const auto ta = ckpt::ShardedTag::Open(env, a, h), tb = ckpt::ShardedTag::Open(env, b, h);
-    r = ckpt::CompareTags(*ta, *tb, tolerance);
+    const ckpt::SourceRegistry& sources = ckpt::SourceRegistry::Default();
+    const auto ta = sources.Open(env, a, {.hints = h}, "tag"), tb = sources.Open(env, b, {.hints = h}, "tag");
+    r = ckpt::CompareTags(*ta.state, *tb.state, tolerance);
   } else {
     r.differences = failed;  // a tag that fails verification proves nothing
   }
@@ -129,7 +130,7 @@ std::vector<ckpt::TagProblem> CheckFingerprints(ckpt::Env* env, const std::strin
   // Only a manifest that records fingerprints has any to check (and records
   // the model format that opening the tag needs).
   if (!ckpt::Manifest::Load(env, tag + "/" + ckpt::kManifestFile).tensors) return {};
-  const auto t = ckpt::ShardedTag::Open(env, tag);
+  const auto t = ckpt::SourceRegistry::Default().Open(env, tag, {}, "tag").state;
   std::vector<ckpt::TagProblem> out;
   const ckpt::TensorFingerprints have = ckpt::ComputeFingerprints(*t), &want = *t->recorded_fingerprints();
   for (const auto& [name, fields] : have)

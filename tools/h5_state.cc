@@ -663,3 +663,30 @@ void H5State::Read(const std::string& name, StateField f, uint64_t begin, std::s
 }
 
 }  // namespace tools
+
+namespace tools {
+
+bool StartsAsHdf5(ckpt::Env* env, const std::string& path) {
+  static constexpr uint8_t kSignature[8] = {0x89, 'H', 'D', 'F', '\r', '\n', 0x1a, '\n'};  // the HDF5 spec's format signature
+  if (!env->Exists(path) || env->IsDirectory(path) || env->FileSize(path) < sizeof kSignature) return false;
+  const auto m = env->MapFile(path);
+  return std::memcmp(m->data(), kSignature, sizeof kSignature) == 0;
+}
+
+ckpt::SourceKind H5SourceKind() {
+  ckpt::SourceKind k;
+  k.name = "h5";
+  k.description = "a ckpt-export HDF5 file (the whole state, layout-free)";
+  k.detect = StartsAsHdf5;
+  k.open = [](ckpt::Env* env, const std::string& path, const ckpt::SourceOptions&) {
+    auto h5 = H5State::Open(path);
+    ckpt::OpenedSource s;
+    s.tag_name = h5->tag_name();
+    s.bytes = env->FileSize(path);
+    s.state = std::move(h5);
+    return s;
+  };
+  return k;
+}
+
+}  // namespace tools

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "ckpt/shard/logical_state.h"
+#include "ckpt/shard/source_registry.h"
 
 namespace tools {
 
@@ -65,6 +66,15 @@ ExportSummary WriteH5State(const ckpt::LogicalState& src, const std::string& tag
 
 // Whether `path` is a file this format wrote (so --overwrite may replace it).
 bool IsH5State(const std::string& path);
+
+// Whether `path` is an HDF5 file: a regular file that starts with HDF5's
+// signature. Reads its first 8 bytes.
+bool StartsAsHdf5(ckpt::Env* env, const std::string& path);
+
+// The registry entry "h5": detects with StartsAsHdf5 (an HDF5 file that is
+// not an export is claimed, and H5State::Open says what it lacks); opens
+// with H5State::Open. Bytes are the file's; the tag name the one recorded.
+ckpt::SourceKind H5SourceKind();
 
 // An export read back as a LogicalState, for ckpt-import.
 class H5State final : public ckpt::LogicalState {

@@ -264,3 +264,37 @@ void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, 
 }
 
 }  // namespace tools
+
+namespace tools {
+
+bool IsHfFolder(ckpt::Env* env, const std::string& path) {
+  if (!env->IsDirectory(path) || !env->Exists(path + "/config.json")) return false;
+  for (const char* weights : {"model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"})
+    if (env->Exists(path + "/" + weights)) return true;
+  return false;
+}
+
+ckpt::SourceKind HfSourceKind() {
+  ckpt::SourceKind k;
+  k.name = "hf";
+  k.description = "a Hugging Face model folder (config.json and safetensors or pytorch_model.bin weights)";
+  k.detect = IsHfFolder;
+  k.open = [](ckpt::Env* env, const std::string& path, const ckpt::SourceOptions& o) {
+    HfImportOptions hf;
+    hf.make_vocab_size_divisible_by = o.hints.make_vocab_size_divisible_by.value_or(hf.make_vocab_size_divisible_by);
+    hf.family = o.family;
+    hf.fuse_qkv = o.hints.fuse_qkv.value_or(hf.fuse_qkv);
+    hf.qkv_linear = o.hints.qkv_linear.value_or(hf.qkv_linear);
+    hf.model_config = o.model_config;
+    ckpt::OpenedSource s;
+    s.state = HfState::Open(env, path, hf);
+    if (!env->IsDirectory(path)) s.bytes = env->FileSize(path);
+    else
+      for (const auto& name : env->ListDir(path))
+        if (!env->IsDirectory(path + "/" + name)) s.bytes += env->FileSize(path + "/" + name);
+    return s;
+  };
+  return k;
+}
+
+}  // namespace tools

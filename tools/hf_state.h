@@ -25,6 +25,7 @@
 
 #include "ckpt/util/env.h"
 #include "ckpt/shard/logical_state.h"
+#include "ckpt/shard/source_registry.h"
 #include "ckpt/pt/value.h"
 #include "tools/hf_export.h"
 
@@ -57,6 +58,16 @@ struct HfImportOptions {
   // config.json for a single weights file (NxD's checkpoint.pt, a pytorch_model.bin); default: the folder's.
   std::string model_config;
 };
+
+// Whether `path` is a Hugging Face model folder: config.json beside
+// model.safetensors, pytorch_model.bin or either's index. Reads the listing only.
+bool IsHfFolder(ckpt::Env* env, const std::string& path);
+
+// The registry entry "hf": detects with IsHfFolder; opens with HfState::Open,
+// taking SourceOptions' family and model_config, and from its hints
+// make_vocab_size_divisible_by (default 128), fuse_qkv (true) and
+// qkv_linear (false). Bytes are the weights files'; no tag name.
+ckpt::SourceKind HfSourceKind();
 
 class HfState final : public ckpt::LogicalState {
  public:

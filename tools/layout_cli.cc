@@ -29,6 +29,7 @@
 #include "tools/format_hints_cli.h"
 #include "tools/h5_state.h"
 #include "tools/hf_state.h"
+#include "tools/all_sources.h"
 #include "tools/layout_cli.h"
 #include "ckpt/shard/reshard.h"
 
@@ -43,24 +44,16 @@ nlohmann::ordered_json GridJson(const ckpt::RankGrid& g, const std::vector<int64
 
 namespace tools {
 
-ckpt::ReshardSummary RunImport(const ckpt::ReshardArgs& args, bool hf, const HfImportOptions& o, ckpt::Env* env, const ckpt::LogFn& log) {
+ckpt::ReshardSummary RunImport(const ckpt::ReshardArgs& args, bool hf, const ckpt::SourceOptions& o, ckpt::Env* env, const ckpt::LogFn& log) {
   const auto t0 = std::chrono::steady_clock::now();
   ckpt::ReshardArgs a = args;
   a.tool = "import";
   ckpt::ReshardSummary sum;
   sum.src_tag = ckpt::WithoutTrailingSeparators(a.src);
-  if (hf) {
-    const auto src = HfState::Open(env, sum.src_tag, o);
-    if (!env->IsDirectory(sum.src_tag)) sum.bytes_read = env->FileSize(sum.src_tag);
-    else
-      for (const auto& name : env->ListDir(sum.src_tag))
-        if (!env->IsDirectory(sum.src_tag + "/" + name)) sum.bytes_read += env->FileSize(sum.src_tag + "/" + name);
-    return ckpt::WriteInLayout(*src, "", a, env, log, t0, std::move(sum));
-  }
-  if (!env->Exists(a.src) || env->IsDirectory(a.src)) throw ckpt::Error(a.src + ": no such file (IN is a ckpt-export .h5 file)");
-  const auto src = H5State::Open(a.src);
-  sum.bytes_read = env->FileSize(a.src);
-  return ckpt::WriteInLayout(*src, src->tag_name(), a, env, log, t0, std::move(sum));
+  if (!hf && (!env->Exists(a.src) || env->IsDirectory(a.src))) throw ckpt::Error(a.src + ": no such file (IN is a ckpt-export .h5 file)");
+  const ckpt::OpenedSource src = AllSources().Open(env, hf ? sum.src_tag : a.src, o, hf ? "hf" : "h5");
+  sum.bytes_read = src.bytes;
+  return ckpt::WriteInLayout(*src.state, src.tag_name, a, env, log, t0, std::move(sum));
 }
 
 int LayoutMain(int argc, char** argv, LayoutSource source) {
@@ -96,7 +89,8 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   std::string format = "h5";
   int64_t divisible = 128;
   std::string model_source = "megatron";
-  HfImportOptions import;
+  ckpt::SourceOptions import;  // an HF folder's: make_vocab_size_divisible_by, fuse_qkv and qkv_linear go in its hints
+  bool fuse_qkv = true, qkv_linear = false;
   if (!h5) {  // an export records its model format and fingerprints
     app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
     app.add_flag("--weights_only", a.weights_only,
@@ -123,8 +117,8 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
     app.add_option("--model_source", model_source, "with --format hf: megatron (NNM/NxDT megatron names, the default) or hf (NxDT's model_source: hf)")
         ->check(CLI::IsMember({"megatron", "hf"}));
     app.add_option("--model_config", import.model_config, "with --format hf: the config.json of a single weights file SRC (checkpoint.pt, pytorch_model.bin)");
-    app.add_option("--fuse_qkv", import.fuse_qkv, "--model_source hf: NxDT's model.fuse_qkv, true or false (default true)");
-    app.add_option("--qkv_linear", import.qkv_linear, "--model_source hf: NxDT's model.qkv_linear, true or false (default false)");
+    app.add_option("--fuse_qkv", fuse_qkv, "--model_source hf: NxDT's model.fuse_qkv, true or false (default true)");
+    app.add_option("--qkv_linear", qkv_linear, "--model_source hf: NxDT's model.qkv_linear, true or false (default false)");
     app.add_option("--kv_size_multiplier", out_kv, "--model_source hf: NxDT's distributed_strategy.kv_replicator (default 1)")
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
     app.add_option("--hw_backend", out_backend, "--model_source hf: trn1 (the default) or trn2, which replicate KV heads differently")
@@ -144,7 +138,8 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   if (dp) a.dp = dp;
   if (out_kv) a.out_kv_size_multiplier = out_kv;
   if (!out_backend.empty()) a.out_hw_backend = ckpt::ParseBackend(out_backend);
-  import.make_vocab_size_divisible_by = divisible;
+  import.hints.make_vocab_size_divisible_by = divisible;
+  import.hints.fuse_qkv = fuse_qkv, import.hints.qkv_linear = qkv_linear;
   if (model_source == "hf") {
     if (format != "hf") {
       std::cerr << "error: --model_source hf needs --format hf\n";

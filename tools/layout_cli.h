@@ -3,6 +3,7 @@
 
 #include "ckpt/util/env.h"
 #include "ckpt/shard/reshard.h"
+#include "ckpt/shard/source_registry.h"
 
 namespace tools {
 
@@ -10,8 +11,8 @@ enum class LayoutSource { kTag, kExport };
 int LayoutMain(int argc, char** argv, LayoutSource source);
 
 // ckpt-import: opens a ckpt-export file (or with `hf` a Hugging Face folder,
-// its vocab padded to a multiple of `divisible` times tp) and writes it as
-// ckpt::WriteInLayout does.
-ckpt::ReshardSummary RunImport(const ckpt::ReshardArgs& a, bool hf, int64_t divisible, ckpt::Env* env, const ckpt::LogFn& log);
+// read with `o`: its vocab padding, family and config) through the source
+// registry (tools/all_sources.h) and writes it as ckpt::WriteInLayout does.
+ckpt::ReshardSummary RunImport(const ckpt::ReshardArgs& a, bool hf, const ckpt::SourceOptions& o, ckpt::Env* env, const ckpt::LogFn& log);
 
 }  // namespace tools

@@ -13,9 +13,18 @@
 
 #include "ckpt/shard/logical_state.h"
 #include "ckpt/shard/reshard.h"
+#include "ckpt/shard/source_registry.h"
+#include "ckpt/util/error.h"
 #include "ckpt/util/crc32.h"
 
 namespace ckpt::testing {
+
+// A small Megatron-style Llama: 2 layers, 4 heads over 2 KV heads.
+inline ModelFormat SmallLlama() {
+  ModelFormat f;
+  f.hidden = 32, f.ffn = 48, f.heads = 4, f.kv_heads = 2, f.layers = 2, f.vocab_size = 60, f.make_vocab_size_divisible_by = 8;
+  return f;
+}
 
 // A source holding float32 weights only: element i of tensor `name` is Value(name, i).
 class FakeState final : public LogicalState {
@@ -67,6 +76,22 @@ class FakeState final : public LogicalState {
   std::map<std::string, std::map<uint64_t, float>> changed_;
 };
 
+// The registry entry of the fake (ckpt/shard/source_registry.h), "fake": a
+// regular file named *.fake stands for a FakeState of SmallLlama() at that path.
+inline SourceKind FakeSourceKind() {
+  SourceKind k;
+  k.name = "fake";
+  k.description = "the shard tests' fake state (a *.fake file)";
+  k.detect = [](Env* env, const std::string& path) { return path.ends_with(".fake") && env->Exists(path) && !env->IsDirectory(path); };
+  k.open = [](Env* env, const std::string& path, const SourceOptions&) {
+    if (!env->Exists(path)) throw Error(path + ": no such file");
+    OpenedSource s;
+    s.state = std::make_unique<FakeState>(path, SmallLlama());
+    return s;
+  };
+  return k;
+}
+
 // Writes `src` as a tag at `dst` in the parallel layout of `a` (its dst
 // replaced), as ckpt-reshard would, and returns the summary.
 inline ReshardSummary WriteFake(const LogicalState& src, const std::string& dst, ReshardArgs a) {
@@ -75,13 +100,6 @@ inline ReshardSummary WriteFake(const LogicalState& src, const std::string& dst,
   ReshardSummary sum;
   sum.src_tag = src.path();
   return WriteInLayout(src, "", a, Env::Default(), [](const std::string&) {}, std::chrono::steady_clock::now(), sum);
-}
-
-// A small Megatron-style Llama: 2 layers, 4 heads over 2 KV heads.
-inline ModelFormat SmallLlama() {
-  ModelFormat f;
-  f.hidden = 32, f.ffn = 48, f.heads = 4, f.kv_heads = 2, f.layers = 2, f.vocab_size = 60, f.make_vocab_size_divisible_by = 8;
-  return f;
 }
 
 }  // namespace ckpt::testing

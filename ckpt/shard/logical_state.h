@@ -64,6 +64,12 @@ class Touched {
  public:
   void Add(const MappedFile* f, const uint8_t* p, size_t n);
   void Release();  // MappedFile::DropPages of every span touched
+  // Bytes the spans cover now (what a read may keep resident until Release).
+  uint64_t bytes() const {
+    uint64_t n = 0;
+    for (const Span& s : spans_) n += static_cast<uint64_t>(s.hi - s.lo);
+    return n;
+  }
   ~Touched() { Release(); }
 
  private:

@@ -2,6 +2,7 @@
 
 #include "ckpt/spec/model_family.h"
 #include "ckpt/shard/renamed_state.h"
+#include "ckpt/shard/source_registry.h"
 
 #include <sys/resource.h>
 #include <unistd.h>
@@ -315,13 +316,12 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
   const auto t0 = Clock::now();
   ReshardSummary sum;
   sum.src_tag = ResolveSourceTag(a.src, a.verify_source, env, log, a.group->rank(), a.weights_only);
-  const auto src = ckpt::ShardedTag::Open(env, sum.src_tag, a.hints, {.weights_only = a.weights_only, .trust_first_replica = a.trust_first_replica});
-  if (src->optimizer_skipped()) sum.notes.push_back("--weights_only: the source's optimizer state is not read; the target has none");
-  for (const auto& n : src->format_notes()) sum.notes.push_back(n);
-  sum.bytes_read = src->bytes();
-  // Named before `sum` is moved into the call: argument evaluation order is unspecified.
-  const std::string name = std::filesystem::path(sum.src_tag).filename().string();
-  return WriteInLayout(*src, name, a, env, log, t0, std::move(sum));
+  const ckpt::OpenedSource src = ckpt::SourceRegistry::Default().Open(
+      env, sum.src_tag, {.hints = a.hints, .weights_only = a.weights_only, .trust_first_replica = a.trust_first_replica}, "tag");
+  if (src.optimizer_skipped) sum.notes.push_back("--weights_only: the source's optimizer state is not read; the target has none");
+  for (const auto& n : src.notes) sum.notes.push_back(n);
+  sum.bytes_read = src.bytes;
+  return WriteInLayout(*src.state, src.tag_name, a, env, log, t0, std::move(sum));
 }
 
 ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string& source_tag_name, const ReshardArgs& a, ckpt::Env* env,
