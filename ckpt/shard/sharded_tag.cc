@@ -37,12 +37,12 @@ const char* FieldName(StateField f) {
 
 void Touched::Add(const MappedFile* f, const uint8_t* p, size_t n) {
   if (!f) return;  // bytes of no mapped file (a legacy .pt read into memory)
-  for (Span& s : spans_)
-    if (s.file == f) {
-      s.lo = std::min(s.lo, p), s.hi = std::max(s.hi, p + n);
-      return;
-    }
-  spans_.push_back({f, p, p + n});
+  auto s = std::find_if(spans_.begin(), spans_.end(), [&](const Span& x) { return x.file == f; });
+  if (s == spans_.end()) spans_.push_back({f, p, p + n});
+  else s->lo = std::min(s->lo, p), s->hi = std::max(s->hi, p + n);
+  uint64_t covered = 0;
+  for (const Span& x : spans_) covered += static_cast<uint64_t>(x.hi - x.lo);
+  if (covered > limit_) Release();
 }
 
 void Touched::Release() {
@@ -148,7 +148,12 @@ class ShardedTagBuilder {
     auto work = [&] {
       for (size_t i; (i = next++) < rels.size();) {
         try {
-          got[i] = LoadTagFile(env_, t_->dir_, rels[i]);
+          Value v = LoadTagFile(env_, t_->dir_, rels[i]);
+          // Released as each file is parsed, not when Load takes it: otherwise
+          // every rank file's parsed pages (whole small tensor files, mapped a
+          // large folio at a time) stay resident until then, past the memory budget.
+          DropParsedPages(v);
+          got[i] = std::move(v);
         } catch (...) {
           got[i] = std::current_exception();
         }
@@ -191,11 +196,9 @@ class ShardedTagBuilder {
       t_->bytes_ += env_->FileSize(Path(rel));
       std::set<const MappedFile*> files;
       ForEachTensor(v, [&](const Tensor& x) {
-        if (const StorageOrigin* o = x.storage() ? x.storage()->origin() : nullptr; o && files.insert(o->file).second) {
-          t_->bytes_ += o->file->size();
-          o->file->DropPages(o->file->data(), o->file->size());  // what parsing touched is not needed again
-        }
+        if (const StorageOrigin* o = x.storage() ? x.storage()->origin() : nullptr; o && files.insert(o->file).second) t_->bytes_ += o->file->size();
       });
+      DropParsedPages(v);
       t_->held_.push_back(v);
       return v;
     }
@@ -206,6 +209,15 @@ class ShardedTagBuilder {
     t_->files_.push_back(f);
     file_of_[rel] = f.get();
     return v;
+  }
+
+  // Releases the pages parsing an xser rank file touched in its tensor files: they are not needed again.
+  static void DropParsedPages(const Value& v) {
+    std::set<const MappedFile*> files;
+    ForEachTensor(v, [&](const Tensor& x) {
+      if (const StorageOrigin* o = x.storage() ? x.storage()->origin() : nullptr; o && files.insert(o->file).second)
+        o->file->DropPages(o->file->data(), o->file->size());
+    });
   }
 
   // The mapped file a tensor's bytes lie in: its own tensor file under xser.
