@@ -19,10 +19,9 @@ import re
 import subprocess
 import unittest
 
-import numpy as np
-
-from bad_input import write_safetensors
+from bad_input import hf_tensors, write_safetensors
 from canon import CONVERT, EXPORT, IMPORT, RESHARD, TempDirTest
+from reshard import run_measured
 
 MiB = 1 << 20
 THREADS = 16
@@ -34,57 +33,15 @@ TINY = dict(BIG, hidden_size=256, intermediate_size=512, vocab_size=512)
 NNM_BIG = dict(hidden=1024, ffn=2816, heads=32, kv_heads=8, layers=2, vocab=8000, seq=8, gpt=False)
 NNM_TINY = dict(NNM_BIG, hidden=256, ffn=512, vocab=512)
 
-# Runs a command in a fork of a small Python and prints its peak RSS (as tests/interop/reshard.py does).
-_MEASURE = """import os, sys
-pid = os.fork()
-if pid == 0:
-    os.execv(sys.argv[1], sys.argv[1:])
-_, status, usage = os.wait4(pid, 0)
-sys.stderr.write("\\npeak-rss-kib %d\\n" % usage.ru_maxrss)
-sys.exit(os.waitstatus_to_exitcode(status))
-"""
-
-
-def run_measured(*args):
-    """subprocess.run with .peak: the command's peak resident memory in bytes (ru_maxrss)."""
-    p = subprocess.run(["/usr/bin/python3", "-S", "-c", _MEASURE, *map(str, args)], capture_output=True, text=True)
-    m = re.search(r"\npeak-rss-kib (\d+)\n$", p.stderr)
-    assert m, p.stderr
-    p.peak = int(m.group(1)) * 1024
-    p.stderr = p.stderr[:m.start()]
-    return p
-
 
 def hf_folder(root, cfg):
-    """A LlamaForCausalLM folder of `cfg`'s sizes, float32, normal values (numpy: fast)."""
-    rng = np.random.default_rng(0)
-    H, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = H // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
-    shapes = {"model.embed_tokens.weight": (V, H)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (H,), p + "self_attn.q_proj.weight": (H, H), p + "self_attn.k_proj.weight": (kv, H),
-                       p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, H),
-                       p + "post_attention_layernorm.weight": (H,), p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
-                       p + "mlp.down_proj.weight": (H, F)})
-    shapes.update({"model.norm.weight": (H,), "lm_head.weight": (V, H)})
-
-    class Array:  # what write_safetensors takes of a tensor
-        def __init__(self, a):
-            self.a, self.shape = a, a.shape
-
-        def contiguous(self):
-            return self
-
-        def numpy(self):
-            return self.a
-
+    """A LlamaForCausalLM folder of `cfg`'s sizes (float32), and its largest tensor's bytes."""
+    tensors = hf_tensors(cfg)
     os.makedirs(root)
-    write_safetensors(os.path.join(root, "model.safetensors"),
-                      {k: Array(rng.standard_normal(s, dtype=np.float32) * 0.02) for k, s in shapes.items()})
+    write_safetensors(os.path.join(root, "model.safetensors"), tensors)
     with open(os.path.join(root, "config.json"), "w") as f:
         json.dump(dict(cfg, architectures=["LlamaForCausalLM"], model_type="llama"), f)
-    return root, max(int(np.prod(s)) * 4 for s in shapes.values())
+    return root, max(t.numel() * 4 for t in tensors.values())
 
 
 class MemoryBudget(TempDirTest):
