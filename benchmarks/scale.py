@@ -45,6 +45,7 @@ import tempfile
 import time
 
 from bench_util import settle
+from reshard import parse_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = "/usr/bin/python3"
@@ -223,8 +224,13 @@ class Bench:
             print(f"  {command}: time = {a:.2f} s + {b * 2**30:.3f} s/GiB moved (dd limit: {la:.2f} s + {lb * 2**30:.3f} s/GiB); "
                   f"peak RSS = {c / 2**20:.0f} MiB + {d * 2**30 / 2**20:.3f} MiB per GiB of source")
             moved = 2 * BYTES_405B
+            # Peak RSS grows at small sizes only while tensors are smaller than a chunk; the budget
+            # (plus one chunk, 64 MiB at most: ckpt/shard/reshard.cc) bounds it at any size.
+            bound = parse_size(self.a.memory_budget) + (64 << 20)
+            rss = min(c + d * BYTES_405B, bound)
             print(f"    405B tag ({BYTES_405B / 1e12:.1f} TB read and written): {(a + b * moved) / 3600:.1f} h "
-                  f"(dd limit {(la + lb * moved) / 3600:.1f} h), peak RSS {(c + d * BYTES_405B) / 2**20:.0f} MiB")
+                  f"(dd limit {(la + lb * moved) / 3600:.1f} h), peak RSS {rss / 2**20:.0f} MiB "
+                  f"({'the fit' if rss < bound else 'the budget and a chunk: the fit gives ' + format((c + d * BYTES_405B) / 2**20, '.0f') + ' MiB'})")
 
 
 def main():
