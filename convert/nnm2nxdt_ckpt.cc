@@ -7,7 +7,6 @@
 // --tp/--pp other than the checkpoint's convert and re-cut in one pass; the
 // model format then comes from the checkpoint's hyper_parameters, else from
 // --nnm_config, --model_config or --heads and its kin (tools/format_hints_cli.h).
-#include <tbb/global_control.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -22,6 +21,8 @@
 #include "ckpt/mpi/mpi_group.h"
 #include "tools/common/cli.h"
 #include "tools/common/job_cli.h"
+#include "tools/common/threads.h"
+#include "ckpt/shard/reshard.h"
 #include "ckpt/util/error.h"
 #include "ckpt/spec/tag_paths.h"
 #include "ckpt/util/progress.h"
@@ -106,7 +107,6 @@ int main(int argc, char** argv) {
   if (!*enabled) workers = 1;
   else if (threads) workers = threads;
   else if (processes) workers = std::min(workers, processes);
-  tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(workers));
   a.threads = workers;
 
   // mpirun (Open MPI / PMIx) tells each process its rank and the job.
@@ -121,12 +121,13 @@ int main(int argc, char** argv) {
                                              .not_in_output = {"--threads", "--num_parallel_processes", "--enable_parallel_processing",
                                                                "--memory_budget"}},
                                             ckpt::Env::Default()));
-    const auto s = convert::RunConversion(a, ckpt::Env::Default(), log);
+    const auto s = tools::WithThreads(a.threads, [&] { return convert::RunConversion(a, ckpt::Env::Default(), log); });
     if (a.dry_run) return 0;
     char line[512];
-    std::snprintf(line, sizeof line, "converted %d input files -> %d files, %lld tensors, %s in %.2f s (%s/s)", s.inputs, s.files,
-                  static_cast<long long>(s.tensors), ckpt::HumanBytes(s.bytes).c_str(), s.seconds,
-                  ckpt::HumanBytes(static_cast<uint64_t>(static_cast<double>(s.bytes) / std::max(s.seconds, 1e-9))).c_str());
+    std::snprintf(line, sizeof line, "converted %d input files -> %d files, %lld tensors, %s in %.2f s (%s/s); peak memory %s of the %s budget",
+                  s.inputs, s.files, static_cast<long long>(s.tensors), ckpt::HumanBytes(s.bytes).c_str(), s.seconds,
+                  ckpt::HumanBytes(static_cast<uint64_t>(static_cast<double>(s.bytes) / std::max(s.seconds, 1e-9))).c_str(),
+                  ckpt::HumanBytes(ckpt::PeakRss()).c_str(), ckpt::HumanBytes(a.memory_budget).c_str());
     if (a.group->size() > 1) log("rank " + std::to_string(a.group->rank()) + ": " + line);
     else log(line);
     if (a.group->rank() == 0) log("NxDT checkpoint: " + s.tag_dir);

@@ -59,7 +59,7 @@ class Producer {
       const uint64_t len = static_cast<uint64_t>(b.rows * t_.width);
       if (n > 0 && e < start + len) {
         const uint64_t from = e - start, take = std::min(n, len - from);
-        ckpt::Touched touched;
+        ckpt::Touched touched(out.size());  // source pages: at most a chunk's worth
         src_.Read(b.name, ckpt::StateField::kParam, static_cast<uint64_t>(b.row * t_.width) + from, {out.data() + o * es, take * es},
                   &touched);
         e += take, n -= take, o += take;

@@ -8,7 +8,6 @@
 //     model folder (tools/hf_state.h), weights only.
 // Exit 0 on success, 2 for bad input or a failed check (the message names
 // the file, key or degree), 1 for anything unexpected.
-#include <tbb/global_control.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -21,6 +20,7 @@
 #include "ckpt/mpi/mpi_group.h"
 #include "tools/common/cli.h"
 #include "tools/common/job_cli.h"
+#include "tools/common/threads.h"
 #include "ckpt/util/error.h"
 #include "ckpt/spec/rank_grid.h"
 #include "ckpt/util/output_guard.h"
@@ -175,9 +175,9 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
       a.pipeline_cuts.push_back(std::stoll(item));
       at = comma + 1;
     }
-    tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(a.threads));
-    const ckpt::ReshardSummary s =
-        h5 ? RunImport(a, format == "hf", import, ckpt::Env::Default(), log) : ckpt::RunReshard(a, ckpt::Env::Default(), log);
+    const ckpt::ReshardSummary s = WithThreads(a.threads, [&] {
+      return h5 ? RunImport(a, format == "hf", import, ckpt::Env::Default(), log) : ckpt::RunReshard(a, ckpt::Env::Default(), log);
+    });
     const double rate = static_cast<double>(s.bytes_written) / std::max(s.seconds, 1e-9);
     if (json && a.group->rank() == 0) {
       nlohmann::ordered_json j = {{"source", s.src_tag},

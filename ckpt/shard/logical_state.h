@@ -59,9 +59,15 @@ struct TagDescription {
   bool master_weights = false;  // ZeRO-1 sharded_master_weights
 };
 
-// Pages of mapped files a copy touched, released once the copy is done.
+// Pages of mapped files a copy touched, released once the copy is done, or
+// as soon as the spans touched cover more than `limit` bytes: a chunk of a
+// column-split target reads a row piece from every source row, so its span in
+// a source file is the source's width over the chunk's times the chunk, which
+// the memory budget (ckpt/shard/reshard.h) does not hold otherwise.
 class Touched {
  public:
+  explicit Touched(uint64_t limit = UINT64_MAX) : limit_(limit) {}
+  // Records that [p, p + n) of `f` was read (copied out already: releasing it is always safe).
   void Add(const MappedFile* f, const uint8_t* p, size_t n);
   void Release();  // MappedFile::DropPages of every span touched
   // Bytes the spans cover now (what a read may keep resident until Release).
@@ -78,6 +84,7 @@ class Touched {
     const uint8_t *lo, *hi;
   };
   std::vector<Span> spans_;
+  uint64_t limit_;
 };
 
 // A model-file entry that is not a parameter (rotary inv_freq buffers):

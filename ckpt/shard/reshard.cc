@@ -74,7 +74,7 @@ struct TargetSlice {
     const int64_t inner = local.empty() ? 1 : ckpt::ShapeNumel(local) / local[0];
     uint64_t e = offset / es, n = out.size() / es;
     uint8_t* o = out.data();
-    ckpt::Touched touched;
+    ckpt::Touched touched(out.size());  // source pages: at most a chunk's worth, as the budget counts them
     while (n > 0) {
       const int64_t r = row_lo + static_cast<int64_t>(e / inner), c = static_cast<int64_t>(e % inner);
       uint64_t take, flat;

@@ -119,6 +119,17 @@ void TagFiles::CheckOptimizerFiles(const std::vector<std::string>& names, const 
   }
 }
 
+namespace {
+// Releases the pages parsing an xser rank file touched in its tensor files: they are not needed again.
+void DropParsedPages(const Value& v) {
+  std::set<const MappedFile*> files;
+  ForEachTensor(v, [&](const Tensor& x) {
+    if (const StorageOrigin* o = x.storage() ? x.storage()->origin() : nullptr; o && files.insert(o->file).second)
+      o->file->DropPages(o->file->data(), o->file->size());
+  });
+}
+}  // namespace
+
 // An xser tag is thousands of small files, and a cold disk serves one open
 // at a time slowly: every rank file is read by 8 threads at once, so the
 // disk has many requests in flight, before they are checked in order (Load
@@ -137,7 +148,12 @@ void TagFiles::Preload(const TagDescription& layout) {
   auto work = [&] {
     for (size_t i; (i = next++) < rels.size();) {
       try {
-        got[i] = LoadTagFile(env_, dir_, rels[i]);
+        Value v = LoadTagFile(env_, dir_, rels[i]);
+        // Released as each file is parsed, not when Load takes it: otherwise
+        // every rank file's parsed pages (whole small tensor files, mapped a
+        // large folio at a time) stay resident until then, past the memory budget.
+        DropParsedPages(v);
+        got[i] = std::move(v);
       } catch (...) {
         got[i] = std::current_exception();
       }
@@ -179,11 +195,9 @@ Value TagFiles::Load(const std::string& rel) {
     bytes_ += env_->FileSize(Path(rel));
     std::set<const MappedFile*> files;
     ForEachTensor(v, [&](const Tensor& x) {
-      if (const StorageOrigin* o = x.storage() ? x.storage()->origin() : nullptr; o && files.insert(o->file).second) {
-        bytes_ += o->file->size();
-        o->file->DropPages(o->file->data(), o->file->size());  // what parsing touched is not needed again
-      }
+      if (const StorageOrigin* o = x.storage() ? x.storage()->origin() : nullptr; o && files.insert(o->file).second) bytes_ += o->file->size();
     });
+    DropParsedPages(v);
     held_.push_back(v);
     return v;
   }
