@@ -13,7 +13,7 @@
 namespace ckpt {
 namespace {
 
-std::string StageFile(const ModelEvidence& e, int p) { return e.path("model/" + RankFileName({0, 0, p})); }
+std::string StageFile(const ModelEvidence& e, int p) { return e.path(RankFilePath(RankFileKind::kModel, {0, 0, p})); }
 
 // What the families share: the model files, hints (which the job config a tag
 // records completes), and the notes said.

@@ -105,7 +105,7 @@ class ShardedTagBuilder {
 
   void CheckModelFile(const std::vector<StageParam>& stage, int t, int p, ExtentIndex::Holders& owner) {
     const TagDescription& L = t_->layout_;
-    const std::string rel = RankFileRel("model", {0, t, p}), where = files_->Path(rel);
+    const std::string rel = RankFilePath(RankFileKind::kModel, {0, t, p}), where = files_->Path(rel);
     std::map<std::string, size_t> place;  // the stage's parameters, by name: NxD loads by name, so any key order
     for (size_t i = 0; i < stage.size(); ++i) place[stage[i].name] = i;
     std::vector<bool> seen(stage.size());
@@ -128,7 +128,7 @@ class ShardedTagBuilder {
         } else if (const Value* e = files_->Model(t, 0).Find(sp.rule->name); !e || !e->is_tensor() || !SameBytes(x, e->as_tensor())) {
           // A tied copy is read from the embedding; one that differs would be lost silently.
           throw Error(where + ": '" + name + "' is GPT's tied output layer (share_embeddings_and_output_weights), but it differs from " +
-                      files_->Path(RankFileRel("model", {0, t, 0})) + "'s '" + sp.rule->name + "'");
+                      files_->Path(RankFilePath(RankFileKind::kModel, {0, t, 0})) + "'s '" + sp.rule->name + "'");
         }
         prev = name;
         continue;

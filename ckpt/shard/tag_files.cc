@@ -16,7 +16,6 @@
 
 namespace ckpt {
 
-std::string RankFileRel(const std::string& sub, const RankCoord& r) { return sub + "/" + RankFileName(r); }
 
 void TagFiles::SetInMemory(std::map<std::string, Value> files) {
   in_memory_ = true;
@@ -77,10 +76,11 @@ void TagFiles::Discover(const TagReadOptions& opts, std::optional<Manifest>& man
       throw Error(Path(kManifestFile) + ": records tp=" + std::to_string(manifest->grid.tp) + " pp=" + std::to_string(manifest->grid.pp) +
                   " but model/ holds files up to tp rank " + std::to_string(tp - 1) + ", pp rank " + std::to_string(pp - 1));
   }
-  for (int p = 0; p < pp; ++p)
-    for (int t = 0; t < tp; ++t)
-      if (!model.count({t, p})) throw Error(Path(RankFileRel("model", {0, t, p})) + ": missing; the tag holds other ranks' model files (tp " +
-                                            std::to_string(tp) + ", pp " + std::to_string(pp) + ")");
+  RankGrid{.tp = tp, .pp = pp}.ForEachRankFile(RankFileKind::kModel, [&](const RankCoord& c) {
+    if (!model.count({c.tp, c.pp}))
+      throw Error(Path(RankFilePath(RankFileKind::kModel, c)) + ": missing; the tag holds other ranks' model files (tp " + std::to_string(tp) +
+                  ", pp " + std::to_string(pp) + ")");
+  });
   L.grid.tp = tp, L.grid.pp = pp;
   L.has_optimizer = !optim_files.empty() && !opts.weights_only;
   *optimizer_skipped = !optim_files.empty() && opts.weights_only;
@@ -99,19 +99,18 @@ void TagFiles::CheckOptimizerFiles(const std::vector<std::string>& names, const 
   int dp = 0;
   for (const auto& n : names)
     if (auto r = ParseRankFileName(n)) optim.insert({r->dp, r->tp, r->pp}), dp = std::max(dp, r->dp + 1);
-  for (int d = 0; d < dp; ++d)
-    for (int p = 0; p < pp; ++p)
-      for (int t = 0; t < tp; ++t)
-        if (!optim.count({d, t, p}))
-          throw Error(Path(RankFileRel("optim", {d, t, p})) + ": missing; the tag holds optimizer files for " + std::to_string(dp) +
-                      " dp rank(s) of tp " + std::to_string(tp) + ", pp " + std::to_string(pp));
+  RankGrid{.tp = tp, .pp = pp, .dp = dp, .zero1 = true}.ForEachRankFile(RankFileKind::kOptim, [&](const RankCoord& c) {
+    if (!optim.count({c.dp, c.tp, c.pp}))
+      throw Error(Path(RankFilePath(RankFileKind::kOptim, c)) + ": missing; the tag holds optimizer files for " + std::to_string(dp) +
+                  " dp rank(s) of tp " + std::to_string(tp) + ", pp " + std::to_string(pp));
+  });
   L.grid.dp = dp;
-  const Value first = Peek(RankFileRel("optim", {0, 0, 0}));
+  const Value first = Peek(RankFilePath(RankFileKind::kOptim, {0, 0, 0}));
   L.grid.zero1 = first.is_dict() && first.as_dict().Find("base_state") != nullptr;
   if (L.grid.zero1 && dp == 1 && (!manifest || manifest->grid.dp > 1))
-    if (const int64_t lost = Zero1SavedAsOneShard(first)) throw Error(Zero1OneShardMessage(Path(RankFileRel("optim", {0, 0, 0})), lost));
+    if (const int64_t lost = Zero1SavedAsOneShard(first)) throw Error(Zero1OneShardMessage(Path(RankFilePath(RankFileKind::kOptim, {0, 0, 0})), lost));
   if (!L.grid.zero1) {
-    if (dp > 1) throw Error(Path(RankFileRel("optim", {1, 0, 0})) + ": a plain optimizer state dict comes from dp rank 0 only");
+    if (dp > 1) throw Error(Path(RankFilePath(RankFileKind::kOptim, {1, 0, 0})) + ": a plain optimizer state dict comes from dp rank 0 only");
     L.grid.dp = manifest ? manifest->grid.dp : 1;
   } else if (manifest && (manifest->grid.dp != dp || !manifest->grid.zero1)) {
     throw Error(Path(kManifestFile) + ": records dp=" + std::to_string(manifest->grid.dp) + (manifest->grid.zero1 ? " with" : " without") +
@@ -137,12 +136,9 @@ void DropParsedPages(const Value& v) {
 void TagFiles::Preload(const TagDescription& layout) {
   const RankGrid& g = layout.grid;
   std::vector<std::string> rels;
-  for (int p = 0; p < g.pp; ++p)
-    for (int t = 0; t < g.tp; ++t) {
-      rels.push_back(RankFileRel("model", {0, t, p}));
-      if (layout.has_optimizer)
-        for (int d = 0; d < (g.zero1 ? g.dp : 1); ++d) rels.push_back(RankFileRel("optim", {d, t, p}));
-    }
+  rels = g.ModelFiles();
+  if (layout.has_optimizer)
+    for (auto& rel : g.OptimFiles()) rels.push_back(std::move(rel));
   std::vector<std::variant<Value, std::exception_ptr>> got(rels.size());
   std::atomic<size_t> next{0};
   auto work = [&] {
@@ -219,13 +215,12 @@ const MappedFile* TagFiles::FileOf(const Tensor& x, const std::string& rel) cons
 void TagFiles::LoadModelFiles(const RankGrid& g) {
   tp_ = g.tp;
   model_.resize(static_cast<size_t>(g.tp) * g.pp);
-  for (int p = 0; p < g.pp; ++p)
-    for (int t = 0; t < g.tp; ++t) {
-      const std::string rel = RankFileRel("model", {0, t, p});
-      Value& v = model_[static_cast<size_t>(p) * tp_ + t];
-      v = Load(rel);
-      if (!v.is_dict()) throw Error(Path(rel) + " is a " + v.kind_name() + ", not a dict");
-    }
+  g.ForEachRankFile(RankFileKind::kModel, [&](const RankCoord& c) {
+    const std::string rel = RankFilePath(RankFileKind::kModel, c);
+    Value& v = model_[static_cast<size_t>(c.pp) * tp_ + c.tp];
+    v = Load(rel);
+    if (!v.is_dict()) throw Error(Path(rel) + " is a " + v.kind_name() + ", not a dict");
+  });
 }
 
 const Value* TagFiles::UserContent() {

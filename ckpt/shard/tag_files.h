@@ -87,7 +87,5 @@ class TagFiles {
   bool user_content_loaded_ = false;
 };
 
-// "model/dp_rank_00_tp_rank_01_pp_rank_00.pt": rank `r`'s file in `sub` (model or optim).
-std::string RankFileRel(const std::string& sub, const RankCoord& r);
 
 }  // namespace ckpt

@@ -78,7 +78,7 @@ class OptimizerReader {
 void OptimizerReader::ReadFile(const OptimizerStage& stage, int t, int d) {
   OptimizerFileRead f;
   f.t = t, f.d = d;
-  f.rel = RankFileRel("optim", {d, t, stage.p}), f.where = files_.Path(f.rel);
+  f.rel = RankFilePath(RankFileKind::kOptim, {d, t, stage.p}), f.where = files_.Path(f.rel);
   const std::string& where = f.where;
   const Value v = files_.Load(f.rel);
   const OptimizerFileView file(v, where);
