@@ -29,9 +29,7 @@ void Touched::Add(const MappedFile* f, const uint8_t* p, size_t n) {
   auto s = std::find_if(spans_.begin(), spans_.end(), [&](const Span& x) { return x.file == f; });
   if (s == spans_.end()) spans_.push_back({f, p, p + n});
   else s->lo = std::min(s->lo, p), s->hi = std::max(s->hi, p + n);
-  uint64_t covered = 0;
-  for (const Span& x : spans_) covered += static_cast<uint64_t>(x.hi - x.lo);
-  if (covered > limit_) Release();
+  if (bytes() > limit_) Release();
 }
 
 void Touched::Release() {
