@@ -189,11 +189,14 @@ std::vector<std::string> FilesToCheck(const ckpt::Manifest& m, bool as_is, const
       if (static_cast<int>(index % c.grid.world_size()) == rank) out.push_back(rel);
       continue;
     }
+    // Which file each rank loads is RankGrid::FileOf's to say: a rank file is loaded when its own
+    // coordinates' rank loads it, and is mine when this rank's does.
     const std::optional<ckpt::RankCoord> of = RankFileCoord(rel);
-    const bool model = rel.starts_with("model/");
-    const bool loaded = of && of->tp < c.grid.tp && of->pp < c.grid.pp &&
-                        (model ? of->dp == 0 : !c.weight_init_only && of->dp < (c.grid.zero1 ? c.grid.dp : 1));
-    const bool mine = loaded && of->tp == at.tp && of->pp == at.pp && (model || !c.grid.zero1 || of->dp == at.dp);
+    const ckpt::RankFileKind kind = rel.starts_with("model/") ? ckpt::RankFileKind::kModel : ckpt::RankFileKind::kOptim;
+    const std::string file = of ? ckpt::RankFilePath(kind, *of) : "";
+    const bool loaded = of && of->tp < c.grid.tp && of->pp < c.grid.pp && of->dp < c.grid.dp &&
+                        !(kind == ckpt::RankFileKind::kOptim && c.weight_init_only) && c.grid.FileOf(kind, *of) == file;
+    const bool mine = loaded && c.grid.FileOf(kind, at) == file;
     if (mine || (!loaded && rank == 0)) out.push_back(rel);
   }
   return out;
