@@ -52,13 +52,7 @@ from nxd_stubs import SIM  # noqa: E402
 STEPS = 2
 TAG = f"step_{STEPS}"
 TAGS = {"nxd_pt": False, "nxd_xser": True}  # dir -> use_xser
-
-# NxD's own llama example route (nxd_tags ROUTES["nxd"]): bf16 model, ZeRO-1
-# with fp32 master weights kept in the checkpoint.
-OPTIMIZER_CONFIG = {"zero_one_enabled": True, "grad_clipping": False, "max_grad_norm": 1.0}
-MIXED_PRECISION_CONFIG = {"use_master_weights": True, "use_fp32_grad_acc": True, "use_master_weights_in_ckpt": True}
-ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
-SCHED = dict(max_steps=10, min_lr=3e-5, warmup_steps=1, constant_steps=0)
+SCHED = dict(max_steps=10, min_lr=3e-5, warmup_steps=1, constant_steps=0)  # examples/training/llama/lr.py
 
 
 def nxd_tags_generate():
@@ -71,32 +65,6 @@ def nxd_tags_generate():
         return nxd_stubs._load_source("nxd_tags_generate", os.path.join(HERE, "..", "nxd_tags", "generate.py"))
     finally:
         torch.set_num_interop_threads = set_interop
-
-
-def build_rank(nxd_config, rank):
-    """NxD's initialize_parallel_model (NxDPPModel inside NxDModel) and
-    initialize_parallel_optimizer with the example's weight-decay groups."""
-    import neuronx_distributed.trainer.trainer as nxd_trainer
-
-    cfg = dict(nxd_config, pipeline_config=dict(nxd_config["pipeline_config"]))
-    model = nxd_trainer.initialize_parallel_model(cfg, vm.build_model, False, torch.bfloat16)
-    groups = example_param_groups(model)
-    optimizer = nxd_trainer.initialize_parallel_optimizer(cfg, torch.optim.AdamW, groups, **ADAMW)
-    return model, optimizer
-
-
-def example_param_groups(model):
-    """examples/training/llama/training_utils.py:get_param_groups_by_weight_decay,
-    loaded from NXD_SRC and run unchanged."""
-    path = os.path.join(os.environ["NXD_SRC"], "..", "examples", "training", "llama", "training_utils.py")
-    src = open(path).read()
-    import ast
-
-    tree = ast.parse(src)
-    fn = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_param_groups_by_weight_decay"]
-    ns = {}
-    exec(compile(ast.Module(body=fn, type_ignores=[]), path, "exec"), ns)
-    return ns["get_param_groups_by_weight_decay"](model)
 
 
 def train_rank(model, optimizer, sched, rank):
@@ -202,15 +170,16 @@ def _cat_dp(ts, rows):
     return torch.cat([t.detach().cpu() for t in ts], dim=0)[:rows].clone()
 
 
+# what manifest.json covers: the data (scripts and README are source, reviewed as such)
+MANIFEST_ROOTS = ("nxd_pt", "nxd_xser", "full_state.pt", "generate.out.txt", "load_check.out.txt")
+
+
 def write_manifest():
     manifest = {}
-    for dp, _, fs in sorted(os.walk(HERE)):
-        if "__pycache__" in dp:
-            continue
-        for f in sorted(fs):
-            if f == "manifest.json":
-                continue
-            p = os.path.join(dp, f)
+    for root in MANIFEST_ROOTS:
+        top = os.path.join(HERE, root)
+        paths = [top] if os.path.isfile(top) else [os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs]
+        for p in paths:
             with open(p, "rb") as fh:
                 b = fh.read()
             manifest[os.path.relpath(p, HERE)] = {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
@@ -232,17 +201,8 @@ def main():
     vm.install()
     gen = nxd_tags_generate()
     import neuronx_distributed as nxd
-    import neuronx_distributed.trainer.trainer as nxd_trainer
-    from neuronx_distributed.parallel_layers import parallel_state as ps
 
-    ps.initialize_model_parallel = lambda *a, **k: None
-    nxd_stubs._note("parallel_state.initialize_model_parallel (generate.py, after the mesh is known)", "no-op",
-                    "as in nxd_tags/generate.py")
-    nxd_config = nxd_trainer.neuronx_distributed_config(
-        tensor_parallel_size=vm.TP, pipeline_parallel_size=vm.PP, pipeline_config=vm.pipeline_config(),
-        optimizer_config=dict(OPTIMIZER_CONFIG), mixed_precision_config=dict(MIXED_PRECISION_CONFIG),
-        sequence_parallel=False,
-    )
+    nxd_config = vm.nxd_config()
     writes = gen.record_writes()
     if args.list_stubs:
         for n, what, why, aff in nxd_stubs.STUB_NOTES:
@@ -250,7 +210,7 @@ def main():
         return
 
     lr_mod = gen.load_nxd_example_lr()
-    built = SIM.run_sequential(lambda r: build_rank(nxd_config, r))
+    built = SIM.run_sequential(lambda r: vm.build_rank(nxd_config))
     built = {r: (m, o, lr_mod.CosineAnnealing(o, last_epoch=-1, **SCHED)) for r, (m, o) in built.items()}
     SIM.run_threaded(lambda r: train_rank(*built[r], r))
 

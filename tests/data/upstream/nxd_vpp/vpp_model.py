@@ -356,3 +356,71 @@ def pipeline_config(zero1=True):
         "autowrap_modules": [mappings],
         "tracer_cls": "torch",
     }
+
+
+# --------------------------------------------------------------------------
+# NxD's llama example route (nxd_tags ROUTES["nxd"]): bf16 model, ZeRO-1 with
+# fp32 master weights kept in the checkpoint
+# --------------------------------------------------------------------------
+
+OPTIMIZER_CONFIG = {"zero_one_enabled": True, "grad_clipping": False, "max_grad_norm": 1.0}
+MIXED_PRECISION_CONFIG = {"use_master_weights": True, "use_fp32_grad_acc": True, "use_master_weights_in_ckpt": True}
+ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
+
+
+def nxd_config():
+    """NxD's neuronx_distributed_config for this run.  Its call of
+    initialize_model_parallel is a no-op here (the mesh is already the real
+    one, from nxd_stubs)."""
+    import neuronx_distributed.trainer.trainer as nxd_trainer
+    from neuronx_distributed.parallel_layers import parallel_state as ps
+
+    ps.initialize_model_parallel = lambda *a, **k: None
+    nxd_stubs._note("parallel_state.initialize_model_parallel (after the mesh is known)", "no-op",
+                    "as in nxd_tags/generate.py")
+    return nxd_trainer.neuronx_distributed_config(
+        tensor_parallel_size=TP, pipeline_parallel_size=PP, pipeline_config=pipeline_config(),
+        optimizer_config=dict(OPTIMIZER_CONFIG), mixed_precision_config=dict(MIXED_PRECISION_CONFIG),
+        sequence_parallel=False,
+    )
+
+
+class AdamWTorch2Args(torch.optim.AdamW):
+    """torch.optim.AdamW that accepts (and drops) `differentiable`, as
+    torch >= 2.0's AdamW does.  Debian's torch 1.13 Optimizer.__setstate__
+    adds defaults['differentiable'] during load_state_dict, and the ZeRO-1
+    optimizer's load_state_dict -> init_zero() then re-creates the base
+    optimizer with **defaults; 1.13's AdamW refuses the keyword.  Used by
+    load_check.py only (the class is not saved in any checkpoint file)."""
+
+    def __init__(self, params, differentiable=False, **kw):
+        super().__init__(params, **kw)
+
+
+def build_rank(config, optimizer_class=torch.optim.AdamW):
+    """NxD's initialize_parallel_model (NxDPPModel inside NxDModel) and
+    initialize_parallel_optimizer with the example's weight-decay groups, for
+    the calling simulated rank.  Ranks are built one after another (fx
+    tracing patches globals)."""
+    import neuronx_distributed.trainer.trainer as nxd_trainer
+
+    cfg = dict(config, pipeline_config=dict(config["pipeline_config"]))
+    model = nxd_trainer.initialize_parallel_model(cfg, build_model, False, torch.bfloat16)
+    groups = example_param_groups(model)
+    optimizer = nxd_trainer.initialize_parallel_optimizer(cfg, optimizer_class, groups, **ADAMW)
+    return model, optimizer
+
+
+def example_param_groups(model):
+    """examples/training/llama/training_utils.py:get_param_groups_by_weight_decay,
+    taken from NXD_SRC and run unchanged (the file's other imports need a
+    dataset stack, so only this function is compiled)."""
+    import ast
+
+    path = os.path.join(os.environ["NXD_SRC"], "..", "examples", "training", "llama", "training_utils.py")
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    fn = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_param_groups_by_weight_decay"]
+    ns = {}
+    exec(compile(ast.Module(body=fn, type_ignores=[]), path, "exec"), ns)
+    return ns["get_param_groups_by_weight_decay"](model)
