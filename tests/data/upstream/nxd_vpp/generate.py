@@ -171,7 +171,8 @@ def _cat_dp(ts, rows):
 
 
 # what manifest.json covers: the data (scripts and README are source, reviewed as such)
-MANIFEST_ROOTS = ("nxd_pt", "nxd_xser", "full_state.pt", "generate.out.txt", "load_check.out.txt")
+MANIFEST_ROOTS = ("nxd_pt", "nxd_xser", "full_state.pt", "generate.out.txt", "load_check.out.txt",
+                  "converter_check.out.txt")
 
 
 def write_manifest():
