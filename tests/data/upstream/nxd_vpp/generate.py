@@ -184,9 +184,8 @@ def write_manifest():
             with open(p, "rb") as fh:
                 b = fh.read()
             manifest[os.path.relpath(p, HERE)] = {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
-    with open(os.path.join(HERE, "manifest.json"), "w") as fh:
-        json.dump(dict(sorted(manifest.items())), fh, indent=1)
-        fh.write("\n")
+    with open(os.path.join(HERE, "manifest.json"), "w") as fh:  # one file a line
+        fh.write("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(manifest.items())) + "\n}\n")
 
 
 def main():
