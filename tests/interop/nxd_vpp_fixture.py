@@ -14,6 +14,12 @@ CPU; see its README) is whole and says what its README says:
     (tp slice) and every ZeRO-1 moment and master weight (tp slice, padded to
     dp and cut into dp shards) bit for bit, in the plain and the xser tag.
 
+tests/data/upstream/nnm_vpp (NNM f4743ce's own save methods for 2 virtual
+stages, and NxDT's NNM converter on the result) is whole too, and its files
+are what its README says: model0/model1 nested per state_dict_for_save_checkpoint
+with local layer keys, a state_dict without model tensors, and NxDT's
+converter output without them.
+
 No shardkit binary runs here: this checks the ground truth itself."""
 import hashlib
 import json
@@ -26,6 +32,7 @@ import torch
 from upstream_tags import TensorReference, files, load
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "upstream", "nxd_vpp")
+NNM = os.path.join(DATA, "..", "nnm_vpp")
 TAGS = {"pt": os.path.join(DATA, "nxd_pt", "step_2"), "xser": os.path.join(DATA, "nxd_xser", "step_2")}
 TP, PP, DP, VPP, LAYERS = 2, 2, 2, 2, 8
 # tp partition dim of each parameter kind (NxD parallel layers: ParallelEmbedding and
@@ -35,6 +42,14 @@ SPLIT = {"embed_tokens.weight": 0, "qkv_proj.weight_qkv": 0, "o_proj.weight": 1,
          "down_proj.weight": 1, "lm_head.weight": 0, "norm.weight": None, "layernorm.weight": None}
 LAYER_PARAMS = ["self_attn.qkv_proj.weight_qkv", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
                 "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
+
+
+def check_manifest(test, root, manifest):
+    for rel, want in manifest.items():
+        with open(os.path.join(root, rel), "rb") as f:
+            b = f.read()
+        test.assertEqual(len(b), want["bytes"], rel)
+        test.assertEqual(hashlib.sha256(b).hexdigest(), want["sha256"], rel)
 
 
 def split_dim(name):
@@ -113,11 +128,7 @@ class NxdVppFixtureTest(unittest.TestCase):
 
     def test_manifest_matches_every_data_file(self):
         self.assertGreater(len(self.manifest), 900)
-        for rel, want in self.manifest.items():
-            with open(os.path.join(DATA, rel), "rb") as f:
-                b = f.read()
-            self.assertEqual(len(b), want["bytes"], rel)
-            self.assertEqual(hashlib.sha256(b).hexdigest(), want["sha256"], rel)
+        check_manifest(self, DATA, self.manifest)
         on_disk = {os.path.join(d, f) for d in ("nxd_pt", "nxd_xser") for f in files(os.path.join(DATA, d), skip=())}
         self.assertEqual(on_disk, {r for r in self.manifest if r.startswith(("nxd_pt/", "nxd_xser/"))})
 
@@ -174,6 +185,39 @@ class NxdVppFixtureTest(unittest.TestCase):
             want = dp_shard(tp_slice(self.full[f"optim/master/{name}"], name, tp), dp)
             self.assertTrue(bits_equal(opt["sharded_master_weights"][i], want.contiguous()), (where, name))
             self.assertTrue(bits_equal(model[name], tp_slice(self.full[f"optim/master/{name}"], name, tp).to(model[name].dtype).contiguous()), (where, name))
+
+
+class NnmVppFixtureTest(unittest.TestCase):
+    def test_manifest_matches_every_file(self):
+        with open(os.path.join(NNM, "manifest.json")) as f:
+            manifest = json.load(f)
+        self.assertEqual(set(manifest), {f for f in files(NNM, skip=()) if "/" in f})
+        check_manifest(self, NNM, manifest)
+
+    def test_nnm_chunks_are_nested_with_local_layer_keys(self):
+        for t in range(TP):
+            for p in range(PP):
+                ck = load(os.path.join(NNM, "gpt_tied", "nnm", f"tp_rank_{t:02d}_pp_rank_{p:03d}", "model_optim_rng.ckpt"))
+                self.assertEqual(ck["state_dict"], {"untrained_buffer_names": []})
+                self.assertEqual([k for k in ck if k.startswith("model")], ["model0", "model1"])
+                for v in range(VPP):
+                    chunk = ck[f"model{v}"]
+                    enc = chunk["language_model"]["encoder"]
+                    self.assertEqual(sorted({k.split(".")[1] for k in enc if k.startswith("layers.")}), ["0", "1"])
+                    self.assertEqual("embedding" in chunk["language_model"], (v, p) == (0, 0))
+                    last = (v, p) == (VPP - 1, PP - 1)
+                    self.assertEqual("final_layernorm.weight" in enc, last)
+                    self.assertEqual(sorted(chunk), ["language_model", "word_embeddings_for_head"] if last else ["language_model"])
+
+    def test_nxdt_converter_output_holds_no_model_tensor(self):
+        failed = os.path.join(NNM, "gpt_tied", "nxdt", "model")
+        self.assertEqual(sorted(files(failed, skip=())), ["dp_rank_00_tp_rank_00_pp_rank_00.pt"])
+        self.assertEqual(list(load(os.path.join(failed, "dp_rank_00_tp_rank_00_pp_rank_00.pt"))), ["untrained_buffer_names"])
+        empty = os.path.join(NNM, "gpt_tied", "nxdt_from_variant", "model")
+        names = sorted(files(empty, skip=()))  # (its empty tensor folders are not kept by git)
+        self.assertEqual(len(names), 2 * TP * PP)
+        for f in names:
+            self.assertEqual(load(os.path.join(empty, f)), {}, f)
 
 
 if __name__ == "__main__":
