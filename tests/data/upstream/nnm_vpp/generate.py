@@ -46,6 +46,7 @@ import sys
 import traceback
 import types
 import zlib
+from unittest import mock
 
 import torch
 from torch import nn
@@ -161,11 +162,9 @@ def run_nxdt_converter(nnm_dir, out_dir):
     argv = ["--tp", str(TP), "--pp", str(PP), "--n_layers", str(LAYERS), "--nnm_ckpt_path", nnm_dir,
             "--nxdt_ckpt_path", out_dir]
     print(f"$ nnm_model_ckpt_to_nxdt_model_ckpt_converter.py {' '.join(a.replace(HERE + '/', '') for a in argv)}")
-    old = sys.argv
-    sys.argv = ["nnm_model_ckpt_to_nxdt_model_ckpt_converter.py"] + argv
     said = io.StringIO()
     try:
-        with contextlib.redirect_stdout(said):
+        with mock.patch.object(sys, "argv", [os.path.basename(script)] + argv), contextlib.redirect_stdout(said):
             runpy.run_path(script, run_name="__main__")
         print("  exit 0")
     except SystemExit as e:
@@ -174,10 +173,8 @@ def run_nxdt_converter(nnm_dir, out_dir):
         where = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)
                  if "converter" in f.filename]
         print(f"  FAILS: {type(e).__name__}: {e}\n  at {' <- '.join(reversed(where))}")
-    finally:
-        sys.argv = old
-        for line in said.getvalue().splitlines():
-            print("  | " + line.replace(HERE + "/", "").split(" in ")[0])
+    for line in said.getvalue().splitlines():  # without the timing
+        print("  | " + line.replace(HERE + "/", "").split(" in ")[0])
 
 
 def convert_and_show(nnm_dir, out):

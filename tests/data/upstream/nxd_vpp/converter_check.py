@@ -29,6 +29,7 @@ import runpy
 import sys
 import tempfile
 import traceback
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -48,18 +49,14 @@ COMMON = ["--hw_backend", "trn1", "--tp_size", str(vm.TP), "--pp_size", str(vm.P
 
 
 def run_converter(argv):
-    """python3 checkpoint_converter.py <argv>, cwd = HERE (its xser loader needs relative paths)."""
+    """python3 checkpoint_converter.py <argv>; its prints are echoed with the temp dir as $TMP."""
     script = os.path.join(os.environ["NXDT_SRC"], "..", "examples", "checkpoint_converter_scripts", "checkpoint_converter.py")
-    old_argv, old_cwd = sys.argv, os.getcwd()
-    sys.argv = [os.path.basename(script)] + argv
-    os.chdir(HERE)
     said = io.StringIO()
     try:
-        with contextlib.redirect_stdout(said):
+        with mock.patch.object(sys, "argv", [os.path.basename(script)] + argv), contextlib.redirect_stdout(said):
             runpy.run_path(script, run_name="__main__")
     finally:
-        sys.argv, _ = old_argv, os.chdir(old_cwd)
-        for line in said.getvalue().splitlines():  # its own prints, temp dir named $TMP
+        for line in said.getvalue().splitlines():
             print("  | " + re.sub(r"/tmp/[^/]+", "$TMP", line))
 
 

@@ -83,11 +83,6 @@ def train_rank(model, optimizer, sched, rank):
         sched.step()
 
 
-def sha(t):
-    t = t.detach().reshape(-1).contiguous()
-    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
 def layout_report(built, out):
     """Per pp rank: stage modules, local_state_dict (names, shapes, sha256),
     local_named_parameters order and the optimizer's param id order."""
@@ -114,7 +109,7 @@ def layout_report(built, out):
         sd = pp.local_state_dict()
         P(f"  local_state_dict(): {len(sd)} entries (dict order)")
         for k, v in sd.items():
-            P(f"    {k} {str(v.dtype).replace('torch.', '')} {list(v.shape)} sha256:{sha(v)}")
+            P(f"    {k} {str(v.dtype).replace('torch.', '')} {list(v.shape)} sha256:{vm.tensor_sha256(v)}")
         names = [n for n, _ in pp.local_named_parameters()]
         ids = {id(p): n for n, p in pp.local_named_parameters()}
         P(f"  local_named_parameters(): {names}")
@@ -243,7 +238,7 @@ def main():
     torch.save(full, os.path.join(HERE, "full_state.pt"))
     print(f"## full_state.pt: {len(full)} tensors")
     for k, v in full.items():
-        print(f"  {k} {str(v.dtype).replace('torch.', '')} {list(v.shape)} sha256:{sha(v)[:16]}")
+        print(f"  {k} {str(v.dtype).replace('torch.', '')} {list(v.shape)} sha256:{vm.tensor_sha256(v)[:16]}")
     write_manifest()
 
 

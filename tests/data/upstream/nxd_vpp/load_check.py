@@ -26,7 +26,6 @@ Exit status non-zero on any failure.
 """
 
 import argparse
-import hashlib
 import os
 import sys
 
@@ -42,9 +41,8 @@ import vpp_model as vm  # noqa: E402  (puts ../nxd_tags on sys.path)
 from nxd_stubs import SIM  # noqa: E402
 
 
-def sha(t):
-    t = t.detach().reshape(-1).contiguous()
-    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:12]
+def short_sha(t):
+    return vm.tensor_sha256(t)[:12]
 
 
 def tensors(obj, path=""):
@@ -104,14 +102,14 @@ def check_tag(tag_path, built):
             errors.append(f"rank {r}: empty model or optimizer state")
         print(f"  model: {len(model)} keys")
         for k, v in model.items():
-            print(f"  model[{k!r}]: {str(v.dtype).replace('torch.', '')} {list(v.shape)} sha256:{sha(v)}")
+            print(f"  model[{k!r}]: {str(v.dtype).replace('torch.', '')} {list(v.shape)} sha256:{short_sha(v)}")
         ot = list(tensors(optim))
         print(f"  optim: {len(ot)} tensors; param_groups ids {[g['params'] for g in optim.get('param_groups', [])]}")
         for i, st in optim.get("base_state", {}).items():  # one line per optimizer id
             m = optim["sharded_master_weights"][i]
             print(f"  optim id {i}: step {st['step'].item():g}; exp_avg, exp_avg_sq, master "
-                  f"{str(m.dtype).replace('torch.', '')} {list(m.shape)} sha256:{sha(st['exp_avg'])} "
-                  f"{sha(st['exp_avg_sq'])} {sha(m)}")
+                  f"{str(m.dtype).replace('torch.', '')} {list(m.shape)} sha256:{short_sha(st['exp_avg'])} "
+                  f"{short_sha(st['exp_avg_sq'])} {short_sha(m)}")
         if len(ot) != 4 * len(optim.get("base_state", {})):
             errors.append(f"rank {r}: optimizer tensors other than step/exp_avg/exp_avg_sq/master: {len(ot)}")
         if r == 0:

@@ -316,6 +316,14 @@ def full_grad(name, shape, step, dp_rank):
     return 0.01 * torch.randn(shape, generator=_gen("grad", name, step, dp_rank), dtype=torch.float32)
 
 
+def tensor_sha256(t):
+    """sha256 of a tensor's bytes, row-major (what generate.out.txt and load_check.out.txt print)."""
+    import hashlib
+
+    t = t.detach().reshape(-1).contiguous()
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def tp_slice(t, dim, tp_rank):
     return t.clone() if dim is None else t.chunk(TP, dim=dim)[tp_rank].clone()
 
