@@ -168,6 +168,25 @@ class NxdVppFixtureTest(unittest.TestCase):
                         opt = read(tag, rank_file("optim", dp, tp, pp))
                         self.check_optimizer(opt, names, model, tp, dp, (tag, pp, tp, dp))
 
+    def test_xser_tids_follow_the_state_order(self):
+        """NxD's xser: per file, tids from 0 in depth-first order; the optimizer's base_state
+        (step, exp_avg, exp_avg_sq per id) before all sharded_master_weights; info.pt per tid."""
+        for pp in range(PP):
+            n = len(expected_names(pp))
+            for tp in range(TP):
+                rel = rank_file("model", 0, tp, pp)
+                refs = load(os.path.join(TAGS["xser"], rel))
+                self.assertEqual([r.tid for r in refs.values()], list(range(n)), rel)
+                info = load(os.path.join(TAGS["xser"], rel + ".info.pt"))
+                model = read("pt", rel)
+                self.assertEqual({t: (i["dtype"], list(i["shape"])) for t, i in info.items()},
+                                 {t: (model[k].dtype, list(model[k].shape)) for t, k in enumerate(model)}, rel)
+                for dp in range(DP):
+                    opt = load(os.path.join(TAGS["xser"], rank_file("optim", dp, tp, pp)))
+                    base = [[opt["base_state"][i][k].tid for k in ("step", "exp_avg", "exp_avg_sq")] for i in range(n)]
+                    self.assertEqual(base, [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(n)])
+                    self.assertEqual([opt["sharded_master_weights"][i].tid for i in range(n)], list(range(3 * n, 4 * n)))
+
     def check_optimizer(self, opt, names, model, tp, dp, where):
         groups = [g["params"] for g in opt["param_groups"]]
         n_decay = sum("norm" not in n for n in names)

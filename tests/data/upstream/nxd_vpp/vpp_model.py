@@ -99,13 +99,6 @@ def install(with_nxdt=False):
         "GQAQKVColumnParallelLinear.__init__ calls it to build the KV replication process groups "
         "(kv_size_multiplier=1 here: no replication); no process groups exist in this simulation",
     )
-    pp_model.NxDPPModel._create_pg_with_ranks = lambda self, ranks: None
-    nxd_stubs._note(
-        "NxDPPModel._create_pg_with_ranks (nxd_vpp)",
-        "returns None",
-        "only called for weights shared across pp ranks (register_shared_weights); this model ties none, "
-        "so it is never reached; kept as a guard",
-    )
     # a module global, as in modeling_llama_nxd.py: fx autowraps it (NxD PARALLEL_FUNCTIONS) by global name
     global parallel_cross_entropy
     from neuronx_distributed.parallel_layers.loss_functions import parallel_cross_entropy
