@@ -85,6 +85,47 @@ def load_modules(ckpt_dir, tag, built):
     return SIM.run_threaded(load)
 
 
+def zero1_tensors(osd, keys):
+    """The ZeRO-1 state's tensors under `keys` (base_state, and sharded_master_weights when saved)."""
+    return [t for _, t in tensors({k: osd[k] for k in keys})]
+
+
+def print_dict_form(r, coords_, model, optim, errors):
+    tp_r, pp_r, dp_r = coords_
+    print(f"## rank {r} (tp={tp_r} pp={pp_r} dp={dp_r}) dict form")
+    if not model or not optim:
+        errors.append(f"rank {r}: empty model or optimizer state")
+    print(f"  model: {len(model)} keys")
+    for k, v in model.items():
+        print(f"  model[{k!r}]: {str(v.dtype).replace('torch.', '')} {list(v.shape)} sha256:{short_sha(v)}")
+    ot = list(tensors(optim))
+    base, masters = optim.get("base_state", {}), optim.get("sharded_master_weights", {})
+    print(f"  optim: {len(ot)} tensors; param_groups ids {[g['params'] for g in optim.get('param_groups', [])]}")
+    for i, st in base.items():  # one line per optimizer id
+        m = masters.get(i)
+        shown = f"{str(m.dtype).replace('torch.', '')} {list(m.shape)} {short_sha(m)}" if m is not None else "none"
+        print(f"  optim id {i}: step {st['step'].item():g}; exp_avg {list(st['exp_avg'].shape)} "
+              f"sha256:{short_sha(st['exp_avg'])}; exp_avg_sq {short_sha(st['exp_avg_sq'])}; master {shown}")
+    if len(ot) != 3 * len(base) + len(masters):
+        errors.append(f"rank {r}: optimizer tensors other than step/exp_avg/exp_avg_sq/master: {len(ot)}")
+
+
+def compare_module_form(r, sd, osd, model, optim, errors):
+    """After NxD's load into the real modules: the same keys and tensors as the files."""
+    before = len(errors)
+    if list(sd) != list(model):
+        errors.append(f"rank {r}: NxDPPModel.local_state_dict() keys {list(sd)} != file keys {list(model)}")
+    bad = [k for k in sd if k in model and not torch.equal(sd[k].float(), model[k].float())]
+    if bad:
+        errors.append(f"rank {r}: model tensors differ after the module load: {bad}")
+    keys = [k for k in ("base_state", "sharded_master_weights") if k in optim]
+    want, got = zero1_tensors(optim, keys), zero1_tensors(osd, keys)
+    if len(want) != len(got) or any(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(want, got)):
+        errors.append(f"rank {r}: optimizer state after the module load differs from the files")
+    print(f"## rank {r} module form: local_state_dict {len(sd)} keys, optimizer {len(got)} tensors: "
+          f"{'equal to the files' if len(errors) == before else 'DIFFERENT'}")
+
+
 def check_tag(tag_path, built):
     ckpt_dir, tag = os.path.dirname(tag_path), os.path.basename(tag_path)
     shown = os.path.relpath(tag_path, HERE) if tag_path.startswith(HERE) else tag_path
@@ -96,22 +137,8 @@ def check_tag(tag_path, built):
         print(f"FAILED (dict form): {type(e).__name__}: {e}")
         return 1
     for r in sorted(dicts):
-        (tp_r, pp_r, dp_r), model, optim, uc = dicts[r]
-        print(f"## rank {r} (tp={tp_r} pp={pp_r} dp={dp_r}) dict form")
-        if not model or not optim:
-            errors.append(f"rank {r}: empty model or optimizer state")
-        print(f"  model: {len(model)} keys")
-        for k, v in model.items():
-            print(f"  model[{k!r}]: {str(v.dtype).replace('torch.', '')} {list(v.shape)} sha256:{short_sha(v)}")
-        ot = list(tensors(optim))
-        print(f"  optim: {len(ot)} tensors; param_groups ids {[g['params'] for g in optim.get('param_groups', [])]}")
-        for i, st in optim.get("base_state", {}).items():  # one line per optimizer id
-            m = optim["sharded_master_weights"][i]
-            print(f"  optim id {i}: step {st['step'].item():g}; exp_avg, exp_avg_sq, master "
-                  f"{str(m.dtype).replace('torch.', '')} {list(m.shape)} sha256:{short_sha(st['exp_avg'])} "
-                  f"{short_sha(st['exp_avg_sq'])} {short_sha(m)}")
-        if len(ot) != 4 * len(optim.get("base_state", {})):
-            errors.append(f"rank {r}: optimizer tensors other than step/exp_avg/exp_avg_sq/master: {len(ot)}")
+        coords_, model, optim, uc = dicts[r]
+        print_dict_form(r, coords_, model, optim, errors)
         if r == 0:
             print(f"  user_content: {uc!r}")
     try:
@@ -120,21 +147,7 @@ def check_tag(tag_path, built):
         print(f"FAILED (module form, real NxDPPModel + ZeRO-1 optimizer): {type(e).__name__}: {e}")
         return 1
     for r in sorted(mods):
-        sd, osd = mods[r]
-        _, model, optim, _ = dicts[r]
-        if list(sd) != list(model):
-            errors.append(f"rank {r}: NxDPPModel.local_state_dict() keys {list(sd)} != file keys {list(model)}")
-        bad = [k for k in sd if k in model and not torch.equal(sd[k].float(), model[k].float())]
-        if bad:
-            errors.append(f"rank {r}: model tensors differ after the module load: {bad}")
-        want = [t for _, t in tensors({"base_state": optim["base_state"],
-                                       "sharded_master_weights": optim["sharded_master_weights"]})]
-        got = [t for _, t in tensors({"base_state": osd["base_state"],
-                                      "sharded_master_weights": osd["sharded_master_weights"]})]
-        if len(want) != len(got) or any(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(want, got)):
-            errors.append(f"rank {r}: optimizer state after the module load differs from the files")
-        print(f"## rank {r} module form: local_state_dict {len(sd)} keys, optimizer {len(got)} tensors: "
-              f"{'equal to the files' if not bad else 'DIFFERENT'}")
+        compare_module_form(r, *mods[r], dicts[r][1], dicts[r][2], errors)
     for e in errors:
         print(f"ERROR: {e}")
     print(f"# result: {'OK' if not errors else 'FAILED'}")
