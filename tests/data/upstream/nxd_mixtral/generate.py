@@ -509,7 +509,92 @@ def write_manifest(root):
     with open(os.path.join(root, "manifest.json"), "w") as fh:
         json.dump(dict(sorted(manifest.items())), fh, indent=1)
         fh.write("\n")
+    # git keeps no empty folder; NxDT's lossy xser save leaves two (see README)
+    empty = sorted(os.path.relpath(dp, root) for dp, dirs, fs in os.walk(root) if not dirs and not fs)
+    with open(os.path.join(root, "empty_dirs.txt"), "w") as fh:
+        fh.write("".join(e + "\n" for e in empty))
     return manifest
+
+
+NXDT_TAG = "hf_mixtral--step=2-consumed_samples=16.0.ckpt"  # exp_manager filename 'hf_mixtral--{step}-{consumed_samples}' + .ckpt
+NXDT_DIRPATH = "/home/ubuntu/nemo_experiments/hf_mixtral/checkpoints"  # fixed, so user_content.pt does not depend on the run
+
+
+def nxdt_model_cfg():
+    """cfg.model of NxDT's examples/conf/hf_mixtral_8x7b_config.yaml with this
+    run's sizes, resolved as NeMo ModelPT does, plus target / nemo_version.
+    It has no `wrap_with_zero`, so NLPCheckpointIO passes zero1_optimizer=False."""
+    from omegaconf import OmegaConf
+
+    full = OmegaConf.load(os.path.join(os.environ["NXDT_SRC"], "..", "examples", "conf", "hf_mixtral_8x7b_config.yaml"))
+    m = full.model
+    m.encoder_seq_length = MODEL["max_position_embeddings"]
+    m.num_layers = MODEL["num_hidden_layers"]
+    m.hidden_size = MODEL["hidden_size"]
+    m.moe.num_experts = MODEL["num_local_experts"]
+    m.optim.sched.warmup_steps = ROUTE["sched"]["warmup_steps"]
+    cfg = OmegaConf.create(OmegaConf.to_container(m, resolve=True))
+    cfg.target = "neuronx_distributed_training.lightning_modules.model.hf_models.mixtral_model.HFMixtralModule"
+    cfg.nemo_version = "2.1.0"
+    return cfg
+
+
+def lightning_checkpoint(model_sd, opt_sd, sched):
+    """What Lightning 2.5.0's CheckpointConnector.dump_checkpoint() hands to
+    NLPCheckpointIO.save_checkpoint (key order as it builds them; as ../nxd_tags)."""
+    path = os.path.join(NXDT_DIRPATH, NXDT_TAG)
+    score = torch.tensor(STEPS)
+    cb_key = ("NeMoModelCheckpoint{'monitor': 'step', 'mode': 'max', 'every_n_train_steps': 200000, "
+              "'every_n_epochs': None, 'train_time_interval': None}")
+    return {
+        "epoch": 0, "global_step": STEPS, "pytorch-lightning_version": "2.5.0", "state_dict": model_sd,
+        "loops": TAGS_GEN.lightning_loops(STEPS),
+        "callbacks": {cb_key: {"monitor": "step", "best_model_score": score, "best_model_path": path,
+                               "current_score": score, "dirpath": NXDT_DIRPATH, "best_k_models": {path: score},
+                               "kth_best_model_path": path, "kth_value": score, "last_model_path": ""}},
+        "optimizer_states": [opt_sd], "lr_schedulers": [sched.state_dict()],
+        "hparams_name": "kwargs", "hyper_parameters": {"cfg": nxdt_model_cfg()},
+    }
+
+
+def save_nxdt_route(trained, nlp_overrides, out_dir, writes, out):
+    """NxDT's own save route at ep 2: NLPCheckpointIO.save_checkpoint ->
+    nxd.save_checkpoint(..., zero1_optimizer=cfg.wrap_with_zero (unset -> False))."""
+    import neuronx_distributed as nxd
+
+    for xser in (False, True):
+        name = f"nxdt_ep2_{'xser' if xser else 'pt'}"
+        ckpt_dir = os.path.join(out_dir, name)
+        if os.path.exists(ckpt_dir):
+            shutil.rmtree(ckpt_dir)
+        nxd.trainer.checkpoint.g_iostate = None
+
+        def save(rank):
+            model, optimizer, sched, _ = trained[rank]
+            ckpt = lightning_checkpoint(dict(model.state_dict()), optimizer.state_dict(), sched)
+            io = nlp_overrides.NLPCheckpointIO(async_save=False, weight_init_only=False, ptl_version="2.5.0")
+            io.save_checkpoint(ckpt, os.path.join(ckpt_dir, NXDT_TAG), save_type_xser=xser)
+
+        del writes[:]
+        SIM.run_sequential(save)
+        TAGS_GEN.check_compact(ckpt_dir)
+        try:
+            TAGS_GEN.report(name, NXDT_TAG, ckpt_dir, trained, list(writes), out)
+        except FileNotFoundError as e:  # the provenance table reads every tensor file an X.pt refers to
+            print(f"  (provenance stops here: {os.path.relpath(e.filename, ckpt_dir)} does not exist)", file=out)
+        lost_optimizer_facts(os.path.join(ckpt_dir, NXDT_TAG), out)
+
+
+def lost_optimizer_facts(base, out):
+    P = lambda *a: print(*a, file=out)  # noqa: E731
+    optim = os.path.join(base, "optim")
+    P("  optim/ holds: " + str(sorted(os.listdir(optim))))
+    for f in sorted(os.listdir(optim)):
+        p = os.path.join(optim, f)
+        if os.path.isdir(p):
+            P(f"  optim/{f}/: {len(os.listdir(p))} files")
+    P("  model/ holds: " + str(sorted(os.listdir(os.path.join(base, "model")))))
+    P("")
 
 
 def main():
@@ -559,6 +644,8 @@ def main():
         TAGS_GEN.check_compact(ckpt_dir)
         TAGS_GEN.report(name, TAG, ckpt_dir, trained, list(writes), out)
         moe_facts(name, os.path.join(ckpt_dir, TAG), trained, ep, xser, out)
+    if ep == 2:
+        save_nxdt_route(trained, nlp_overrides, args.out, writes, out)
     TAGS_GEN.set_env(old)
 
 
