@@ -66,17 +66,25 @@ import nxd_stubs  # noqa: E402  (../nxd_tags, put on sys.path by mixtral_stubs)
 from nxd_stubs import SIM  # noqa: E402
 
 
-def _load_nxd_tags_generate():
-    """../nxd_tags/generate.py as a module (its helpers: write recorder,
-    tid order, compactness check, env setter, Lightning loops)."""
-    path = os.path.join(HERE, "..", "nxd_tags", "generate.py")
-    spec = importlib.util.spec_from_file_location("nxd_tags_generate", path)
+def load_nxd_tags_module(filename):
+    """A script of ../nxd_tags as a module, for its helpers.  Those scripts set
+    torch's thread counts at import, which torch allows once per process, so
+    the setters are inert while they load (this file sets them itself)."""
+    path = os.path.join(HERE, "..", "nxd_tags", filename)
+    spec = importlib.util.spec_from_file_location("nxd_tags_" + filename[:-3], path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    setters = torch.set_num_threads, torch.set_num_interop_threads
+    torch.set_num_threads = torch.set_num_interop_threads = lambda n: None
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        torch.set_num_threads, torch.set_num_interop_threads = setters
     return mod
 
 
-TAGS_GEN = _load_nxd_tags_generate()  # also sets torch to 1 thread, 1 interop thread
+torch.set_num_threads(1)
+torch.set_num_interop_threads(1)
+TAGS_GEN = load_nxd_tags_module("generate.py")  # write recorder, tid order, compactness check, env setter, Lightning loops
 
 TP, DP = 2, 2
 STEPS = 2
