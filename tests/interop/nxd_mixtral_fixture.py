@@ -9,6 +9,9 @@ save_checkpoint, run on CPU; see its README) is what it claims to be:
     down_proj on dim 1; router and norms replicated), model and optimizer
     (ZeRO-1 shards on dim 0 over the sharding group, EP offsets and groups);
   - xser: info.pt marks exactly the expert tids, ep_rank_01 folders hold only them;
+  - hf_reference: the HF MixtralForCausalLM layout (w1/w3 = gate_up_proj
+    halves transposed, w2 = down_proj transposed, gate = router), whose MoE
+    forward on the committed tokens matches NxD's MoE layer output;
   - NxDT's save route at ep 2 loses the expert optimizer state of ep rank 1
     (plain: ep_rank_00 optimizer files only; xser: ep_rank_01 X.pt with an empty
     .tensors folder).
@@ -20,12 +23,16 @@ import os
 import re
 import unittest
 
+import sys
+
 import torch
 
 from nxd_fixture import zero1_shard
 from upstream_tags import TensorReference, files, load
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "upstream", "nxd_mixtral")
+sys.path.insert(0, DATA)
+from hf_moe import hf_sparse_moe  # noqa: E402  (HF's Mixtral MoE block forward, torch only)
 TAG = "step_2"
 NXDT_TAG = "hf_mixtral--step=2-consumed_samples=16.0.ckpt"
 TP, DP, EXPERTS = 2, 2, 4
@@ -196,6 +203,45 @@ class HfTags(unittest.TestCase):
                 self.assertEqual(got.dtype, torch.float64)
                 self.assertTrue(torch.equal(got, want), (ep, d, t, name, key))
             self.assertEqual(float(sd["base_state"][i]["step"]), 2.0)
+
+
+class HfReference(unittest.TestCase):
+    """hf_reference/epE: the full state in HF's names and orientation."""
+
+    def test_hf_layout_is_the_transposed_full_state(self):
+        for ep in (1, 2):
+            full = load(os.path.join(DATA, f"hf_ep{ep}_full_state.pt"))["model"]
+            hf = load(os.path.join(DATA, "hf_reference", f"ep{ep}", "pytorch_model.bin"))
+            with open(os.path.join(DATA, "hf_reference", f"ep{ep}", "config.json")) as f:
+                cfg = json.load(f)
+            self.assertEqual((cfg["architectures"], cfg["num_local_experts"], cfg["num_experts_per_tok"]),
+                             (["MixtralForCausalLM"], 4, 2))
+            inter = cfg["intermediate_size"]
+            self.assertEqual(len(hf), 9 + 2 * (7 + 3 * EXPERTS) - 6)  # 41: no expert_mlps / router names left
+            for layer in range(cfg["num_hidden_layers"]):
+                p, h = f"model.layers.{layer}.mlp.", f"model.layers.{layer}.block_sparse_moe."
+                self.assertTrue(torch.equal(hf[h + "gate.weight"], full[p + "router.linear_router.weight"]))
+                gate_up, down = full[p + "expert_mlps.mlp_op.gate_up_proj.weight"], full[p + "expert_mlps.mlp_op.down_proj.weight"]
+                for e in range(EXPERTS):
+                    w1, w2, w3 = (hf[h + f"experts.{e}.{w}.weight"] for w in ("w1", "w2", "w3"))
+                    self.assertEqual([list(w1.shape), list(w2.shape), list(w3.shape)], [[inter, 16], [16, inter], [inter, 16]])
+                    self.assertTrue(torch.equal(w1, gate_up[e][:, :inter].t()))
+                    self.assertTrue(torch.equal(w3, gate_up[e][:, inter:].t()))
+                    self.assertTrue(torch.equal(w2, down[e].t()))
+            rest = [k for k in full if ".mlp." not in k]
+            self.assertTrue(all(torch.equal(hf[k], full[k]) for k in rest))
+
+    def test_hf_moe_forward_matches_nxd(self):
+        for ep in (1, 2):
+            d = os.path.join(DATA, "hf_reference", f"ep{ep}")
+            hf, check = load(os.path.join(d, "pytorch_model.bin")), load(os.path.join(d, "moe_check.pt"))
+            h = f"model.layers.{check['layer']}.block_sparse_moe."
+            w = {n: [hf[h + f"experts.{e}.{n}.weight"] for e in range(EXPERTS)] for n in ("w1", "w2", "w3")}
+            out, _ = hf_sparse_moe(check["tokens"], hf[h + "gate.weight"], w["w1"], w["w2"], w["w3"], 2)
+            self.assertTrue(torch.equal(out, check["hf_output"]))
+            self.assertTrue(torch.allclose(out, check["nxd_output"], rtol=1e-5, atol=1e-7))
+            swapped, _ = hf_sparse_moe(check["tokens"], hf[h + "gate.weight"], w["w3"], w["w2"], w["w1"], 2)
+            self.assertFalse(torch.allclose(swapped, check["nxd_output"], rtol=1e-5, atol=1e-7))  # the check can fail
 
 
 class NxdtLossyEpSave(unittest.TestCase):
