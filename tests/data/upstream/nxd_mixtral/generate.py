@@ -174,7 +174,10 @@ def full_shape(param, ep_size):
 
 
 def build_model(mm, ep):
-    model = mm.MixtralForCausalLM(mixtral_stubs.MixtralConfig(**MODEL))
+    return set_values(mm.MixtralForCausalLM(mixtral_stubs.MixtralConfig(**MODEL)), ep)
+
+
+def set_values(model, ep):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not p.dtype.is_floating_point:
@@ -197,16 +200,20 @@ def without_frozen(groups):
     return [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in groups]
 
 
-def train_rank(mm, nxd_config, lr_mod, ep, rank):
-    import neuronx_distributed.trainer.trainer as nxd_trainer
-
+def hf_model_and_groups(mm, ep):
     model = build_model(mm, ep)
     groups = param_groups(model)
-    if ep > 1:
-        groups = without_frozen(groups)
+    return model, (without_frozen(groups) if ep > 1 else groups)
+
+
+def train(model, groups, nxd_config, lr_mod):
+    """NxDT's optimizer construction (BaseModelModule.configure_optimizers) and
+    STEPS steps; lr_mod None: no scheduler (constant lr)."""
+    import neuronx_distributed.trainer.trainer as nxd_trainer
+
     plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], **ROUTE["adamw"])
     optimizer = nxd_trainer.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, groups, **plain.defaults)
-    sched = lr_mod.CosineAnnealing(optimizer, **ROUTE["sched"])
+    sched = lr_mod.CosineAnnealing(optimizer, **ROUTE["sched"]) if lr_mod else None
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     model.lrs = []
     for step in range(STEPS):
@@ -218,7 +225,8 @@ def train_rank(mm, nxd_config, lr_mod, ep, rank):
             loss = loss + (p * g).sum()
         loss.backward()
         optimizer.step()
-        sched.step()
+        if sched:
+            sched.step()
     return model, optimizer, sched, groups
 
 
@@ -333,7 +341,8 @@ def _shard_index(rank, kind):
 # --------------------------------------------------------------------------
 
 
-def setup(ep):
+def nxd_setup(ep):
+    """Stubs, the mesh and NxD's config for tp 2, dp 2 and this ep (both model styles)."""
     mixtral_stubs.install(TP, ep, DP)
     import neuronx_distributed.trainer.trainer as nxd_trainer
     from neuronx_distributed.parallel_layers import parallel_state as ps
@@ -341,17 +350,26 @@ def setup(ep):
     ps.initialize_model_parallel = lambda *a, **k: None
     nxd_stubs._note("parallel_state.initialize_model_parallel (generate.py, after the mesh is known)", "no-op",
                     "neuronx_distributed_config() calls it to build process groups; the mesh is already known")
-    nxd_config = nxd_trainer.neuronx_distributed_config(
+    return nxd_trainer.neuronx_distributed_config(
         tensor_parallel_size=TP, pipeline_parallel_size=1, expert_parallel_size=ep,
         optimizer_config=dict(ROUTE["optimizer_config"]),
         mixed_precision_config=dict(ROUTE["mixed_precision_config"]), sequence_parallel=False)
+
+
+def enable_spmd_rank(module, ep):
+    """Local change 1, on the ExpertMLPs name `module` imported."""
+    if ep > 1:
+        module.ExpertMLPs = functools.partial(module.ExpertMLPs, enable_spmd_rank=True)
+        note_change("ExpertMLPs(..., enable_spmd_rank=True) where NxDT builds it")
+
+
+def setup(ep):
+    nxd_config = nxd_setup(ep)
     nlp_overrides = nxd_stubs.install_nxdt(os.environ["NXDT_SRC"], os.environ["LIGHTNING_UTILITIES_SRC"],
                                            os.environ["NEMO_SRC"])
     nxd_stubs.rebind()
     mm = mixtral_stubs.import_nxdt_modeling_mixtral()
-    if ep > 1:
-        mm.ExpertMLPs = functools.partial(mm.ExpertMLPs, enable_spmd_rank=True)
-        note_change("ExpertMLPs(..., enable_spmd_rank=True) in NxDT's initialize_mixtral_moe_layer")
+    enable_spmd_rank(mm, ep)
     lr_mod = nxd_stubs.load_nemo_lr_scheduler(os.environ["NEMO_SRC"])
     return mm, nxd_config, lr_mod, nlp_overrides
 
@@ -626,7 +644,7 @@ def main():
     out = sys.stdout
     probe_failures(mm, nxd_config, ep, out)
     old = TAGS_GEN.set_env(ROUTE["env"])
-    trained = SIM.run_threaded(lambda r: train_rank(mm, nxd_config, lr_mod, ep, r))
+    trained = SIM.run_threaded(lambda r: train(*hf_model_and_groups(mm, ep), nxd_config, lr_mod))
     full = gather_full_state(trained, ep)
     reference_check(full, ep, out)
     stem = f"hf_ep{ep}"
