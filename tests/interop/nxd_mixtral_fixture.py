@@ -51,11 +51,12 @@ def tp_box(name, full, t):
         return torch.cat([pieces[t], pieces[TP + t]], dim=2)
     if name.endswith("down_proj.weight") and full.dim() == 3:
         return full.chunk(TP, dim=1)[t]
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "embed_tokens.weight", "lm_head.weight",
+                      "query.weight", "key_value.weight", "word_embeddings.weight", "output_layer.weight")):
         return full.chunk(TP, dim=0)[t]
-    if name.endswith("o_proj.weight"):
+    if name.endswith(("o_proj.weight", "self_attention.dense.weight")):
         return full.chunk(TP, dim=1)[t]
-    if name.endswith(("router.linear_router.weight", "norm.weight", "layernorm.weight")):
+    if name.endswith(("router.linear_router.weight", "norm.weight", "layernorm.weight", "rotary_emb.inv_freq")):
         return full
     raise AssertionError(f"no box rule for {name}")
 
@@ -104,14 +105,22 @@ class Manifest(unittest.TestCase):
 
 
 class HfTags(unittest.TestCase):
-    """hf_ep{1,2}_{pt,xser}: NxD's save_checkpoint(zero1_optimizer=True)."""
+    """hf_ep{1,2}_{pt,xser}: NxD's save_checkpoint(zero1_optimizer=True) of NxDT's HF-style model."""
+    STYLE = "hf"
+    MOE = "model.layers.{}.mlp."  # where NxD's MoE module sits
+    EXPERT_TIDS = [8, 9, 19, 20]  # xser tids of gate_up_proj, down_proj of layers 0 and 1
+    EMPTY_GROUPS = 1  # NxDT's get_param_groups_by_weight_decay(["bias"]): every parameter in group 0, group 1 empty
 
     @classmethod
     def setUpClass(cls):
-        cls.full = {ep: load(os.path.join(DATA, f"hf_ep{ep}_full_state.pt")) for ep in (1, 2)}
+        cls.full = {ep: load(os.path.join(DATA, f"{cls.STYLE}_ep{ep}_full_state.pt")) for ep in (1, 2)}
 
     def tag(self, ep, xser):
-        return os.path.join(DATA, f"hf_ep{ep}_{'xser' if xser else 'pt'}", TAG)
+        return os.path.join(DATA, f"{self.STYLE}_ep{ep}_{'xser' if xser else 'pt'}", TAG)
+
+    def moe_config(self, ep):
+        c = self.full[ep]["config"]
+        return c["num_local_experts"], c["num_experts_per_tok"], c["moe_frequency"]
 
     def model_file(self, ep, t, e):
         return f"model/dp_rank_00_ep_rank_{e:02d}_tp_rank_{t:02d}_pp_rank_00.pt" if ep > 1 else \
@@ -120,15 +129,14 @@ class HfTags(unittest.TestCase):
     def test_full_state_orientation(self):
         for ep in (1, 2):
             m = self.full[ep]["model"]
-            c = self.full[ep]["config"]
-            self.assertEqual((c["num_local_experts"], c["num_experts_per_tok"], c["moe_frequency"]), (4, 2, 1))
+            self.assertEqual(self.moe_config(ep), (4, 2, 1))
             for layer in (0, 1):
-                p = f"model.layers.{layer}.mlp."
+                p = self.MOE.format(layer)
                 self.assertEqual(list(m[p + "router.linear_router.weight"].shape), [4, 16])
                 self.assertEqual(list(m[p + "expert_mlps.mlp_op.gate_up_proj.weight"].shape), [4, 16, 64])
                 self.assertEqual(list(m[p + "expert_mlps.mlp_op.down_proj.weight"].shape), [4, 32, 16])
             self.assertTrue(all(v.dtype == torch.float32 for v in m.values()))
-            self.assertEqual(set(self.full[ep]["optimizer"]), set(m))
+            self.assertEqual(set(self.full[ep]["optimizer"]), {k for k in m if not k.endswith("inv_freq")})
 
     def test_model_files_equal_their_boxes(self):
         for ep in (1, 2):
@@ -163,14 +171,14 @@ class HfTags(unittest.TestCase):
                 info = load(path + ".info.pt")
                 expert = sorted(tid for tid, i in info.items() if i["expert_model_parallel"])
                 self.assertEqual(expert, sorted(tid for k, tid in tids.items() if is_expert(k)))
-                self.assertEqual(expert, [8, 9, 19, 20])
+                self.assertEqual(expert, self.EXPERT_TIDS)
                 held = sorted(int(f[7:-3]) for f in os.listdir(path + ".tensors"))
                 self.assertEqual(held, sorted(tids.values()) if e == 0 else expert)
 
     def test_optimizer_files_equal_their_boxes(self):
         for ep in (1, 2):
             st = self.full[ep]["optimizer"]
-            names = list(self.full[ep]["model"])
+            names = [n for n in self.full[ep]["model"] if n in st]  # parameters, in model order
             order = names if ep == 1 else [n for n in names if not is_expert(n)] + [n for n in names if is_expert(n)]
             for xser in (False, True):
                 tag = self.tag(ep, xser)
@@ -182,13 +190,15 @@ class HfTags(unittest.TestCase):
     def check_optimizer(self, sd, st, order, ep, d, t):
         n_plain = len(order) if ep == 1 else sum(not is_expert(n) for n in order)
         groups = [g["params"] for g in sd["param_groups"]]
+        empty = [[]] * self.EMPTY_GROUPS
         if ep == 1:
             self.assertEqual(list(sd), ["state", "param_groups", "base_state", "shape_info"])
-            self.assertEqual(groups, [list(range(len(order))), []])
+            self.assertEqual(groups, [list(range(len(order)))] + empty)
         else:
             self.assertEqual([sd[k] for k in ("ep_param_id_offset", "ep_param_group_offset", "ep_base_state_offset",
-                                              "ep_shape_info_offset")], [1, 2, n_plain, n_plain])
-            self.assertEqual(groups, [list(range(n_plain)), [], list(range(len(order) - n_plain)), []])
+                                              "ep_shape_info_offset")], [1, 1 + self.EMPTY_GROUPS, n_plain, n_plain])
+            self.assertEqual(groups, [list(range(n_plain))] + empty + [list(range(len(order) - n_plain))] + empty)
+        self.assertEqual(sd["param_groups"][0]["weight_decay"], self.full[ep]["weight_decay"][0])
         self.assertEqual(sd["state"], {})
         self.assertEqual(sorted(sd["base_state"]), list(range(len(order))))
         for i, name in enumerate(order):
@@ -203,6 +213,18 @@ class HfTags(unittest.TestCase):
                 self.assertEqual(got.dtype, torch.float64)
                 self.assertTrue(torch.equal(got, want), (ep, d, t, name, key))
             self.assertEqual(float(sd["base_state"][i]["step"]), 2.0)
+
+
+class MegatronTags(HfTags):
+    """megatron_ep{1,2}_{pt,xser}: the same of NxDT's Megatron-style model (NeuronSwitchMLP)."""
+    STYLE = "megatron"
+    MOE = "language_model.encoder.layers.{}.mlp.moe."
+    EXPERT_TIDS = [10, 11, 21, 22]
+    EMPTY_GROUPS = 0  # NeMo's get_params_for_weight_decay_optimization: one group, is_expert False
+
+    def moe_config(self, ep):
+        c = self.full[ep]["config"]["model"]["moe"]
+        return c["num_experts"], c["top_k"], c["frequency"]
 
 
 class HfReference(unittest.TestCase):

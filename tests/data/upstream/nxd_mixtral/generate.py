@@ -284,10 +284,15 @@ def optimizer_param_order(groups, ep):
 def gather_full_state(trained, ep):
     names_of = {r: {id(p): n for n, p in trained[r][0].named_parameters()} for r in trained}
     full = {"model": {}, "optimizer": {}, "lrs": trained[0][0].lrs,
-            "weight_decay": sorted({g["weight_decay"] for g in trained[0][3] if g["params"]}),
+            "weight_decay": sorted({g.get("weight_decay", ROUTE["adamw"]["weight_decay"]) for g in trained[0][3] if g["params"]}),
             "config": dict(MODEL), "tp": TP, "dp": DP, "ep": ep, "steps": STEPS}
     sd0 = trained[0][0].state_dict()
     for name in sd0:
+        if name not in dict(trained[0][0].named_parameters()):  # a persistent buffer (Megatron's inv_freq)
+            if not all(torch.equal(m.state_dict()[name], sd0[name]) for m, _, _, _ in trained.values()):
+                raise SystemExit(f"buffer {name} differs between ranks")
+            full["model"][name] = sd0[name].clone()
+            continue
         pieces = []
         for r, (model, _, _, _) in trained.items():
             p = dict(model.named_parameters())[name]
@@ -414,7 +419,7 @@ def reference_check(full, ep, out):
     gathering (ZeRO-1 shard order, tp/ep boxes), not NxD."""
     P = lambda *a: print(*a, file=out)  # noqa: E731
     model = None
-    names = list(full["model"])
+    names = list(full["optimizer"])  # parameters (not Megatron's inv_freq buffers)
     params = {}
     for n in names:
         shape = full["model"][n].shape
@@ -447,13 +452,14 @@ def reference_check(full, ep, out):
     del model
 
 
-def moe_facts(name, base, trained, ep, xser, out):
+def moe_facts(name, base, trained, ep, xser, out, moe_rule):
     P = lambda *a: print(*a, file=out)  # noqa: E731
     model0 = trained[0][0]
-    layers = model0.model.layers
-    P(f"MoE layers (0-based layer_index % moe_frequency({MODEL['moe_frequency']}) == 0): "
-      + str([i for i, l in enumerate(layers) if type(l.mlp).__name__ == "MoE"])
-      + "; dense: " + str([i for i, l in enumerate(layers) if type(l.mlp).__name__ != "MoE"]))
+    layers = [m for n, m in model0.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)][0]
+    is_moe = [any(type(m).__name__ == "MoE" for m in layer.modules()) for layer in layers]
+    P(f"MoE layers ({moe_rule}): {[i for i, x in enumerate(is_moe) if x]}; dense: "
+      f"{[i for i, x in enumerate(is_moe) if not x]}; MoE modules: "
+      f"{[n for n, m in model0.named_modules() if type(m).__name__ == 'MoE']}")
     for rel in sorted(_walk(base)):
         if "/tensor_" in rel or not rel.endswith(".pt") or os.path.isdir(os.path.join(base, rel)):
             continue
@@ -623,6 +629,40 @@ def lost_optimizer_facts(base, out):
     P("")
 
 
+HF_MOE_RULE = f"NxDT HF: 0-based layer_index % moe_frequency({MODEL['moe_frequency']}) == 0"
+
+
+def save_and_report(stem, trained, ep, out_dir, writes, out, moe_rule, config=None):
+    """Gather and check the full state, then save it with NxD's save_checkpoint
+    as <stem>_pt and <stem>_xser (ZeRO-1), each with its report."""
+    full = gather_full_state(trained, ep)
+    if config is not None:
+        full["config"] = config
+    reference_check(full, ep, out)
+    torch.save(full, os.path.join(out_dir, f"{stem}_full_state.pt"))
+    for xser in (False, True):
+        name = f"{stem}_{'xser' if xser else 'pt'}"
+        ckpt_dir = os.path.join(out_dir, name)
+        if os.path.exists(ckpt_dir):
+            shutil.rmtree(ckpt_dir)
+        import neuronx_distributed as nxd
+
+        nxd.trainer.checkpoint.g_iostate = None  # a fresh CheckpointIOState per run, as in a new job
+
+        def save(rank):
+            model, optimizer, sched, _ = trained[rank]
+            nxd.save_checkpoint(ckpt_dir, tag=TAG, model=dict(model.state_dict()),
+                                optimizer=optimizer.state_dict(), scheduler=sched,
+                                user_content={"total_steps": STEPS, "ep": ep, "tp": TP, "dp": DP},
+                                use_xser=xser, num_kept_ckpts=None, async_save=False, zero1_optimizer=True)
+
+        del writes[:]
+        SIM.run_sequential(save)
+        TAGS_GEN.check_compact(ckpt_dir)
+        TAGS_GEN.report(name, TAG, ckpt_dir, trained, list(writes), out)
+        moe_facts(name, os.path.join(ckpt_dir, TAG), trained, ep, xser, out, moe_rule)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, choices=[1, 2])
@@ -645,31 +685,7 @@ def main():
     probe_failures(mm, nxd_config, ep, out)
     old = TAGS_GEN.set_env(ROUTE["env"])
     trained = SIM.run_threaded(lambda r: train(*hf_model_and_groups(mm, ep), nxd_config, lr_mod))
-    full = gather_full_state(trained, ep)
-    reference_check(full, ep, out)
-    stem = f"hf_ep{ep}"
-    torch.save(full, os.path.join(args.out, f"{stem}_full_state.pt"))
-    for xser in (False, True):
-        name = f"{stem}_{'xser' if xser else 'pt'}"
-        ckpt_dir = os.path.join(args.out, name)
-        if os.path.exists(ckpt_dir):
-            shutil.rmtree(ckpt_dir)
-        import neuronx_distributed as nxd
-
-        nxd.trainer.checkpoint.g_iostate = None  # a fresh CheckpointIOState per run, as in a new job
-
-        def save(rank):
-            model, optimizer, sched, _ = trained[rank]
-            nxd.save_checkpoint(ckpt_dir, tag=TAG, model=dict(model.state_dict()),
-                                optimizer=optimizer.state_dict(), scheduler=sched,
-                                user_content={"total_steps": STEPS, "ep": ep, "tp": TP, "dp": DP},
-                                use_xser=xser, num_kept_ckpts=None, async_save=False, zero1_optimizer=True)
-
-        del writes[:]
-        SIM.run_sequential(save)
-        TAGS_GEN.check_compact(ckpt_dir)
-        TAGS_GEN.report(name, TAG, ckpt_dir, trained, list(writes), out)
-        moe_facts(name, os.path.join(ckpt_dir, TAG), trained, ep, xser, out)
+    save_and_report(f"hf_ep{ep}", trained, ep, args.out, writes, out, HF_MOE_RULE)
     if ep == 2:
         save_nxdt_route(trained, nlp_overrides, args.out, writes, out)
     TAGS_GEN.set_env(old)

@@ -54,12 +54,28 @@ def compare(full, got, out):
     return not model and not moments
 
 
+def model_builder(style, ep):
+    """() -> (model, optimizer param groups), as the generator of that style builds them."""
+    if style == "hf":
+        mm, _, _, _ = generate.setup(ep)
+        return lambda: generate.hf_model_and_groups(mm, ep)
+    import generate_megatron as gm
+
+    _, provider, groups_fn = gm.megatron_setup(ep)
+    cfg = gm.config()
+    cfg["distributed_strategy"]["expert_model_parallel_size"] = ep
+    return lambda: gm.model_and_groups(provider, groups_fn, cfg, ep)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("tag_path")
     ap.add_argument("--ep", type=int)
     ap.add_argument("--dp", type=int)
     ap.add_argument("--full", help="a gathered full state (hf_epE_full_state.pt) the tag must equal")
+    ap.add_argument("--style", choices=["hf", "megatron"], default="hf",
+                    help="the model to load into: NxDT's HF MixtralForCausalLM or its Megatron GPTModel "
+                         "(generate_megatron.py's; needs its environment)")
     args = ap.parse_args()
     tag_path = os.path.abspath(args.tag_path.rstrip("/"))
     ckpt_dir, tag = os.path.dirname(tag_path), os.path.basename(tag_path)
@@ -67,7 +83,7 @@ def main():
     ep, dp = args.ep or infer_ep(tag_path), args.dp or dp
     if (tp, dp) != (generate.TP, generate.DP):
         raise SystemExit(f"this check runs generate.py's mesh tp {generate.TP} dp {generate.DP}; the tag has tp {tp} dp {dp}")
-    mm, _, _, _ = generate.setup(ep)
+    build = model_builder(args.style, ep)
     import neuronx_distributed as nxd
 
     xser = nxd.trainer.checkpoint.create_checkpoint_storage(ckpt_dir).is_checkpoint_xser(tag)
@@ -76,7 +92,7 @@ def main():
     errors = {}
 
     def load(rank):
-        model = mm.MixtralForCausalLM(generate.mixtral_stubs.MixtralConfig(**generate.MODEL))
+        model, groups = build()
         with torch.no_grad():
             for p in model.parameters():
                 if p.dtype.is_floating_point:
@@ -87,15 +103,13 @@ def main():
         except Exception as e:  # noqa: BLE001
             errors[rank] = f"{type(e).__name__}: {generate._relative(str(e)).replace(HERE + '/', '')}"
             raise
-        groups = generate.param_groups(model)
-        if ep > 1:
-            groups = generate.without_frozen(groups)
         model.lrs = []
         return model, types.SimpleNamespace(state_dict=lambda: optim), None, groups
 
     shown = os.path.relpath(tag_path, HERE) if tag_path.startswith(HERE) else tag_path
     print(f"# load_check {shown}")
-    print(f"# NxD load_checkpoint(model=NxDT MixtralForCausalLM, optimizer={{}}) tp={tp} ep={ep} dp={dp} xser={xser}")
+    print(f"# NxD load_checkpoint(model=NxDT {'MixtralForCausalLM' if args.style == 'hf' else 'Megatron GPTModel'}, "
+          f"optimizer={{}}) tp={tp} ep={ep} dp={dp} xser={xser}")
     try:
         res = SIM.run_threaded(load)
     except BaseException as e:  # noqa: BLE001
