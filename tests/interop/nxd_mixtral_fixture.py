@@ -46,11 +46,18 @@ def is_expert(name):
 
 def tp_box(name, full, t):
     """Rank t's tensor-parallel part, as the README states NxD's layers cut it."""
-    if name.endswith("gate_up_proj.weight"):  # (E, H, 2I): [gate | up], stride 2 on dim 2
+    if name.endswith("mlp_op.gate_up_proj.weight"):  # (E, H, 2I): [gate | up], stride 2 on dim 2
         pieces = full.chunk(2 * TP, dim=2)
         return torch.cat([pieces[t], pieces[TP + t]], dim=2)
     if name.endswith("down_proj.weight") and full.dim() == 3:
         return full.chunk(TP, dim=1)[t]
+    if name.endswith("mlp.gate_up_proj.weight"):  # HF-style dense LlamaMLP (2I, H): [gate ; up], stride 2 on dim 0
+        pieces = full.chunk(2 * TP, dim=0)
+        return torch.cat([pieces[t], pieces[TP + t]], dim=0)
+    if name.endswith(("mlp.down_proj.weight", "mlp.dense_4h_to_h.weight")):
+        return full.chunk(TP, dim=1)[t]
+    if name.endswith("mlp.dense_h_to_4h.weight"):  # Megatron-style dense MLP: stride 1 (NxDT's ColumnParallelLinear)
+        return full.chunk(TP, dim=0)[t]
     if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "embed_tokens.weight", "lm_head.weight",
                       "query.weight", "key_value.weight", "word_embeddings.weight", "output_layer.weight")):
         return full.chunk(TP, dim=0)[t]
@@ -106,17 +113,21 @@ class Manifest(unittest.TestCase):
 
 class HfTags(unittest.TestCase):
     """hf_ep{1,2}_{pt,xser}: NxD's save_checkpoint(zero1_optimizer=True) of NxDT's HF-style model."""
-    STYLE = "hf"
     MOE = "model.layers.{}.mlp."  # where NxD's MoE module sits
     EXPERT_TIDS = [8, 9, 19, 20]  # xser tids of gate_up_proj, down_proj of layers 0 and 1
+    FREQUENCY = 1
     EMPTY_GROUPS = 1  # NxDT's get_param_groups_by_weight_decay(["bias"]): every parameter in group 0, group 1 empty
+
+    STEM = "hf_ep{}"
+    EPS, CONTAINERS = (1, 2), (False, True)
+    MOE_LAYERS = (0, 1)
 
     @classmethod
     def setUpClass(cls):
-        cls.full = {ep: load(os.path.join(DATA, f"{cls.STYLE}_ep{ep}_full_state.pt")) for ep in (1, 2)}
+        cls.full = {ep: load(os.path.join(DATA, cls.STEM.format(ep) + "_full_state.pt")) for ep in cls.EPS}
 
     def tag(self, ep, xser):
-        return os.path.join(DATA, f"{self.STYLE}_ep{ep}_{'xser' if xser else 'pt'}", TAG)
+        return os.path.join(DATA, self.STEM.format(ep) + ("_xser" if xser else "_pt"), TAG)
 
     def moe_config(self, ep):
         c = self.full[ep]["config"]
@@ -127,10 +138,12 @@ class HfTags(unittest.TestCase):
             f"model/dp_rank_00_tp_rank_{t:02d}_pp_rank_00.pt"
 
     def test_full_state_orientation(self):
-        for ep in (1, 2):
+        for ep in self.EPS:
             m = self.full[ep]["model"]
-            self.assertEqual(self.moe_config(ep), (4, 2, 1))
-            for layer in (0, 1):
+            self.assertEqual(self.moe_config(ep), (4, 2, self.FREQUENCY))
+            moe_layers = {int(re.search(r"layers\.(\d+)\.", k).group(1)) for k in m if is_expert(k)}
+            self.assertEqual(sorted(moe_layers), list(self.MOE_LAYERS))
+            for layer in self.MOE_LAYERS:
                 p = self.MOE.format(layer)
                 self.assertEqual(list(m[p + "router.linear_router.weight"].shape), [4, 16])
                 self.assertEqual(list(m[p + "expert_mlps.mlp_op.gate_up_proj.weight"].shape), [4, 16, 64])
@@ -139,9 +152,9 @@ class HfTags(unittest.TestCase):
             self.assertEqual(set(self.full[ep]["optimizer"]), {k for k in m if not k.endswith("inv_freq")})
 
     def test_model_files_equal_their_boxes(self):
-        for ep in (1, 2):
+        for ep in self.EPS:
             full = self.full[ep]["model"]
-            for xser in (False, True):
+            for xser in self.CONTAINERS:
                 tag = self.tag(ep, xser)
                 names = {self.model_file(ep, t, e) for t in range(TP) for e in range(ep)}
                 self.assertEqual({f for f in files(tag) if re.fullmatch(r"model/[^/]+_pp_rank_00\.pt", f)}, names)
@@ -156,7 +169,7 @@ class HfTags(unittest.TestCase):
                         if ep == 1:
                             self.assertEqual(spmd, {})
                             continue
-                        self.assertEqual(len(spmd), 4)  # 2 MoE layers x (rank, local_expert_indices)
+                        self.assertEqual(len(spmd), 2 * len(self.MOE_LAYERS))  # (rank, local_expert_indices) per MoE layer
                         for k, v in spmd.items():
                             shape = [1] if k.endswith("rank") else [1, EXPERTS // ep]
                             self.assertEqual((v.dtype, list(v.shape), int(v.abs().sum())), (torch.int32, shape, 0), k)
@@ -176,11 +189,11 @@ class HfTags(unittest.TestCase):
                 self.assertEqual(held, sorted(tids.values()) if e == 0 else expert)
 
     def test_optimizer_files_equal_their_boxes(self):
-        for ep in (1, 2):
+        for ep in self.EPS:
             st = self.full[ep]["optimizer"]
             names = [n for n in self.full[ep]["model"] if n in st]  # parameters, in model order
             order = names if ep == 1 else [n for n in names if not is_expert(n)] + [n for n in names if is_expert(n)]
-            for xser in (False, True):
+            for xser in self.CONTAINERS:
                 tag = self.tag(ep, xser)
                 for d in range(DP):
                     for t in range(TP):
@@ -215,9 +228,17 @@ class HfTags(unittest.TestCase):
             self.assertEqual(float(sd["base_state"][i]["step"]), 2.0)
 
 
+class HfFrequency2(HfTags):
+    """hf_freq2_ep1_pt: moe_frequency 2; NxDT's HF code makes 0-based layer 0 MoE, layer 1 dense."""
+    STEM = "hf_freq2_ep{}"
+    EPS, CONTAINERS = (1,), (False,)
+    FREQUENCY, MOE_LAYERS = 2, (0,)
+    test_xser_info_and_ep_folders = None  # no ep 2 xser tag in this variant
+
+
 class MegatronTags(HfTags):
     """megatron_ep{1,2}_{pt,xser}: the same of NxDT's Megatron-style model (NeuronSwitchMLP)."""
-    STYLE = "megatron"
+    STEM = "megatron_ep{}"
     MOE = "language_model.encoder.layers.{}.mlp.moe."
     EXPERT_TIDS = [10, 11, 21, 22]
     EMPTY_GROUPS = 0  # NeMo's get_params_for_weight_decay_optimization: one group, is_expert False
@@ -225,6 +246,15 @@ class MegatronTags(HfTags):
     def moe_config(self, ep):
         c = self.full[ep]["config"]["model"]["moe"]
         return c["num_experts"], c["top_k"], c["frequency"]
+
+
+class MegatronFrequency2(MegatronTags):
+    """megatron_freq2_ep1_pt: moe_frequency 2; NxDT's Megatron code (1-based layer_number) makes
+    0-based layer 1 MoE, layer 0 dense: the opposite of the HF style."""
+    STEM = "megatron_freq2_ep{}"
+    EPS, CONTAINERS = (1,), (False,)
+    FREQUENCY, MOE_LAYERS = 2, (1,)
+    test_xser_info_and_ep_folders = None  # no ep 2 xser tag in this variant
 
 
 class HfReference(unittest.TestCase):

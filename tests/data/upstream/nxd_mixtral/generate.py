@@ -629,18 +629,25 @@ def lost_optimizer_facts(base, out):
     P("")
 
 
-HF_MOE_RULE = f"NxDT HF: 0-based layer_index % moe_frequency({MODEL['moe_frequency']}) == 0"
+def hf_moe_rule():
+    return f"NxDT HF: 0-based layer_index % moe_frequency({MODEL['moe_frequency']}) == 0"
 
 
-def save_and_report(stem, trained, ep, out_dir, writes, out, moe_rule, config=None):
+def stem_of(style, ep, moe_frequency):
+    """Tag stem: <style>_ep<E>, or <style>_freq<F>_ep<E> for the moe_frequency variants."""
+    return f"{style}_ep{ep}" if moe_frequency == 1 else f"{style}_freq{moe_frequency}_ep{ep}"
+
+
+def save_and_report(stem, trained, ep, out_dir, writes, out, moe_rule, config=None, containers=(False, True)):
     """Gather and check the full state, then save it with NxD's save_checkpoint
-    as <stem>_pt and <stem>_xser (ZeRO-1), each with its report."""
+    as <stem>_pt and <stem>_xser (ZeRO-1; containers: False = plain, True = xser),
+    each with its report."""
     full = gather_full_state(trained, ep)
     if config is not None:
         full["config"] = config
     reference_check(full, ep, out)
     torch.save(full, os.path.join(out_dir, f"{stem}_full_state.pt"))
-    for xser in (False, True):
+    for xser in containers:
         name = f"{stem}_{'xser' if xser else 'pt'}"
         ckpt_dir = os.path.join(out_dir, name)
         if os.path.exists(ckpt_dir):
@@ -666,6 +673,8 @@ def save_and_report(stem, trained, ep, out_dir, writes, out, moe_rule, config=No
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, choices=[1, 2])
+    ap.add_argument("--moe-frequency", type=int, default=1,
+                    help="a variant with dense layers between MoE ones (plain .pt only, no NxDT-route tags)")
     ap.add_argument("--out", default=HERE)
     ap.add_argument("--list-stubs", action="store_true")
     ap.add_argument("--manifest", action="store_true", help="only (re)write manifest.json")
@@ -674,7 +683,8 @@ def main():
         m = write_manifest(args.out)
         print(f"manifest.json: {len(m)} files, {sum(v['bytes'] for v in m.values())} bytes")
         return
-    ep = args.ep
+    ep, freq = args.ep, args.moe_frequency
+    MODEL["moe_frequency"] = freq
     mm, nxd_config, lr_mod, nlp_overrides = setup(ep)
     writes = TAGS_GEN.record_writes()
     if args.list_stubs:
@@ -682,11 +692,13 @@ def main():
             print(f"- {n}\n    does: {what}\n    why: {why}\n    changes bytes on disk: {aff}")
         return
     out = sys.stdout
-    probe_failures(mm, nxd_config, ep, out)
+    if freq == 1:
+        probe_failures(mm, nxd_config, ep, out)
     old = TAGS_GEN.set_env(ROUTE["env"])
     trained = SIM.run_threaded(lambda r: train(*hf_model_and_groups(mm, ep), nxd_config, lr_mod))
-    save_and_report(f"hf_ep{ep}", trained, ep, args.out, writes, out, HF_MOE_RULE)
-    if ep == 2:
+    save_and_report(stem_of("hf", ep, freq), trained, ep, args.out, writes, out, hf_moe_rule(),
+                    containers=(False, True) if freq == 1 else (False,))
+    if ep == 2 and freq == 1:
         save_nxdt_route(trained, nlp_overrides, args.out, writes, out)
     TAGS_GEN.set_env(old)
 

@@ -136,22 +136,25 @@ def main():
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, choices=[1, 2], required=True)
+    ap.add_argument("--moe-frequency", type=int, default=1, help="as generate.py's")
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args()
-    ep, out = args.ep, sys.stdout
+    ep, out, freq = args.ep, sys.stdout, args.moe_frequency
+    MOE["frequency"] = freq
     nxd_config, provider, groups_fn = megatron_setup(ep)
     cfg = config()
     cfg["distributed_strategy"]["expert_model_parallel_size"] = ep
     writes = G.TAGS_GEN.record_writes()
-    if ep > 1:
+    if ep > 1 and freq == 1:
         probe_spmd(provider, cfg, sys.modules["neuronx_distributed_training.models.megatron.transformer"], out)
     old = G.TAGS_GEN.set_env(G.ROUTE["env"])
     trained = G.SIM.run_threaded(lambda r: G.train(*model_and_groups(provider, groups_fn, cfg, ep), nxd_config, None))
     for gi, g in enumerate(trained[0][3]):
         print(f"NeMo get_params_for_weight_decay_optimization group {gi}: "
               f"{ {k: v for k, v in g.items() if k != 'params'} }, {len(g['params'])} params", file=out)
-    G.save_and_report(f"megatron_ep{ep}", trained, ep, args.out, writes, out, MOE_RULE,
-                      config={"model": dict(cfg["model"]), "padded_vocab_size": VOCAB})
+    G.save_and_report(G.stem_of("megatron", ep, freq), trained, ep, args.out, writes, out, MOE_RULE,
+                      config={"model": dict(cfg["model"]), "padded_vocab_size": VOCAB},
+                      containers=(False, True) if freq == 1 else (False,))
     G.TAGS_GEN.set_env(old)
 
 

@@ -54,13 +54,14 @@ def compare(full, got, out):
     return not model and not moments
 
 
-def model_builder(style, ep):
+def model_builder(style, ep, moe_frequency):
     """() -> (model, optimizer param groups), as the generator of that style builds them."""
     if style == "hf":
         mm, _, _, _ = generate.setup(ep)
         return lambda: generate.hf_model_and_groups(mm, ep)
     import generate_megatron as gm
 
+    gm.MOE["frequency"] = moe_frequency
     _, provider, groups_fn = gm.megatron_setup(ep)
     cfg = gm.config()
     cfg["distributed_strategy"]["expert_model_parallel_size"] = ep
@@ -73,6 +74,7 @@ def main():
     ap.add_argument("--ep", type=int)
     ap.add_argument("--dp", type=int)
     ap.add_argument("--full", help="a gathered full state (hf_epE_full_state.pt) the tag must equal")
+    ap.add_argument("--moe-frequency", type=int, default=1, help="the model's, as the generators' option")
     ap.add_argument("--style", choices=["hf", "megatron"], default="hf",
                     help="the model to load into: NxDT's HF MixtralForCausalLM or its Megatron GPTModel "
                          "(generate_megatron.py's; needs its environment)")
@@ -83,7 +85,8 @@ def main():
     ep, dp = args.ep or infer_ep(tag_path), args.dp or dp
     if (tp, dp) != (generate.TP, generate.DP):
         raise SystemExit(f"this check runs generate.py's mesh tp {generate.TP} dp {generate.DP}; the tag has tp {tp} dp {dp}")
-    build = model_builder(args.style, ep)
+    generate.MODEL["moe_frequency"] = args.moe_frequency
+    build = model_builder(args.style, ep, args.moe_frequency)
     import neuronx_distributed as nxd
 
     xser = nxd.trainer.checkpoint.create_checkpoint_storage(ckpt_dir).is_checkpoint_xser(tag)
