@@ -22,7 +22,9 @@ process; training steps one thread per rank so ZeRO-1's collectives move data):
              master weights and moments, use_master_weights_in_ckpt False).
   scheduler  NeMo CosineAnnealing (what NxDT's prepare_lr_scheduler builds).
   save       NxD trainer/checkpoint.py save_checkpoint(..., zero1_optimizer=True),
-             plain .pt and xser; and (--nxdt) NxDT NLPCheckpointIO.save_checkpoint.
+             plain .pt and xser; and at ep 2 NxDT NLPCheckpointIO.save_checkpoint.
+  (generate_megatron.py does the same for NxDT's Megatron-style model;
+  --moe-frequency 2 makes the dense/MoE variant, plain .pt only.)
 
 LOCAL CHANGES (ep 2 only; applied here by monkeypatching, no upstream line edited):
   1. enable_spmd_rank=True for NxDT's ExpertMLPs (functools.partial on the name
