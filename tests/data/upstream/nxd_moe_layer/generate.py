@@ -115,10 +115,10 @@ def run_case(mm, lf, name, capacity_factor, v, out):
     kept = mask * (torch.cumsum(mask, 0) <= cap)
     dropped = int((mask - kept).sum())
     record = {
-        "capacity_factor": torch.tensor(capacity_factor, dtype=torch.float64),
-        "effective_capacity_factor": torch.tensor(-1.0 if eff is None else eff, dtype=torch.float64),
-        "expert_capacity": torch.tensor(int(cap), dtype=torch.int64),
-        "aux_loss_coef": torch.tensor(AUX_COEF, dtype=torch.float64),
+        "capacity_factor": float(capacity_factor),  # settings as Python numbers
+        "effective_capacity_factor": -1.0 if eff is None else float(eff),
+        "expert_capacity": int(cap),
+        "aux_loss_coef": float(AUX_COEF),
         "router.weight": v["router"].clone(),
         "gate_up_proj.weight": v["gate_up_proj"].clone(),
         "down_proj.weight": v["down_proj"].clone(),
@@ -145,7 +145,7 @@ def run_case(mm, lf, name, capacity_factor, v, out):
     print(f"  kept per token: {kept.int().tolist()}", file=out)
     print(f"  aux loss {aux.item():.9g}, output max |value| {output.abs().max().item():.4g}", file=out)
     for k, t in record.items():
-        print(f"  {k}: {t.dtype} {list(t.shape)}", file=out)
+        print(f"  {k}: " + (f"{t.dtype} {list(t.shape)}" if torch.is_tensor(t) else repr(t)), file=out)
     return dropped
 
 

@@ -1,0 +1,82 @@
+// One mixture-of-experts feed-forward layer as NxD computes it in training
+// (neuronx_distributed/modules/moe, as NxDT's HF Mixtral builds it in
+// models/hf_models/modeling_mixtral.py initialize_mixtral_moe_layer): a top-k
+// softmax router (RouterTopK), SwiGLU experts (ExpertMLPs, glu_mlp, silu),
+// optional capacity-factor token dropping, and the load-balancing auxiliary
+// loss (modules/moe/loss_function.py). One process: every expert is here
+// (tp 1, ep 1). Plain forward/backward functions over row-major float
+// buffers, in the style of layers.h; backward accumulates (+=) into weight
+// gradients and writes (=) the input gradient.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace train {
+
+struct MoeShape {
+  int64_t tokens;        // T (batch * sequence, in NxD's flattened token order)
+  int64_t hidden;        // H
+  int64_t intermediate;  // I, per expert
+  int64_t experts;       // E
+  int64_t top_k;         // k
+};
+
+// The layer's weights in NxD's orientation (what its checkpoints hold):
+struct MoeWeights {
+  const float* router;   // [E, H]      router.linear_router.weight
+  const float* gate_up;  // [E, H, 2I]  expert_mlps.mlp_op.gate_up_proj.weight, last dim [gate || up]
+  const float* down;     // [E, I, H]   expert_mlps.mlp_op.down_proj.weight
+};
+
+// Their gradients, same shapes, accumulated into.
+struct MoeGrads {
+  float* router;
+  float* gate_up;
+  float* down;
+};
+
+struct MoeOptions {
+  // NxD's capacity_factor: <= 0 (the dropless configs) or >= E / k (full
+  // capacity) drops no token; otherwise each expert takes at most
+  // MoeExpertCapacity tokens.
+  double capacity_factor = 0.0;
+  bool normalize_top_k_affinities = true;
+};
+
+// Tokens an expert can take: T when no token drops, else
+// min(T, ceil(T * k * capacity_factor / E))
+// (expert_mlps_v2.py ExpertMLPsV2.forward_capacity_factor).
+int64_t MoeExpertCapacity(const MoeShape& s, double capacity_factor);
+
+// The tokens one expert processes, in token order, and its activations.
+struct MoeExpertBatch {
+  std::vector<int64_t> tokens;
+  std::vector<float> fc;   // [n, 2I] x @ gate_up[e]
+  std::vector<float> act;  // [n, I]  silu(gate) * up
+  std::vector<float> out;  // [n, H]  act @ down[e]
+};
+
+// What forward keeps for backward.
+struct MoeActivations {
+  std::vector<float> logits;          // [T, E]
+  std::vector<float> affinities;      // [T, E] softmax of the logits (fp64, stored as float as NxD casts it)
+  std::vector<int64_t> expert_index;  // [T, k] top-k experts, best first
+  std::vector<uint8_t> kept;          // [T, E] 1 where the token is routed to and taken by the expert
+  std::vector<float> combine;         // [T, E] the weight of each kept expert's output
+  std::vector<MoeExpertBatch> experts;
+};
+
+// out[T, H] = sum over the token's kept experts e of combine[t, e] * expert_e(x[t]).
+void MoeForward(float* out, MoeActivations* acts, const float* x, const MoeWeights& w, const MoeShape& s,
+                const MoeOptions& o);
+
+// load_balancing_loss_func of this layer's router logits (unscaled by the
+// coefficient): E / k * sum_e (tokens choosing e / T) * mean_t softmax[t, e].
+float MoeAuxLoss(const MoeActivations& acts, const MoeShape& s);
+
+// Gradients of sum(out * dout) + aux_coef * MoeAuxLoss.
+void MoeBackward(float* dx, const MoeGrads& g, const float* dout, float aux_coef, const float* x, const MoeWeights& w,
+                 const MoeActivations& acts, const MoeShape& s, const MoeOptions& o);
+
+}  // namespace train
