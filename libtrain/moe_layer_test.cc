@@ -91,7 +91,8 @@ void CheckAgainstNxd(const std::string& name, int expected_drops) {
   std::vector<float> out(T * H);
   MoeForward(out.data(), &acts, x.data(), w, s, o);
 
-  // Routing and dropping are exact decisions: equal, not near.
+  // Routing and dropping are exact decisions: equal, not near. kept_mask is
+  // where NxD's combine weights (get_expert_affinities_masked) are nonzero.
   EXPECT_EQ(acts.expert_index, ref.Longs("expert_index"));
   const std::vector<float> kept = ref.Floats("kept_mask", {T, E});
   int drops = 0;
@@ -100,6 +101,7 @@ void CheckAgainstNxd(const std::string& name, int expected_drops) {
   EXPECT_EQ(drops, expected_drops);
 
   ExpectNear("router logits", acts.logits, ref.Floats("router_logits", {T, E}));
+  ExpectNear("combine weights", acts.combine, ref.Floats("combine_weights", {T, E}));
   ExpectNear("output", out, ref.Floats("output", {T, H}));
   ExpectNear("aux loss", {MoeAuxLoss(acts, s)}, ref.Floats("aux_loss", {}));
 

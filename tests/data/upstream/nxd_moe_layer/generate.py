@@ -90,6 +90,16 @@ def watch_paths(expert_mlps):
     return ran
 
 
+def watch_combine_weights(expert_mlps):
+    """Keeps what get_expert_affinities_masked returns (the combine weights
+    after drops and normalization: its nonzeros are the kept choices), the
+    same way (observation only)."""
+    seen = []
+    method = expert_mlps.get_expert_affinities_masked
+    expert_mlps.get_expert_affinities_masked = lambda *a, **k: (seen.append(method(*a, **k)), seen[-1])[1]
+    return seen
+
+
 def run_case(mm, lf, name, capacity_factor, v, out):
     layer = mm.initialize_mixtral_moe_layer(mixtral_generate.mixtral_stubs.MixtralConfig(**config(capacity_factor)))
     sd = {"router.linear_router.weight": v["router"], "expert_mlps.mlp_op.gate_up_proj.weight": v["gate_up_proj"],
@@ -99,20 +109,26 @@ def run_case(mm, lf, name, capacity_factor, v, out):
     layer.train()
     eff = layer.expert_mlps.routed_experts_mlp_config.capacity_factor
     ran = watch_paths(layer.expert_mlps)
+    combine_seen = watch_combine_weights(layer.expert_mlps)
     x = v["input"].clone().reshape(1, TOKENS, HIDDEN).requires_grad_(True)  # (B, S, H): training layout without SP
     output, router_logits = layer(x)[:2]
     aux = lf.load_balancing_loss_func(router_logits, EXPERTS, TOP_K)
     loss = (output.reshape(TOKENS, HIDDEN) * v["output_grad"]).sum() + AUX_COEF * aux
     loss.backward()
     params = dict(layer.named_parameters())
-    # which (token, expert) choices the capacity rule keeps, recomputed from
-    # the router's top-k exactly as forward_capacity_factor does, for the report
+    # which (token, expert) choices the capacity rule keeps, restated from
+    # forward_capacity_factor, checked against NxD's own combine weights
     top = torch.topk(router_logits.detach(), TOP_K).indices
     mask = torch.zeros(TOKENS, EXPERTS)
     for k in range(TOP_K):
         mask[torch.arange(TOKENS), top[:, k]] = 1
     cap = TOKENS if eff is None or eff <= 0 else min(TOKENS, math.ceil(TOKENS * TOP_K * eff / EXPERTS))
     kept = mask * (torch.cumsum(mask, 0) <= cap)
+    # forward_blockwise computes them once before falling back to
+    # forward_all_experts, which computes them again: the same tensor
+    assert combine_seen and all(torch.equal(c, combine_seen[-1]) for c in combine_seen), len(combine_seen)
+    combine = combine_seen[-1].detach().clone()
+    assert torch.equal((combine != 0).float(), kept), "NxD's kept choices differ from the rule restated here"
     dropped = int((mask - kept).sum())
     record = {
         "capacity_factor": float(capacity_factor),  # settings as Python numbers
@@ -127,7 +143,8 @@ def run_case(mm, lf, name, capacity_factor, v, out):
         "output": output.detach().reshape(TOKENS, HIDDEN).clone(),
         "router_logits": router_logits.detach().clone(),
         "expert_index": top.clone(),
-        "kept_mask": kept.clone(),
+        "combine_weights": combine,
+        "kept_mask": (combine != 0).float(),
         "aux_loss": aux.detach().clone(),
         "input.grad": x.grad.reshape(TOKENS, HIDDEN).clone(),
         "router.weight.grad": params["router.linear_router.weight"].grad.clone(),
@@ -137,7 +154,7 @@ def run_case(mm, lf, name, capacity_factor, v, out):
     path = os.path.join(HERE, f"moe_{name}.pt")
     torch.save(record, path)
     print(f"{name}: capacity_factor {capacity_factor} (ExpertMLPs keeps {eff}), path "
-          f"{' -> '.join(ran)}, "
+          f"{' -> '.join(ran)} (get_expert_affinities_masked called {len(combine_seen)}x), "
           f"expert capacity {cap}, choices dropped {dropped} of {TOKENS * TOP_K}; "
           f"tokens with both choices dropped {int(((mask - kept).sum(1) == TOP_K).sum())}, "
           f"with one {int(((mask - kept).sum(1) == 1).sum())}", file=out)
