@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <string>
 
+#include "ckpt/util/error.h"
 #include "libtrain/layers.h"
 
 namespace train {
@@ -98,6 +100,16 @@ int64_t RowOf(const MoeExpertBatch& b, int64_t t) {
 }
 }  // namespace
 
+void CheckMoeSettings(const MoeShape& s, const MoeOptions& o) {
+  if (s.tokens < 1 || s.hidden < 1 || s.intermediate < 1 || s.experts < 1)
+    throw ckpt::Error("MoE layer: tokens, hidden, intermediate and experts must be positive");
+  if (s.top_k < 1 || s.top_k > s.experts)
+    throw ckpt::Error("MoE layer: top_k " + std::to_string(s.top_k) + " must be in [1, num_experts " +
+                      std::to_string(s.experts) + "]");
+  if (o.normalize_top_k_affinities && s.top_k == 1)
+    throw ckpt::Error("MoE layer: normalize_top_k_affinities needs top_k > 1 (as NxD's ExpertMLPs)");
+}
+
 int64_t MoeExpertCapacity(const MoeShape& s, double capacity_factor) {
   const bool full = capacity_factor <= 0 || capacity_factor >= static_cast<double>(s.experts) / s.top_k;
   if (full) return s.tokens;
@@ -107,6 +119,7 @@ int64_t MoeExpertCapacity(const MoeShape& s, double capacity_factor) {
 
 void MoeForward(float* out, MoeActivations* acts, const float* x, const MoeWeights& w, const MoeShape& s,
                 const MoeOptions& o) {
+  CheckMoeSettings(s, o);
   Route(acts, x, w, s);
   Dispatch(acts, s, MoeExpertCapacity(s, o.capacity_factor));
   CombineWeights(acts, s, o);

@@ -44,6 +44,11 @@ struct MoeOptions {
   bool normalize_top_k_affinities = true;
 };
 
+// Throws ckpt::Error naming the setting unless 0 < top_k <= experts, and
+// top_k > 1 when normalizing (ExpertMLPsV2.validate_routed_experts_configs),
+// and every size is positive. MoeForward calls it.
+void CheckMoeSettings(const MoeShape& s, const MoeOptions& o);
+
 // Tokens an expert can take: T when no token drops, else
 // min(T, ceil(T * k * capacity_factor / E))
 // (expert_mlps_v2.py ExpertMLPsV2.forward_capacity_factor).

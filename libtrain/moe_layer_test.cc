@@ -10,6 +10,7 @@
 
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/pt/value.h"
+#include "ckpt/util/error.h"
 
 namespace train {
 namespace {
@@ -100,6 +101,12 @@ void CheckAgainstNxd(const std::string& name, int expected_drops) {
   for (int64_t i = 0; i < T * s.top_k; ++i) drops += !acts.kept[i / s.top_k * E + acts.expert_index[i]];
   EXPECT_EQ(drops, expected_drops);
 
+  // A token that lost every expert (token 9 at capacity 6) outputs exactly 0.
+  for (int64_t t = 0; t < T; ++t) {
+    if (std::any_of(&acts.kept[t * E], &acts.kept[(t + 1) * E], [](uint8_t k) { return k != 0; })) continue;
+    for (int64_t h = 0; h < H; ++h) EXPECT_EQ(out[t * H + h], 0.0f) << "token " << t;
+  }
+
   ExpectNear("router logits", acts.logits, ref.Floats("router_logits", {T, E}));
   ExpectNear("combine weights", acts.combine, ref.Floats("combine_weights", {T, E}));
   ExpectNear("output", out, ref.Floats("output", {T, H}));
@@ -128,6 +135,16 @@ TEST(MoeLayer, ExpertCapacityFollowsNxd) {
   EXPECT_EQ(MoeExpertCapacity(s, 1.0), 6);
   EXPECT_EQ(MoeExpertCapacity(s, 0.7), 5);  // ceil(4.2)
   EXPECT_EQ(MoeExpertCapacity({3, 16, 32, 4, 2}, 1.9), 3);  // ceil(2.85) = 3 = T
+}
+
+TEST(MoeLayer, RefusesSettingsNxdRefuses) {
+  const MoeOptions normalize{0.0, true};
+  EXPECT_THROW(CheckMoeSettings({12, 16, 32, 4, 5}, normalize), ckpt::Error);  // top_k > experts
+  EXPECT_THROW(CheckMoeSettings({12, 16, 32, 4, 0}, normalize), ckpt::Error);
+  EXPECT_THROW(CheckMoeSettings({12, 16, 32, 4, 1}, normalize), ckpt::Error);  // normalizing one choice
+  EXPECT_THROW(CheckMoeSettings({0, 16, 32, 4, 2}, normalize), ckpt::Error);
+  EXPECT_NO_THROW(CheckMoeSettings({12, 16, 32, 4, 1}, {0.0, false}));
+  EXPECT_NO_THROW(CheckMoeSettings({12, 16, 32, 4, 2}, normalize));
 }
 
 }  // namespace
