@@ -27,16 +27,13 @@ import torch
 
 from canon import TOKENIZE, TRAIN, TempDirTest, run
 from megatron_partition import is_buffer, nxdt_order
+from train_parallel import mpirun
 from train_resume import CONF, CONF_DIR, GPT_CONF, TEXT, losses, start_until
 
 VPP = "distributed_strategy.virtual_pipeline_model_parallel_size"
 LOSS_RTOL = 1e-5
 STEPS = 8
 HF_CONF = os.path.join(CONF_DIR, "hf_llama.yaml")
-
-
-def mpirun(n):
-    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n)] if n > 1 else []
 
 
 class VirtualPipeline(TempDirTest):
