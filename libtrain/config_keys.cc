@@ -287,7 +287,8 @@ void Walk(const YAML::Node& root, const YAML::Node& node, const std::string& pat
       if (!rule->values.empty() && !listed)
         out.refused.push_back(path + ": '" + Shown(node) + "': " + why + "; shardkit does not implement it");
       else if (!rule->needs_above_one.empty() && AboveOne(node) && !AboveOne(migrate::Find(root, std::string(rule->needs_above_one))))
-        out.refused.push_back(path + ": " + Shown(node) + ": " + why + " need " + std::string(rule->needs_above_one) + " above 1");
+        out.refused.push_back(path + ": " + Shown(node) + ": " + why + "; shardkit does not implement it without " +
+                              std::string(rule->needs_above_one) + " above 1");
       return;
     case U::kIgnored:
       if (!listed) out.ignored.push_back(path + " (" + why + ")");

@@ -114,14 +114,20 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
   for (int64_t i = 0; i < rot / 2; ++i)
     inv_freq_.push_back(static_cast<float>(1.0 / std::pow(c_.rope_theta, static_cast<double>(2 * i) / rot)));
   const ckpt::Module attention_in = ckpt::AttentionTensorsOf(format_) == ckpt::AttentionTensors::kFused ? ckpt::Module::kQkv : ckpt::Module::kKeyValue;
-  for (const auto& [first, end] : chunk_layers_)
-    for (int l = first; l < end; ++l)
-      if (const std::string buffer = ckpt::RotaryBufferName(format_, l); !buffer.empty()) buffer_after_[ckpt::ParamName(format_, attention_in, l)] = buffer;
+  for (int l : Layers())
+    if (const std::string buffer = ckpt::RotaryBufferName(format_, l); !buffer.empty()) buffer_after_[ckpt::ParamName(format_, attention_in, l)] = buffer;
   if (!buffer_after_.empty()) {
     const std::vector<float> values = ckpt::RotaryInvFreq(format_);
     rotary_buffer_ = ckpt::Tensor::FromBytes(ckpt::DType::kFloat32, {static_cast<int64_t>(values.size())},
                                              {reinterpret_cast<const uint8_t*>(values.data()), values.size() * sizeof(float)});
   }
+}
+
+std::vector<int> Model::Layers() const {
+  std::vector<int> out;
+  for (const auto& [first, end] : chunk_layers_)
+    for (int l = first; l < end; ++l) out.push_back(l);
+  return out;
 }
 
 ckpt::Tensor& Model::param(const std::string& n) {
@@ -188,8 +194,7 @@ void Model::ReduceReplicaGrads() {
   // Replicated KV heads: each replica's gradient comes from its own queries, so the sum over the
   // holders is the one-process gradient (NxD sums over its KV groups, parallel_state.py arrange_kv_groups).
   if (tp_.kv_comm)
-    for (int l = 0; l < c_.layers; ++l) {
-      if (std::none_of(chunk_layers_.begin(), chunk_layers_.end(), [&](const auto& r) { return l >= r.first && l < r.second; })) continue;
+    for (int l : Layers()) {
       if (attention_ == ckpt::AttentionTensors::kFused) {  // HF-style weight_qkv: its K and V rows, after the queries
         ckpt::Tensor& g = grad(Name(Module::kQkv, l));
         const int64_t from = nh_ * c_.head_dim() * c_.hidden;

@@ -312,6 +312,7 @@ class Model {
   std::vector<std::pair<int, int>> chunk_layers_;
   bool FirstStage(int chunk) const { return pp_.first() && chunk == 0; }
   bool LastStage(int chunk) const { return pp_.last() && chunk == pp_.chunks - 1; }
+  std::vector<int> Layers() const;  // every layer this rank holds, chunk after chunk
   // This rank's share: nh_ query heads and G_ KV groups (which ones: global_head_ and
   // local_group_ below), FFN columns [f0_, f0_ + F_), vocabulary rows [v0_, v0_ + V_).
   int64_t nh_ = 0, G_ = 0, F_ = 0, f0_ = 0, V_ = 0, v0_ = 0;

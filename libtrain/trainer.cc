@@ -149,10 +149,10 @@ std::string StageMapText(const ckpt::StageMap& m) {
   return s;
 }
 
-// MismatchOf the layout manifest `m` records, when it records all that asks (the grid, one layer
-// range per stage, the model format) and a format this run's config agrees with, so that reading
-// the tag's files (ShardedTag, which checks the config's hints against the manifest) could tell
-// nothing more; else nullopt, and the files are read as before.
+// MismatchOf the layout manifest `m` records, when it records all that asks (the grid, the stage
+// map, the model format) and a format this run's config agrees with, so that reading the tag's
+// files (ShardedTag, which checks the config's hints against the manifest) could tell nothing
+// more; else nullopt, and the files are read as before.
 std::optional<std::string> RecordedMismatch(const ckpt::Manifest& m, const TrainConfig& c) {
   if (!m.layout || !m.model || *m.model != c.model.format(m.grid.tp)) return std::nullopt;
   std::optional<std::vector<int64_t>> bounds = ckpt::StageBoundsOf(m.layout->stages);

@@ -184,7 +184,8 @@ class VirtualPipeline(TempDirTest):
              "rank are not a multiple of pp 2"),
             # 3 layers cannot fill pp * V = 4 stages.
             (2, ["model.num_layers=3"], dict(pp=2, vpp=2), f"{VPP}: pipeline parallel degree 4 exceeds the 3 layers"),
-            (1, [], dict(vpp=2), f"{VPP}: 2: interleaved (virtual) pipeline stages need distributed_strategy.pipeline_model_parallel_size above 1"),
+            (1, [], dict(vpp=2), f"{VPP}: 2: interleaved (virtual) pipeline stages; shardkit does not implement it without "
+                                 "distributed_strategy.pipeline_model_parallel_size above 1"),
             (2, ["+model.virtual_pipeline_model_parallel_size=4"], dict(pp=2, vpp=2),
              "model.virtual_pipeline_model_parallel_size: 4 disagrees with " + VPP + " (2)"),
         ]
