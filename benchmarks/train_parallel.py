@@ -109,21 +109,23 @@ def analytic_bytes(m, tp, pp, dp, zero1, rank):
 
 def bubble(build, work, steps):
     """The pipeline bubble at pp 2 with and without interleaved (virtual) stages, at the same
-    micro-batch count m: measured as the time each rank waits on its pipeline neighbour (Recv),
-    as a fraction of the step, beside Megatron's analytic bubble fraction (pp - 1) / (V * m)
-    (the bubble over the ideal step time, Narayanan et al. 2021, section 2.2)."""
+    micro-batch count m: measured as the time each rank waits on its pipeline neighbour (Recv)
+    over the rest of its step, beside Megatron's analytic bubble fraction (pp - 1) / (V * m),
+    which is the same ratio: the bubble over the ideal step time (Narayanan et al. 2021, 2.2)."""
     pp, model = 2, dict(MODEL, layers=8)
     print(f"\nPipeline bubble at pp {pp}, {model['layers']} layers, micro-batches of {model['micro']} "
           "(mean over the ranks; wait = time blocked receiving from a pipeline neighbour):\n")
-    print("| micro-batches m | virtual stages V | step ms | wait ms/step (rank 0, rank 1) | measured wait/step | analytic (pp-1)/(V*m) |")
+    print("| micro-batches m | virtual stages V | step ms | wait ms/step (rank 0, rank 1) | measured wait/(step-wait) | "
+          "analytic (pp-1)/(V*m) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for m in (2, 4, 8):
         for vpp in (1, 2, 4):
             ranks = run(build, work, 1, pp, 1, False, steps, "bubble", model=dict(model, global_batch=m * model["micro"]), vpp=vpp)
             step = sum(r["step_seconds"] / r["steps"] for r in ranks) / len(ranks)
             waits = [r["recv_wait_seconds"] / r["steps"] for r in ranks]
+            wait = sum(waits) / len(waits)
             print(f"| {m} | {vpp} | {1e3 * step:.1f} | {', '.join(f'{1e3 * w:.1f}' for w in waits)} | "
-                  f"{100 * sum(waits) / len(waits) / step:.0f}% | {100 * (pp - 1) / (vpp * m):.0f}% |", flush=True)
+                  f"{100 * wait / (step - wait):.0f}% | {100 * (pp - 1) / (vpp * m):.0f}% |", flush=True)
 
 
 def main():
