@@ -3,7 +3,10 @@ split into compute, communication and pipeline bubble; the bytes each rank
 hands to collectives and sends, against the analytic count for the layout;
 and the time a checkpoint save blocks each rank, sync and async.
 
-  python3 benchmarks/train_parallel.py [--build build] [--steps 8]
+  python3 benchmarks/train_parallel.py [--build build] [--steps 8] [--bubble-only]
+
+It ends with the pipeline bubble at pp 2 with and without interleaved
+(virtual) pipeline stages, measured beside the analytic fraction.
 
 Every rank writes its totals to <run>/timing.json (libtrain/trainer.cc):
 collective seconds (inside all-reduce, reduce-scatter, all-gather), seconds
@@ -41,8 +44,9 @@ LAYOUTS = [  # tp, pp, dp, zero1
 ]
 
 
-def overrides(m, tp, pp, dp, zero1, steps, log_dir, async_save=False, save_every=0):
-    return [f"exp_manager.explicit_log_dir={log_dir}", f"trainer.devices={tp * pp * dp}", f"trainer.max_steps={steps}",
+def overrides(m, tp, pp, dp, zero1, steps, log_dir, async_save=False, save_every=0, vpp=1):
+    return [f"++distributed_strategy.virtual_pipeline_model_parallel_size={vpp}",
+            f"exp_manager.explicit_log_dir={log_dir}", f"trainer.devices={tp * pp * dp}", f"trainer.max_steps={steps}",
             f"distributed_strategy.tensor_model_parallel_size={tp}", f"distributed_strategy.pipeline_model_parallel_size={pp}",
             f"distributed_strategy.zero1={zero1}", f"model.hidden_size={m['hidden']}", f"model.ffn_hidden_size={m['ffn']}",
             f"model.num_attention_heads={m['heads']}", f"model.num_kv_heads={m['heads']}", f"model.num_layers={m['layers']}",
@@ -53,12 +57,12 @@ def overrides(m, tp, pp, dp, zero1, steps, log_dir, async_save=False, save_every
             "exp_manager.log_parameter_norm=False"]
 
 
-def run(build, work, tp, pp, dp, zero1, steps, name, **kw):
+def run(build, work, tp, pp, dp, zero1, steps, name, model=MODEL, **kw):
     log_dir = os.path.join(work, name)
     shutil.rmtree(log_dir, ignore_errors=True)
     world = tp * pp * dp
     mpi = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(world)] if world > 1 else []
-    cmd = [*mpi, os.path.join(build, "bin", "shardkit-train"), CONF, *overrides(MODEL, tp, pp, dp, zero1, steps, log_dir, **kw)]
+    cmd = [*mpi, os.path.join(build, "bin", "shardkit-train"), CONF, *overrides(model, tp, pp, dp, zero1, steps, log_dir, **kw)]
     subprocess.run(cmd, cwd=work, check=True, capture_output=True, text=True)
     with open(os.path.join(log_dir, "timing.json")) as f:
         return json.load(f)["ranks"]
@@ -103,16 +107,42 @@ def analytic_bytes(m, tp, pp, dp, zero1, rank):
     return 4 * floats
 
 
+def bubble(build, work, steps):
+    """The pipeline bubble at pp 2 with and without interleaved (virtual) stages, at the same
+    micro-batch count m: measured as the time each rank waits on its pipeline neighbour (Recv)
+    over the rest of its step, beside Megatron's analytic bubble fraction (pp - 1) / (V * m),
+    which is the same ratio: the bubble over the ideal step time (Narayanan et al. 2021, 2.2)."""
+    pp, model = 2, dict(MODEL, layers=8)
+    print(f"\nPipeline bubble at pp {pp}, {model['layers']} layers, micro-batches of {model['micro']} "
+          "(mean over the ranks; wait = time blocked receiving from a pipeline neighbour):\n")
+    print("| micro-batches m | virtual stages V | step ms | wait ms/step (rank 0, rank 1) | measured wait/(step-wait) | "
+          "analytic (pp-1)/(V*m) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for m in (2, 4, 8):
+        for vpp in (1, 2, 4):
+            ranks = run(build, work, 1, pp, 1, False, steps, "bubble", model=dict(model, global_batch=m * model["micro"]), vpp=vpp)
+            step = sum(r["step_seconds"] / r["steps"] for r in ranks) / len(ranks)
+            waits = [r["recv_wait_seconds"] / r["steps"] for r in ranks]
+            wait = sum(waits) / len(waits)
+            print(f"| {m} | {vpp} | {1e3 * step:.1f} | {', '.join(f'{1e3 * w:.1f}' for w in waits)} | "
+                  f"{100 * wait / (step - wait):.0f}% | {100 * (pp - 1) / (vpp * m):.0f}% |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skip-tokens", action="store_true", help="skip benchmarks/train_tokens.py")
+    ap.add_argument("--bubble-only", action="store_true", help="only the pipeline bubble table")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="train_parallel_")
     os.makedirs(os.path.join(work, "data"))
     subprocess.run([os.path.join(args.build, "bin", "shardkit-tokenize"), TEXT, os.path.join(work, "data", "text_document")],
                    check=True, capture_output=True)
+    if args.bubble_only:
+        bubble(args.build, work, args.steps)
+        shutil.rmtree(work, ignore_errors=True)
+        return
     print(f"model: hidden {MODEL['hidden']}, {MODEL['layers']} layers, {MODEL['heads']} heads, seq {MODEL['seq']}, "
           f"{MODEL['global_batch']} sequences per step in micro-batches of {MODEL['micro']}; {args.steps} steps, mean per step\n")
     print("| layout (tp, pp, dp) | ranks | step ms | compute | collectives | pipeline wait | bytes/step/rank measured | analytic | measured/analytic |")
@@ -138,6 +168,7 @@ def main():
         saves = args.steps // 2
         per = [r["save_seconds"] / saves for r in ranks]
         print(f"| {'async' if async_save else 'sync'} | {1e3 * sum(per) / len(per):.1f} ms | {1e3 * max(per):.1f} ms |")
+    bubble(args.build, work, args.steps)
     shutil.rmtree(work, ignore_errors=True)
     if not args.skip_tokens:
         print("\nOne process against torch eager (benchmarks/train_tokens.py):\n", flush=True)

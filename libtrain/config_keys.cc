@@ -92,8 +92,10 @@ const std::vector<KeyRule>& Table() {
       {"distributed_strategy.sequence_parallel", U::kRead, "", {}},
       {"distributed_strategy.kv_replicator", U::kRead, "", {}},
       // NxDT passes it to NxD's pipeline (lightning_modules/model/base.py); NNM's spelling sits under model.
-      {"distributed_strategy.virtual_pipeline_model_parallel_size", U::kRefused, "interleaved (virtual) pipeline stages", {"1"}},
-      {"model.virtual_pipeline_model_parallel_size", U::kRefused, "interleaved (virtual) pipeline stages", {"1"}},
+      {"distributed_strategy.virtual_pipeline_model_parallel_size", U::kRead, "interleaved (virtual) pipeline stages", {},
+       "distributed_strategy.pipeline_model_parallel_size"},
+      {"model.virtual_pipeline_model_parallel_size", U::kRead, "interleaved (virtual) pipeline stages", {},
+       "distributed_strategy.pipeline_model_parallel_size"},
       {"distributed_strategy.context_parallel_size", U::kRefused, "context parallelism (the sequence split over ranks, ring attention)",
        {"1"}},
       {"distributed_strategy.expert_model_parallel_size", U::kRefused, "expert parallelism (mixture of experts)", {"1"}},
@@ -253,13 +255,23 @@ bool Unset(const YAML::Node& n) {
 
 std::string Shown(const YAML::Node& n) { return n.IsScalar() ? n.Scalar() : migrate::Describe(n); }
 
+// A number above 1 (NxDT's and Megatron's degrees; an unset key is 1).
+bool AboveOne(const YAML::Node& n) {
+  if (!n.IsDefined() || !n.IsScalar()) return false;
+  try {
+    return std::stod(n.Scalar()) > 1;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // A key with a rule is judged whole (a section's keys with it); a mapping
 // without one is walked into.
-void Walk(const YAML::Node& node, const std::string& path, KeyCheck& out) {
+void Walk(const YAML::Node& root, const YAML::Node& node, const std::string& path, KeyCheck& out) {
   if (Unset(node)) return;
   const KeyRule* rule = path.empty() ? nullptr : FindKeyRule(path);
   if (!rule && node.IsMap()) {
-    for (const auto& kv : node) Walk(kv.second, path.empty() ? kv.first.Scalar() : path + "." + kv.first.Scalar(), out);
+    for (const auto& kv : node) Walk(root, kv.second, path.empty() ? kv.first.Scalar() : path + "." + kv.first.Scalar(), out);
     return;
   }
   if (!rule) {
@@ -274,6 +286,9 @@ void Walk(const YAML::Node& node, const std::string& path, KeyCheck& out) {
     case U::kRead:
       if (!rule->values.empty() && !listed)
         out.refused.push_back(path + ": '" + Shown(node) + "': " + why + "; shardkit does not implement it");
+      else if (!rule->needs_above_one.empty() && AboveOne(node) && !AboveOne(migrate::Find(root, std::string(rule->needs_above_one))))
+        out.refused.push_back(path + ": " + Shown(node) + ": " + why + "; shardkit does not implement it without " +
+                              std::string(rule->needs_above_one) + " above 1");
       return;
     case U::kIgnored:
       if (!listed) out.ignored.push_back(path + " (" + why + ")");
@@ -294,7 +309,7 @@ const KeyRule* FindKeyRule(std::string_view dotted) {
 
 KeyCheck CheckConfigKeys(const YAML::Node& root) {
   KeyCheck out;
-  Walk(root, "", out);
+  Walk(root, root, "", out);
   return out;
 }
 

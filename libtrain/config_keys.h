@@ -32,6 +32,9 @@ struct KeyRule {
   // always does); empty: refused whatever it says. kRead: the only values
   // shardkit implements, others refused; empty: the reader checks the value.
   std::vector<std::string_view> values;
+  // kRead: the key that must be above 1 for a value above 1 of this one (else
+  // refused, with `why`: what needs it); empty: none.
+  std::string_view needs_above_one = {};
 };
 
 // The rule for a dotted key (a section's covers the keys under it); nullptr

@@ -38,6 +38,16 @@ TEST(ConfigKeys, ValuesThatLeaveAFeatureOffPass) {
   EXPECT_EQ(on.refused[3].rfind("data.eod_mask_loss: True: masks", 0), 0u);
 }
 
+// Virtual pipeline stages run (the interleaved schedule) with pipeline parallelism, and only with it.
+TEST(ConfigKeys, VirtualStagesNeedPipelineParallelism) {
+  EXPECT_TRUE(Check("distributed_strategy: {pipeline_model_parallel_size: 2, virtual_pipeline_model_parallel_size: 2}\n"
+                    "model: {virtual_pipeline_model_parallel_size: 2}\n").refused.empty());
+  const KeyCheck k = Check("distributed_strategy: {pipeline_model_parallel_size: 1, virtual_pipeline_model_parallel_size: 2}\n");
+  ASSERT_EQ(k.refused.size(), 1u);
+  EXPECT_EQ(k.refused[0], "distributed_strategy.virtual_pipeline_model_parallel_size: 2: interleaved (virtual) pipeline stages; shardkit "
+                          "does not implement it without distributed_strategy.pipeline_model_parallel_size above 1");
+}
+
 TEST(ConfigKeys, ReadKeysWithFixedValues) {
   EXPECT_TRUE(Check("precision: {type: fp32}\nmodel: {optim: {name: adamw}}\n").refused.empty());
   const KeyCheck k = Check("precision: {type: autocast}\nmodel: {optim: {name: adamw_fp32OptState}}\n");

@@ -80,17 +80,22 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
   }
   F_ = c.ffn / n, f0_ = r * F_;
   V_ = c.vocab / n, v0_ = r * V_;
-  if (pp_.bounds.empty()) pp_.bounds = ckpt::StageBounds(c.layers, pp_.size);
-  if (static_cast<int>(pp_.bounds.size()) != pp_.size + 1 || pp_.bounds.back() != c.layers || pp_.stage < 0 || pp_.stage >= pp_.size)
+  const int stages = pp_.size * pp_.chunks;
+  if (pp_.bounds.empty()) pp_.bounds = ckpt::StageBounds(c.layers, stages);
+  if (static_cast<int>(pp_.bounds.size()) != stages + 1 || pp_.bounds.back() != c.layers || pp_.stage < 0 || pp_.stage >= pp_.size)
     throw ckpt::Error("internal: pipeline stage bounds do not fit the model");
   if ((c.tied_output && pp_.size > 1 && (pp_.first() || pp_.last())) != (pp_.embedding_comm != nullptr))
     throw ckpt::Error("internal: the tied embedding's communicator does not match the pipeline");
-  first_layer_ = static_cast<int>(pp_.bounds[pp_.stage]), end_layer_ = static_cast<int>(pp_.bounds[pp_.stage + 1]);
-  for (const ckpt::StageParam& sp : ckpt::StageParameters(logical_, pp_.bounds, pp_.stage)) {
-    if (sp.tied_copy()) tied_copy_ = sp.name;
-    index_[sp.name] = layout_.size();
-    layout_.push_back(*sp.rule);
-    layout_.back().name = sp.name;
+  // Chunk after chunk, as NxD's local_named_parameters walks its local_stage_modules (pipeline/model.py).
+  for (int chunk = 0; chunk < pp_.chunks; ++chunk) {
+    const int stage = pp_.stage + chunk * pp_.size;
+    chunk_layers_.push_back({static_cast<int>(pp_.bounds[stage]), static_cast<int>(pp_.bounds[stage + 1])});
+    for (const ckpt::StageParam& sp : ckpt::StageParameters(logical_, pp_.bounds, stage)) {
+      if (sp.tied_copy()) tied_copy_ = sp.name;
+      index_[sp.name] = layout_.size();
+      layout_.push_back(*sp.rule);
+      layout_.back().name = sp.name;
+    }
   }
   // Every parameter (and its gradient) is a view into one flat buffer, in module order.
   int64_t total = 0;
@@ -109,13 +114,20 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
   for (int64_t i = 0; i < rot / 2; ++i)
     inv_freq_.push_back(static_cast<float>(1.0 / std::pow(c_.rope_theta, static_cast<double>(2 * i) / rot)));
   const ckpt::Module attention_in = ckpt::AttentionTensorsOf(format_) == ckpt::AttentionTensors::kFused ? ckpt::Module::kQkv : ckpt::Module::kKeyValue;
-  for (int l = first_layer_; l < end_layer_; ++l)
+  for (int l : Layers())
     if (const std::string buffer = ckpt::RotaryBufferName(format_, l); !buffer.empty()) buffer_after_[ckpt::ParamName(format_, attention_in, l)] = buffer;
   if (!buffer_after_.empty()) {
     const std::vector<float> values = ckpt::RotaryInvFreq(format_);
     rotary_buffer_ = ckpt::Tensor::FromBytes(ckpt::DType::kFloat32, {static_cast<int64_t>(values.size())},
                                              {reinterpret_cast<const uint8_t*>(values.data()), values.size() * sizeof(float)});
   }
+}
+
+std::vector<int> Model::Layers() const {
+  std::vector<int> out;
+  for (const auto& [first, end] : chunk_layers_)
+    for (int l = first; l < end; ++l) out.push_back(l);
+  return out;
 }
 
 ckpt::Tensor& Model::param(const std::string& n) {
@@ -182,7 +194,7 @@ void Model::ReduceReplicaGrads() {
   // Replicated KV heads: each replica's gradient comes from its own queries, so the sum over the
   // holders is the one-process gradient (NxD sums over its KV groups, parallel_state.py arrange_kv_groups).
   if (tp_.kv_comm)
-    for (int l = first_layer_; l < end_layer_; ++l) {
+    for (int l : Layers()) {
       if (attention_ == ckpt::AttentionTensors::kFused) {  // HF-style weight_qkv: its K and V rows, after the queries
         ckpt::Tensor& g = grad(Name(Module::kQkv, l));
         const int64_t from = nh_ * c_.head_dim() * c_.hidden;
@@ -662,13 +674,15 @@ std::unique_ptr<Model::Activations> Model::TakeActivations() {
 void Model::ReturnActivations(std::unique_ptr<Activations> a) { spare_.push_back(std::move(a)); }
 
 float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* targets, const float* x_in, int64_t B, int64_t T,
-                          uint64_t dropout_key, std::vector<float>* x_out) {
+                          uint64_t dropout_key, std::vector<float>* x_out, int chunk) {
+  if (chunk < 0 || chunk >= pp_.chunks) throw ckpt::Error("internal: model chunk " + std::to_string(chunk) + " out of range");
   B_ = B, T_ = T, dropout_key_ = dropout_key;
+  const auto [first_layer, end_layer] = chunk_layers_[chunk];
   if (SequenceParallel() && T % tp_.size)
     throw ckpt::Error("sequence parallelism splits the " + std::to_string(T) + " positions of a sequence over " +
                       std::to_string(tp_.size) + " tensor-parallel ranks: they must divide evenly");
   // Buffers of an earlier micro-batch are reused (assigned and resized, not reallocated).
-  a.B = B, a.T = T, a.dropout_key = dropout_key;
+  a.B = B, a.T = T, a.chunk = chunk, a.dropout_key = dropout_key;
   a.tokens.clear(), a.targets.clear();
   const int64_t N = B * T, R = Rows(), H = c_.hidden, V = c_.vocab;
   auto check_ids = [&](const int32_t* ids) {
@@ -678,7 +692,7 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
                           " is outside the vocabulary of " + std::to_string(V));
   };
   std::vector<float> x(R * H);
-  if (pp_.first()) {
+  if (FirstStage(chunk)) {
     check_ids(tokens);
     if (c_.learned_positions && T > c_.max_positions)
       throw ckpt::Error("sequence length " + std::to_string(T) + " is longer than max_position_embeddings (" +
@@ -698,14 +712,14 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
   } else {
     std::copy(x_in, x_in + R * H, x.begin());
   }
-  a.layers.resize(end_layer_ - first_layer_);
-  for (int l = first_layer_; l < end_layer_; ++l) {
-    LayerCache& lc = a.layers[l - first_layer_];
+  a.layers.resize(end_layer - first_layer);
+  for (int l = first_layer; l < end_layer; ++l) {
+    LayerCache& lc = a.layers[l - first_layer];
     lc.x = x;
     LayerForward(l, lc, x.data());
     Drop(lc);
   }
-  if (!pp_.last()) {
+  if (!LastStage(chunk)) {
     *x_out = std::move(x);
     return 0;
   }
@@ -731,6 +745,7 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
 
 void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float>* dx_in) {
   B_ = a.B, T_ = a.T, dropout_key_ = a.dropout_key;
+  const auto [first_layer, end_layer] = chunk_layers_[a.chunk];
   const int64_t N = B_ * T_, R = Rows(), H = c_.hidden, F = F_, V = V_, Hl = nh_ * c_.head_dim();
   std::vector<float> dx(R * H), dln(N * H), dln_here(SequenceParallel() ? R * H : 0), whole;
   // The column-parallel layers' input gradients, over all rows, summed over the ranks into this rank's rows.
@@ -739,7 +754,7 @@ void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float
     ReduceRows(dln.data(), here);
     return here;
   };
-  if (pp_.last()) {
+  if (LastStage(a.chunk)) {
     std::vector<float> dlogits(N * V);
     CrossEntropyBackward(dlogits.data(), a.probs.data(), a.targets.data(), v0_, N, V);
     LinearBackward(dln.data(), Dw(OutputWeight()), nullptr, dlogits.data(), a.lnf.data(), W(OutputWeight()), N, H, V);
@@ -760,8 +775,8 @@ void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float
     }
     return GatherRows(d, whole);
   };
-  for (int l = end_layer_ - 1; l >= first_layer_; --l) {
-    LayerCache& lc = a.layers[l - first_layer_];
+  for (int l = end_layer - 1; l >= first_layer; --l) {
+    LayerCache& lc = a.layers[l - first_layer];
     if (lc.fc.empty()) {  // full recompute: rebuild the layer's activations from its input
       std::vector<float> unused(N * H);
       LayerForward(l, lc, unused.data());
@@ -783,7 +798,7 @@ void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float
     for (int64_t i = 0; i < R * H; ++i) dx[i] += dpart[i];  // the gradient at the layer input
     Drop(lc);
   }
-  if (pp_.first()) {
+  if (FirstStage(a.chunk)) {
     HiddenDropout(dx.data(), DropoutSite(-1, 0));
     const float* d = GatherRows(dx.data(), whole);  // every row: each rank's vocabulary rows, all positions
     EmbeddingBackward(Dw(Name(Module::kEmbedding)), d, a.tokens.data(), N, H, v0_, V_);

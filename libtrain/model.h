@@ -28,7 +28,8 @@
 // layout draws the masks one process draws.
 //
 // Pipeline parallelism: a model built for stage s holds layers [bounds[s],
-// bounds[s+1]) (numbered globally, as in the checkpoint), the embeddings on
+// bounds[s+1]) (numbered globally, as in the checkpoint; with virtual stages
+// the layers of each of its chunks, chunk after chunk), the embeddings on
 // the first stage and the final norm and output layer on the last (GPT's
 // tied output there is `language_model.output_layer.weight`, as NxDT names
 // it, a copy of the embedding whose gradient is summed with the embedding's,
@@ -122,14 +123,18 @@ struct TensorParallel {
 };
 
 
-// This model's place in a pipeline.
+// This model's place in a pipeline. With `chunks` > 1 (the interleaved
+// schedule's virtual stages) the pipeline has size * chunks stages and this
+// rank holds chunk c = stage stage + c * size of them, as NxD's NxDPPModel
+// places them (pipeline/model.py: stage_to_pipeline_parallel_rank).
 struct PipelineStage {
   int size = 1, stage = 0;
-  std::vector<int64_t> bounds;     // ckpt::StageBounds; empty: NxD's even split
+  std::vector<int64_t> bounds;     // ckpt::StageBounds of size * chunks stages; empty: NxD's even split
   Comm* comm = nullptr;            // the pipeline group (stage = rank); nullptr when size is 1
   Comm* embedding_comm = nullptr;  // tied output with size > 1: the first and last stages
-  bool first() const { return stage == 0; }
-  bool last() const { return stage == size - 1; }
+  int chunks = 1;
+  bool first() const { return stage == 0; }  // holds the first (virtual) stage
+  bool last() const { return stage == size - 1; }  // holds the last (virtual) stage
 };
 
 class Model {
@@ -147,6 +152,7 @@ class Model {
   // One micro-batch's activations on this stage, from its forward to its backward.
   struct Activations {
     int64_t B = 0, T = 0;
+    int chunk = 0;  // the model chunk that ran it
     uint64_t dropout_key = 0;
     std::vector<int32_t> tokens, targets;
     std::vector<LayerCache> layers;  // this stage's, first layer first
@@ -167,14 +173,16 @@ class Model {
   // and sliced (Megatron's use_cpu_initialization), so every layout starts
   // from the weights one process does. Rounded to bfloat16 with bf16_params.
   void InitWeights();
-  // This stage's forward over B sequences of T tokens. The first stage reads
+  // This stage's (or its chunk `chunk`'s) forward over B sequences of T
+  // tokens. The first stage reads
   // `tokens`, the others `x_in` [B*T, hidden] from the stage before; the last
   // stage reads `targets` and returns the mean cross-entropy, the others write
   // `x_out` for the next and return 0. `dropout_key` seeds the micro-batch's
   // dropout masks (the trainer derives it from the seed and the batch's
-  // position in the data).
+  // position in the data). With virtual stages "first" and "last" mean the
+  // first and last of all of them.
   float ForwardStage(Activations& a, const int32_t* tokens, const int32_t* targets, const float* x_in, int64_t B, int64_t T,
-                     uint64_t dropout_key, std::vector<float>* x_out);
+                     uint64_t dropout_key, std::vector<float>* x_out, int chunk = 0);
   // Accumulates gradients of a's loss: the last stage from the loss, the
   // others from `dx_out` (the next stage's gradient at x_out); all but the
   // first write the gradient at x_in to `dx_in`. Frees what recompute drops.
@@ -300,7 +308,11 @@ class Model {
   ModelConfig c_;
   TensorParallel tp_;
   PipelineStage pp_;
-  int first_layer_ = 0, end_layer_ = 0;  // this stage's layers
+  // Each chunk's layers [first, end), chunk 0 first (one chunk without virtual stages).
+  std::vector<std::pair<int, int>> chunk_layers_;
+  bool FirstStage(int chunk) const { return pp_.first() && chunk == 0; }
+  bool LastStage(int chunk) const { return pp_.last() && chunk == pp_.chunks - 1; }
+  std::vector<int> Layers() const;  // every layer this rank holds, chunk after chunk
   // This rank's share: nh_ query heads and G_ KV groups (which ones: global_head_ and
   // local_group_ below), FFN columns [f0_, f0_ + F_), vocabulary rows [v0_, v0_ + V_).
   int64_t nh_ = 0, G_ = 0, F_ = 0, f0_ = 0, V_ = 0, v0_ = 0;

@@ -6,6 +6,12 @@
 // back as point-to-point messages over the pipeline group, so at most P - s
 // micro-batches are in flight on stage s. With one stage this is forward,
 // backward, micro-batch after micro-batch.
+//
+// A model of several chunks (virtual stages, PipelineStage::chunks) runs the
+// interleaved schedule instead (libtrain/pipeline_schedule.h): virtual stage
+// v's output goes to pp rank (v + 1) mod pp, so the last pp rank's chunk c
+// feeds the first's chunk c + 1; messages are tagged by the receiving chunk,
+// which takes its micro-batches in order.
 #pragma once
 
 #include <cstdint>

@@ -17,6 +17,7 @@
 #include "ckpt/util/error.h"
 #include "ckpt/spec/tag_paths.h"
 #include "libtrain/config_keys.h"
+#include "libtrain/pipeline_schedule.h"
 #include "libtrain/tokenizer_vocab.h"
 #include "migrate/interpolation.h"
 #include "migrate/overrides.h"
@@ -118,6 +119,27 @@ TrainConfig LoadTrainConfig(const std::string& path, const std::vector<std::stri
 
 namespace {
 
+// The interleaved schedule's virtual stages per pp rank, V (NxDT's
+// distributed_strategy.virtual_pipeline_model_parallel_size, passed to NxD's
+// NxDPPModel as virtual_pipeline_size by lightning_modules/model/base.py; NNM's
+// spelling sits under model). V > 1 needs pp > 1 (config_keys.cc's rule)
+// and micro-batches per data-parallel rank in groups of pp (NxD's
+// TrainInterleavedSchedule.get_step_schedule, pipeline/scheduler.py).
+void ReadVirtualPipeline(const Reader& r, TrainConfig& c) {
+  const char* keys[] = {"distributed_strategy.virtual_pipeline_model_parallel_size", "model.virtual_pipeline_model_parallel_size"};
+  for (const char* key : keys) {
+    if (!r.Has(key)) continue;
+    const int v = static_cast<int>(r.Int(key, 1, 1, ckpt::kMaxRanks));
+    if (!c.virtual_pipeline_key.empty() && v != c.virtual_pipeline)
+      r.Fail(key, std::to_string(v) + " disagrees with " + c.virtual_pipeline_key + " (" + std::to_string(c.virtual_pipeline) + ")");
+    c.virtual_pipeline = v, c.virtual_pipeline_key = key;
+  }
+  if (c.virtual_pipeline == 1) return;  // (config_keys.cc refused V > 1 at pp 1 already)
+  const int64_t per_rank = c.global_batch_size / (c.micro_batch_size * c.grid.dp);
+  if (const std::string why = InterleavedMicroBatchProblem(per_rank, c.grid.pp); !why.empty())
+    r.Fail("data.global_batch_size", why + " (" + c.virtual_pipeline_key + " is " + std::to_string(c.virtual_pipeline) + ")");
+}
+
 TrainConfig Parse(const std::string& text, const std::string& path, const std::vector<std::string>& overrides) {
   YAML::Node raw = migrate::LoadYaml(text, path);
   std::vector<migrate::Override> ovs;
@@ -178,6 +200,7 @@ TrainConfig Parse(const std::string& text, const std::string& path, const std::v
   if (c.global_batch_size % (c.micro_batch_size * c.grid.dp))
     r.Fail("data.global_batch_size", std::to_string(c.global_batch_size) + " is not a multiple of data.micro_batch_size (" +
                                          std::to_string(c.micro_batch_size) + ") * data-parallel size (" + std::to_string(c.grid.dp) + ")");
+  ReadVirtualPipeline(r, c);
   c.seq_length = r.Int("data.seq_length", r.Int("model.encoder_seq_length", 128, 1, 1 << 24), 1, 1 << 24);
   c.data_impl = r.Str("data.data_impl", "mmap");
   if (c.data_impl != "mmap" && c.data_impl != "hdf5")
@@ -353,10 +376,14 @@ TrainConfig Parse(const std::string& text, const std::string& path, const std::v
     }
   }
   try {
-    c.stage_bounds = ckpt::StageBounds(m.layers, c.grid.pp, c.pipeline_cuts);
+    c.stage_bounds = ckpt::StageBounds(m.layers, c.grid.pp * c.virtual_pipeline, c.pipeline_cuts);
   } catch (const ckpt::Error& e) {
-    r.Fail(c.pipeline_cuts.empty() ? "distributed_strategy.pipeline_model_parallel_size" : "model.pipeline_cuts",
-           std::string(e.what()) + " ('" + layer_prefix + "N', NxDT's form, ends a stage: it counts as N + 1 here)");
+    const std::string virtual_stages = c.virtual_pipeline > 1 ? " (with virtual_pipeline_model_parallel_size " +
+                                                                    std::to_string(c.virtual_pipeline) + ", the pipeline has pp * V stages)"
+                                                              : "";
+    r.Fail(c.pipeline_cuts.empty() ? (c.virtual_pipeline > 1 ? c.virtual_pipeline_key : "distributed_strategy.pipeline_model_parallel_size")
+                                   : "model.pipeline_cuts",
+           std::string(e.what()) + virtual_stages + " ('" + layer_prefix + "N', NxDT's form, ends a stage: it counts as N + 1 here)");
   }
   ckpt::ModelFormat unpadded;
   unpadded.vocab_size = vocab, unpadded.make_vocab_size_divisible_by = divisible;

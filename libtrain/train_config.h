@@ -59,6 +59,11 @@ struct TrainConfig {
   // numbers) or as NxDT names them (the last layer of stages 0..pp-2,
   // "model.layers.N" or "language_model.encoder.layers.N"); held as the former.
   std::vector<int64_t> pipeline_cuts, stage_bounds;
+  // The interleaved schedule's virtual stages per pp rank (V): stage_bounds
+  // then has pp * V stages, pp rank p holding stages p, p + pp, ...; the key
+  // that set it (for errors).
+  int virtual_pipeline = 1;
+  std::string virtual_pipeline_key;
   bool sequence_parallel = false;  // distributed_strategy.sequence_parallel
   std::vector<std::pair<double, std::string>> data_prefix;  // (weight, prefix or .h5 file)
   std::string data_impl = "mmap";                           // mmap (Megatron .bin/.idx) or hdf5

@@ -131,14 +131,40 @@ std::string MismatchOf(const ckpt::TagDescription& L, const TrainConfig& c) {
   return "";
 }
 
-// MismatchOf the layout manifest `m` records, when it records all that asks (the grid, one layer
-// range per stage, the model format) and a format this run's config agrees with, so that reading
-// the tag's files (ShardedTag, which checks the config's hints against the manifest) could tell
-// nothing more; else nullopt, and the files are read as before.
+// The stage map this run records and resumes: per pp rank, one layer range
+// per model chunk (virtual stages p, p + pp, ..., as NxD places them).
+ckpt::StageMap RunStageMap(const TrainConfig& c) {
+  ckpt::StageMap m(c.grid.pp);
+  for (size_t s = 0; s + 1 < c.stage_bounds.size(); ++s) m[s % c.grid.pp].push_back({c.stage_bounds[s], c.stage_bounds[s + 1]});
+  return m;
+}
+
+// A stage map as its layer ranges, pp rank by pp rank ("0..1 | 2..3", "0..0 2..2 | 1..1 3..3").
+std::string StageMapText(const ckpt::StageMap& m) {
+  std::string s;
+  for (size_t p = 0; p < m.size(); ++p) {
+    s += p ? " | " : "";
+    for (size_t i = 0; i < m[p].size(); ++i) s += (i ? " " : "") + std::to_string(m[p][i].first) + ".." + std::to_string(m[p][i].second - 1);
+  }
+  return s;
+}
+
+// MismatchOf the layout manifest `m` records, when it records all that asks (the grid, the stage
+// map, the model format) and a format this run's config agrees with, so that reading the tag's
+// files (ShardedTag, which checks the config's hints against the manifest) could tell nothing
+// more; else nullopt, and the files are read as before.
 std::optional<std::string> RecordedMismatch(const ckpt::Manifest& m, const TrainConfig& c) {
   if (!m.layout || !m.model || *m.model != c.model.format(m.grid.tp)) return std::nullopt;
-  const std::optional<std::vector<int64_t>> bounds = ckpt::StageBoundsOf(m.layout->stages);
-  if (!bounds) return std::nullopt;
+  std::optional<std::vector<int64_t>> bounds = ckpt::StageBoundsOf(m.layout->stages);
+  // Virtual stages (several ranges per pp rank), in the tag or in this run: the stage maps
+  // themselves must agree (the tag's degrees first, as MismatchOf words them).
+  if (!bounds || c.virtual_pipeline > 1) {
+    if (m.grid.tp != c.grid.tp || m.grid.pp != c.grid.pp) return "written at " + m.grid.ToString() + ", but this run is " + c.grid.ToString();
+    if (m.layout->stages != RunStageMap(c))
+      return "its pipeline ranks hold layers " + StageMapText(m.layout->stages) + ", but this run's hold " + StageMapText(RunStageMap(c)) +
+             " (other pipeline cuts or virtual_pipeline_model_parallel_size)";
+    bounds = c.stage_bounds;
+  }
   ckpt::TagDescription L;
   L.grid = m.grid, L.stage_bounds = *bounds, L.format = *m.model;
   L.has_optimizer = !c.weight_init_only && std::any_of(m.files.begin(), m.files.end(), [](const auto& f) { return f.first.starts_with("optim/"); });
@@ -352,7 +378,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     for (int t : holders) ranks.push_back(tp_group[t]);
     kv_comm = pc.world->Group(ranks);
   }
-  // GPT's tied output: the first and last stages' copies of the embedding sum their gradients.
+  // GPT's tied output: the first and last stages' copies of the embedding sum their gradients (with
+  // virtual stages too: pp rank 0 holds the first of them, pp rank pp - 1 the last).
   std::unique_ptr<Comm> embedding_comm;
   if (c.model.tied_output && c.grid.pp > 1) {
     ckpt::RankCoord first = pc.coord, last = pc.coord;
@@ -360,7 +387,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     embedding_comm = pc.world->Group({c.grid.RankOf(first), c.grid.RankOf(last)});
   }
   Model model(c.model, TensorParallel{c.grid.tp, pc.coord.tp, c.sequence_parallel, c.grid.tp > 1 ? pc.tp.get() : nullptr, kv_comm.get()},
-              PipelineStage{c.grid.pp, pc.coord.pp, c.stage_bounds, c.grid.pp > 1 ? pc.pp.get() : nullptr, embedding_comm.get()});
+              PipelineStage{c.grid.pp, pc.coord.pp, c.stage_bounds, c.grid.pp > 1 ? pc.pp.get() : nullptr, embedding_comm.get(), c.virtual_pipeline});
   model.InitWeights();
   AdamW adamw(model, c.optim, pc.dp.get());
 
@@ -407,6 +434,9 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
         const ckpt::ResumePlan plan = ckpt::PlanResume(env, *tag, c.resume_reshard, reshard.dst,
                                                        [&](const std::string& dir) { return LayoutMismatch(env, dir, c); },
                                                        ReshardAdvice(reshard, c));
+        if (plan.kind != ckpt::ResumePlan::Kind::kAsIs && c.virtual_pipeline > 1)
+          throw ckpt::Error(*tag + ": cannot resume: it is laid out for another pipeline, and resume_reshard does not write interleaved "
+                                   "(virtual) pipeline stages; resume it at its own layout, or without " + c.virtual_pipeline_key);
         action = plan.kind == ckpt::ResumePlan::Kind::kReshard ? "reshard" : plan.kind == ckpt::ResumePlan::Kind::kReuse ? "reuse" : "";
         if (!plan.note.empty()) log("resume: " + plan.note);
       } catch (const ckpt::Error& e) {
@@ -441,7 +471,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
         ckpt::StoreOptions{.dir = ckpt_dir, .save_top_k = static_cast<int>(c.save_top_k), .async = c.async_checkpointing, .env = env, .log = log,
                            .damaged = DamagedNames(damaged), .model = model.config().format(c.grid.tp),
                            .optimizer_grouping = ckpt::NxdtGroupingRule(c.optim.do_layer_norm_weight_decay),
-                           .stages = ckpt::StageMapOf(c.stage_bounds), .master_weights = adamw.SavesMasterWeights()},
+                           .stages = RunStageMap(c), .master_weights = adamw.SavesMasterWeights()},
         ckpt::MpiLaunch{.rank = pc.world->rank(), .world_size = pc.world->size(), .job_id = job_id});
     // Snapshot buffers, faulted in before the first step: for what this rank copies (save's `add`).
     auto reserve = [&](const ckpt::Value& live, std::optional<ckpt::DType> floats_to, bool replicated) {
