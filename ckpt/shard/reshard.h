@@ -58,6 +58,9 @@ struct ReshardArgs {
   ckpt::WriterGroup* group = &ckpt::SoloGroup();  // under mpirun the ranks split the output files
   bool progress_bar = false;
   std::string tool = "reshard";  // names the staging folder (.<dst>.<tool>-partial)
+  // Called before the output is committed (and at the end of a dry run); throws
+  // to abort it. RunReshard waits here for the source's checksum pass (SourceCheck).
+  std::function<void()> before_commit;
 };
 
 struct ReshardSummary {
@@ -85,13 +88,16 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& src, const std::string& s
                              const LogFn& log, std::chrono::steady_clock::time_point t0, ReshardSummary sum);
 
 // The tag SRC names: itself (it must have `done`), or a checkpoint folder's
-// newest complete tag (announced through `log`). A folder holding model/ alone
-// (NxD's checkpoint_converter.py output) is read as a weights-only tag. With
-// `verify`, rank 0 checks its files against its manifest first; with
-// `weights_only`, problems of optim/ files are not the reader's (it does not
-// open them). Throws ckpt::Error naming the problem.
-std::string ResolveSourceTag(const std::string& src, bool verify, ckpt::Env* env, const LogFn& log, int rank = 0,
-                             bool weights_only = false);
+// newest complete tag (announced through `log`; with `verify`, the newest whose
+// checksums verify, and then `checked` is true). A folder holding model/ alone
+// (NxD's checkpoint_converter.py output) is read as a weights-only tag. Throws
+// ckpt::Error naming the problem. A tag named directly is not checked here:
+// SourceCheck (ckpt/shard/source_check.h) checks it beside the copy.
+struct SourceTag {
+  std::string tag;
+  bool checked = false;
+};
+SourceTag FindSourceTag(const std::string& src, bool verify, ckpt::Env* env, const LogFn& log);
 
 // Peak resident memory of this process so far, in bytes.
 uint64_t PeakRss();
