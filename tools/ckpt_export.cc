@@ -106,11 +106,12 @@ int main(int argc, char** argv) {
       for (const auto& n : opened.notes) log("note: " + n);
       // Memory: what is resident now (the source's index), then blocks: one
       // read, one widened (float32), and what HDF5 and the writer buffer.
-      const uint64_t base = ckpt::CurrentRss(), min_block = 1 << 20;
+      const uint64_t base = ckpt::CurrentRss() + check.memory(), min_block = 1 << 20;
       if (memory_budget < base + 4 * min_block)
         throw ckpt::Error("--memory_budget " + ckpt::HumanBytes(memory_budget) + " is too small: the process already holds " +
                           ckpt::HumanBytes(base) + "; give at least " + ckpt::HumanBytes(base + 4 * min_block));
       const size_t block = static_cast<size_t>(std::clamp<uint64_t>((memory_budget - base) / 4 / 4096 * 4096, min_block, uint64_t{64} << 20));
+      check.Start();
 
       const std::filesystem::path p(out);
       const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";

@@ -2,7 +2,6 @@
 
 #include "ckpt/spec/model_family.h"
 #include "ckpt/shard/renamed_state.h"
-#include "ckpt/shard/source_check.h"
 #include "ckpt/shard/source_registry.h"
 
 #include <sys/resource.h>
@@ -316,7 +315,7 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
     for (const auto& n : src.notes) sum.notes.push_back(n);
     sum.bytes_read = src.bytes;
     ReshardArgs checked = a;
-    checked.before_commit = [&] { check.Wait(log); };
+    checked.source_check = &check;
     return WriteInLayout(*src.state, src.tag_name, checked, env, log, t0, std::move(sum));
   } catch (const Error&) {
     check.ThrowIfFailed(log);
@@ -406,7 +405,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   // planner's pool for the next file, never more chunks than threads) and the
   // source pages it was copied from (plus up to a large folio mapped past each
   // end of what it read), those released after every chunk.
-  const uint64_t base = CurrentRss() + src->ReadMemory();
+  const uint64_t base = CurrentRss() + src->ReadMemory() + (a.source_check ? a.source_check->memory() : 0);
   const uint64_t min_chunk = 256 << 10, slack = 4 << 20, min_thread = 2 * min_chunk + slack;
   const uint64_t usable = a.memory_budget > base ? a.memory_budget - base : 0;
   if (usable < uint64_t(a.threads) * min_thread)
@@ -414,6 +413,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
                 ckpt::HumanBytes(base) + " (the source's index and read caches) and each of " + std::to_string(a.threads) + " writing thread(s) needs " +
                 ckpt::HumanBytes(min_thread) + " at least; give at least " + ckpt::HumanBytes(base + uint64_t(a.threads) * min_thread));
   sum.stream_chunk = std::clamp<uint64_t>((usable / a.threads - slack) / 2 / 4096 * 4096, min_chunk, uint64_t{64} << 20);
+  if (a.source_check) a.source_check->Start();
 
   ckpt::FingerprintCollector fingerprints;
   Planner planner(*src, to_format, to, sum.to_bounds, sum.stream_chunk, &fingerprints);
@@ -433,7 +433,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     sum.bytes_written = bytes;
     if (a.group->rank() == 0)
       for (const auto& f : plan) log("would write " + f.file.relpath + " (" + ckpt::HumanBytes(f.bytes) + " of tensors)");
-    if (a.before_commit) a.before_commit();
+    if (a.source_check) a.source_check->Wait(log);
     sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     sum.peak_rss = PeakRss();
     return sum;
@@ -502,7 +502,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     };
     // Rank 0 commits for the group; a source that no longer matches its
     // fingerprints leaves nothing behind.
-    if (a.before_commit) a.before_commit();
+    if (a.source_check) a.source_check->Wait(log);
     ckpt::CommitStaged(env, staged, *a.group, ci, &writing);
   };
   try {

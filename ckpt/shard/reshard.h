@@ -26,6 +26,7 @@
 #include "ckpt/util/env.h"
 #include "ckpt/store/resume.h"
 #include "ckpt/shard/sharded_tag.h"
+#include "ckpt/shard/source_check.h"
 #include "ckpt/util/writer_group.h"
 
 namespace ckpt {
@@ -58,9 +59,10 @@ struct ReshardArgs {
   ckpt::WriterGroup* group = &ckpt::SoloGroup();  // under mpirun the ranks split the output files
   bool progress_bar = false;
   std::string tool = "reshard";  // names the staging folder (.<dst>.<tool>-partial)
-  // Called before the output is committed (and at the end of a dry run); throws
-  // to abort it. RunReshard waits here for the source's checksum pass (SourceCheck).
-  std::function<void()> before_commit;
+  // The source's checksum pass (ckpt/shard/source_check.h), run beside the
+  // copy: its memory is set aside from the budget, it starts once the budget
+  // is shared out, and the output is committed (a dry run ends) only once it passed.
+  SourceCheck* source_check = nullptr;
 };
 
 struct ReshardSummary {

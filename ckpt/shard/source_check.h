@@ -12,6 +12,7 @@
 // problem as the up-front pass did.
 #pragma once
 
+#include <cstdint>
 #include <exception>
 #include <string>
 #include <thread>
@@ -31,25 +32,40 @@ void VerifySourceTag(Env* env, const std::string& tag, bool weights_only, const 
 
 class SourceCheck {
  public:
-  // Starts VerifySourceTag(env, tag, weights_only) on a thread when `enabled`
-  // (rank 0 of a group checks for all), else does nothing.
+  // A check of `tag` when `enabled` (rank 0 of a group checks for all); else
+  // one that does nothing and passes.
   SourceCheck(Env* env, std::string tag, bool enabled, bool weights_only);
   SourceCheck(const SourceCheck&) = delete;
   SourceCheck& operator=(const SourceCheck&) = delete;
   // Waits for the thread; never throws.
   ~SourceCheck();
 
-  // Waits for the check; says its notes through `log`; throws its error.
+  // What the check holds in memory at most while it runs, for the caller's
+  // budget: kThreads windows of Crc32Mapped with their large folios. 0 when not enabled.
+  uint64_t memory() const;
+
+  // Starts VerifySourceTag(env, tag, weights_only) on a thread of its own, in
+  // a TBB arena of kThreads (the caller's arena, sized by --threads, is not
+  // shared). Once; a later call does nothing. Not enabled: does nothing.
+  void Start();
+
+  // Waits for the check (starting it first if it was not); says its notes
+  // through `log`; throws its error.
   // Idempotent: a second call returns or throws as the first did.
   void Wait(const LogFn& log);
 
-  // For a caller's catch block: when the check failed, its error (it names
+  // For a caller's catch block: the check is run to its end (started if it
+  // was not), and when it failed, its error (it names
   // the damaged file and how; a parse error it caused says less) is thrown
   // instead of the one being handled; otherwise returns, and the caller
   // rethrows its own.
   void ThrowIfFailed(const LogFn& log);
 
  private:
+  static constexpr int kThreads = 2;
+  Env* env_;
+  std::string tag_;
+  bool enabled_, weights_only_, started_ = false;
   std::thread thread_;
   std::vector<std::string> notes_;
   std::exception_ptr error_;

@@ -11,6 +11,7 @@
 
 #include "ckpt/shard/fake_state.h"
 #include "ckpt/shard/reshard.h"
+#include "ckpt/util/crc32.h"
 #include "ckpt/spec/tag_paths.h"
 #include "ckpt/testing/test_util.h"
 
@@ -115,18 +116,27 @@ TEST(SourceCheck, ReshardOfADamagedTagWritesNothingAndNamesTheChecksum) {
   for (const auto& n : Env::Default()->ListDir(dir.path())) EXPECT_EQ(n.find("partial"), std::string::npos) << n;
 }
 
-TEST(SourceCheck, AFailingBeforeCommitLeavesNoTag) {
+TEST(SourceCheck, WriteInLayoutCommitsOnlyOnceTheCheckPassed) {
+  // The engine waits for the check it is given before the commit, whatever source it copies.
   TempDir dir("source_check");
-  FakeState src(dir / "fake", Llama());
+  const std::string damaged = WriteTag(dir, "damaged");
+  Damage(damaged + "/model/" + RankFileName({0, 0, 0}));
+  SourceCheck check(Env::Default(), damaged, true, false);
+  FakeState src(dir / "fake2", Llama());
   ReshardArgs a;
   a.dst = dir / "out", a.tp = 2, a.pp = 1, a.threads = 1;
-  a.before_commit = [] { throw Error("the check failed"); };
+  a.source_check = &check;
   ReshardSummary sum;
   sum.src_tag = src.path();
-  EXPECT_EQ(ErrorOf([&] { WriteInLayout(src, "", a, Env::Default(), [](const std::string&) {}, std::chrono::steady_clock::now(), sum); }),
-            "the check failed");
+  const std::string e = ErrorOf([&] { WriteInLayout(src, "", a, Env::Default(), [](const std::string&) {}, std::chrono::steady_clock::now(), sum); });
+  EXPECT_NE(e.find("fails verification"), std::string::npos) << e;
   EXPECT_FALSE(Env::Default()->Exists(dir / "out"));
   for (const auto& n : Env::Default()->ListDir(dir.path())) EXPECT_EQ(n.find("partial"), std::string::npos) << n;
+}
+
+TEST(SourceCheck, ItsMemoryIsWhatItReservesAndNothingWhenOff) {
+  EXPECT_EQ(SourceCheck(Env::Default(), "x", false, false).memory(), 0u);
+  EXPECT_GE(SourceCheck(Env::Default(), "x", true, false).memory(), 2 * kCrcWindow);
 }
 
 }  // namespace
