@@ -62,7 +62,7 @@ class SourceCheck {
   void ThrowIfFailed(const LogFn& log);
 
  private:
-  static constexpr int kThreads = 2;
+  static constexpr int kThreads = 1;
   Env* env_;
   std::string tag_;
   bool enabled_, weights_only_, started_ = false;
