@@ -22,6 +22,7 @@
 
 #include "tools/common/cli.h"
 #include "ckpt/util/error.h"
+#include "ckpt/shard/source_check.h"
 #include "ckpt/shard/fingerprint.h"
 #include "ckpt/pt/value_json.h"
 #include "ckpt/util/output_guard.h"
@@ -87,88 +88,99 @@ int main(int argc, char** argv) {
     const bool hf = format == "hf" || format == "full_state";
     // A Hugging Face folder holds weights alone, so the optimizer is never read for it.
     const bool model_only = weights_only || hf;
-    const std::string tag = ckpt::ResolveSourceTag(src, !no_verify, env, log, 0, model_only);
-    const uint64_t memory_budget = ckpt::ParseSize(budget, "--memory_budget");
-    const uint64_t shard_size = ckpt::ParseSize(max_shard, "--max_shard_size");
-    ckpt::CheckOutputs({{out, hf ? "OUT_DIR" : "OUT", hf}}, {{tag, "SRC"}});
-    if (env->Exists(out) && !(hf && env->IsDirectory(out) && env->ListDir(out).empty())) {
-      if (!overwrite) throw ckpt::Error(out + ": exists; pass --overwrite to replace it (it is kept until the new one is complete)");
-      if (hf ? !IsHfExport(env, out) : !tools::IsH5State(out))
-        throw ckpt::Error(out + ": --overwrite replaces only what ckpt-export --format " + format + " wrote, and this is not that");
-    }
-    const ckpt::OpenedSource opened = ckpt::SourceRegistry::Default().Open(env, tag, {.hints = hints.Hints(), .weights_only = model_only}, "tag");
-    const ckpt::LogicalState* state = opened.state.get();
-    for (const auto& n : opened.notes) log("note: " + n);
-    // Memory: what is resident now (the source's index), then blocks: one
-    // read, one widened (float32), and what HDF5 and the writer buffer.
-    const uint64_t base = ckpt::CurrentRss(), min_block = 1 << 20;
-    if (memory_budget < base + 4 * min_block)
-      throw ckpt::Error("--memory_budget " + ckpt::HumanBytes(memory_budget) + " is too small: the process already holds " +
-                        ckpt::HumanBytes(base) + "; give at least " + ckpt::HumanBytes(base + 4 * min_block));
-    const size_t block = static_cast<size_t>(std::clamp<uint64_t>((memory_budget - base) / 4 / 4096 * 4096, min_block, uint64_t{64} << 20));
+    const ckpt::SourceTag found = ckpt::FindSourceTag(src, !no_verify, env, log);
+    const std::string& tag = found.tag;
+    // The checksum pass runs beside the export; the output is renamed into place only once it passed.
+    ckpt::SourceCheck check(env, tag, !no_verify && !found.checked, model_only);
+    try {
+      const uint64_t memory_budget = ckpt::ParseSize(budget, "--memory_budget");
+      const uint64_t shard_size = ckpt::ParseSize(max_shard, "--max_shard_size");
+      ckpt::CheckOutputs({{out, hf ? "OUT_DIR" : "OUT", hf}}, {{tag, "SRC"}});
+      if (env->Exists(out) && !(hf && env->IsDirectory(out) && env->ListDir(out).empty())) {
+        if (!overwrite) throw ckpt::Error(out + ": exists; pass --overwrite to replace it (it is kept until the new one is complete)");
+        if (hf ? !IsHfExport(env, out) : !tools::IsH5State(out))
+          throw ckpt::Error(out + ": --overwrite replaces only what ckpt-export --format " + format + " wrote, and this is not that");
+      }
+      const ckpt::OpenedSource opened = ckpt::SourceRegistry::Default().Open(env, tag, {.hints = hints.Hints(), .weights_only = model_only}, "tag");
+      const ckpt::LogicalState* state = opened.state.get();
+      for (const auto& n : opened.notes) log("note: " + n);
+      // Memory: what is resident now (the source's index), then blocks: one
+      // read, one widened (float32), and what HDF5 and the writer buffer.
+      const uint64_t base = ckpt::CurrentRss() + check.memory(), min_block = 1 << 20;
+      if (memory_budget < base + 4 * min_block)
+        throw ckpt::Error("--memory_budget " + ckpt::HumanBytes(memory_budget) + " is too small: the process already holds " +
+                          ckpt::HumanBytes(base) + "; give at least " + ckpt::HumanBytes(base + 4 * min_block));
+      const size_t block = static_cast<size_t>(std::clamp<uint64_t>((memory_budget - base) / 4 / 4096 * 4096, min_block, uint64_t{64} << 20));
+      check.Start();
 
-    const std::filesystem::path p(out);
-    const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
-    partial = dir + "/." + p.filename().string() + ".ckpt-export-partial";
-    if (env->Exists(partial)) env->RemoveAll(partial);  // an interrupted earlier export's
-    if (hf) {
-      if (const std::string why = ckpt::HfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
-      // As the HDF5 export and reshard do: a source must still hold what its manifest recorded.
-      ckpt::CheckRecordedFingerprints(*state, block, ckpt::StateField::kParam);
-      env->CreateDirs(partial);
-      const tools::HfExportSummary s = tools::WriteHfFolder(*state, partial, {.max_shard_size = shard_size, .chunk = block, .bin = bin, .full_state = format == "full_state"}, env);
-      env->SyncDir(partial);
-      const std::string old = dir + "/." + p.filename().string() + ".ckpt-export-old";
-      if (env->Exists(out)) env->RenameFile(out, old);
+      const std::filesystem::path p(out);
+      const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
+      partial = dir + "/." + p.filename().string() + ".ckpt-export-partial";
+      if (env->Exists(partial)) env->RemoveAll(partial);  // an interrupted earlier export's
+      if (hf) {
+        if (const std::string why = ckpt::HfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
+        // As the HDF5 export and reshard do: a source must still hold what its manifest recorded.
+        ckpt::CheckRecordedFingerprints(*state, block, ckpt::StateField::kParam);
+        env->CreateDirs(partial);
+        const tools::HfExportSummary s = tools::WriteHfFolder(*state, partial, {.max_shard_size = shard_size, .chunk = block, .bin = bin, .full_state = format == "full_state"}, env);
+        env->SyncDir(partial);
+        check.Wait(log);
+        const std::string old = dir + "/." + p.filename().string() + ".ckpt-export-old";
+        if (env->Exists(out)) env->RenameFile(out, old);
+        env->RenameFile(partial, out);
+        partial.clear();
+        env->SyncDir(dir);
+        if (env->Exists(old)) env->RemoveAll(old);
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (json)
+          std::cout << nlohmann::ordered_json{{"source", tag}, {"output", out}, {"architecture", s.architecture}, {"tensors", s.tensors},
+                                              {"tensor_bytes", s.bytes}, {"shards", s.shards}, {"seconds", secs}, {"peak_rss", ckpt::PeakRss()}}
+                           .dump(1)
+                    << std::endl;
+        log("exported " + std::to_string(s.tensors) + " tensors (" + ckpt::HumanBytes(s.bytes) + ") of " + tag + " as " + s.architecture + " to " +
+            out + " (" + (format == "full_state" ? std::string("checkpoint.pt") : std::to_string(s.shards) + " shard(s)") + "); peak memory " + ckpt::HumanBytes(ckpt::PeakRss()));
+        return 0;
+      }
+      tools::ExportOptions o;
+      o.weights_only = weights_only;
+      o.float32 = dtype == "float32";
+      o.gzip = compression == "gzip";
+      o.block = block;
+      const bool bar = ::isatty(2) && !json;
+      int64_t last_logged = -1;
+      std::string last_tensor;
+      o.progress = [&](uint64_t done, uint64_t total, const std::string& tensor) {
+        if (bar) {
+          std::fprintf(stderr, "\r%s %s of %s", ckpt::ProgressBar(done, total).c_str(), ckpt::HumanBytes(done).c_str(), ckpt::HumanBytes(total).c_str());
+        } else if (tensor != last_tensor || done == total) {  // a line per tensor
+          const int64_t pct = total ? static_cast<int64_t>(100 * done / total) : 100;
+          if (!last_tensor.empty() && pct != last_logged) log("exported " + last_tensor + " [" + std::to_string(pct) + "%]");
+          last_logged = pct;
+        }
+        last_tensor = tensor;
+      };
+      const tools::ExportSummary s = tools::WriteH5State(*state, std::filesystem::path(tag).filename().string(), partial, o);
+      if (bar) std::fprintf(stderr, "\n");
+      FsyncPath(partial);
+      check.Wait(log);
       env->RenameFile(partial, out);
       partial.clear();
       env->SyncDir(dir);
-      if (env->Exists(old)) env->RemoveAll(old);
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const uint64_t size = env->FileSize(out);
       if (json)
-        std::cout << nlohmann::ordered_json{{"source", tag}, {"output", out}, {"architecture", s.architecture}, {"tensors", s.tensors},
-                                            {"tensor_bytes", s.bytes}, {"shards", s.shards}, {"seconds", secs}, {"peak_rss", ckpt::PeakRss()}}
+        std::cout << nlohmann::ordered_json{{"source", tag},       {"output", out},  {"tensors", s.tensors}, {"tensor_bytes", s.bytes},
+                                            {"file_bytes", size},  {"seconds", secs}, {"peak_rss", ckpt::PeakRss()}}
                          .dump(1)
                   << std::endl;
-      log("exported " + std::to_string(s.tensors) + " tensors (" + ckpt::HumanBytes(s.bytes) + ") of " + tag + " as " + s.architecture + " to " +
-          out + " (" + (format == "full_state" ? std::string("checkpoint.pt") : std::to_string(s.shards) + " shard(s)") + "); peak memory " + ckpt::HumanBytes(ckpt::PeakRss()));
+      log("exported " + std::to_string(s.tensors) + " logical tensors (" + ckpt::HumanBytes(s.bytes) + ") of " + tag + " to " + out + " (" +
+          ckpt::HumanBytes(size) + ") in " + std::to_string(secs).substr(0, std::to_string(secs).find('.') + 3) + " s; peak memory " +
+          ckpt::HumanBytes(ckpt::PeakRss()));
       return 0;
+    } catch (const ckpt::Error&) {
+      check.ThrowIfFailed(log);
+      throw;
     }
-    tools::ExportOptions o;
-    o.weights_only = weights_only;
-    o.float32 = dtype == "float32";
-    o.gzip = compression == "gzip";
-    o.block = block;
-    const bool bar = ::isatty(2) && !json;
-    int64_t last_logged = -1;
-    std::string last_tensor;
-    o.progress = [&](uint64_t done, uint64_t total, const std::string& tensor) {
-      if (bar) {
-        std::fprintf(stderr, "\r%s %s of %s", ckpt::ProgressBar(done, total).c_str(), ckpt::HumanBytes(done).c_str(), ckpt::HumanBytes(total).c_str());
-      } else if (tensor != last_tensor || done == total) {  // a line per tensor
-        const int64_t pct = total ? static_cast<int64_t>(100 * done / total) : 100;
-        if (!last_tensor.empty() && pct != last_logged) log("exported " + last_tensor + " [" + std::to_string(pct) + "%]");
-        last_logged = pct;
-      }
-      last_tensor = tensor;
-    };
-    const tools::ExportSummary s = tools::WriteH5State(*state, std::filesystem::path(tag).filename().string(), partial, o);
-    if (bar) std::fprintf(stderr, "\n");
-    FsyncPath(partial);
-    env->RenameFile(partial, out);
-    partial.clear();
-    env->SyncDir(dir);
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const uint64_t size = env->FileSize(out);
-    if (json)
-      std::cout << nlohmann::ordered_json{{"source", tag},       {"output", out},  {"tensors", s.tensors}, {"tensor_bytes", s.bytes},
-                                          {"file_bytes", size},  {"seconds", secs}, {"peak_rss", ckpt::PeakRss()}}
-                       .dump(1)
-                << std::endl;
-    log("exported " + std::to_string(s.tensors) + " logical tensors (" + ckpt::HumanBytes(s.bytes) + ") of " + tag + " to " + out + " (" +
-        ckpt::HumanBytes(size) + ") in " + std::to_string(secs).substr(0, std::to_string(secs).find('.') + 3) + " s; peak memory " +
-        ckpt::HumanBytes(ckpt::PeakRss()));
-    return 0;
   } catch (const ckpt::Error& e) {
     if (!partial.empty() && env->Exists(partial)) env->RemoveAll(partial);
     std::cerr << "error: " << e.what() << "\n";

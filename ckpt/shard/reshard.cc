@@ -269,30 +269,20 @@ std::string StagesString(const std::vector<int64_t>& b) {
 
 }  // namespace
 
-std::string ResolveSourceTag(const std::string& src_arg, bool verify, ckpt::Env* env, const LogFn& log, int rank, bool weights_only) {
+SourceTag FindSourceTag(const std::string& src_arg, bool verify, ckpt::Env* env, const LogFn& log) {
   const std::string src = ckpt::WithoutTrailingSeparators(src_arg);
   if (!env->IsDirectory(src)) throw Error(src + ": no such folder");
-  std::string tag = src;
   if (ckpt::LooksLikeTag(env, src)) {
     if (ckpt::IsModelOnlyFolder(env, src))
       log(src + ": model/ alone (as NxD's checkpoint_converter.py writes it): read as a weights-only tag");
     else if (!env->Exists(src + "/" + ckpt::kDoneMarker))
       throw Error(src + ": has no `done` marker, so its save never finished; refusing to read an incomplete tag");
-  } else {
-    const auto newest = ckpt::FindLatestCheckpoint(env, src, verify, log);
-    if (!newest) throw Error(src + ": is neither a checkpoint tag (no model/ folder) nor a folder holding a complete tag");
-    log("source: " + *newest + " (the newest complete tag in " + src + ")");
-    tag = *newest;
+    return {src, false};
   }
-  if (verify && rank == 0) {
-    ckpt::TagReport rep = ckpt::VerifyTag(env, tag, {.checksums = true});
-    if (weights_only)
-      ckpt::DropOptimizerProblems(rep, [&](const ckpt::TagProblem& p) { log("note: " + p.file + ": " + p.what + " (not read: --weights_only)"); });
-    std::string what;
-    for (const auto& p : rep.problems) what += "\n  " + (p.file.empty() ? "" : p.file + ": ") + p.what;
-    if (!what.empty()) throw Error(tag + ": fails verification, so it is not read (--no_verify skips this):" + what);
-  }
-  return tag;
+  const auto newest = ckpt::FindLatestCheckpoint(env, src, verify, log);
+  if (!newest) throw Error(src + ": is neither a checkpoint tag (no model/ folder) nor a folder holding a complete tag");
+  log("source: " + *newest + " (the newest complete tag in " + src + ")");
+  return {*newest, verify};
 }
 
 uint64_t CurrentRss() {
@@ -315,13 +305,22 @@ uint64_t PeakRss() {
 ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log) {
   const auto t0 = Clock::now();
   ReshardSummary sum;
-  sum.src_tag = ResolveSourceTag(a.src, a.verify_source, env, log, a.group->rank(), a.weights_only);
-  const ckpt::OpenedSource src = ckpt::SourceRegistry::Default().Open(
-      env, sum.src_tag, {.hints = a.hints, .weights_only = a.weights_only, .trust_first_replica = a.trust_first_replica}, "tag");
-  if (src.optimizer_skipped) sum.notes.push_back("--weights_only: the source's optimizer state is not read; the target has none");
-  for (const auto& n : src.notes) sum.notes.push_back(n);
-  sum.bytes_read = src.bytes;
-  return WriteInLayout(*src.state, src.tag_name, a, env, log, t0, std::move(sum));
+  const SourceTag found = FindSourceTag(a.src, a.verify_source, env, log);
+  sum.src_tag = found.tag;
+  SourceCheck check(env, found.tag, a.verify_source && !found.checked && a.group->rank() == 0, a.weights_only);
+  try {
+    const ckpt::OpenedSource src = ckpt::SourceRegistry::Default().Open(
+        env, sum.src_tag, {.hints = a.hints, .weights_only = a.weights_only, .trust_first_replica = a.trust_first_replica}, "tag");
+    if (src.optimizer_skipped) sum.notes.push_back("--weights_only: the source's optimizer state is not read; the target has none");
+    for (const auto& n : src.notes) sum.notes.push_back(n);
+    sum.bytes_read = src.bytes;
+    ReshardArgs checked = a;
+    checked.source_check = &check;
+    return WriteInLayout(*src.state, src.tag_name, checked, env, log, t0, std::move(sum));
+  } catch (const Error&) {
+    check.ThrowIfFailed(log);
+    throw;
+  }
 }
 
 ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string& source_tag_name, const ReshardArgs& a, ckpt::Env* env,
@@ -406,7 +405,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   // planner's pool for the next file, never more chunks than threads) and the
   // source pages it was copied from (plus up to a large folio mapped past each
   // end of what it read), those released after every chunk.
-  const uint64_t base = CurrentRss() + src->ReadMemory();
+  const uint64_t base = CurrentRss() + src->ReadMemory() + (a.source_check ? a.source_check->memory() : 0);
   const uint64_t min_chunk = 256 << 10, slack = 4 << 20, min_thread = 2 * min_chunk + slack;
   const uint64_t usable = a.memory_budget > base ? a.memory_budget - base : 0;
   if (usable < uint64_t(a.threads) * min_thread)
@@ -414,6 +413,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
                 ckpt::HumanBytes(base) + " (the source's index and read caches) and each of " + std::to_string(a.threads) + " writing thread(s) needs " +
                 ckpt::HumanBytes(min_thread) + " at least; give at least " + ckpt::HumanBytes(base + uint64_t(a.threads) * min_thread));
   sum.stream_chunk = std::clamp<uint64_t>((usable / a.threads - slack) / 2 / 4096 * 4096, min_chunk, uint64_t{64} << 20);
+  if (a.source_check) a.source_check->Start();
 
   ckpt::FingerprintCollector fingerprints;
   Planner planner(*src, to_format, to, sum.to_bounds, sum.stream_chunk, &fingerprints);
@@ -433,6 +433,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     sum.bytes_written = bytes;
     if (a.group->rank() == 0)
       for (const auto& f : plan) log("would write " + f.file.relpath + " (" + ckpt::HumanBytes(f.bytes) + " of tensors)");
+    if (a.source_check) a.source_check->Wait(log);
     sum.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     sum.peak_rss = PeakRss();
     return sum;
@@ -501,6 +502,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     };
     // Rank 0 commits for the group; a source that no longer matches its
     // fingerprints leaves nothing behind.
+    if (a.source_check) a.source_check->Wait(log);
     ckpt::CommitStaged(env, staged, *a.group, ci, &writing);
   };
   try {

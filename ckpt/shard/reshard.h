@@ -26,6 +26,7 @@
 #include "ckpt/util/env.h"
 #include "ckpt/store/resume.h"
 #include "ckpt/shard/sharded_tag.h"
+#include "ckpt/shard/source_check.h"
 #include "ckpt/util/writer_group.h"
 
 namespace ckpt {
@@ -58,6 +59,10 @@ struct ReshardArgs {
   ckpt::WriterGroup* group = &ckpt::SoloGroup();  // under mpirun the ranks split the output files
   bool progress_bar = false;
   std::string tool = "reshard";  // names the staging folder (.<dst>.<tool>-partial)
+  // The source's checksum pass (ckpt/shard/source_check.h), run beside the
+  // copy: its memory is set aside from the budget, it starts once the budget
+  // is shared out, and the output is committed (a dry run ends) only once it passed.
+  SourceCheck* source_check = nullptr;
 };
 
 struct ReshardSummary {
@@ -85,13 +90,16 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& src, const std::string& s
                              const LogFn& log, std::chrono::steady_clock::time_point t0, ReshardSummary sum);
 
 // The tag SRC names: itself (it must have `done`), or a checkpoint folder's
-// newest complete tag (announced through `log`). A folder holding model/ alone
-// (NxD's checkpoint_converter.py output) is read as a weights-only tag. With
-// `verify`, rank 0 checks its files against its manifest first; with
-// `weights_only`, problems of optim/ files are not the reader's (it does not
-// open them). Throws ckpt::Error naming the problem.
-std::string ResolveSourceTag(const std::string& src, bool verify, ckpt::Env* env, const LogFn& log, int rank = 0,
-                             bool weights_only = false);
+// newest complete tag (announced through `log`; with `verify`, the newest whose
+// checksums verify, and then `checked` is true). A folder holding model/ alone
+// (NxD's checkpoint_converter.py output) is read as a weights-only tag. Throws
+// ckpt::Error naming the problem. A tag named directly is not checked here:
+// SourceCheck (ckpt/shard/source_check.h) checks it beside the copy.
+struct SourceTag {
+  std::string tag;
+  bool checked = false;
+};
+SourceTag FindSourceTag(const std::string& src, bool verify, ckpt::Env* env, const LogFn& log);
 
 // Peak resident memory of this process so far, in bytes.
 uint64_t PeakRss();

@@ -34,7 +34,7 @@ uint32_t Crc32(std::span<const uint8_t> data) {
 }
 
 uint32_t Crc32Mapped(const MappedFile& file, std::span<const uint8_t> range) {
-  constexpr size_t kWindow = 16 << 20;
+  constexpr size_t kWindow = kCrcWindow;
   uint32_t crc = 0;
   for (size_t at = 0; at < range.size(); at += kWindow) {
     const auto piece = range.subspan(at, std::min(kWindow, range.size() - at));

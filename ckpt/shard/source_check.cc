@@ -1,0 +1,60 @@
+#include "ckpt/shard/source_check.h"
+
+#include <tbb/task_arena.h>
+
+#include "ckpt/store/tag_verify.h"
+#include "ckpt/util/crc32.h"
+#include "ckpt/util/error.h"
+
+namespace ckpt {
+
+void VerifySourceTag(Env* env, const std::string& tag, bool weights_only, const LogFn& log) {
+  TagReport rep = VerifyTag(env, tag, {.checksums = true});
+  if (weights_only) DropOptimizerProblems(rep, [&](const TagProblem& p) { log("note: " + p.file + ": " + p.what + " (not read: --weights_only)"); });
+  std::string what;
+  for (const auto& p : rep.problems) what += "\n  " + (p.file.empty() ? "" : p.file + ": ") + p.what;
+  if (!what.empty()) throw Error(tag + ": fails verification, so it is not read (--no_verify skips this):" + what);
+}
+
+SourceCheck::SourceCheck(Env* env, std::string tag, bool enabled, bool weights_only)
+    : env_(env), tag_(std::move(tag)), enabled_(enabled), weights_only_(weights_only) {}
+
+uint64_t SourceCheck::memory() const {
+  // A window, and a 2 MiB folio at either end of it (MappedFile::DropPages releases whole ones).
+  return enabled_ ? kThreads * (kCrcWindow + (uint64_t{4} << 20)) : 0;
+}
+
+void SourceCheck::Start() {
+  if (!enabled_ || started_) return;
+  started_ = true;
+  thread_ = std::thread([this] {
+    try {
+      tbb::task_arena arena(kThreads);
+      // Notes are kept for Wait: a line written from here would cut into the caller's.
+      arena.execute([&] { VerifySourceTag(env_, tag_, weights_only_, [this](const std::string& s) { notes_.push_back(s); }); });
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+  });
+}
+
+SourceCheck::~SourceCheck() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void SourceCheck::Wait(const LogFn& log) {
+  Start();
+  if (thread_.joinable()) thread_.join();
+  if (!waited_)
+    for (const auto& n : notes_) log(n);
+  waited_ = true;
+  if (error_) std::rethrow_exception(error_);
+}
+
+void SourceCheck::ThrowIfFailed(const LogFn& log) {
+  Start();
+  if (thread_.joinable()) thread_.join();
+  if (error_) Wait(log);
+}
+
+}  // namespace ckpt
