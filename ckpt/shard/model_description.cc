@@ -67,10 +67,6 @@ std::vector<std::string> ModelNames(const ModelEvidence& e) {
   return names;
 }
 
-}  // namespace
-
-namespace {
-
 // Each pp rank's layers, as the names in its tp rank 0 file give them, in maximal ranges of consecutive layers.
 StageMap LayersOfFiles(const ModelEvidence& e) {
   StageMap held(e.grid.pp);
