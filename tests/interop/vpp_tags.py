@@ -8,7 +8,8 @@ pp 2 x virtual_pipeline_size 2, tp 2, dp 2, ZeRO-1 with master weights, plain
 and xser, run on CPU) are read, resharded to pp 2 without virtual stages and
 to pp 1 with every tensor and moment equal (ckpt-verify --against, and torch
 against the fixture's files and full_state.pt), and back to V = 2 with every
-rank file holding NxD's keys, ids and tensors. And an NxD tag written with
+rank file holding NxD's keys, ids and tensors; ckpt-export reads them and
+ckpt-import --virtual_pipeline_size writes the bytes ckpt-reshard writes. And an NxD tag written with
 torch from one full model (nxd_fixture.py, tp 2, dp 2, ZeRO-1 with master
 weights), whose virtual-stage layout shardkit writes with
 `ckpt-reshard --virtual_pipeline_size 2`; then:
@@ -32,7 +33,7 @@ import unittest
 
 import torch
 
-from canon import CONVERT, RESHARD, TempDirTest, VERIFY
+from canon import CONVERT, EXPORT, IMPORT, RESHARD, TempDirTest, VERIFY
 from megatron_partition import nxdt_order, rank_file
 from nnm_fixture import make_nnm
 from nxd_fixture import at_vocab, logical_names, make_full, read_full, write_tag
@@ -139,7 +140,7 @@ def stages_of(tag):
 class VirtualPipelineTags(TempDirTest):
     def setUp(self):
         super().setUp()
-        for b in (RESHARD, VERIFY, CONVERT):
+        for b in (RESHARD, VERIFY, CONVERT, EXPORT, IMPORT):
             self.assertTrue(os.path.exists(b), f"{b} is not built")  # a missing binary fails, never skips
 
     def reshard(self, src, name, *args, ok=True):
@@ -251,6 +252,15 @@ class VirtualPipelineTags(TempDirTest):
             for path in sorted(glob.glob(os.path.join(tag, kind, "*.pt"))):
                 got, want = load_rank_file(os.path.join(back, kind, os.path.basename(path))), load_rank_file(path)
                 self.assert_same_tree(os.path.basename(path), got, want)
+        # ckpt-export reads it, and ckpt-import --virtual_pipeline_size (the same planner) writes what ckpt-reshard wrote.
+        h5, imported = os.path.join(self.dir, "state.h5"), os.path.join(self.dir, "imported")
+        for args in ([EXPORT, tag, h5, *NXD_HINTS], [IMPORT, h5, imported, *grid, "--pp", 2, "--virtual_pipeline_size", 2, container]):
+            r = run(*args)
+            self.assertEqual(r.returncode, 0, r.stderr)
+        got, want = rank_files(imported), rank_files(back)
+        self.assertEqual(sorted(got), sorted(want))
+        for rel in want:
+            self.assertEqual(got[rel], want[rel], f"{rel}: ckpt-import wrote other bytes than ckpt-reshard")
 
     def assert_same_tree(self, what, got, want):
         if isinstance(want, torch.Tensor):
