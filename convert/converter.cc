@@ -125,6 +125,7 @@ ConvertSummary ConvertAndRelayout(const ConverterArgs& a, const NnmSource& src, 
   r.tp = a.tp ? a.tp : src.grid.tp;
   r.pp = a.pp ? a.pp : src.grid.pp;
   r.pipeline_cuts = a.pipeline_cuts;
+  r.keep_virtual_stages = true;  // NNM's model chunks stay NxD's virtual stages while the pipeline is kept
   r.memory_budget = a.memory_budget;
   r.threads = a.threads;
   r.dry_run = a.dry_run, r.overwrite = a.overwrite, r.weights_only = a.weights_only;

@@ -32,8 +32,15 @@ struct Chunk {
 
 std::vector<Chunk> ModelChunks(const RankInput& in) {
   const Dict& top = in.checkpoint.as_dict();
-  if (const Value* sd = top.Find("state_dict")) {
+  const Value* sd = top.Find("state_dict");
+  // With the virtual pipeline NNM's model is a list of chunks, saved as model0, model1, ...
+  // beside the LightningModule's own state_dict, which then holds no parameter.
+  const bool chunked = top.Find("model0") && (!sd || (sd->is_dict() && sd->as_dict().items.empty()));
+  if (sd && !chunked) {
     if (!sd->is_dict()) throw Error(in.path + ": 'state_dict' is a " + sd->kind_name() + ", not a dict");
+    if (top.Find("model0"))
+      throw Error(in.path + ": holds both a 'state_dict' with parameters and virtual pipeline model chunks ('model0', ...); "
+                  "which holds the model is ambiguous");
     return {{in.path + ": state_dict", &sd->as_dict()}};
   }
   std::vector<Chunk> chunks;
@@ -41,6 +48,15 @@ std::vector<Chunk> ModelChunks(const RankInput& in) {
     const Value* m = top.Find("model" + std::to_string(i));
     if (!m) break;
     if (!m->is_dict()) throw Error(in.path + ": 'model" + std::to_string(i) + "' is a " + m->kind_name() + ", not a dict");
+    // NNM saves each virtual pipeline chunk as state_dict_for_save_checkpoint() gives it, nested
+    // dicts ('language_model' -> 'embedding', 'encoder', ...; NNM megatron_gpt_model.py
+    // on_save_checkpoint), not the flat names a state_dict holds: refused, naming the cause.
+    for (const auto& [k, v] : m->as_dict().items)
+      if (v.is_dict())
+        throw Error(in.path + ": 'model" + std::to_string(i) + "' is a virtual pipeline model chunk (NNM's " +
+                    "virtual_pipeline_model_parallel_size) saved as nested dicts ('" + (k.is_str() ? k.as_str() : k.kind_name()) +
+                    "': {...}, as NNM's on_save_checkpoint writes them), which nnm2nxdt-ckpt does not convert; convert a save " +
+                    "made without the virtual pipeline, or re-save it with NNM at virtual_pipeline_model_parallel_size null");
     chunks.push_back({in.path + ": model" + std::to_string(i), &m->as_dict()});
   }
   if (chunks.empty()) {

@@ -224,6 +224,29 @@ TEST(NnmConvert, RanksFromDifferentStepsAreAnError) {
   EXPECT_NE(e.find("global_step 8 differs"), std::string::npos) << e;
 }
 
+TEST(NnmConvert, VirtualPipelineChunksAsNnmSavesThemAreRefusedNamingIt) {
+  // NNM's on_save_checkpoint: model0, model1, ... = state_dict_for_save_checkpoint() (nested
+  // dicts), beside the LightningModule's empty state_dict.
+  const NnmSource src = TwoStages();
+  std::vector<RankInput> in = {Input(src.files[0], StageDict(1, true, false)), Input(src.files[1], StageDict(1, false, true))};
+  for (RankInput& r : in) {
+    Value nested = Value::NewDict(), lm = Value::NewDict();
+    lm.as_dict().Set("encoder", r.checkpoint.as_dict().At("state_dict"));
+    nested.as_dict().Set("language_model", lm);
+    r.checkpoint.as_dict().Set("model0", nested);
+    r.checkpoint.as_dict().Set("model1", nested);
+    r.checkpoint.as_dict().Set("state_dict", Value::NewDict(true));
+  }
+  const std::string e = ErrorOf([&] { PlanConversion(src, in, {}); });
+  EXPECT_EQ(e, src.files[0] + ": 'model0' is a virtual pipeline model chunk (NNM's virtual_pipeline_model_parallel_size) saved as "
+               "nested dicts ('language_model': {...}, as NNM's on_save_checkpoint writes them), which nnm2nxdt-ckpt does not convert; "
+               "convert a save made without the virtual pipeline, or re-save it with NNM at virtual_pipeline_model_parallel_size null");
+  // A state_dict with parameters beside chunks: which holds the model is not guessed.
+  in[0].checkpoint.as_dict().Set("state_dict", StageDict(1, true, false));
+  EXPECT_NE(ErrorOf([&] { PlanConversion(src, in, {}); }).find("holds both a 'state_dict' with parameters and virtual pipeline model chunks"),
+            std::string::npos);
+}
+
 TEST(NnmConvert, XserSplitsEachRankFileIntoReferencesTensorsAndInfo) {
   const NnmSource src = TwoStages();
   std::vector<RankInput> in = {Input(src.files[0], StageDict(1, true, false)), Input(src.files[1], StageDict(1, false, true))};

@@ -21,6 +21,8 @@
 #include "tools/common/cli.h"
 #include "ckpt/util/error.h"
 #include "ckpt/shard/fingerprint.h"
+#include "ckpt/shard/model_description.h"
+#include "ckpt/pt/xser.h"
 #include "ckpt/util/progress.h"
 #include "ckpt/shard/source_registry.h"
 #include "ckpt/shard/tag_compare.h"
@@ -149,6 +151,30 @@ std::vector<ckpt::TagProblem> CheckFingerprints(ckpt::Env* env, const std::strin
   return out;
 }
 
+// The virtual pipeline stages per pp rank of a tag that verified: its
+// manifest's recorded stage map when it has one, else the tag reader's rule
+// (StageSplitOfFiles) over the layer names of tp rank 0's model files (NxD
+// writes no manifest); 1 when neither tells.
+int VirtualStages(ckpt::Env* env, const std::string& tag, const ckpt::TagReport& r) {
+  if (!r.grid || r.grid->pp == 1) return 1;
+  try {
+    if (r.has_manifest) {
+      const ckpt::Manifest m = ckpt::Manifest::Load(env, tag + "/" + ckpt::kManifestFile);
+      const auto split = m.layout ? ckpt::StageSplitOf(m.layout->stages) : std::nullopt;
+      if (split || m.layout) return split ? split->virtual_stages : 1;
+    }
+    std::vector<ckpt::Value> files;
+    for (int p = 0; p < r.grid->pp; ++p) files.push_back(ckpt::LoadTagFile(env, tag, ckpt::RankFilePath(ckpt::RankFileKind::kModel, {0, 0, p})));
+    ckpt::ModelEvidence e;
+    e.dir = tag, e.grid = *r.grid;
+    e.model = [&](int, int p) -> const ckpt::Dict& { return files[static_cast<size_t>(p)].as_dict(); };
+    e.path = [&](const std::string& rel) { return tag + "/" + rel; };
+    return ckpt::StageSplitOfFiles(e).virtual_stages;
+  } catch (const ckpt::Error&) {
+    return 1;  // the tag reader says why when it reads the tag
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -201,12 +227,16 @@ int main(int argc, char** argv) {
       for (const auto& p : r.problems) problems.push_back({{"file", p.file}, {"problem", p.what}});
       nlohmann::ordered_json tj = {{"path", t}, {"ok", r.ok()}, {"done", r.has_done}, {"manifest", r.has_manifest}, {"model_only", r.model_only},
                                    {"files_checked", r.files_checked}, {"bytes_checked", r.bytes_checked}};
+      const int virtual_stages = r.ok() ? VirtualStages(env, t, r) : 1;
       if (r.grid) tj["grid"] = {{"tp", r.grid->tp}, {"pp", r.grid->pp}, {"dp", r.grid->dp}, {"zero1", r.grid->zero1}};
+      if (r.grid && virtual_stages > 1) tj["grid"]["virtual_pipeline_size"] = virtual_stages;
       tj["problems"] = problems;
       out["tags"].push_back(tj);
       if (!json) {
         std::cout << (r.ok() ? "ok      " : "FAILED  ") << t;
-        if (r.grid) std::cout << "  (tp=" << r.grid->tp << " pp=" << r.grid->pp << " dp=" << r.grid->dp << (r.grid->zero1 ? " zero1" : "") << ")";
+        if (r.grid)
+          std::cout << "  (tp=" << r.grid->tp << " pp=" << r.grid->pp << " dp=" << r.grid->dp << (r.grid->zero1 ? " zero1" : "")
+                    << (virtual_stages > 1 ? ", " + std::to_string(virtual_stages) + " virtual stages" : "") << ")";
         if (r.model_only) std::cout << "  weights only: model/ alone, as NxD's checkpoint_converter.py writes it";
         std::cout << "\n";
         for (const auto& p : r.problems) std::cout << "  " << (p.file.empty() ? "(tag)" : p.file) << ": " << p.what << "\n";

@@ -276,6 +276,7 @@ ExportSummary WriteH5State(const ckpt::LogicalState& src, const std::string& tag
                                {"dp", L.grid.dp},           {"zero1", L.grid.zero1},
                                {"stage_bounds", L.stage_bounds}, {"has_optimizer", optimizer},
                                {"grouping", ckpt::GroupingRuleName(L.grouping)},  {"master_weights", optimizer && L.master_weights}};
+  if (L.virtual_stages > 1) sl["virtual_stages"] = L.virtual_stages;  // stage_bounds cover pp * virtual_stages stages
   SetString(file, "source_layout", sl.dump(), path);
   SetString(file, "source", src.path(), path);
   SetString(file, "tag_name", tag_name, path);
@@ -455,6 +456,10 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
     const nlohmann::json sl = ParseJson(GetString(file, "source_layout", path), path + ": attribute 'source_layout'");
     L.grid = {sl.at("tp").get<int>(), sl.at("pp").get<int>(), sl.at("dp").get<int>(), sl.at("zero1").get<bool>()};
     L.stage_bounds = sl.at("stage_bounds").get<std::vector<int64_t>>();
+    L.virtual_stages = sl.value("virtual_stages", 1);
+    if (sl.contains("virtual_stages") && (L.virtual_stages < 1 || L.stage_bounds.empty() || (L.stage_bounds.size() - 1) % static_cast<size_t>(L.virtual_stages) != 0))
+      throw Error(path + ": attribute 'source_layout': 'virtual_stages' " + std::to_string(L.virtual_stages) + " does not divide its " +
+                  std::to_string(L.stage_bounds.size() - (L.stage_bounds.empty() ? 0 : 1)) + " stages (the virtual pipeline)");
     L.has_optimizer = sl.at("has_optimizer").get<bool>();
     if (sl.contains("grouping")) {
       if (!ckpt::ParseGroupingRule(sl.at("grouping").get<std::string>(), &L.grouping))

@@ -36,8 +36,10 @@
 namespace {
 
 
-nlohmann::ordered_json GridJson(const ckpt::RankGrid& g, const std::vector<int64_t>& bounds) {
-  return {{"tp", g.tp}, {"pp", g.pp}, {"dp", g.dp}, {"zero1", g.zero1}, {"pipeline_cuts", ckpt::CutsOf(bounds)}};
+nlohmann::ordered_json GridJson(const ckpt::RankGrid& g, const std::vector<int64_t>& bounds, int virtual_stages) {
+  nlohmann::ordered_json j = {{"tp", g.tp}, {"pp", g.pp}, {"dp", g.dp}, {"zero1", g.zero1}, {"pipeline_cuts", ckpt::CutsOf(bounds)}};
+  if (virtual_stages > 1) j["virtual_pipeline_size"] = virtual_stages;
+  return j;
 }
 
 }  // namespace
@@ -79,6 +81,10 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   app.add_flag("--zero1", zero1, "write ZeRO-1 optimizer files, one per dp rank");
   app.add_flag("--no-zero1", no_zero1, "write one plain optimizer file per stage");
   app.add_option("--pipeline_cuts", cuts, "first layer of stages 1..pp-1 (default: NxD's even split, remainder last)");
+  app.add_option("--virtual_pipeline_size", a.virtual_pipeline_size,
+                 "NxD's virtual pipeline stages per pp rank: pp rank p holds stages p, p + pp, ... of pp x this many (--pipeline_cuts "
+                 "then cuts all of them); default: the source's when --pp is the source's and no cuts are given, else 1")
+      ->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
   app.add_option("--memory_budget", budget, "peak memory to stay within (default 512M)");
   app.add_option("--threads", a.threads, "files written at once (default: every core)")->check(CLI::Range(1, 1024));
   app.add_flag("--dry_run", a.dry_run, "print the plan and write nothing");
@@ -154,6 +160,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   a.out_fuse_qkv = out_fuse, a.out_qkv_linear = out_qkv_linear;
   if (!out_family.empty()) a.out_model_family = ckpt::ParseFamily(out_family);
   a.verify_source = !no_verify;
+  a.keep_virtual_stages = true;
   a.group = &ckpt::WorldGroup();  // under mpirun the ranks split the files
   a.progress_bar = ::isatty(2) && a.group->rank() == 0 && !json;
   auto log = [](const std::string& s) { std::cerr << s << std::endl; };
@@ -183,8 +190,8 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
       nlohmann::ordered_json j = {{"source", s.src_tag},
                                   {"target", s.dst_tag},
                                   {"dry_run", a.dry_run},
-                                  {"from", GridJson(s.from, s.from_bounds)},
-                                  {"to", GridJson(s.to, s.to_bounds)},
+                                  {"from", GridJson(s.from, s.from_bounds, s.from_virtual_stages)},
+                                  {"to", GridJson(s.to, s.to_bounds, s.to_virtual_stages)},
                                   {"model", s.format.ToJson()},
                                   {"files", s.files},
                                   {"bytes_read", s.bytes_read},

@@ -50,7 +50,8 @@ struct FormatHints {
 // model format, and how its optimizer files group and name parameters.
 struct TagDescription {
   RankGrid grid;
-  std::vector<int64_t> stage_bounds;  // StageBounds of the tag's stage split
+  std::vector<int64_t> stage_bounds;  // StageBounds of the tag's stage split, over all pp * virtual_stages stages
+  int virtual_stages = 1;             // stages per pp rank: NxD's virtual_pipeline_size (ckpt/spec/partition.h)
   ModelFormat format;
   bool format_from_manifest = false;
   bool has_optimizer = false;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 #include <type_traits>
 
 #include "ckpt/shard/extent_index.h"
@@ -66,26 +67,74 @@ std::vector<std::string> ModelNames(const ModelEvidence& e) {
   return names;
 }
 
-}  // namespace
-
-std::vector<int64_t> StageBoundsOfFiles(const ModelEvidence& e) {
-  std::vector<int64_t> bounds{0};
+// Each pp rank's layers, as the names in its tp rank 0 file give them, in maximal ranges of consecutive layers.
+StageMap LayersOfFiles(const ModelEvidence& e) {
+  StageMap held(e.grid.pp);
   for (int p = 0; p < e.grid.pp; ++p) {
-    int64_t lo = -1, hi = -1;
+    std::set<int64_t> layers;
     for (const auto& [k, v] : e.model(0, p).items) {
       if (!k.is_str()) throw Error(StageFile(e, p) + ": holds a key that is not a string");
-      const int l = LayerOfName(k.as_str());
-      if (l < 0) continue;
-      lo = lo < 0 ? l : std::min<int64_t>(lo, l), hi = std::max<int64_t>(hi, l);
+      if (const int l = LayerOfName(k.as_str()); l >= 0) layers.insert(l);
     }
-    if (lo < 0) throw Error(StageFile(e, p) + ": holds no decoder layer; every pipeline stage holds at least one");
-    if (lo != bounds.back())
-      throw Error(StageFile(e, p) + ": starts at layer " + std::to_string(lo) + " but the stage before ends at layer " +
+    if (layers.empty()) throw Error(StageFile(e, p) + ": holds no decoder layer; every pipeline stage holds at least one");
+    for (int64_t l : layers)
+      if (held[p].empty() || held[p].back().second != l) held[p].push_back({l, l + 1});
+      else ++held[p].back().second;
+  }
+  return held;
+}
+
+// One stage per pp rank: from its lowest to its highest layer (a gap inside is the model files' check's).
+std::vector<int64_t> PlainStageBounds(const ModelEvidence& e, const StageMap& held) {
+  std::vector<int64_t> bounds{0};
+  for (int p = 0; p < e.grid.pp; ++p) {
+    if (held[p].front().first != bounds.back())
+      throw Error(StageFile(e, p) + ": starts at layer " + std::to_string(held[p].front().first) + " but the stage before ends at layer " +
                   std::to_string(bounds.back() - 1) + "; stages must hold consecutive layers");
-    bounds.push_back(hi + 1);
+    bounds.push_back(held[p].back().second);
   }
   return bounds;
 }
+
+// The split the names give: one stage per pp rank when each rank's lowest
+// layer follows the rank before's highest (a gap inside a rank is the model
+// files' check's, as before), else NxD's virtual pipeline stages.
+StageSplit SplitOfNames(const ModelEvidence& e, const StageMap& held) {
+  const bool one_range_each = std::all_of(held.begin(), held.end(), [](const auto& r) { return r.size() == 1; });
+  try {
+    return {PlainStageBounds(e, held), 1};
+  } catch (const Error&) {
+    if (one_range_each) throw;
+  }
+  if (std::optional<StageSplit> split = StageSplitOf(held)) return *split;
+  std::string ranks;
+  for (int p = 0; p < e.grid.pp; ++p) ranks += (p ? "; pp rank " : "pp rank ") + std::to_string(p) + ": " + LayerRangesString(held[p]);
+  throw Error(e.path("model") + ": its pp ranks hold layers " + ranks + ", which are neither consecutive stages nor NxD's virtual " +
+              "pipeline stages (pp rank p holding stages p, p + pp, ..., as many on every rank, each starting where the stage before ends)");
+}
+
+// The recorded stage map when it is the split the names give or, at pp = 1
+// (where names cannot tell stages apart), one over the same layers; refused otherwise.
+StageSplit WithRecordedSplit(const ModelEvidence& e, const StageSplit& names) {
+  const std::string where = e.in_memory ? e.dir : e.path(kManifestFile);
+  const std::optional<StageSplit> recorded = StageSplitOf(*e.recorded_stages);
+  if (!recorded) throw Error(where + ": 'layout' 'stages' is no pipeline split (consecutive stages, or NxD's virtual pipeline stages)");
+  if (*recorded == names || (e.grid.pp == 1 && recorded->bounds.back() == names.bounds.back())) return *recorded;
+  const StageMap want = StageMapOf(recorded->bounds, recorded->virtual_stages), have = StageMapOf(names.bounds, names.virtual_stages);
+  int p = 0;
+  while (p + 1 < e.grid.pp && want[p] == have[p]) ++p;
+  throw Error(where + ": 'layout' 'stages' records layers " + LayerRangesString(want[p]) + " for pp rank " + std::to_string(p) + ", but " +
+              StageFile(e, p) + " holds layers " + LayerRangesString(have[p]));
+}
+
+}  // namespace
+
+StageSplit StageSplitOfFiles(const ModelEvidence& e) {
+  const StageSplit names = SplitOfNames(e, LayersOfFiles(e));
+  return e.recorded_stages ? WithRecordedSplit(e, names) : names;
+}
+
+std::vector<int64_t> StageBoundsOfFiles(const ModelEvidence& e) { return StageSplitOfFiles(e).bounds; }
 
 ModelFormat Describer::Recorded() {
   ModelFormat f = *e_.recorded;
@@ -446,7 +495,8 @@ ModelFormat DescribeHfLlamaModel(const ModelEvidence& e, const std::vector<int64
 
 ModelDescription DescribeModel(const ModelEvidence& e, const FormatHints& hints) {
   ModelDescription d;
-  d.stage_bounds = StageBoundsOfFiles(e);
+  StageSplit split = StageSplitOfFiles(e);
+  d.stage_bounds = std::move(split.bounds), d.virtual_stages = split.virtual_stages;
   const int tp = e.grid.tp;
   if (e.recorded) {
     d.format = DescribeRecordedModel(e, hints, &d.notes);

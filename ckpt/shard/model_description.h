@@ -39,10 +39,12 @@ struct ModelEvidence {
   // user_content.pt, when the tag has one (asked for only where a job config can tell what shapes do not).
   std::function<const Value*()> user_content;
   const ModelFormat* recorded = nullptr;     // the format the manifest records, when it does
+  const StageMap* recorded_stages = nullptr;  // the stage map the manifest records (layout.stages), when it does
 };
 
 struct ModelDescription {
-  std::vector<int64_t> stage_bounds;  // StageBounds
+  std::vector<int64_t> stage_bounds;  // StageBounds over every stage (pp * virtual_stages)
+  int virtual_stages = 1;             // stages per pp rank (NxD's virtual_pipeline_size)
   ModelFormat format;
   bool from_manifest = false;
   std::vector<ParamRule> params;  // LogicalParameters at the tag's tp
@@ -50,8 +52,16 @@ struct ModelDescription {
   std::vector<std::string> notes;  // what the format was taken from besides shapes
 };
 
-// Stage p's layers are the layer numbers in its files: contiguous, in order.
-// Throws naming the stage's file otherwise.
+// The stage split the layer numbers in the pp ranks' files give: one range
+// of consecutive layers per pp rank, in order; or NxD's virtual pipeline
+// stages (ckpt/spec/partition.h: pp rank p holding stages p, p + pp, ...),
+// told apart by the gaps between a rank's layers (at pp > 1 a rank's stages
+// are never adjacent). A recorded stage map (layout.stages) is taken when it
+// covers each rank's layers as the names do (at pp = 1 the names cannot tell
+// virtual stages apart). Throws naming the stage's file, or the manifest,
+// otherwise.
+StageSplit StageSplitOfFiles(const ModelEvidence& e);
+// StageSplitOfFiles' bounds.
 std::vector<int64_t> StageBoundsOfFiles(const ModelEvidence& e);
 
 // The recorded format, hints checked against it and a true vocabulary taken (see the .cc).

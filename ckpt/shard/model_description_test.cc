@@ -57,6 +57,43 @@ TEST(ModelDescription, StagesAreTheLayerNumbersOfEachStagesFiles) {
             "consecutive layers");
 }
 
+// Adds layer `to`'s keys to a stage file: a copy of its layer `from`'s.
+void AddLayerCopy(Value& file, int from, int to) {
+  std::vector<std::pair<std::string, Value>> add;
+  for (const auto& [k, v] : file.as_dict().items)
+    if (LayerOfName(k.as_str()) == from) {
+      std::string name = k.as_str();
+      name.replace(name.find("layers." + std::to_string(from) + "."), 7 + std::to_string(from).size() + 1, "layers." + std::to_string(to) + ".");
+      add.push_back({name, v});
+    }
+  for (auto& [k, v] : add) file.as_dict().Set(k, v);
+}
+
+TEST(ModelDescription, VirtualPipelineStagesAreLearnedFromTheLayerNames) {
+  // NxD's virtual_pipeline_size 2 at pp 2: pp rank 0 holds layers 0 and 2, pp rank 1 layers 1 and 3.
+  MegatronFiles m(1, 2);
+  AddLayerCopy(m.files[0], 0, 2);
+  AddLayerCopy(m.files[1], 1, 3);
+  const StageSplit split = StageSplitOfFiles(m.Evidence());
+  EXPECT_EQ(split, (StageSplit{{0, 1, 2, 3, 4}, 2}));
+  // A recorded stage map saying the same is taken; one saying otherwise is refused naming the manifest.
+  ModelEvidence e = m.Evidence();
+  const StageMap same = StageMapOf({0, 1, 2, 3, 4}, 2), other = StageMapOf({0, 2, 4});
+  e.recorded_stages = &same;
+  EXPECT_EQ(StageSplitOfFiles(e), split);
+  e.recorded_stages = &other;
+  EXPECT_EQ(ErrorOf([&] { StageSplitOfFiles(e); }),
+            "tag/manifest.json: 'layout' 'stages' records layers 0..1 for pp rank 0, but tag/model/dp_rank_00_tp_rank_00_pp_rank_00.pt "
+            "holds layers 0..0, 2..2");
+  // Ranges that are no virtual pipeline either (rank 1 holds one range, rank 0 two) are refused naming it.
+  MegatronFiles bad(1, 2);
+  AddLayerCopy(bad.files[0], 0, 3);
+  EXPECT_EQ(ErrorOf([&] { StageSplitOfFiles(bad.Evidence()); }),
+            "tag/model: its pp ranks hold layers pp rank 0: 0..0, 3..3; pp rank 1: 1..1, which are neither consecutive stages nor NxD's "
+            "virtual pipeline stages (pp rank p holding stages p, p + pp, ..., as many on every rank, each starting where the stage "
+            "before ends)");
+}
+
 TEST(ModelDescription, MegatronSizesComeFromShapesAndHeadsFromAHint) {
   const MegatronFiles m(2, 1);
   const ModelEvidence e = m.Evidence();

@@ -120,9 +120,9 @@ struct PlannedFile {
 
 class Planner {
  public:
-  Planner(const ckpt::LogicalState& src, const ckpt::ModelFormat& format, ckpt::RankGrid to, std::vector<int64_t> bounds, size_t chunk,
-          ckpt::FingerprintCollector* fp)
-      : src_(src), fmt_(format), to_(to), bounds_(std::move(bounds)), chunk_(chunk), fp_(fp) {
+  Planner(const ckpt::LogicalState& src, const ckpt::ModelFormat& format, ckpt::RankGrid to, std::vector<int64_t> bounds, int virtual_stages,
+          size_t chunk, ckpt::FingerprintCollector* fp)
+      : src_(src), fmt_(format), to_(to), bounds_(std::move(bounds)), virtual_stages_(virtual_stages), chunk_(chunk), fp_(fp) {
     rules_ = ckpt::LogicalParameters(fmt_, to.tp);
     for (const auto& t : ckpt::LogicalTensors(src)) logical_numel_[t.name] = t.numel;
   }
@@ -133,7 +133,7 @@ class Planner {
     std::vector<ckpt::StageParam> stage;
     // Each model file, then the optim files of its place; the files walk stage by stage.
     to_.ForEachRankFile(ckpt::RankFileKind::kModel, [&](const ckpt::RankCoord& at) {
-      if (at.tp == 0) stage = ckpt::StageParameters(rules_, bounds_, at.pp);
+      if (at.tp == 0) stage = ckpt::StageParameters(rules_, bounds_, at.pp, ckpt::TiedCopyNaming::kNxdt, virtual_stages_);
       out.push_back(ModelFile(stage, at.tp, at.pp, unit++));
       if (!src_.layout().has_optimizer) return;
       to_.ForEachRankFile(ckpt::RankFileKind::kOptim, at, [&](const ckpt::RankCoord& o) { out.push_back(OptimFile(stage, o.tp, o.pp, o.dp, unit++)); });
@@ -189,7 +189,7 @@ class Planner {
   // Stage p's buffers that followed `key` in the source (and those that followed them), in place.
   void AddBuffersAfter(const std::string& key, ckpt::Dict& d, int p) const {
     for (const auto& b : src_.buffers())
-      if (b.after == key && b.layer >= bounds_[p] && b.layer < bounds_[p + 1]) {
+      if (b.after == key && ckpt::RankHoldsLayer(bounds_, virtual_stages_, p, b.layer)) {
         d.Set(b.name, b.value);
         AddBuffersAfter(b.name, d, p);
       }
@@ -232,6 +232,7 @@ class Planner {
   const ckpt::ModelFormat& fmt_;  // the target's
   ckpt::RankGrid to_;
   std::vector<int64_t> bounds_;
+  int virtual_stages_;
   size_t chunk_;
   // Every file's chunks, reused: at most one per writing thread is alive, in use or free.
   std::shared_ptr<ckpt::StoragePool> chunks_ = ckpt::StoragePool::Create();
@@ -261,10 +262,10 @@ ckpt::ModelFormat TargetFormat(const ckpt::ModelFormat& from, const ReshardArgs&
   return to;
 }
 
-std::string StagesString(const std::vector<int64_t>& b) {
+std::string StagesString(const std::vector<int64_t>& b, int virtual_stages) {
   std::string s;
   for (size_t i = 0; i + 1 < b.size(); ++i) s += (i ? "/" : "") + std::to_string(b[i + 1] - b[i]);
-  return s;
+  return virtual_stages > 1 ? s + " (" + std::to_string(virtual_stages) + " virtual stages per pp rank)" : s;
 }
 
 }  // namespace
@@ -329,7 +330,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   const ckpt::TagDescription& L = src->layout();
   sum.format = L.format;
   sum.from = L.grid;
-  sum.from_bounds = L.stage_bounds;
+  sum.from_bounds = L.stage_bounds, sum.from_virtual_stages = L.virtual_stages;
 
   ckpt::RankGrid to;
   to.tp = a.tp, to.pp = a.pp;
@@ -368,7 +369,9 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     src = &*renamed;
   }
   sum.to = to;
-  sum.to_bounds = ckpt::StageBounds(L.format.layers, to.pp, a.pipeline_cuts);
+  const bool layout_kept = a.keep_virtual_stages && to.pp == L.grid.pp && a.pipeline_cuts.empty();
+  sum.to_virtual_stages = a.virtual_pipeline_size.value_or(layout_kept ? L.virtual_stages : 1);
+  sum.to_bounds = ckpt::VirtualStageBounds(L.format.layers, to.pp, sum.to_virtual_stages, a.pipeline_cuts);
   if (L.master_weights && !to.zero1)
     throw Error(sum.src_tag + ": holds fp32 master weights (ZeRO-1 sharded_master_weights), which a plain optimizer file cannot hold; "
                 "keep --zero1 (any --dp, 1 included)");
@@ -416,14 +419,14 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   if (a.source_check) a.source_check->Start();
 
   ckpt::FingerprintCollector fingerprints;
-  Planner planner(*src, to_format, to, sum.to_bounds, sum.stream_chunk, &fingerprints);
+  Planner planner(*src, to_format, to, sum.to_bounds, sum.to_virtual_stages, sum.stream_chunk, &fingerprints);
   std::vector<PlannedFile> plan = planner.Plan();
   for (const char* f : {ckpt::kSchedulerFile, ckpt::kUserContentFile})
     if (auto v = src->TagFile(f)) plan.push_back({{f, std::move(*v), {}}, 0, -1});
 
   if (a.group->rank() == 0) {
-    log(std::string(a.tool == "reshard" ? "resharding " : "writing ") + sum.src_tag + ": " + L.grid.ToString() + ", stages " + StagesString(L.stage_bounds) + " -> " + to.ToString() +
-        ", stages " + StagesString(sum.to_bounds));
+    log(std::string(a.tool == "reshard" ? "resharding " : "writing ") + sum.src_tag + ": " + L.grid.ToString() + ", stages " + StagesString(L.stage_bounds, L.virtual_stages) + " -> " +
+        to.ToString() + ", stages " + StagesString(sum.to_bounds, sum.to_virtual_stages));
     for (const auto& n : sum.notes) log("note: " + n);
   }
   if (a.dry_run) {
@@ -481,7 +484,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
     ci.grid = to;
     ci.model = to_format;
     if (src->layout().has_optimizer) ci.optimizer_grouping = src->layout().grouping;
-    ci.stages = ckpt::StageMapOf(sum.to_bounds);
+    ci.stages = ckpt::StageMapOf(sum.to_bounds, sum.to_virtual_stages);
     ci.master_weights = src->layout().has_optimizer && src->layout().master_weights;  // the planner copies them when the source has them
     ci.complete_manifest = [&](const std::vector<ckpt::RankRecord>& records, ckpt::Manifest& m) {
       ckpt::FingerprintCollector all;

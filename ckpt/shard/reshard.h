@@ -38,7 +38,13 @@ struct ReshardArgs {
   int tp = 0, pp = 0;
   std::optional<int> dp;       // default: the source's
   std::optional<bool> zero1;   // default: the source's
-  std::vector<int64_t> pipeline_cuts;
+  std::vector<int64_t> pipeline_cuts;  // the first layer of stages 1.. of all pp * virtual stages
+  // NxD's virtual_pipeline_size for the target (ckpt/spec/partition.h: pp rank
+  // p holds stages p, p + pp, ...). Default 1; with keep_virtual_stages, the
+  // source's when the target keeps its pp and no cuts are given (ckpt-reshard's
+  // default: the layout kept).
+  std::optional<int> virtual_pipeline_size;
+  bool keep_virtual_stages = false;
   uint64_t memory_budget = uint64_t{512} << 20;
   int threads = 1;
   bool dry_run = false, overwrite = false, verify_source = true;
@@ -68,7 +74,8 @@ struct ReshardArgs {
 struct ReshardSummary {
   std::string src_tag, dst_tag;
   ckpt::RankGrid from, to;
-  std::vector<int64_t> from_bounds, to_bounds;
+  std::vector<int64_t> from_bounds, to_bounds;  // over all pp * virtual stages
+  int from_virtual_stages = 1, to_virtual_stages = 1;
   ckpt::ModelFormat format;
   int files = 0;
   uint64_t bytes_read = 0, bytes_written = 0;

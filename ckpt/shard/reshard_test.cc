@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <set>
 
 #include "ckpt/util/crc32.h"
 #include "ckpt/spec/model_family.h"
@@ -135,6 +136,47 @@ TEST(Reshard, ATensorOfManyChunksIsExact) {
   EXPECT_EQ(m.model->family, ModelFamily::kHfLlama);
   const Tensor& emb = files[1].as_dict().At("model.embed_tokens.weight").as_tensor();
   EXPECT_EQ(emb.shape(), (std::vector<int64_t>{65536, 64}));
+}
+
+TEST(Reshard, VirtualPipelineStagesAreWrittenAsNxdLaysThemOutAndReadBack) {
+  TempDir dir("reshard");
+  Env* env = Env::Default();
+  env->CreateDirs(dir / "src");
+  ModelFormat f = testing::SmallLlama();
+  f.layers = 5;
+  FakeState src(dir / "src", f);
+  ReshardArgs a;
+  a.dst = dir / "out", a.tp = 1, a.pp = 2, a.threads = 1, a.virtual_pipeline_size = 2;
+  ReshardSummary sum;
+  sum.src_tag = src.path();
+  sum = WriteInLayout(src, "", a, env, [](const std::string&) {}, std::chrono::steady_clock::now(), sum);
+  EXPECT_EQ(sum.to_bounds, (std::vector<int64_t>{0, 1, 2, 3, 5}));  // NxD's create_partitions(4, 5 layers): 1, 1, 1, 2
+  // Each pp rank's file holds its stages' layers under their global names, and nothing else of the layers.
+  std::vector<std::set<int>> layers(2);
+  for (int p = 0; p < 2; ++p) {
+    const Value file = LoadPt(dir / ("out/model/" + RankFileName({0, 0, p})));
+    for (const auto& [k, v] : file.as_dict().items)
+      if (const int l = LayerOfName(k.as_str()); l >= 0) layers[p].insert(l);
+  }
+  EXPECT_EQ(layers[0], (std::set<int>{0, 2}));
+  EXPECT_EQ(layers[1], (std::set<int>{1, 3, 4}));
+  const Manifest m = Manifest::Load(env, dir / "out/manifest.json");
+  EXPECT_EQ(m.layout->stages, (StageMap{{{0, 1}, {2, 3}}, {{1, 2}, {3, 5}}}));
+  const auto tag = ShardedTag::Open(env, dir / "out");
+  EXPECT_EQ(tag->layout().virtual_stages, 2);
+  EXPECT_EQ(tag->layout().stage_bounds, sum.to_bounds);
+  for (const auto& p : tag->params()) {
+    std::vector<uint8_t> got(static_cast<size_t>(ShapeNumel(p.shape)) * 4);
+    tag->Read(p.name, StateField::kParam, 0, got, nullptr);
+    float v;
+    std::memcpy(&v, got.data() + got.size() - 4, 4);
+    ASSERT_EQ(v, FakeState::ValueOf(p.name, got.size() / 4 - 1)) << p.name;
+  }
+  // A V that leaves a stage without a layer is refused naming the virtual pipeline.
+  a.dst = dir / "bad", a.virtual_pipeline_size = 3;
+  EXPECT_NE(testing::ErrorOf([&] { WriteInLayout(src, "", a, env, [](const std::string&) {}, std::chrono::steady_clock::now(), sum); })
+                .find("virtual_pipeline_size 3 at pp 2 cuts the 5 layers in 6 virtual pipeline stages"),
+            std::string::npos);
 }
 
 }  // namespace

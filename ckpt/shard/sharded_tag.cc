@@ -81,9 +81,10 @@ class ShardedTagBuilder {
     e.model = [this](int t, int p) -> const Dict& { return files_->Model(t, p); };
     e.path = [this](const std::string& rel) { return files_->Path(rel); };
     e.recorded = manifest_ && manifest_->model ? &*manifest_->model : nullptr;
+    e.recorded_stages = manifest_ && manifest_->layout ? &manifest_->layout->stages : nullptr;
     e.user_content = [this] { return files_->UserContent(); };
     ModelDescription d = DescribeModel(e, hints_);
-    L.stage_bounds = std::move(d.stage_bounds);
+    L.stage_bounds = std::move(d.stage_bounds), L.virtual_stages = d.virtual_stages;
     L.format = d.format;
     L.format_from_manifest = d.from_manifest;
     L.tied_naming = d.tied_naming;
@@ -96,7 +97,7 @@ class ShardedTagBuilder {
     const TagDescription& L = t_->layout_;
     ExtentIndex::Holders owner;
     for (int p = 0; p < L.grid.pp; ++p) {
-      const auto stage = StageParameters(t_->params_, L.stage_bounds, p, L.tied_naming);
+      const auto stage = StageParameters(t_->params_, L.stage_bounds, p, L.tied_naming, L.virtual_stages);
       for (int t = 0; t < L.grid.tp; ++t) CheckModelFile(stage, t, p, owner);
     }
   }
@@ -147,7 +148,8 @@ class ShardedTagBuilder {
     const bool known = std::any_of(t_->params_.begin(), t_->params_.end(), [&](const ParamRule& r) { return r.name == name; });
     if (known || name == kMegatronLmTiedCopy)
       throw Error(where + ": '" + name + "' belongs to another pipeline stage: stage " + std::to_string(p) + " holds layers " +
-                  std::to_string(L.stage_bounds[p]) + ".." + std::to_string(L.stage_bounds[p + 1] - 1) +
+                  LayerRangesString(RankLayerRanges(L.stage_bounds, L.virtual_stages, p)) +
+                  (L.virtual_stages > 1 ? " (" + std::to_string(L.virtual_stages) + " virtual pipeline stages)" : "") +
                   (p == 0 ? " and the embedding" : "") + (p + 1 == L.grid.pp ? " and the final norm and output layer" : ""));
     if (layer < 0 || !(name.ends_with(".inv_freq") || name.ends_with("._extra_state"))) {
       if (const auto other = FamilyOfName(name); other && *other != L.format.family)

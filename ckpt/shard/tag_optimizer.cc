@@ -49,7 +49,7 @@ class OptimizerReader {
     for (int p = 0; p < L_.grid.pp; ++p) {
       OptimizerStage stage;
       stage.p = p;
-      stage.params = StageParameters(params_, L_.stage_bounds, p, L_.tied_naming);
+      stage.params = StageParameters(params_, L_.stage_bounds, p, L_.tied_naming, L_.virtual_stages);
       for (const auto& sp : stage.params) stage.names.push_back(sp.name);
       stage.same_stage_copy = SameStageTiedCopy(stage.params);
       for (int t = 0; t < L_.grid.tp; ++t)

@@ -311,9 +311,42 @@ std::vector<int64_t> CutsOf(const std::vector<int64_t>& bounds) {
   return {bounds.begin() + 1, bounds.end() - 1};
 }
 
+std::vector<int64_t> VirtualStageBounds(int64_t layers, int pp, int virtual_stages, const std::vector<int64_t>& cuts) {
+  if (virtual_stages < 1 || virtual_stages > kMaxRanks)
+    throw Error("virtual_pipeline_size " + std::to_string(virtual_stages) + " is out of range");
+  if (virtual_stages == 1) return StageBounds(layers, pp, cuts);
+  const int64_t stages = int64_t{pp} * virtual_stages;
+  if (stages > layers)
+    throw Error("virtual_pipeline_size " + std::to_string(virtual_stages) + " at pp " + std::to_string(pp) + " cuts the " + std::to_string(layers) +
+                " layers in " + std::to_string(stages) + " virtual pipeline stages: every stage needs at least one layer");
+  if (!cuts.empty() && static_cast<int64_t>(cuts.size()) != stages - 1)
+    throw Error("the pipeline cuts list " + std::to_string(cuts.size()) + " cuts; " + std::to_string(stages) + " virtual pipeline stages (pp " +
+                std::to_string(pp) + " x virtual_pipeline_size " + std::to_string(virtual_stages) + ") need " + std::to_string(stages - 1));
+  return StageBounds(layers, static_cast<int>(stages), cuts);
+}
+
+std::vector<std::pair<int64_t, int64_t>> RankLayerRanges(const std::vector<int64_t>& bounds, int virtual_stages, int rank) {
+  const int pp = static_cast<int>(bounds.size() - 1) / virtual_stages;
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int s = rank; s + 1 < static_cast<int>(bounds.size()); s += pp) out.push_back({bounds[s], bounds[s + 1]});
+  return out;
+}
+
+bool RankHoldsLayer(const std::vector<int64_t>& bounds, int virtual_stages, int rank, int64_t layer) {
+  for (const auto& [first, end] : RankLayerRanges(bounds, virtual_stages, rank))
+    if (layer >= first && layer < end) return true;
+  return false;
+}
+
+std::string LayerRangesString(const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  std::string s;
+  for (const auto& [first, end] : ranges) s += (s.empty() ? "" : ", ") + std::to_string(first) + ".." + std::to_string(end - 1);
+  return s;
+}
+
 std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, const std::vector<int64_t>& bounds, int stage,
-                                        TiedCopyNaming naming) {
-  const int last = static_cast<int>(bounds.size()) - 2;
+                                        TiedCopyNaming naming, int virtual_stages) {
+  const int last = static_cast<int>(bounds.size() - 1) / virtual_stages - 1;
   std::vector<StageParam> out;
   const ParamRule* embedding = nullptr;
   bool output = false;
@@ -321,7 +354,7 @@ std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, c
     if (p.vocab && p.place == StagePlace::kFirst) embedding = &p;
     if (p.vocab && p.place == StagePlace::kLast) output = true;
     bool mine;
-    if (p.place == StagePlace::kLayer) mine = p.layer >= bounds[stage] && p.layer < bounds[stage + 1];
+    if (p.place == StagePlace::kLayer) mine = RankHoldsLayer(bounds, virtual_stages, stage, p.layer);
     else mine = stage == (p.place == StagePlace::kFirst ? 0 : last);
     if (mine) out.push_back({p.name, &p});
   }

@@ -34,6 +34,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ckpt/spec/shard_spec.h"
@@ -172,6 +173,25 @@ std::vector<int64_t> StageBounds(int64_t layers, int pp, const std::vector<int64
 // The cuts of a stage split (StageBounds without its first and last entries).
 std::vector<int64_t> CutsOf(const std::vector<int64_t>& bounds);
 
+// Virtual pipeline stages (NxD's NxDPPModel virtual_pipeline_size V): the
+// model is cut in pp * V stages as StageBounds cuts pp (pipeline/model.py
+// calls create_partitions(pp * V, layers)), and stage s runs on pp rank
+// s % pp (pipeline/partition.py stage_to_pipeline_parallel_rank) as its model
+// chunk s / pp (model.py get_current_stage: stage = pp * chunk + pp_rank). So
+// pp rank p holds stages p, p + pp, p + 2 pp, ..., with global layer names.
+// `bounds` below are StageBounds over all pp * V stages; V = 1 is the plain
+// pipeline, where stage and pp rank are one.
+//
+// StageBounds(layers, pp * V, cuts), refusing a V that leaves a stage without
+// a layer, naming the virtual pipeline. Throws ckpt::Error.
+std::vector<int64_t> VirtualStageBounds(int64_t layers, int pp, int virtual_stages, const std::vector<int64_t>& cuts = {});
+// The [first, end) layer ranges pp rank `rank` holds, in the order it runs them.
+std::vector<std::pair<int64_t, int64_t>> RankLayerRanges(const std::vector<int64_t>& bounds, int virtual_stages, int rank);
+// Whether pp rank `rank` holds `layer`.
+bool RankHoldsLayer(const std::vector<int64_t>& bounds, int virtual_stages, int rank, int64_t layer);
+// "0..1" for one range, "0..0, 2..2" for several (messages).
+std::string LayerRangesString(const std::vector<std::pair<int64_t, int64_t>>& ranges);
+
 // A parameter as one pipeline stage holds it: its name in that stage's file
 // and the logical parameter it is a slice of. GPT's tied output layer is a
 // copy of the embedding held under another name (TiedCopyNaming).
@@ -199,9 +219,17 @@ enum class TiedCopyNaming {
 inline constexpr const char* kTiedOutputCopy = "language_model.output_layer.weight";
 inline constexpr const char* kMegatronLmTiedCopy = "word_embeddings.weight";
 
-// The parameters stage `stage` of `bounds` holds, in module order.
+// The parameters pp rank `stage` holds (the stages of `bounds` it runs, with
+// `virtual_stages` per rank), in module order. This is also the order of the
+// rank's optimizer ids (ckpt/spec/optimizer_groups.h numbers each group in
+// the order given): NxD's optimizer takes NxDModel.named_parameters(), which
+// at pp > 1 is NxDPPModel.local_named_parameters() (trainer/model.py): the
+// rank's model chunks in stage order (local_stage_modules, appended by
+// partition() for stages p, p + pp, ...), each chunk's parameters in its
+// order; chunks hold ascending layers, the embedding is in stage 0's and the
+// final norm and output layer in the last stage's, so that is module order.
 std::vector<StageParam> StageParameters(const std::vector<ParamRule>& logical, const std::vector<int64_t>& bounds, int stage,
-                                        TiedCopyNaming naming = TiedCopyNaming::kNxdt);
+                                        TiedCopyNaming naming = TiedCopyNaming::kNxdt, int virtual_stages = 1);
 
 // GPT's tied output copy when `stage` also holds the embedding it copies
 // (pp = 1), else "".

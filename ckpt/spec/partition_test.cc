@@ -12,6 +12,7 @@
 
 #include "ckpt/spec/model_family.h"
 #include "ckpt/util/error.h"
+#include "ckpt/testing/test_util.h"
 
 namespace ckpt {
 namespace {
@@ -198,6 +199,50 @@ TEST(Partition, StagesSplitEvenlyWithTheRemainderLastOrAtCuts) {
   EXPECT_EQ(StageBounds(5, 1), (std::vector<int64_t>{0, 5}));
   EXPECT_EQ(StageBounds(5, 3, {1, 4}), (std::vector<int64_t>{0, 1, 4, 5}));
   EXPECT_EQ(CutsOf(StageBounds(5, 3, {1, 4})), (std::vector<int64_t>{1, 4}));
+}
+
+TEST(Partition, VirtualStagesCutPpTimesVAndRankPHoldsStagesPPlusPp) {
+  // NxD create_partitions(pp * V, layers): 10 layers in 4 stages 2, 2, 3, 3; pp rank 0 runs stages 0 and 2.
+  const auto b = VirtualStageBounds(10, 2, 2);
+  EXPECT_EQ(b, (std::vector<int64_t>{0, 2, 4, 7, 10}));
+  using R = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(RankLayerRanges(b, 2, 0), (R{{0, 2}, {4, 7}}));
+  EXPECT_EQ(RankLayerRanges(b, 2, 1), (R{{2, 4}, {7, 10}}));
+  EXPECT_EQ(RankLayerRanges(b, 1, 3), (R{{7, 10}}));  // V = 1: stage and pp rank are one
+  EXPECT_TRUE(RankHoldsLayer(b, 2, 0, 5));
+  EXPECT_FALSE(RankHoldsLayer(b, 2, 0, 3));
+  EXPECT_EQ(LayerRangesString(RankLayerRanges(b, 2, 0)), "0..1, 4..6");
+  EXPECT_EQ(VirtualStageBounds(10, 2, 1), StageBounds(10, 2));
+  EXPECT_EQ(VirtualStageBounds(4, 2, 2, {1, 2, 3}), (std::vector<int64_t>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(testing::ErrorOf([] { VirtualStageBounds(3, 2, 2); }),
+            "virtual_pipeline_size 2 at pp 2 cuts the 3 layers in 4 virtual pipeline stages: every stage needs at least one layer");
+  EXPECT_NE(testing::ErrorOf([] { VirtualStageBounds(8, 2, 2, {4}); }).find("4 virtual pipeline stages (pp 2 x virtual_pipeline_size 2) need 3"),
+            std::string::npos);
+}
+
+TEST(Partition, AVirtualStageRanksParametersAreInModuleOrderAsNxdsOptimizerSeesThem) {
+  const ModelFormat f = Gpt();  // 5 layers
+  const auto ps = LogicalParameters(f);
+  const auto b = VirtualStageBounds(f.layers, 2, 2);  // stages 1, 1, 1, 2: rank 0 layers 0 and 2, rank 1 layers 1 and 3..4
+  const auto r0 = StageParameters(ps, b, 0, TiedCopyNaming::kNxdt, 2), r1 = StageParameters(ps, b, 1, TiedCopyNaming::kNxdt, 2);
+  auto names = [](const std::vector<StageParam>& s) {
+    std::vector<std::string> n;
+    for (const auto& p : s) n.push_back(p.name);
+    return n;
+  };
+  // Chunk by chunk in stage order (NxDPPModel.local_named_parameters), which is module order.
+  std::vector<std::string> want0, want1;
+  for (const auto& p : ps) {
+    const int l = LayerOfName(p.name);
+    if (p.name.find("word_embeddings") != std::string::npos || p.name.find("position_embeddings") != std::string::npos || l == 0 || l == 2)
+      want0.push_back(p.name);
+    else
+      want1.push_back(p.name);
+  }
+  want1.push_back(kTiedOutputCopy);  // GPT's tied copy on the last stage (pp rank 1's chunk 1)
+  EXPECT_EQ(names(r0), want0);
+  EXPECT_EQ(names(r1), want1);
+  EXPECT_EQ(r0.size() + r1.size(), ps.size() + 1);
 }
 
 TEST(Partition, StagesOwnTheirLayersAndGptsTiedCopySitsOnTheLastStage) {

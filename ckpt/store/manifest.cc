@@ -31,19 +31,30 @@ Container ContainerOfFiles(const std::map<std::string, FileDigest>& files) {
   return Container::kPlainPt;
 }
 
-StageMap StageMapOf(const std::vector<int64_t>& bounds) {
+StageMap StageMapOf(const std::vector<int64_t>& bounds, int virtual_stages) {
   StageMap m;
-  for (size_t i = 0; i + 1 < bounds.size(); ++i) m.push_back({{bounds[i], bounds[i + 1]}});
+  const int pp = static_cast<int>(bounds.size() - 1) / virtual_stages;
+  for (int p = 0; p < pp; ++p) m.push_back(RankLayerRanges(bounds, virtual_stages, p));
   return m;
 }
 
+std::optional<StageSplit> StageSplitOf(const StageMap& stages) {
+  if (stages.empty()) return std::nullopt;
+  StageSplit s;
+  s.virtual_stages = static_cast<int>(stages[0].size());
+  s.bounds = {0};
+  for (int v = 0; v < s.virtual_stages; ++v)
+    for (const auto& ranges : stages) {
+      if (static_cast<int>(ranges.size()) != s.virtual_stages || ranges[v].first != s.bounds.back()) return std::nullopt;
+      s.bounds.push_back(ranges[v].second);
+    }
+  return s;
+}
+
 std::optional<std::vector<int64_t>> StageBoundsOf(const StageMap& stages) {
-  std::vector<int64_t> b{0};
-  for (const auto& ranges : stages) {
-    if (ranges.size() != 1 || ranges[0].first != b.back()) return std::nullopt;
-    b.push_back(ranges[0].second);
-  }
-  return b;
+  std::optional<StageSplit> s = StageSplitOf(stages);
+  if (!s || s->virtual_stages != 1) return std::nullopt;
+  return std::move(s->bounds);
 }
 
 namespace {

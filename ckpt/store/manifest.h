@@ -71,10 +71,23 @@ struct RecordedLayout {
   bool operator==(const RecordedLayout&) const = default;
 };
 
-// The stage map of StageBounds `bounds` (one range per pp rank).
-StageMap StageMapOf(const std::vector<int64_t>& bounds);
-// The StageBounds of `stages`, or nullopt when a rank holds other than one
-// range or the ranges are not consecutive from layer 0 (virtual stages).
+// A pipeline split as bounds over all its stages: StageBounds over pp *
+// virtual_stages stages, stage s on pp rank s % pp (ckpt/spec/partition.h,
+// NxD's virtual_pipeline_size).
+struct StageSplit {
+  std::vector<int64_t> bounds;
+  int virtual_stages = 1;
+  bool operator==(const StageSplit&) const = default;
+};
+// The stage map of `bounds` with `virtual_stages` per pp rank (RankLayerRanges).
+StageMap StageMapOf(const std::vector<int64_t>& bounds, int virtual_stages = 1);
+// The split of `stages`: every pp rank holds the same number V of ranges and,
+// taken in stage order (rank 0's first, rank 1's first, ..., rank 0's second,
+// ...), they are consecutive from layer 0. nullopt when they are not (a map
+// no pipeline NxD or Megatron lays out).
+std::optional<StageSplit> StageSplitOf(const StageMap& stages);
+// The StageBounds of `stages` when it is a split with one range per pp rank;
+// nullopt otherwise, virtual stages included (what the trainer can take as it is).
 std::optional<std::vector<int64_t>> StageBoundsOf(const StageMap& stages);
 
 struct Manifest {

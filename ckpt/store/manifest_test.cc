@@ -49,6 +49,22 @@ TEST(Manifest, VirtualStagesAreRecordedButHaveNoStageBounds) {
   EXPECT_FALSE(StageBoundsOf(back.layout->stages).has_value());
 }
 
+TEST(Manifest, AVirtualStageMapIsASplitOverPpTimesVStages) {
+  // pp rank p holds stages p and p + pp (NxD's virtual_pipeline_size 2): bounds over the 4 stages.
+  const StageMap virtual_map = {{{0, 1}, {2, 3}}, {{1, 2}, {3, 5}}};
+  const std::optional<StageSplit> s = StageSplitOf(virtual_map);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->bounds, (std::vector<int64_t>{0, 1, 2, 3, 5}));
+  EXPECT_EQ(s->virtual_stages, 2);
+  EXPECT_EQ(StageMapOf(s->bounds, 2), virtual_map);
+  EXPECT_EQ(StageSplitOf(StageMapOf({0, 3, 4})), (StageSplit{{0, 3, 4}, 1}));
+  // Not a pipeline split: unequal range counts, a gap, or stages out of NxD's order.
+  EXPECT_FALSE(StageSplitOf({{{0, 1}, {2, 3}}, {{1, 2}}}).has_value());
+  EXPECT_FALSE(StageSplitOf({{{0, 1}, {3, 4}}, {{1, 2}, {4, 5}}}).has_value());
+  EXPECT_FALSE(StageSplitOf({{{0, 1}, {1, 2}}, {{2, 3}, {3, 4}}}).has_value());
+  EXPECT_FALSE(StageBoundsOf(virtual_map).has_value());
+}
+
 TEST(Manifest, AMalformedLayoutIsRefusedNamingTheFileAndKey) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {R"({"stages":[[[0,3]]],"master_weights":false,"container":"pt"})", "'stages' is not a list of 2 pp ranks"},
