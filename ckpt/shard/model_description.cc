@@ -448,6 +448,9 @@ ModelDescription DescribeModel(const ModelEvidence& e, const FormatHints& hints)
   ModelDescription d;
   d.stage_bounds = StageBoundsOfFiles(e);
   const int tp = e.grid.tp;
+  // A Mixtral tag (NxDT's layer 0 is always an MoE layer) is refused for what it is, not for lacking a Llama's MLP.
+  if (const auto moe = FirstMoeName(ModelNames(e))) throw Error(e.dir + ": " + MoeRefusal(*moe));
+  if (e.recorded && e.recorded->moe()) throw Error(e.dir + ": its manifest records an MoE (Mixtral) model; shardkit does not read MoE tags yet");
   if (e.recorded) {
     d.format = DescribeRecordedModel(e, hints, &d.notes);
     d.from_manifest = true;
