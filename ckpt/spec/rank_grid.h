@@ -7,8 +7,9 @@
 // Rank order is NxD's and Megatron's parallel_state order: tensor-parallel
 // ranks are consecutive, then data-parallel, then pipeline stages:
 //   rank = pp * (dp_size * tp_size) + dp * tp_size + tp.
-// Expert parallelism and virtual pipeline stages would be further axes of
-// kGridAxes (NxD puts ep inside dp); the grid does not lay them out yet.
+// Expert parallelism lies inside dp (RankGrid::ep: a coordinate's ep rank,
+// its model file names); virtual pipeline stages would be a further axis of
+// kGridAxes, which the grid does not lay out yet.
 #pragma once
 
 #include <cstdint>
