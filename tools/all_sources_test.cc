@@ -233,5 +233,19 @@ TEST(AllSources, EveryRegisteredReaderHasAConformanceCase) {
   EXPECT_EQ(names.front(), "tag");  // detection tries the tag first, as every command did
 }
 
+// NxD's Mixtral (MoE) tags (tests/data/upstream/nxd_mixtral): detected as tags, and refused when
+// opened, naming MoE, until a reader takes them (issue #38).
+TEST(AllSources, MixtralTagsAreDetectedAsTagsAndRefusedNamingMoe) {
+  auto* env = ckpt::Env::Default();
+  for (const char* t : {"hf_ep1_pt/step_2", "hf_ep1_xser/step_2", "hf_ep2_pt/step_2", "hf_ep2_xser/step_2"}) {
+    const std::string path = std::string(SHARDKIT_TEST_DATA "/upstream/nxd_mixtral/") + t;
+    const ckpt::SourceKind* k = Registry().Detect(env, path);
+    ASSERT_NE(k, nullptr) << path;
+    EXPECT_EQ(k->name, "tag") << path;
+    const std::string e = ErrorOf([&] { Registry().Open(env, path, {}); });
+    EXPECT_NE(e.find("MoE"), std::string::npos) << path << ": " << (e.empty() ? "accepted" : e);
+  }
+}
+
 }  // namespace
 }  // namespace tools

@@ -4,12 +4,15 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <set>
 #include <sstream>
 
 #include "ckpt/util/input_guard.h"
 #include "ckpt/util/error.h"
 #include "ckpt/store/manifest.h"
 #include "ckpt/spec/model_family.h"
+#include "ckpt/spec/partition.h"
+#include "ckpt/spec/tag_paths.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/store/tag_verify.h"
 #include "ckpt/pt/value_json.h"
@@ -92,6 +95,48 @@ void Flatten(const Value& v, const std::string& prefix, std::vector<InspectEntry
   out->push_back(std::move(e));
 }
 
+namespace {
+
+// An MoE (Mixtral) tag, which no reader of shardkit takes yet, told by what its
+// model files show: the family (FamilyLabel), the experts (the router's rows),
+// the MoE layers and the ep ranks its model file names carry. Nothing when its
+// model files hold no MoE tensor.
+void DescribeMoeTag(InspectReport& r) {
+  std::vector<std::string> names;
+  std::set<int> ep_ranks;
+  for (const auto& f : r.files) {
+    if (!f.file.starts_with("model/") || f.file.ends_with(".info.pt")) continue;
+    if (const auto c = ckpt::ParseAnyRankFileName(f.file.substr(6)); c && c->ep) ep_ranks.insert(*c->ep);
+    for (const auto& e : f.entries) names.push_back(e.key);
+  }
+  const auto moe = ckpt::FirstMoeName(names);
+  if (!moe) return;
+  ckpt::ModelFormat f;
+  f.family = *ckpt::FamilyOfName(*moe);
+  std::set<int> layers;
+  for (const std::string& n : names) {
+    if (!ckpt::FirstMoeName({n})) continue;
+    const int layer = ckpt::LayerOfName(n);
+    layers.insert(layer);
+    if (n == ckpt::ParamName(f, ckpt::Module::kRouter, layer))
+      for (const auto& file : r.files)
+        for (const auto& e : file.entries)
+          if (e.key == n && !e.shape.empty()) f.experts = e.shape[0];
+  }
+  const int ep = ep_ranks.empty() ? 1 : *ep_ranks.rbegin() + 1;
+  std::string list;
+  for (int l : layers) list += (list.empty() ? "" : ", ") + std::to_string(l);
+  ckpt::ModelFormat labelled = f;
+  labelled.experts = std::max<int64_t>(f.experts, 1);  // an MoE family, its expert count known or not
+  r.model = ckpt::FamilyLabel(labelled) + " (MoE): " +
+            (f.experts > 0 ? std::to_string(f.experts) + " experts (the router's rows)" : "experts of unknown count") +
+            ", MoE layers " + list + ", ep " + std::to_string(ep) + (ep > 1 ? " (the model files' _ep_rank_)" : "");
+  r.model_json = nlohmann::ordered_json{{"model_family", ckpt::FamilyLabel(labelled)}, {"num_experts", f.experts}, {"moe_layers", layers}, {"ep", ep}};
+  r.notes.push_back(ckpt::MoeRefusal(*moe));
+}
+
+}  // namespace
+
 InspectReport Inspect(const std::string& path, bool verify_crc, ckpt::Env* env) {
   InspectReport r;
   r.path = path;
@@ -117,13 +162,14 @@ InspectReport Inspect(const std::string& path, bool verify_crc, ckpt::Env* env) 
     try {
       const ckpt::Manifest m = ckpt::Manifest::Load(env, path + "/" + ckpt::kManifestFile);
       if (m.model) {
-        r.model = m.grid.ToString() + ", " + ckpt::FamilyName(m.model->family) + ": " + m.model->Describe();
+        r.model = m.grid.ToString() + ", " + ckpt::FamilyLabel(*m.model) + ": " + m.model->Describe();
         r.model_json = m.model->ToJson();
         if (const std::string note = ckpt::MegatronKvReplicationNote(*m.model, m.grid.tp); !note.empty()) r.notes.push_back(note);
       }
     } catch (const ckpt::Error& e) {  // VerifyTag has reported it
     }
   }
+  if (r.kind == "nxdt_tag" && r.model.empty()) DescribeMoeTag(r);
   return r;
 }
 

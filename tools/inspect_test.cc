@@ -14,6 +14,26 @@ namespace {
 
 using ckpt::Value;
 
+// An MoE tag no reader takes: its family, experts, MoE layers and ep from its files.
+TEST(Inspect, MoeTagNamesFamilyExpertsAndEp) {
+  ckpt::testing::TempDir dir("inspect_moe");
+  ckpt::Env::Default()->CreateDirs(dir / "model");
+  for (int ep = 0; ep < 2; ++ep) {
+    Value m = Value::NewDict();
+    m.as_dict().Set("model.layers.1.mlp.router.linear_router.weight", Value(ckpt::testing::Arange({6, 3})));
+    m.as_dict().Set("model.layers.1.mlp.expert_mlps.mlp_op.down_proj.weight", Value(ckpt::testing::Arange({3, 2, 3})));
+    ckpt::SavePt(dir / ("model/dp_rank_00_ep_rank_0" + std::to_string(ep) + "_tp_rank_00_pp_rank_00.pt"), m);
+  }
+  const InspectReport r = Inspect(dir.path(), true);
+  ASSERT_TRUE(r.model_json) << r.model;
+  EXPECT_EQ((*r.model_json)["model_family"], "hf_mixtral");
+  EXPECT_EQ((*r.model_json)["num_experts"], 6);
+  EXPECT_EQ((*r.model_json)["ep"], 2);
+  EXPECT_EQ((*r.model_json)["moe_layers"], nlohmann::ordered_json::array({1}));
+  ASSERT_FALSE(r.notes.empty());
+  EXPECT_NE(r.notes[0].find("MoE"), std::string::npos);
+}
+
 TEST(Inspect, NxdtTagListsEveryRankFileAndEntry) {
   ckpt::testing::TempDir dir("inspect");
   auto* env = ckpt::Env::Default();

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <optional>
+#include <regex>
 #include <set>
 
 #include "ckpt/pt/plain_data.h"
@@ -73,6 +74,7 @@ std::vector<int64_t> Dims(const Value& shape, const std::string& where) {
 struct Declared {
   std::vector<int64_t> shape;
   DType dtype;
+  bool expert = false;  // expert_model_parallel: the file's own folder holds it, at every ep rank
 };
 
 std::map<int64_t, Declared> LoadInfo(const std::string& info_path, const LoadOptions& opts, Env* env) {
@@ -89,7 +91,9 @@ std::map<int64_t, Declared> LoadInfo(const std::string& info_path, const LoadOpt
     std::optional<DType> d;
     if (dt->is_global() && dt->as_global().module == "torch") d = DTypeFromName(dt->as_global().name);
     if (!d) throw Error(where + ": dtype is not a torch dtype shardkit knows");
-    out[k.as_int()] = {Dims(*sh, where + " shape"), *d};
+    const Value* ep = v.as_dict().Find("expert_model_parallel");
+    if (ep && !ep->is_bool()) throw Error(where + ": expert_model_parallel is not True or False");
+    out[k.as_int()] = {Dims(*sh, where + " shape"), *d, ep && ep->as_bool()};
   }
   return out;
 }
@@ -102,18 +106,27 @@ struct Resolver {
   std::string info_path;
   std::set<int64_t> seen;
   std::map<int64_t, std::shared_ptr<const MappedFile>> mapped;  // tid -> its tensor file, mapped ahead
-  std::optional<ConfinedFolder> confined;  // `dir` under opts.confine_to, resolved once
+  std::optional<ConfinedFolder> confined, confined_shared;  // the folders under opts.confine_to, resolved once
+  std::string shared_dir = {};  // XserSharedTensorDir: where tids info.pt does not mark expert-parallel lie
+
+  bool Shared(int64_t tid) const {
+    if (shared_dir.empty() || !info) return false;
+    auto it = info->find(tid);
+    return it != info->end() && !it->second.expert;
+  }
+  const std::string& DirOf(int64_t tid) const { return Shared(tid) ? shared_dir : dir; }
 
   // Maps every referenced tensor file and asks for its head (zip directory, pickle) ahead of
   // parsing, so a tag of many small files is read by the disk at once, not one file at a time.
   void MapAll(const Value& v) {
     if (IsTensorReference(v)) {
       const int64_t tid = TensorReferenceId(v);
-      const std::string name = "tensor_" + std::to_string(tid) + ".pt", file = dir + "/" + name;
+      const std::string name = "tensor_" + std::to_string(tid) + ".pt", file = DirOf(tid) + "/" + name;
       if (tid < 0 || mapped.count(tid) || !env->Exists(file)) return;  // Resolve names the problem
       if (!opts.confine_to.empty()) {
-        if (!confined) confined.emplace(opts.confine_to, dir);
-        confined->Require(name);
+        auto& c = Shared(tid) ? confined_shared : confined;
+        if (!c) c.emplace(opts.confine_to, DirOf(tid));
+        c->Require(name);
       }
       auto f = env->MapFile(file);
       f->Prefetch(f->data(), std::min<uint64_t>(f->size(), 64 << 10));
@@ -141,7 +154,7 @@ struct Resolver {
           throw Error(dir + ": tid " + std::to_string(tid) + " is out of range: " + info_path + " declares no such tensor");
         declared = &it->second;
       }
-      const std::string file = dir + "/tensor_" + std::to_string(tid) + ".pt";
+      const std::string file = DirOf(tid) + "/tensor_" + std::to_string(tid) + ".pt";
       auto m = mapped.find(tid);
       if (m == mapped.end()) throw Error(file + ": missing xser tensor file for tid " + std::to_string(tid));
       Value t = LoadPtFromFile(std::move(m->second), opts);
@@ -180,13 +193,20 @@ Value LoadXser(const std::string& path, const LoadOptions& opts, Env* env) {
     std::map<int64_t, Declared> info;
     const bool has_info = env->Exists(info_path);
     if (has_info) info = LoadInfo(info_path, opts, env);
-    Resolver r{XserTensorDir(path), opts, env, has_info ? &info : nullptr, info_path, {}, {}, std::nullopt};
+    Resolver r{XserTensorDir(path), opts, env, has_info ? &info : nullptr, info_path, {}, {}, std::nullopt, std::nullopt, XserSharedTensorDir(path)};
     r.MapAll(root);
     r.Resolve(root);
   } catch (const Error& e) {
     throw Error(std::string(e.what()) + " (referenced from " + path + ")");
   }
   return root;
+}
+
+std::string XserSharedTensorDir(const std::string& path) {
+  const size_t slash = path.find_last_of('/'), base = slash == std::string::npos ? 0 : slash + 1;
+  static const std::regex ep(R"(ep_rank_\d{2})");
+  const std::string name = path.substr(base), shared = std::regex_replace(name, ep, "ep_rank_00");
+  return shared == name ? "" : XserTensorDir(path.substr(0, base) + shared);
 }
 
 Value MakeTensorReference(int64_t tid) {
@@ -203,31 +223,31 @@ Value MakeTensorReference(int64_t tid) {
 namespace {
 
 // A copy of the containers of `v` with tensors swapped for references.
-Value Replace(const Value& v, std::vector<XserPart>& parts, Value& info, const std::string& dir) {
+Value Replace(const Value& v, std::vector<XserPart>& parts, Value& info, const std::string& dir, bool expert = false) {
   if (v.is_tensor()) {
     const Tensor& t = v.as_tensor();
     const int64_t tid = static_cast<int64_t>(parts.size());
-    parts.push_back({dir + "/tensor_" + std::to_string(tid) + ".pt", v});
+    parts.push_back({dir + "/tensor_" + std::to_string(tid) + ".pt", v, expert});
     Value meta = Value::NewDict();
     meta.as_dict().Set("dtype", Value(Global{"torch", std::string(DTypeName(t.dtype()))}));
     std::vector<Value> dims;
     for (int64_t d : t.shape()) dims.emplace_back(d);
     meta.as_dict().Set("shape", Value::NewSeq(SeqKind::kTorchSize, std::move(dims)));
-    meta.as_dict().Set("expert_model_parallel", Value(false));
+    meta.as_dict().Set("expert_model_parallel", Value(expert));
     info.as_dict().items.emplace_back(Value(tid), meta);
     return MakeTensorReference(tid);
   }
   if (v.is_seq()) {
     const Sequence& s = v.as_seq();
     std::vector<Value> items;
-    for (const Value& c : s.items) items.push_back(Replace(c, parts, info, dir));
+    for (const Value& c : s.items) items.push_back(Replace(c, parts, info, dir, expert));
     return Value::NewSeq(s.kind, std::move(items));
   }
   if (v.is_dict()) {
     const Dict& d = v.as_dict();
     Value out = Value::NewDict(d.ordered);
     out.as_dict().attrs = d.attrs;
-    for (const auto& [k, c] : d.items) out.as_dict().items.emplace_back(k, Replace(c, parts, info, dir));
+    for (const auto& [k, c] : d.items) out.as_dict().items.emplace_back(k, Replace(c, parts, info, dir, expert));
     return out;
   }
   return v;
@@ -235,10 +255,19 @@ Value Replace(const Value& v, std::vector<XserPart>& parts, Value& info, const s
 
 }  // namespace
 
-std::vector<XserPart> SplitForXser(const std::string& path, const Value& root) {
+std::vector<XserPart> SplitForXser(const std::string& path, const Value& root, const std::function<bool(const std::string&)>& expert) {
   std::vector<XserPart> parts;
   Value info = Value::NewDict();
-  Value refs = Replace(root, parts, info, XserTensorDir(path));
+  Value refs;
+  if (expert && root.is_dict()) {  // a model file: its top-level keys are the parameters NxD marks or not
+    const Dict& d = root.as_dict();
+    refs = Value::NewDict(d.ordered);
+    refs.as_dict().attrs = d.attrs;
+    for (const auto& [k, c] : d.items)
+      refs.as_dict().items.emplace_back(k, Replace(c, parts, info, XserTensorDir(path), k.is_str() && expert(k.as_str())));
+  } else {
+    refs = Replace(root, parts, info, XserTensorDir(path));
+  }
   parts.push_back({path, refs});
   parts.push_back({path + ".info.pt", info});
   return parts;

@@ -4,6 +4,7 @@
 // X.pt.tensors/tensor_<tid>.pt holds each tensor as a plain .pt file.
 #pragma once
 
+#include <functional>
 #include <set>
 #include <string>
 #include <vector>
@@ -27,6 +28,12 @@ std::string XserTensorDir(const std::string& path);
 // a tensor whose shape or dtype differs from what info.pt (NxD) or the
 // reference itself (NNM) declares.
 Value LoadXser(const std::string& path, const LoadOptions& opts = {}, Env* env = Env::Default());
+// An ep rank's xser file under expert parallelism: the tensor folder of its
+// ep_rank_00 twin, where the tensors info.pt does not mark
+// expert_model_parallel lie (NxD trainer/checkpoint.py _xser_load_data:
+// re.sub(r"ep_rank_\d{2}", "ep_rank_00", path) + ".tensors"; LoadXser reads
+// them from there). "" for ep rank 0's file and for a name without ep.
+std::string XserSharedTensorDir(const std::string& path);
 // LoadXser when `path` has its tensor folder beside it, else LoadPt.
 Value LoadPtOrXser(const std::string& path, const LoadOptions& opts = {}, Env* env = Env::Default());
 
@@ -63,11 +70,22 @@ Value MakeTensorReference(int64_t tid);
 // and `path`.info.pt ({tid: {"dtype", "shape", "expert_model_parallel"}},
 // what NxD's loader reads; NxD trainer/checkpoint.py
 // _extract_tensor_info_and_update_state_dict).
+//
+// Under expert parallelism NxD marks the expert weights (modules/moe/
+// moe_parallel_layers.py ExpertFusedLinear._mark_expert_parallel_weights, ep
+// size > 1 only): their info.pt entry says expert_model_parallel True, and
+// an ep rank above 0 writes only those tensor files (_xser_save_data: `if
+// is_expert_parallel or emp_rank == 0`); its other tids are read from
+// ep_rank_00's folder (_xser_load_data: non_ep_tensor_folder). `expert` says
+// which top-level keys of `root` are marked (none when empty); their parts
+// have `expert` set, so a writer of ep rank > 0 writes those alone.
 struct XserPart {
   std::string path;
   Value value;
+  bool expert = false;
 };
-std::vector<XserPart> SplitForXser(const std::string& path, const Value& root);
+std::vector<XserPart> SplitForXser(const std::string& path, const Value& root,
+                                   const std::function<bool(const std::string& key)>& expert = {});
 
 // How NxD deals an xser file's tensors among the `bins` data-parallel ranks
 // that hold the same state (a model file's dp replicas), so each writes a

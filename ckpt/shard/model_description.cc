@@ -498,6 +498,9 @@ ModelDescription DescribeModel(const ModelEvidence& e, const FormatHints& hints)
   StageSplit split = StageSplitOfFiles(e);
   d.stage_bounds = std::move(split.bounds), d.virtual_stages = split.virtual_stages;
   const int tp = e.grid.tp;
+  // A Mixtral tag (NxDT's layer 0 is always an MoE layer) is refused for what it is, not for lacking a Llama's MLP.
+  if (const auto moe = FirstMoeName(ModelNames(e))) throw Error(e.dir + ": " + MoeRefusal(*moe));
+  if (e.recorded && e.recorded->moe()) throw Error(e.dir + ": its manifest records an MoE (Mixtral) model; shardkit does not read MoE tags yet");
   if (e.recorded) {
     d.format = DescribeRecordedModel(e, hints, &d.notes);
     d.from_manifest = true;

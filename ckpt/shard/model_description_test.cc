@@ -94,6 +94,23 @@ TEST(ModelDescription, VirtualPipelineStagesAreLearnedFromTheLayerNames) {
             "before ends)");
 }
 
+// NxDT's Mixtral (either style) is told for what it is, before any Llama inference asks for its MLP.
+TEST(ModelDescription, MoeModelsAreRefusedNamingMoe) {
+  MegatronFiles m(1, 1);
+  m.files[0].as_dict().Set("language_model.encoder.layers.0.mlp.moe.router.linear_router.weight", Zeros({4, 8}));
+  const std::string megatron = ErrorOf([&] { DescribeModel(m.Evidence(), {}); });
+  EXPECT_NE(megatron.find("MoE (Mixtral) model, Megatron-style"), std::string::npos) << megatron;
+  EXPECT_NE(megatron.find("mlp.moe.router.linear_router.weight"), std::string::npos) << megatron;
+  Value hf = Value::NewDict();
+  hf.as_dict().Set("model.embed_tokens.weight", Zeros({16, 8}));
+  hf.as_dict().Set("model.layers.0.mlp.expert_mlps.mlp_op.gate_up_proj.weight", Zeros({4, 8, 32}));
+  hf.as_dict().Set("model.norm.weight", Zeros({8}));
+  m.files[0] = hf;
+  const std::string hf_why = ErrorOf([&] { DescribeModel(m.Evidence(), {}); });
+  EXPECT_NE(hf_why.find("MoE (Mixtral) model, HF-style"), std::string::npos) << hf_why;
+  EXPECT_EQ(hf_why.find("mlp.down_proj"), std::string::npos) << hf_why;
+}
+
 TEST(ModelDescription, MegatronSizesComeFromShapesAndHeadsFromAHint) {
   const MegatronFiles m(2, 1);
   const ModelEvidence e = m.Evidence();

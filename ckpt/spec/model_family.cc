@@ -154,11 +154,15 @@ std::vector<HfTensorSpec> Gpt2Tensors(const ckpt::ModelFormat& f, DType dt) {
 }  // namespace
 
 std::vector<HfTensorSpec> HfTensorsFor(const ModelFormat& f, DType dtype) {
+  if (f.moe()) throw Error("the Hugging Face tensors of an MoE (Mixtral) model are not mapped here: " + HfUnsupported(f));
   if (f.family == ModelFamily::kHfLlama) return HfLlamaTensors(f, dtype);
   return f.gelu ? Gpt2Tensors(f, dtype) : LlamaTensors(f, dtype);
 }
 
 std::string HfUnsupported(const ModelFormat& f) {
+  if (f.moe())
+    return "the model is MoE (Mixtral, " + std::to_string(f.experts) +
+           " experts): shardkit does not map Mixtral's experts to Hugging Face's MixtralForCausalLM (or h5) yet";
   const bool llama = f.family == ModelFamily::kHfLlama || (!f.layernorm && !f.gelu && !f.bias && !f.learned_positions);
   const bool gpt2 = f.layernorm && f.gelu && f.bias && f.learned_positions && f.kv_heads == f.heads;
   // transformers' LlamaForCausalLM rotates every dimension of a head (LlamaRotaryEmbedding).
@@ -188,6 +192,7 @@ ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) 
   if (arch.empty() && c.contains("model_type") && c["model_type"].is_string()) {
     const std::string type = c["model_type"].get<std::string>();
     if (type == "llama") arch = "LlamaForCausalLM";
+    else if (type == "mixtral") arch = "MixtralForCausalLM";
     else if (type == "gpt2") arch = "GPT2LMHeadModel";
     else throw Error(cpath + ": model_type '" + type + "' (and no architectures) is not one this import knows (llama, gpt2)");
   }
@@ -219,6 +224,8 @@ ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) 
     if (act != "gelu")
       throw Error(cpath + ": activation_function '" + act + "': the training core's GeLU is erf's ('gelu'), so this model would compute otherwise");
   } else {
+    if (arch == "MixtralForCausalLM" || c.value("model_type", std::string()) == "mixtral")
+      throw Error(cpath + ": architecture '" + arch + "' is an MoE (Mixtral) model; shardkit does not import Mixtral's experts from Hugging Face yet");
     throw Error(cpath + ": architecture '" + arch + "' is not one this import knows (LlamaForCausalLM, GPT2LMHeadModel)");
   }
   if (f.hidden % f.heads || f.heads % f.kv_heads) throw Error(cpath + ": the head counts do not divide the hidden size");
@@ -248,8 +255,62 @@ std::string ParamName(const ModelFormat& f, Module m, int layer) {
     case Module::kKey: return HfLayer(layer, f.qkv_linear ? "self_attn.qkv_proj.weight_k" : "self_attn.k_proj.weight");
     case Module::kValue: return HfLayer(layer, f.qkv_linear ? "self_attn.qkv_proj.weight_v" : "self_attn.v_proj.weight");
     case Module::kKeyValue: return at("self_attention.key_value.weight", "");
+    case Module::kRouter: return at("mlp.moe.router.linear_router.weight", "mlp.router.linear_router.weight");
+    case Module::kExpertsIn: return at("mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight", "mlp.expert_mlps.mlp_op.gate_up_proj.weight");
+    case Module::kExpertsOut: return at("mlp.moe.expert_mlps.mlp_op.down_proj.weight", "mlp.expert_mlps.mlp_op.down_proj.weight");
   }
   return "";
+}
+
+bool IsMoeLayer(const ModelFormat& f, int64_t layer) {
+  if (!f.moe()) return false;
+  if (f.family == ModelFamily::kHfLlama) return layer % f.moe_frequency == 0;
+  return f.experts > 1 && (layer + 1) % f.moe_frequency == 0;
+}
+
+namespace {
+// A layer's name past "<layer prefix>." (ParamName of layer 0 less its prefix).
+std::string LeafOf(const ModelFormat& f, Module m) {
+  const std::string name = ParamName(f, m, 0), prefix = f.family == ModelFamily::kHfLlama ? "model.layers.0." : "language_model.encoder.layers.0.";
+  return name.substr(prefix.size());
+}
+}  // namespace
+
+std::vector<std::string> MoeLeaves(ModelFamily family) {
+  ModelFormat f;
+  f.family = family;
+  return {LeafOf(f, Module::kRouter), LeafOf(f, Module::kExpertsIn), LeafOf(f, Module::kExpertsOut)};
+}
+
+std::optional<std::string> FirstMoeName(const std::vector<std::string>& names) {
+  for (const std::string& n : names) {
+    const auto family = FamilyOfName(n);
+    if (!family || LayerOfName(n) < 0) continue;
+    const size_t at = n.find('.', n.find(".layers.") + 8);  // past "layers.N"
+    const std::string leaf = n.substr(at + 1);
+    // The MoE module's own prefix: "mlp.moe." (Megatron-style) or the router's and experts' under "mlp." (HF-style).
+    const std::string module = family == ModelFamily::kHfLlama ? "mlp." : "mlp.moe.";
+    for (const std::string& part : {std::string("router."), std::string("expert_mlps."), std::string("shared_experts.")})
+      if (leaf.starts_with(module + part)) return n;
+  }
+  return std::nullopt;
+}
+
+std::string MoeRefusal(const std::string& moe_name) {
+  const bool hf = FamilyOfName(moe_name) == ModelFamily::kHfLlama;
+  const std::string leaf = moe_name.substr(moe_name.find('.', moe_name.find(".layers.") + 8) + 1);
+  const auto known = MoeLeaves(hf ? ModelFamily::kHfLlama : ModelFamily::kMegatron);
+  std::string what = std::string("an MoE (Mixtral) model, ") + (hf ? "HF-style (NxDT modeling_mixtral.py)" : "Megatron-style (NxDT NeuronSwitchMLP)") +
+                     ": it holds '" + moe_name + "'";
+  if (std::find(known.begin(), known.end(), leaf) == known.end())
+    what += ", a part of NxD's MoE layer (shared experts, expert biases or spmd ranks) shardkit's Mixtral family does not hold";
+  return what + "; shardkit does not reshard, export, import or compare MoE tags yet (issue #38), so it refuses rather than treat the experts as "
+                "a dense Llama's";
+}
+
+std::string FamilyLabel(const ModelFormat& f) {
+  if (!f.moe()) return FamilyName(f.family);
+  return f.family == ModelFamily::kHfLlama ? "hf_mixtral" : "megatron_mixtral";
 }
 
 AttentionTensors AttentionTensorsOf(const ModelFormat& f) {
@@ -310,6 +371,23 @@ ModelFamily FamilyOfNames(const std::vector<std::string>& names, const std::stri
   return hf ? ModelFamily::kHfLlama : ModelFamily::kMegatron;
 }
 
+namespace {
+// An MoE layer's parameters in MoE's module order (router, then expert_mlps'
+// gate_up_proj and down_proj): the router (fp32, RouterTopK's dtype default)
+// replicated on every rank, so a reader compares its copies as it does a
+// norm's (by its spec); not a norm (weight decay applies). The experts 3-D.
+void AddMoeParameters(const ModelFormat& f, int layer, std::vector<ParamRule>& p) {
+  const int64_t E = f.experts, H = f.hidden, F = f.ffn;
+  ParamRule router{ParamName(f, Module::kRouter, layer), {E, H}, SplitDim::kReplicated};
+  router.spec = TensorParallelSpec(router.shape, SplitDim::kReplicated, FusedRows::kPlain, f);
+  ParamRule in{ParamName(f, Module::kExpertsIn, layer), {E, H, 2 * F}, SplitDim::kExperts, FusedRows::kGateUp};
+  in.spec = ExpertSpec(in.shape, ExpertWeight::kGateUp);
+  ParamRule out{ParamName(f, Module::kExpertsOut, layer), {E, F, H}, SplitDim::kExperts};
+  out.spec = ExpertSpec(out.shape, ExpertWeight::kDown);
+  for (ParamRule* r : {&router, &in, &out}) r->layer = layer, r->place = StagePlace::kLayer, p.push_back(std::move(*r));
+}
+}  // namespace
+
 std::vector<ParamRule> HfLlamaParameters(const ModelFormat& f, int tp) {
   const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), Q = f.heads * hd, K = f.kv_heads * hd, V = f.PaddedVocab(tp);
   std::vector<ParamRule> p;
@@ -340,8 +418,12 @@ std::vector<ParamRule> HfLlamaParameters(const ModelFormat& f, int tp) {
         break;
     }
     add(HfLayer(layer, "self_attn.o_proj.weight"), {H, Q}, SplitDim::kColumns, FusedRows::kQueryHeads);
-    add(HfLayer(layer, "mlp.gate_up_proj.weight"), {2 * F, H}, SplitDim::kRows, FusedRows::kGateUp);
-    add(HfLayer(layer, "mlp.down_proj.weight"), {H, F}, SplitDim::kColumns);
+    if (IsMoeLayer(f, layer)) {
+      AddMoeParameters(f, layer, p);
+    } else {
+      add(HfLayer(layer, "mlp.gate_up_proj.weight"), {2 * F, H}, SplitDim::kRows, FusedRows::kGateUp);
+      add(HfLayer(layer, "mlp.down_proj.weight"), {H, F}, SplitDim::kColumns);
+    }
     add(HfLayer(layer, "input_layernorm.weight"), {H}, SplitDim::kReplicated);
     p.back().norm = true;
     add(HfLayer(layer, "post_attention_layernorm.weight"), {H}, SplitDim::kReplicated);
@@ -418,6 +500,7 @@ std::optional<std::string> HfAttentionOfNames(const std::vector<std::string>& na
 }
 
 std::map<std::string, std::vector<RowsFrom>> LogicalRowsIn(const ModelFormat& from, const ModelFormat& to) {
+  if (from.moe() || to.moe()) throw Error("re-laying MoE (Mixtral) tensors under another family's names is not supported");
   if (from.gelu || to.gelu) throw Error("re-laying GPT-style tensors under other names is not supported (their HF tensors are transposed)");
   if (!(LayoutFree(from) == LayoutFree(to))) throw Error("the two layouts are of different models: " + from.Describe() + " and " + to.Describe());
   std::map<std::string, const HfTensorSpec*> hf_from;

@@ -35,9 +35,38 @@ enum class Module {
   kQkv,                    // fused attention: Megatron's per-head [q_h; k_h; v_h], HF-style [Q; K; V] (weight_qkv, stride-3 weight)
   kQuery, kKeyValue,       // Megatron GQA: query, and key_value per group [k_g; v_g]
   kKey, kValue,            // HF-style separate q (kQuery), k, v
+  // Mixtral's MoE layer (NxD modules/moe/model.py MoE: router, expert_mlps):
+  // the router (RouterBase.linear_router, experts x hidden) and the 3-D
+  // expert weights (Experts.gate_up_proj: experts x hidden x 2 ffn, [gate || up];
+  // Experts.down_proj: experts x ffn x hidden). HF-style under
+  // `model.layers.N.mlp.` (NxDT modeling_mixtral.py MixtralDecoderLayer),
+  // Megatron-style under `language_model.encoder.layers.N.mlp.moe.` (NxDT
+  // models/megatron/transformer.py NeuronSwitchMLP.moe).
+  kRouter, kExpertsIn, kExpertsOut,
 };
 // The weight's name of module `m` (of layer `layer` inside the layers).
 std::string ParamName(const ModelFormat& f, Module m, int layer = -1);
+// Whether decoder layer `layer` (0-based, as names number it) is an MoE
+// layer of f (false for a dense f). HF-style: NxDT modeling_mixtral.py
+// MixtralDecoderLayer.__init__, `layer_index % moe_frequency == 0` on the
+// 0-based index; Megatron-style: NxDT models/megatron/transformer.py
+// ParallelTransformerLayer.__init__, `num_moe_experts > 1 and layer_number %
+// moe_frequency == 0` on the 1-based layer_number.
+bool IsMoeLayer(const ModelFormat& f, int64_t layer);
+// The names of the MoE tensors in a layer's state dict, past
+// "<layer prefix>." ("mlp.router.linear_router.weight", ...), of each family;
+// what a reader looks for to tell a Mixtral tag from a Llama one.
+std::vector<std::string> MoeLeaves(ModelFamily family);
+// The first of `names` (model-file keys) inside an MoE layer's module (the
+// router, expert_mlps or shared experts: NxD modules/moe/model.py MoE), or
+// nullopt. What tells a Mixtral tag from a Llama one, whatever its style.
+std::optional<std::string> FirstMoeName(const std::vector<std::string>& names);
+// Why a reader refuses a tag whose model files hold MoE tensor `moe_name`
+// (FirstMoeName): which MoE it is and what shardkit does not do with it yet.
+std::string MoeRefusal(const std::string& moe_name);
+// "hf_mixtral" for an HF-style MoE format, "megatron_mixtral" for a
+// Megatron-style one, else FamilyName(f.family): what inspect and messages call it.
+std::string FamilyLabel(const ModelFormat& f);
 // NxDT's Megatron-style models keep RoPE's inverse frequencies as a
 // persistent buffer of every layer (NxDT models/megatron/rotary_pos_embedding.py
 // RotaryEmbedding.__init__: register_buffer("inv_freq", ...)), so the tags

@@ -200,4 +200,103 @@ TEST(ModelFamily, HfConfigWithoutArchitecturesIsReadByModelType) {
 }
 
 }  // namespace
+
+// A tiny HF-style Mixtral: Tiny's Llama with 4 experts, top 2, an MoE layer every 2nd.
+ModelFormat TinyMixtral() {
+  ModelFormat f = Tiny(1, HwBackend::kUnknown);
+  f.experts = 4, f.moe_top_k = 2, f.moe_frequency = 2;
+  return f;
+}
+
+const ParamRule& Rule(const std::vector<ParamRule>& ps, const std::string& name) {
+  for (const ParamRule& p : ps)
+    if (p.name == name) return p;
+  throw Error("no rule " + name);
+}
+
+// NxDT modeling_mixtral.py: 0-based layer_index % moe_frequency; transformer.py: 1-based layer_number.
+TEST(ModelFamily, MoeLayersFollowEachStylesFrequencyRule) {
+  ModelFormat f = TinyMixtral();
+  std::vector<int64_t> hf, megatron;
+  for (int64_t l = 0; l < 4; ++l) {
+    if (IsMoeLayer(f, l)) hf.push_back(l);
+    f.family = ModelFamily::kMegatron;
+    if (IsMoeLayer(f, l)) megatron.push_back(l);
+    f.family = ModelFamily::kHfLlama;
+  }
+  EXPECT_EQ(hf, (std::vector<int64_t>{0, 2}));
+  EXPECT_EQ(megatron, (std::vector<int64_t>{1, 3}));
+  EXPECT_FALSE(IsMoeLayer(Tiny(1, HwBackend::kUnknown), 0));
+}
+
+TEST(ModelFamily, MixtralTableHoldsRouterAndThreeDimensionalExperts) {
+  const ModelFormat f = TinyMixtral();
+  const auto ps = LogicalParameters(f, 2);
+  // Layer 0 is MoE (router, gate_up, down in MoE's module order), layer 1 dense.
+  const ParamRule& router = Rule(ps, "model.layers.0.mlp.router.linear_router.weight");
+  EXPECT_EQ(router.shape, (std::vector<int64_t>{4, 64}));
+  EXPECT_FALSE(router.norm);
+  EXPECT_EQ(router.spec.replicated_over, (std::vector<Axis>{Axis::kTp, Axis::kDp}));
+  const ParamRule& in = Rule(ps, "model.layers.0.mlp.expert_mlps.mlp_op.gate_up_proj.weight");
+  const ParamRule& out = Rule(ps, "model.layers.0.mlp.expert_mlps.mlp_op.down_proj.weight");
+  EXPECT_EQ(in.shape, (std::vector<int64_t>{4, 64, 192}));
+  EXPECT_EQ(out.shape, (std::vector<int64_t>{4, 96, 64}));
+  EXPECT_EQ(&in - &router, 1);
+  EXPECT_EQ(&out - &in, 1);
+  EXPECT_EQ(Rule(ps, "model.layers.1.mlp.gate_up_proj.weight").shape, (std::vector<int64_t>{192, 64}));
+  EXPECT_THROW(Rule(ps, "model.layers.0.mlp.gate_up_proj.weight"), Error);
+  EXPECT_THROW(Rule(ps, "model.layers.1.mlp.router.linear_router.weight"), Error);
+  // ep rank 1 of 2, tp rank 1 of 2: experts [2, 4); gate columns [48, 96) and up columns [144, 192).
+  AxisCoords at = AxisCoords::Tp(2, 1);
+  at[Axis::kEp] = {2, 1};
+  const auto boxes = BoxesOf(in.spec, at);
+  ASSERT_EQ(boxes.size(), 2u);
+  EXPECT_EQ(boxes[0].offset, (std::vector<int64_t>{2, 0, 48}));
+  EXPECT_EQ(boxes[1].offset, (std::vector<int64_t>{2, 0, 144}));
+  EXPECT_EQ(boxes[1].local, (std::vector<int64_t>{0, 0, 48}));
+  EXPECT_EQ(LocalShapeOf(in.spec, at), (std::vector<int64_t>{2, 64, 96}));
+  // down_proj: the ffn rows [48, 96) of experts [2, 4).
+  const auto down = BoxesOf(out.spec, at);
+  ASSERT_EQ(down.size(), 1u);
+  EXPECT_EQ(down[0].offset, (std::vector<int64_t>{2, 48, 0}));
+  EXPECT_EQ(down[0].size, (std::vector<int64_t>{2, 48, 64}));
+}
+
+TEST(ModelFamily, MixtralFormatRecordsItsExpertsAndRefusesWhatIsNotDone) {
+  const ModelFormat f = TinyMixtral();
+  const auto j = f.ToJson();
+  EXPECT_EQ(j.at("num_experts"), 4);
+  EXPECT_EQ(ModelFormat::FromJson(j, "m"), f);
+  EXPECT_FALSE(Tiny(1, HwBackend::kUnknown).ToJson().contains("num_experts"));  // dense manifests unchanged
+  EXPECT_EQ(FamilyLabel(f), "hf_mixtral");
+  EXPECT_NE(f.Describe().find("MoE: 4 experts, top 2"), std::string::npos) << f.Describe();
+  EXPECT_EQ(f.CheckExpertParallel(2), "");
+  EXPECT_NE(f.CheckExpertParallel(3).find("does not divide the 4 MoE experts"), std::string::npos);
+  EXPECT_NE(Tiny(1, HwBackend::kUnknown).CheckExpertParallel(2).find("dense"), std::string::npos);
+  EXPECT_NE(HfUnsupported(f).find("MoE (Mixtral"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { HfTensorsFor(f, DType::kFloat32); }).find("MoE"), std::string::npos);
+  ModelFormat megatron = f;
+  megatron.family = ModelFamily::kMegatron;
+  EXPECT_NE(megatron.CheckTensorParallel(1).find("Megatron-style MoE"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { LogicalParameters(megatron, 1); }).find("Megatron-style MoE"), std::string::npos);
+  const nlohmann::json hf = {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", 64}};
+  EXPECT_NE(ErrorOf([&] { FormatOfHfConfig(hf, "config.json"); }).find("MoE (Mixtral)"), std::string::npos);
+}
+
+// Either style's MoE module names a Mixtral tag; a dense Llama's names do not.
+TEST(ModelFamily, MoeNamesAreToldFromDenseOnes) {
+  EXPECT_EQ(FirstMoeName({"model.embed_tokens.weight", "model.layers.0.mlp.gate_up_proj.weight"}), std::nullopt);
+  EXPECT_EQ(FirstMoeName({"model.layers.0.input_layernorm.weight", "model.layers.0.mlp.router.linear_router.weight"}),
+            "model.layers.0.mlp.router.linear_router.weight");
+  EXPECT_EQ(FirstMoeName({"language_model.encoder.layers.1.mlp.moe.expert_mlps.mlp_op.down_proj.weight"}),
+            "language_model.encoder.layers.1.mlp.moe.expert_mlps.mlp_op.down_proj.weight");
+  EXPECT_EQ(FirstMoeName({"model.layers.0.mlp.shared_experts.gate_proj.weight"}), "model.layers.0.mlp.shared_experts.gate_proj.weight");
+  EXPECT_EQ(FirstMoeName({"model.router.weight"}), std::nullopt);  // outside the layers
+  const std::string why = MoeRefusal("model.layers.0.mlp.shared_experts.gate_proj.weight");
+  EXPECT_NE(why.find("HF-style"), std::string::npos) << why;
+  EXPECT_NE(why.find("shared experts"), std::string::npos) << why;
+  EXPECT_EQ(MoeRefusal("model.layers.0.mlp.router.linear_router.weight").find("shared experts"), std::string::npos);
+  EXPECT_EQ(MoeLeaves(ModelFamily::kMegatron).at(0), "mlp.moe.router.linear_router.weight");
+}
+
 }  // namespace ckpt

@@ -11,6 +11,9 @@
 namespace ckpt {
 namespace {
 
+constexpr const char* kMegatronMoeUnsupported =
+    "a Megatron-style MoE (Mixtral, NxDT's NeuronSwitchMLP) model is not supported yet; only the HF-style Mixtral family is";
+
 std::string LayerName(int l, const std::string& leaf) {
   return "language_model.encoder.layers." + std::to_string(l) + "." + leaf;
 }
@@ -68,6 +71,9 @@ std::string ModelFormat::Describe() const {
                   std::to_string(hidden) + ", ffn " + std::to_string(ffn) + ", " + std::to_string(heads) + " heads";
   if (kv_heads != heads) s += " (" + std::to_string(kv_heads) + " KV)";
   if (kv_size_multiplier > 1) s += std::string(", KV replicated x") + std::to_string(kv_size_multiplier) + " (" + BackendName(hw_backend) + ")";
+  if (moe())
+    s += ", MoE: " + std::to_string(experts) + " experts, top " + std::to_string(moe_top_k) + ", every " + std::to_string(moe_frequency) +
+         (moe_frequency == 1 ? "st" : "th") + " layer";
   return s + ", vocab " + std::to_string(vocab_size);
 }
 
@@ -76,6 +82,7 @@ std::string ModelFormat::CheckTensorParallel(int tp) const {
     return "tensor parallel degree " + std::to_string(tp) + " does not divide the " + what + " (" + std::to_string(n) + ")";
   };
   if (tp < 1 || tp > kMaxRanks) return "tensor parallel degree " + std::to_string(tp) + " is out of range";
+  if (moe() && family != ModelFamily::kHfLlama) return kMegatronMoeUnsupported;
   if (heads % tp) return no("attention heads", heads);
   if (family == ModelFamily::kHfLlama) {
     if (ffn % tp) return no("FFN width", ffn);
@@ -87,6 +94,15 @@ std::string ModelFormat::CheckTensorParallel(int tp) const {
   if (kv_heads % tp && tp % kv_heads)
     return no("KV heads", kv_heads) + ", and is not a multiple of them (NxD replicates KV heads only by a whole kv_size_multiplier)";
   if (ffn % tp) return no("FFN width", ffn);
+  return "";
+}
+
+std::string ModelFormat::CheckExpertParallel(int ep) const {
+  if (ep < 1 || ep > kMaxRanks) return "expert parallel degree " + std::to_string(ep) + " is out of range";
+  if (!moe()) return ep == 1 ? "" : "expert parallel degree " + std::to_string(ep) + " needs an MoE model (Mixtral); this one is dense";
+  if (experts % ep)
+    return "expert parallel degree " + std::to_string(ep) + " does not divide the " + std::to_string(experts) +
+           " MoE experts (NxD gives each ep rank experts / ep whole experts)";
   return "";
 }
 
@@ -102,11 +118,15 @@ std::string ModelFormat::CheckSizes() const {
   if (!(rope_theta > 0 && rope_theta <= 1e12)) return "rope_theta " + std::to_string(rope_theta) + " is not in (0, 1e12]";
   if (!(norm_eps > 0 && norm_eps < 1)) return "the norm epsilon " + std::to_string(norm_eps) + " is not in (0, 1)";
   if (!(rotary_percentage > 0 && rotary_percentage <= 1)) return "rotary_percentage " + std::to_string(rotary_percentage) + " is not in (0, 1]";
+  if (experts < 0 || experts > (1 << 16)) return over("the MoE expert count", experts, 1 << 16);
+  if (moe() && (moe_top_k < 1 || moe_top_k > experts))
+    return "MoE top_k " + std::to_string(moe_top_k) + " is not between 1 and the " + std::to_string(experts) + " experts";
+  if (moe_frequency < 1 || moe_frequency > kMaxLayers) return over("moe_frequency", moe_frequency, kMaxLayers);
   return "";
 }
 
 nlohmann::ordered_json ModelFormat::ToJson() const {
-  return {{"num_layers", layers},
+  nlohmann::ordered_json j = {{"num_layers", layers},
           {"hidden_size", hidden},
           {"ffn_hidden_size", ffn},
           {"num_attention_heads", heads},
@@ -127,6 +147,9 @@ nlohmann::ordered_json ModelFormat::ToJson() const {
           {"qkv_linear", qkv_linear},
           {"kv_size_multiplier", kv_size_multiplier},
           {"hw_backend", BackendName(hw_backend)}};
+  // Dense models' manifests stay as they were.
+  if (moe()) j["num_experts"] = experts, j["moe_top_k"] = moe_top_k, j["moe_frequency"] = moe_frequency;
+  return j;
 }
 
 ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& where) {
@@ -165,6 +188,11 @@ ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& wh
     const std::string hw = FieldChoice(j, "hw_backend", {"trn1", "trn2", "unknown"}, where);
     f.hw_backend = ParseBackend(hw).value_or(HwBackend::kUnknown);
   }
+  if (j.contains("num_experts")) {
+    f.experts = FieldInt(j, "num_experts", 1, 1 << 16, where);
+    f.moe_top_k = FieldInt(j, "moe_top_k", 1, f.experts, where);
+    f.moe_frequency = FieldInt(j, "moe_frequency", 1, kMaxLayers, where);
+  }
   if (f.hidden % f.heads) throw Error(where + ": model format hidden_size " + std::to_string(f.hidden) + " is not a multiple of num_attention_heads");
   if (f.heads % f.kv_heads) throw Error(where + ": model format num_attention_heads is not a multiple of num_kv_heads");
   if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(where + ": model format: " + why);
@@ -173,6 +201,7 @@ ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& wh
 
 std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
   if (f.family == ModelFamily::kHfLlama) return HfLlamaParameters(f, tp);
+  if (f.moe()) throw Error(kMegatronMoeUnsupported);
   const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), V = f.PaddedVocab(tp);
   std::vector<ParamRule> p;
   int layer = -1;
@@ -226,6 +255,13 @@ std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
   }
   for (size_t i = last; i < p.size(); ++i) p[i].place = StagePlace::kLast;
   return p;
+}
+
+ShardSpec ExpertSpec(const std::vector<int64_t>& shape, ExpertWeight which) {
+  if (shape.size() != 3) throw Error("an expert weight is 3-D (experts, in, out), not " + ShapeString(shape));
+  ShardSpec s = ShardSpec::Whole(shape, {Axis::kDp}).Split(0, {Axis::kEp, SplitKind::kContiguous});
+  if (which == ExpertWeight::kGateUp) return s.Split(2, {Axis::kTp, SplitKind::kStrided, 2});
+  return s.Split(1, {Axis::kTp, SplitKind::kContiguous});
 }
 
 HeadSplit KvReplicationOf(const ModelFormat& f) {

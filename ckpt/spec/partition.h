@@ -82,6 +82,14 @@ struct ModelFormat {
   bool fuse_qkv = true, qkv_linear = false;
   int64_t kv_size_multiplier = 1;
   HwBackend hw_backend = HwBackend::kUnknown;
+  // Mixtral (MoE): the routed experts of NxD's MoE layer (modules/moe/model.py
+  // MoE: a RouterTopK and ExpertMLPs), `experts` of them, each token sent to
+  // `moe_top_k`, in the layers moe_frequency picks (IsMoeLayer in
+  // ckpt/spec/model_family.h); 0 experts: a dense model. NxDT's
+  // num_local_experts / num_experts_per_tok / moe_frequency (HF-style) and
+  // num_moe_experts / moe_top_k / moe_frequency (Megatron-style).
+  int64_t experts = 0, moe_top_k = 0, moe_frequency = 1;
+  bool moe() const { return experts > 0; }
 
   int64_t head_dim() const { return hidden / heads; }
   int64_t PaddedVocab(int tp) const;  // Megatron's _vocab_size_with_padding
@@ -96,6 +104,11 @@ struct ModelFormat {
   // Why the degrees cannot hold this model ("" when they can): tp must divide
   // heads, KV heads (or be a multiple of them), ffn; pp at most the layers.
   std::string CheckTensorParallel(int tp) const;
+  // Why expert parallel degree `ep` cannot hold this model ("" when it can):
+  // NxD gives each ep rank experts / ep whole experts (moe_parallel_layers.py
+  // ExpertFusedColumnParallelLinear: utils.divide(num_experts, ep size)); a
+  // dense model takes ep 1 only.
+  std::string CheckExpertParallel(int ep) const;
   // Why the sizes are beyond any model ("" when they are not): at most
   // kMaxLayers layers, hidden and FFN widths up to 2^20, a vocabulary up to
   // 2^24. The largest published dense models have under 200 layers, widths
@@ -111,7 +124,9 @@ struct ModelFormat {
   bool operator==(const ModelFormat&) const = default;
 };
 
-enum class SplitDim { kReplicated, kRows, kColumns };
+// kExperts: a Mixtral expert weight, 3-D (experts first); its shard spec says
+// how tp and ep cut it (ExpertSpec), not a row or column split.
+enum class SplitDim { kReplicated, kRows, kColumns, kExperts };
 // kQueryHeads, kKvHeads and kQkvHeads are the HF-style family's, whose head
 // placement over tp ranks follows NxD's KV replication (ckpt/spec/model_family.h):
 // head blocks of head_dim rows (o_proj: columns) of the query, of K or V, or of
@@ -141,6 +156,13 @@ struct ParamRule {
 // over dp, and over tp too when not split. Pipeline stages place it
 // (StagePlace), they do not cut it.
 ShardSpec TensorParallelSpec(const std::vector<int64_t>& shape, SplitDim split, FusedRows fused, const ModelFormat& f);
+// The shard spec of a Mixtral expert weight of logical (experts, in, out)
+// `shape`: experts contiguous over ep (dim 0), and over tp dim 2 with stride 2
+// for the fused [gate || up] input (ExpertFusedColumnParallelLinear:
+// weight_partition_dim 2, stride 2), dim 1 for the output
+// (ExpertFusedRowParallelLinear: weight_partition_dim 1); replicated over dp.
+enum class ExpertWeight { kGateUp, kDown };
+ShardSpec ExpertSpec(const std::vector<int64_t>& shape, ExpertWeight which);
 // The KV replication of f's head splits, no regions yet: NxD's rule
 // (ckpt/shard/model_family.h), kv_size_multiplier and the backend's order.
 HeadSplit KvReplicationOf(const ModelFormat& f);

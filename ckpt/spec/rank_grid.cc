@@ -19,6 +19,7 @@ int RankGrid::size(Axis a) const {
     case Axis::kTp: return tp;
     case Axis::kDp: return dp;
     case Axis::kPp: return pp;
+    case Axis::kEp: return ep;
     default: return 1;
   }
 }
@@ -26,6 +27,7 @@ int RankGrid::size(Axis a) const {
 AxisCoords RankGrid::AxisCoordsOf(const RankCoord& c) const {
   AxisCoords at;
   at[Axis::kTp] = {tp, c.tp}, at[Axis::kDp] = {dp, c.dp}, at[Axis::kPp] = {pp, c.pp};
+  at[Axis::kEp] = {ep, c.ep.value_or(EpOf(c))};
   return at;
 }
 
@@ -54,6 +56,12 @@ RankGrid RankGrid::ForWorld(int64_t world, int64_t tp, int64_t pp, bool zero1, c
 }
 
 void RankGrid::ForEachRankFile(RankFileKind kind, const std::function<void(const RankCoord&)>& fn) const {
+  if (kind == RankFileKind::kModel && ep > 1) {  // NxD's model path with ep: dp_rank_00, each ep rank's
+    for (int e = 0; e < ep; ++e)
+      for (int p = 0; p < pp; ++p)
+        for (int t = 0; t < tp; ++t) fn({0, t, p, e});
+    return;
+  }
   const int dps = kind == RankFileKind::kOptim && zero1 ? dp : 1;
   for (int d = 0; d < dps; ++d)
     for (int p = 0; p < pp; ++p)
@@ -62,10 +70,15 @@ void RankGrid::ForEachRankFile(RankFileKind kind, const std::function<void(const
 
 void RankGrid::ForEachRankFile(RankFileKind kind, const RankCoord& place, const std::function<void(const RankCoord&)>& fn) const {
   const int dps = kind == RankFileKind::kOptim && zero1 ? dp : 1;
+  if (kind == RankFileKind::kModel && ep > 1) {
+    for (int e = 0; e < ep; ++e) fn({0, place.tp, place.pp, e});
+    return;
+  }
   for (int d = 0; d < dps; ++d) fn({d, place.tp, place.pp});
 }
 
 std::string RankGrid::FileOf(RankFileKind kind, RankCoord at) const {
+  if (kind == RankFileKind::kModel && ep > 1) at.ep = EpOf(at);
   if (kind == RankFileKind::kModel || !zero1) at.dp = 0;
   return RankFilePath(kind, at);
 }
@@ -83,7 +96,8 @@ std::vector<std::string> RankGrid::OptimFiles() const {
 }
 
 std::string RankGrid::ToString() const {
-  return "tp " + std::to_string(tp) + ", pp " + std::to_string(pp) + ", dp " + std::to_string(dp) + (zero1 ? " (ZeRO-1)" : "");
+  return "tp " + std::to_string(tp) + ", pp " + std::to_string(pp) + ", dp " + std::to_string(dp) + (ep > 1 ? ", ep " + std::to_string(ep) : "") +
+         (zero1 ? " (ZeRO-1)" : "");
 }
 
 MpiLaunch ReadMpiLaunch() {

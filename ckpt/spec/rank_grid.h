@@ -7,13 +7,15 @@
 // Rank order is NxD's and Megatron's parallel_state order: tensor-parallel
 // ranks are consecutive, then data-parallel, then pipeline stages:
 //   rank = pp * (dp_size * tp_size) + dp * tp_size + tp.
-// Expert parallelism and virtual pipeline stages would be further axes of
-// kGridAxes (NxD puts ep inside dp); the grid does not lay them out yet.
+// Expert parallelism lies inside dp (RankGrid::ep: a coordinate's ep rank,
+// its model file names); virtual pipeline stages would be a further axis of
+// kGridAxes, which the grid does not lay out yet.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,11 @@ inline constexpr int64_t kMaxRanks = 1 << 20;
 
 struct RankCoord {
   int dp = 0, tp = 0, pp = 0;
+  // The expert-parallel rank a file name carries: NxD names files
+  // dp_rank_DD_ep_rank_EE_tp_rank_TT_pp_rank_PP only when the job's ep size
+  // is above 1 (trainer/checkpoint.py _get_path(ep=True), called with
+  // ep_enabled = get_expert_model_parallel_size() > 1); unset otherwise.
+  std::optional<int> ep = std::nullopt;
   bool operator==(const RankCoord&) const = default;
 };
 
@@ -42,6 +49,14 @@ struct RankGrid {
   int tp = 1, pp = 1, dp = 1;
   // ZeRO-1: one optim file per dp rank; otherwise dp rank 0 only.
   bool zero1 = false;
+  // Expert parallelism inside dp, as NxD lays it out
+  // (parallel_layers/parallel_state.py initialize_model_parallel's table:
+  // "(DP=1) or (DP_EXP=0, EP=1)"): a rank's ep rank is its dp rank % ep, its
+  // expert-data-parallel rank dp / ep. ep must divide dp. With ep > 1 every
+  // model file carries its ep rank: ep rank e's file, written by the first rank
+  // of its expert-dp group, holds e's experts (and, in a plain .pt, every
+  // non-expert tensor too).
+  int ep = 1;
 
   // tp * pp * dp: the ranks a job of this grid runs.
   int world_size() const { return tp * pp * dp; }
@@ -78,7 +93,9 @@ struct RankGrid {
   // Relative paths a complete tag holds, in ForEachRankFile's order.
   std::vector<std::string> ModelFiles() const;
   std::vector<std::string> OptimFiles() const;
-  // "tp 2, pp 1, dp 2 (ZeRO-1)".
+  // The ep rank of a coordinate (0 at ep 1).
+  int EpOf(const RankCoord& c) const { return c.dp % ep; }
+  // "tp 2, pp 1, dp 2 (ZeRO-1)"; ", ep 2" added at ep > 1.
   std::string ToString() const;
   bool operator==(const RankGrid&) const = default;
 };

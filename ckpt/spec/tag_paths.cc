@@ -18,23 +18,30 @@ std::string Pad2(int v) {
 }  // namespace
 
 std::string RankFileName(const RankCoord& r) {
-  return "dp_rank_" + Pad2(r.dp) + "_tp_rank_" + Pad2(r.tp) + "_pp_rank_" + Pad2(r.pp) + ".pt";
+  return "dp_rank_" + Pad2(r.dp) + (r.ep ? "_ep_rank_" + Pad2(*r.ep) : "") + "_tp_rank_" + Pad2(r.tp) + "_pp_rank_" + Pad2(r.pp) + ".pt";
 }
 
 std::string RankFilePath(RankFileKind kind, const RankCoord& r) {
   return (kind == RankFileKind::kModel ? "model/" : "optim/") + RankFileName(r);
 }
 
-std::optional<RankCoord> ParseRankFileName(const std::string& name) {
+std::optional<RankCoord> ParseAnyRankFileName(const std::string& name) {
   // At most 6 digits: longer numbers are no rank file (and would overflow int).
-  static const std::regex re(R"(dp_rank_(\d{1,6})_tp_rank_(\d{1,6})_pp_rank_(\d{1,6})\.pt)");
+  // NxD trainer/checkpoint.py _get_path(..., ep=True) puts the ep rank after dp.
+  static const std::regex re(R"(dp_rank_(\d{1,6})(_ep_rank_(\d{1,6}))?_tp_rank_(\d{1,6})_pp_rank_(\d{1,6})\.pt)");
   std::smatch m;
-  static const std::regex ep(R"(dp_rank_\d{1,6}_ep_rank_\d{1,6}_tp_rank_\d{1,6}_pp_rank_\d{1,6}\.pt)");
-  // NxD trainer/checkpoint.py _get_path(..., ep=True) names expert-parallel files so.
-  if (std::regex_match(name, ep))
-    throw Error(name + ": an expert-parallel rank file (_ep_rank_); shardkit does not read expert-parallel (MoE) checkpoints yet");
   if (!std::regex_match(name, m, re)) return std::nullopt;
-  return RankCoord{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3])};
+  RankCoord c{std::stoi(m[1]), std::stoi(m[4]), std::stoi(m[5])};
+  if (m[2].matched) c.ep = std::stoi(m[3]);
+  return c;
+}
+
+std::optional<RankCoord> ParseRankFileName(const std::string& name) {
+  auto c = ParseAnyRankFileName(name);
+  if (c && c->ep)
+    throw Error(name + ": an expert-parallel rank file (_ep_rank_) of an MoE (Mixtral) tag; shardkit does not read expert-parallel MoE "
+                "checkpoints yet");
+  return c;
 }
 
 std::string FormatTagName(const TagName& t) {

@@ -29,14 +29,20 @@ inline constexpr const char* kManifestFile = "manifest.json";
 inline constexpr const char* kSchedulerFile = "scheduler.pt";
 inline constexpr const char* kUserContentFile = "user_content.pt";
 
-// "dp_rank_00_tp_rank_03_pp_rank_01.pt"; {:02d} is a minimum width.
+// "dp_rank_00_tp_rank_03_pp_rank_01.pt"; {:02d} is a minimum width. With r.ep
+// set, "dp_rank_00_ep_rank_01_tp_rank_03_pp_rank_01.pt" (NxD
+// trainer/checkpoint.py _get_path: dp, then ep, tp, pp).
 std::string RankFileName(const RankCoord& r);
 // "model/" or "optim/" + RankFileName(r): a rank file's path in its tag
 // (RankGrid::ForEachRankFile walks them).
 std::string RankFilePath(RankFileKind kind, const RankCoord& r);
 // Parses a rank file name. An expert-parallel one (dp_rank_.._ep_rank_..) throws
-// ckpt::Error: it is not read yet, and taking it for another rank's file would be wrong.
+// ckpt::Error naming MoE: the tag readers do not take them yet, and taking it
+// for another rank's file would be wrong.
 std::optional<RankCoord> ParseRankFileName(const std::string& name);
+// Parses a rank file name of either form; an expert-parallel one gives a
+// coordinate with `ep` set.
+std::optional<RankCoord> ParseAnyRankFileName(const std::string& name);
 
 // A tag the store set aside rather than delete: <tag>.damaged[-N] (it failed
 // verification) or <tag>.superseded[-N] (a later save took its name). Kept on

@@ -24,6 +24,33 @@ TEST(TagPaths, GridListsModelAndOptimFiles) {
   EXPECT_EQ(g.OptimFiles().size(), 4u);
 }
 
+// NxD trainer/checkpoint.py _get_path: "_dp_rank_{:02d}", then "_ep_rank_{:02d}" with ep, tp, pp.
+TEST(TagPaths, ExpertParallelNamesCarryTheEpRankAfterDp) {
+  RankCoord c{0, 3, 1};
+  c.ep = 2;
+  EXPECT_EQ(RankFileName(c), "dp_rank_00_ep_rank_02_tp_rank_03_pp_rank_01.pt");
+  EXPECT_EQ(ParseAnyRankFileName("dp_rank_00_ep_rank_02_tp_rank_03_pp_rank_01.pt"), c);
+  EXPECT_EQ(ParseAnyRankFileName("dp_rank_01_tp_rank_03_pp_rank_01.pt"), (RankCoord{1, 3, 1}));
+  EXPECT_FALSE(ParseAnyRankFileName("dp_rank_00_ep_rank__tp_rank_03_pp_rank_01.pt").has_value());
+  const std::string why = testing::ErrorOf([] { ParseRankFileName("dp_rank_00_ep_rank_01_tp_rank_00_pp_rank_00.pt"); });
+  EXPECT_NE(why.find("MoE"), std::string::npos) << why;
+}
+
+// ep inside dp (NxD parallel_state.py: DP=1 is DP_EXP=0, EP=1): model files per ep rank, dp 0's names.
+TEST(TagPaths, ExpertParallelGridListsOneModelFilePerEpRank) {
+  RankGrid g{2, 1, 4, true};
+  g.ep = 2;
+  EXPECT_EQ(g.ModelFiles(), (std::vector<std::string>{"model/dp_rank_00_ep_rank_00_tp_rank_00_pp_rank_00.pt", "model/dp_rank_00_ep_rank_00_tp_rank_01_pp_rank_00.pt",
+                                                      "model/dp_rank_00_ep_rank_01_tp_rank_00_pp_rank_00.pt", "model/dp_rank_00_ep_rank_01_tp_rank_01_pp_rank_00.pt"}));
+  EXPECT_EQ(g.OptimFiles().size(), 8u);  // ZeRO-1's names carry no ep (_get_path(dp=True))
+  EXPECT_EQ(g.FileOf(RankFileKind::kModel, {3, 1, 0}), "model/dp_rank_00_ep_rank_01_tp_rank_01_pp_rank_00.pt");
+  EXPECT_EQ(g.FileOf(RankFileKind::kModel, {2, 1, 0}), "model/dp_rank_00_ep_rank_00_tp_rank_01_pp_rank_00.pt");
+  EXPECT_EQ(g.AxisCoordsOf({3, 0, 0})[Axis::kEp], (AxisPlace{2, 1}));
+  EXPECT_EQ(g.ToString(), "tp 2, pp 1, dp 4, ep 2 (ZeRO-1)");
+  g.ep = 1;
+  EXPECT_EQ(g.ModelFiles().front(), "model/dp_rank_00_tp_rank_00_pp_rank_00.pt");
+}
+
 TEST(TagPaths, TagNamesFollowNxdt) {
   TagName t{"megatron_llama", 5, 5120, false};
   EXPECT_EQ(FormatTagName(t), "megatron_llama--step=5-consumed_samples=5120.0.ckpt");

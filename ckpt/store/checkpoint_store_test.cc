@@ -370,6 +370,22 @@ TEST(Resume, NxdWrittenTagsWithoutManifestAndTheNewestFileLayout) {
   EXPECT_EQ(FindLatestCheckpoint(env, old.path(), false, nullptr), old / "step_100");
 }
 
+// Bytes alone do not vouch for a model no reader takes: an MoE (Mixtral) model file is a problem naming it.
+TEST(Resume, VerifyDoesNotPassAnMoeTagOnItsBytes) {
+  TempDir d("store");
+  auto* env = Env::Default();
+  const std::string nxd = d / "step_2";
+  env->CreateDirs(nxd + "/model");
+  Value model = Value::NewDict();
+  model.as_dict().Set("model.layers.0.mlp.router.linear_router.weight", Value(testing::Arange({4, 2})));
+  SavePt(nxd + "/model/" + RankFileName({0, 0, 0}), model);
+  WriteMarker(env, nxd + "/done");
+  const TagReport r = VerifyTag(env, nxd);
+  ASSERT_EQ(r.problems.size(), 1u);
+  EXPECT_EQ(r.problems[0].file, "model/" + RankFileName({0, 0, 0}));
+  EXPECT_NE(r.problems[0].what.find("MoE (Mixtral)"), std::string::npos) << r.problems[0].what;
+}
+
 // A folder of the user's files under a tag's name is never replaced by a save.
 TEST(CheckpointStore, SaveRefusesToReplaceAFolderThatIsNotATag) {
   TempDir d("store");

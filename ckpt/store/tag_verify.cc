@@ -1,5 +1,7 @@
 #include "ckpt/store/tag_verify.h"
 
+#include "ckpt/spec/model_family.h"
+
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
@@ -86,6 +88,13 @@ std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string&
     v = LoadTagFile(env, tag_dir, rel, opts);
   } catch (const Error& e) {
     return std::string("unreadable: ") + e.what();
+  }
+  // Bytes alone do not vouch for a model no reader takes: an MoE (Mixtral) model's files are told so.
+  if (rel.starts_with("model/") && v.is_dict()) {
+    std::vector<std::string> keys;
+    for (const auto& [k, _] : v.as_dict().items)
+      if (k.is_str()) keys.push_back(k.as_str());
+    if (const auto moe = FirstMoeName(keys)) return MoeRefusal(*moe);
   }
   if (zero1_dp > 0 && rel.starts_with("optim/")) {
     std::string why = Zero1ShardProblem(v, zero1_dp, rel);

@@ -1,5 +1,8 @@
 // Test bridge between the C++ .pt library and the Python interop tests:
 //   pt_canonical dump FILE             canonical JSON (with tensor bytes) of FILE
+//   pt_canonical tag-file TAG REL      the same of file REL of tag TAG as the tag
+//                                      readers load it (LoadTagFile: plain or xser,
+//                                      an ep rank's shared xser tensors from ep_rank_00)
 //   pt_canonical build JSON OUT [-w]   write OUT from canonical JSON
 //   pt_canonical copy IN OUT [-w]      read IN, write OUT (round trip)
 //   pt_canonical big OUT MIB           a file past 4 GiB: one MIB-MiB uint8 storage
@@ -14,6 +17,7 @@
 #include "ckpt/util/error.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/pt/value_json.h"
+#include "ckpt/pt/xser.h"
 
 int main(int argc, char** argv) {
   if (argc < 3) {
@@ -25,6 +29,11 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "dump") {
       std::cout << ckpt::ValueToJson(ckpt::LoadPt(argv[2], {.verify_crc = true, .confine_to = {}}), {.tensor_bytes = true}).dump() << "\n";
+    } else if (cmd == "tag-file" && argc >= 4) {
+      std::cout << ckpt::ValueToJson(ckpt::LoadTagFile(ckpt::Env::Default(), argv[2], argv[3], {.verify_crc = true, .confine_to = {}}),
+                                     {.tensor_bytes = true})
+                       .dump()
+                << "\n";
     } else if (cmd == "build" && argc >= 4) {
       std::ifstream in(argv[2]);
       ckpt::SavePt(argv[3], ckpt::ValueFromJson(nlohmann::json::parse(in)), {.weights_only = weights_only});
