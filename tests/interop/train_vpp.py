@@ -176,6 +176,24 @@ class VirtualPipeline(TempDirTest):
         self.assertNotEqual(vpp.returncode, 0, vpp.stderr)
         self.assertIn("resume_reshard does not write interleaved (virtual) pipeline stages", vpp.stderr)
 
+    def test_resume_reshard_moves_a_virtual_stage_tag_to_one_process(self):
+        # Trained at pp 2 with 2 virtual stages to step 4, then resumed by one process: the trainer's
+        # resume_reshard re-lays the virtual-stage tag (ckpt-reshard's reader learns the stage map), and
+        # steps 5-8 equal one process's straight run.
+        extra = ["distributed_strategy.zero1=True"]
+        self.train("straight", 1, extra)
+        self.train("moved", 2, extra, pp=2, vpp=2, steps=4)
+        r = self.train("moved", 1, [*extra, "++exp_manager.resume_reshard=True"])
+        new_tag = os.path.join(self.dir, "moved", "checkpoints-tp1pp1dp1", os.path.basename(self.tag("moved", 4)))
+        self.assertIn("resumed from " + new_tag, r.stderr)
+        with open(os.path.join(new_tag, "manifest.json")) as f:
+            self.assertEqual(json.load(f)["layout"]["stages"], [[[0, 4]]])
+        a, b = losses(os.path.join(self.dir, "straight")), losses(os.path.join(self.dir, "moved"))
+        self.assertEqual(sorted(s for s in b if s > 4), [5, 6, 7, 8])
+        worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in range(5, STEPS + 1))
+        print(f"\n  resumed at pp 1 from pp 2 x 2 virtual stages: worst relative loss difference {worst:.2e}", file=sys.stderr)
+        self.assertLess(worst, LOSS_RTOL)
+
     def test_configs_the_interleaved_schedule_cannot_run_are_refused(self):
         cases = [
             # 12 samples of 4: 3 micro-batches, not a multiple of pp 2 (NxD's TrainInterleavedSchedule refuses it too).
