@@ -132,11 +132,9 @@ std::string MismatchOf(const ckpt::TagDescription& L, const TrainConfig& c) {
 }
 
 // The stage map this run records and resumes: per pp rank, one layer range
-// per model chunk (virtual stages p, p + pp, ..., as NxD places them).
+// per model chunk (virtual stages p, p + pp, ..., as NxD places them: ckpt::RankLayerRanges).
 ckpt::StageMap RunStageMap(const TrainConfig& c) {
-  ckpt::StageMap m(c.grid.pp);
-  for (size_t s = 0; s + 1 < c.stage_bounds.size(); ++s) m[s % c.grid.pp].push_back({c.stage_bounds[s], c.stage_bounds[s + 1]});
-  return m;
+  return ckpt::StageMapOf(c.stage_bounds, static_cast<int>(c.stage_bounds.size() - 1) / c.grid.pp);
 }
 
 // A stage map as its layer ranges, pp rank by pp rank ("0..1 | 2..3", "0..0 2..2 | 1..1 3..3").
