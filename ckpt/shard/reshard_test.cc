@@ -119,7 +119,7 @@ TEST(Reshard, ATensorOfManyChunksIsExact) {
   // one writing thread's minimum is refused ("smaller than one slice"), and the next is tried.
   ReshardSummary sum;
   std::vector<Value> files;
-  for (uint64_t margin : {10, 14, 18}) {
+  for (uint64_t margin : {10, 12, 14}) {
     a.memory_budget = CurrentRss() + (margin << 20);
     const std::string e = testing::ErrorOf([&] { files = Write(dir, f, 2, a, &sum); });
     if (e.empty()) break;
