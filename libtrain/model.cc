@@ -86,16 +86,16 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
     throw ckpt::Error("internal: pipeline stage bounds do not fit the model");
   if ((c.tied_output && pp_.size > 1 && (pp_.first() || pp_.last())) != (pp_.embedding_comm != nullptr))
     throw ckpt::Error("internal: the tied embedding's communicator does not match the pipeline");
-  // Chunk after chunk, as NxD's local_named_parameters walks its local_stage_modules (pipeline/model.py).
-  for (int chunk = 0; chunk < pp_.chunks; ++chunk) {
-    const int stage = pp_.stage + chunk * pp_.size;
-    chunk_layers_.push_back({static_cast<int>(pp_.bounds[stage]), static_cast<int>(pp_.bounds[stage + 1])});
-    for (const ckpt::StageParam& sp : ckpt::StageParameters(logical_, pp_.bounds, stage)) {
-      if (sp.tied_copy()) tied_copy_ = sp.name;
-      index_[sp.name] = layout_.size();
-      layout_.push_back(*sp.rule);
-      layout_.back().name = sp.name;
-    }
+  // This rank's model chunks (stages p, p + pp, ...) and their parameters chunk after chunk, as
+  // NxD's local_named_parameters walks its local_stage_modules: the spec's one rule for both
+  // (ckpt/spec/partition.h RankLayerRanges, StageParameters).
+  for (const auto& [first, end] : ckpt::RankLayerRanges(pp_.bounds, pp_.chunks, pp_.stage))
+    chunk_layers_.push_back({static_cast<int>(first), static_cast<int>(end)});
+  for (const ckpt::StageParam& sp : ckpt::StageParameters(logical_, pp_.bounds, pp_.stage, ckpt::TiedCopyNaming::kNxdt, pp_.chunks)) {
+    if (sp.tied_copy()) tied_copy_ = sp.name;
+    index_[sp.name] = layout_.size();
+    layout_.push_back(*sp.rule);
+    layout_.back().name = sp.name;
   }
   // Every parameter (and its gradient) is a view into one flat buffer, in module order.
   int64_t total = 0;
