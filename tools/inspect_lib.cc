@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -103,11 +104,13 @@ namespace {
 // model files hold no MoE tensor.
 void DescribeMoeTag(InspectReport& r) {
   std::vector<std::string> names;
+  std::map<std::string, std::vector<int64_t>> shapes;  // the first shape each name is seen with
   std::set<int> ep_ranks;
   for (const auto& f : r.files) {
     if (!f.file.starts_with("model/") || f.file.ends_with(".info.pt")) continue;
     if (const auto c = ckpt::ParseAnyRankFileName(f.file.substr(6)); c && c->ep) ep_ranks.insert(*c->ep);
-    for (const auto& e : f.entries) names.push_back(e.key);
+    for (const auto& e : f.entries)
+      if (shapes.emplace(e.key, e.shape).second) names.push_back(e.key);
   }
   const auto moe = ckpt::FirstMoeName(names);
   if (!moe) return;
@@ -118,10 +121,7 @@ void DescribeMoeTag(InspectReport& r) {
     if (!ckpt::FirstMoeName({n})) continue;
     const int layer = ckpt::LayerOfName(n);
     layers.insert(layer);
-    if (n == ckpt::ParamName(f, ckpt::Module::kRouter, layer))
-      for (const auto& file : r.files)
-        for (const auto& e : file.entries)
-          if (e.key == n && !e.shape.empty()) f.experts = e.shape[0];
+    if (const auto& shape = shapes.at(n); n == ckpt::ParamName(f, ckpt::Module::kRouter, layer) && !shape.empty()) f.experts = shape[0];
   }
   const int ep = ep_ranks.empty() ? 1 : *ep_ranks.rbegin() + 1;
   std::string list;
