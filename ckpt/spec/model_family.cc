@@ -276,6 +276,11 @@ std::string LeafOf(const ModelFormat& f, Module m) {
 }
 }  // namespace
 
+namespace {
+// A layer parameter's name past "layers.N." (FirstMoeName's names hold a layer).
+std::string LeafOfLayerName(const std::string& n) { return n.substr(n.find('.', n.find(".layers.") + 8) + 1); }
+}  // namespace
+
 std::vector<std::string> MoeLeaves(ModelFamily family) {
   ModelFormat f;
   f.family = family;
@@ -286,8 +291,7 @@ std::optional<std::string> FirstMoeName(const std::vector<std::string>& names) {
   for (const std::string& n : names) {
     const auto family = FamilyOfName(n);
     if (!family || LayerOfName(n) < 0) continue;
-    const size_t at = n.find('.', n.find(".layers.") + 8);  // past "layers.N"
-    const std::string leaf = n.substr(at + 1);
+    const std::string leaf = LeafOfLayerName(n);
     // The MoE module's own prefix: "mlp.moe." (Megatron-style) or the router's and experts' under "mlp." (HF-style).
     const std::string module = family == ModelFamily::kHfLlama ? "mlp." : "mlp.moe.";
     for (const std::string& part : {std::string("router."), std::string("expert_mlps."), std::string("shared_experts.")})
@@ -298,7 +302,7 @@ std::optional<std::string> FirstMoeName(const std::vector<std::string>& names) {
 
 std::string MoeRefusal(const std::string& moe_name) {
   const bool hf = FamilyOfName(moe_name) == ModelFamily::kHfLlama;
-  const std::string leaf = moe_name.substr(moe_name.find('.', moe_name.find(".layers.") + 8) + 1);
+  const std::string leaf = LeafOfLayerName(moe_name);
   const auto known = MoeLeaves(hf ? ModelFamily::kHfLlama : ModelFamily::kMegatron);
   std::string what = std::string("an MoE (Mixtral) model, ") + (hf ? "HF-style (NxDT modeling_mixtral.py)" : "Megatron-style (NxDT NeuronSwitchMLP)") +
                      ": it holds '" + moe_name + "'";
