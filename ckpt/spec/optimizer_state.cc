@@ -174,11 +174,6 @@ int64_t Zero1SavedAsOneShard(const Value& file) {
 
 namespace {
 
-// What a user can still do with a tag whose optimizer lost moments.
-constexpr const char* kWeightsOnlyAdvice =
-    "The model weights are complete: take them with a fresh optimizer by --weights_only (ckpt-reshard, ckpt-export) or "
-    "model.weight_init_only: True (shardkit-train, as NxDT)";
-
 // dims of a shape_info entry (a list, or torch.Size as a tuple), or nullopt.
 std::optional<std::vector<int64_t>> ShapeInfoDims(const Value* s) {
   if (!s || !s->is_seq() || s->as_seq().items.empty()) return std::nullopt;

@@ -84,6 +84,10 @@ const Value* EntryById(const Dict& by_id, size_t id);
 // save_checkpoint writes dp rank 0's file only and the other ranks' moments
 // are lost; NxD load_checkpoint then hands that one shard to every rank.
 int64_t Zero1SavedAsOneShard(const Value& file);
+// What a user can still do with a tag whose optimizer lost moments (the end of each such message).
+inline constexpr const char* kWeightsOnlyAdvice =
+    "The model weights are complete: take them with a fresh optimizer by --weights_only (ckpt-reshard, ckpt-export) or "
+    "model.weight_init_only: True (shardkit-train, as NxDT)";
 // The message for such a file.
 std::string Zero1OneShardMessage(const std::string& where, int64_t dp);
 
