@@ -7,6 +7,7 @@
 
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/pt/xser.h"
+#include "ckpt/spec/ep_zero1_state.h"
 #include "ckpt/spec/optimizer_state.h"
 #include "ckpt/shard/sharded_tag.h"
 #include "ckpt/util/input_guard.h"
@@ -29,18 +30,22 @@ std::string TagFiles::Path(const std::string& rel) const {
   return dir_ + "/" + rel;
 }
 
-// The rank files of model/ or optim/ (names); what the folder holds is added to `entries`.
-std::vector<std::string> TagFiles::ListRankFiles(const std::string& sub, std::set<std::string>& entries) const {
-  std::vector<std::string> out;
+// What model/ or optim/ holds (names; none when the folder is absent).
+std::vector<std::string> TagFiles::ListNames(const std::string& sub) const {
   std::vector<std::string> names;
   if (in_memory_) {
     for (const auto& [rel, v] : given_)
       if (rel.starts_with(sub + "/")) names.push_back(rel.substr(sub.size() + 1));
-  } else {
-    if (!env_->IsDirectory(Path(sub))) return out;
+  } else if (env_->IsDirectory(Path(sub))) {
     names = env_->ListDir(Path(sub));
   }
-  for (const auto& n : names) {
+  return names;
+}
+
+// The rank files of model/ or optim/ (names); what the folder holds is added to `entries`.
+std::vector<std::string> TagFiles::ListRankFiles(const std::string& sub, std::set<std::string>& entries) const {
+  std::vector<std::string> out;
+  for (const auto& n : ListNames(sub)) {
     if (IsTempPath(n)) continue;
     entries.insert(sub + "/" + n);
     try {
@@ -55,6 +60,7 @@ std::vector<std::string> TagFiles::ListRankFiles(const std::string& sub, std::se
 void TagFiles::Discover(const TagReadOptions& opts, std::optional<Manifest>& manifest, TagDescription& L, bool* optimizer_skipped) {
   if (!in_memory_ && !env_->IsDirectory(dir_)) throw Error(dir_ + ": not a folder");
   if (!in_memory_ && !env_->IsDirectory(Path("model"))) throw Error(dir_ + ": holds no model/ folder; not a checkpoint tag");
+  if (!opts.weights_only) RefuseLostExpertOptimizer();
   std::set<std::pair<int, int>> model;
   int tp = 0, pp = 0;
   // One container per tag, as NxD's loader reads it: a mix, or a tensor folder without its X.pt, is refused.
@@ -89,6 +95,19 @@ void TagFiles::Discover(const TagReadOptions& opts, std::optional<Manifest>& man
     return;
   }
   CheckOptimizerFiles(optim_files, manifest, L);
+}
+
+// NxDT's save of an expert-parallel ZeRO-1 optimizer (EpZero1LostMessage) lost moments no reader
+// can restore: told first, before its ep rank file names are refused as MoE.
+void TagFiles::RefuseLostExpertOptimizer() const {
+  const std::vector<std::string> optim = ListNames("optim");
+  const auto ep0 = EpNamedOptimFile(optim);
+  if (!ep0) return;
+  std::vector<std::string> names = ListNames("model");
+  names.insert(names.end(), optim.begin(), optim.end());
+  const bool xser = std::find(optim.begin(), optim.end(), XserTensorDir(*ep0)) != optim.end();
+  if (const std::string why = EpZero1LostMessage(Path("optim"), Peek("optim/" + *ep0), EpSizeOfNames(names), xser); !why.empty())
+    throw Error(why);
 }
 
 // Optimizer files: ZeRO-1 when they hold base_state, one per dp rank; every

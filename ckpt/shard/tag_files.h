@@ -68,7 +68,9 @@ class TagFiles {
   uint64_t bytes() const { return bytes_; }
 
  private:
+  std::vector<std::string> ListNames(const std::string& sub) const;
   std::vector<std::string> ListRankFiles(const std::string& sub, std::set<std::string>& entries) const;
+  void RefuseLostExpertOptimizer() const;
   void CheckOptimizerFiles(const std::vector<std::string>& names, const std::optional<Manifest>& manifest, TagDescription& layout);
 
   Env* env_;

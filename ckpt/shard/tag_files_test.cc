@@ -54,6 +54,22 @@ TEST(TagFiles, AMissingRankFileIsNamed) {
   EXPECT_EQ(Discover({"model/dp_rank_01_tp_rank_00_pp_rank_00.pt"}, &L), "tag (as model/dp_rank_01_tp_rank_00_pp_rank_00.pt): model files come from dp rank 0 only");
 }
 
+// NxDT's save of an expert-parallel ZeRO-1 optimizer (ep_zero1_state.h): optim/ named by ep rank, ep
+// rank 0's file holding ZeRO-1 state. Refused naming optim/ before the ep names are refused as MoE;
+// --weights_only leaves the optimizer, and a plain (non-ZeRO-1) file is not this loss.
+TEST(TagFiles, NxdtsLossyExpertParallelSaveIsRefusedFirst) {
+  const std::vector<std::string> rels{"model/dp_rank_00_ep_rank_00_tp_rank_00_pp_rank_00.pt", "model/dp_rank_00_ep_rank_01_tp_rank_00_pp_rank_00.pt",
+                                      "optim/dp_rank_00_ep_rank_00_tp_rank_00_pp_rank_00.pt"};
+  TagDescription L;
+  const std::string lost = Discover(rels, &L, false, true);
+  EXPECT_TRUE(lost.starts_with("tag (as optim): NxDT saved an expert-parallel (ep=2) dp > 1 ZeRO-1 optimizer of an MoE model")) << lost;
+  EXPECT_NE(lost.find("optim/ holds ep rank 0's files alone"), std::string::npos) << lost;
+  for (const std::string& other : {Discover(rels, &L, true, true), Discover(rels, &L, false, false)}) {
+    EXPECT_EQ(other.find("NxDT saved"), std::string::npos) << other;
+    EXPECT_NE(other.find("an expert-parallel rank file (_ep_rank_) of an MoE (Mixtral) tag"), std::string::npos) << other;
+  }
+}
+
 TEST(TagFiles, OptimizerFilesGiveDpAndZero1) {
   const std::string model = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt";
   TagDescription L;

@@ -15,6 +15,7 @@
 #include "ckpt/util/error.h"
 #include "ckpt/util/input_guard.h"
 #include "ckpt/store/manifest.h"
+#include "ckpt/spec/ep_zero1_state.h"
 #include "ckpt/spec/optimizer_state.h"
 #include "ckpt/util/output_guard.h"
 #include "ckpt/pt/xser.h"
@@ -129,6 +130,30 @@ std::string TrainingStateProblem(Env* env, const std::string& tag_dir, const std
     std::string why = e.what();
     if (why.starts_with(rel + ": ")) why.erase(0, rel.size() + 2);  // the report names the file
     return why;
+  }
+}
+
+// NxDT's save of an expert-parallel ZeRO-1 optimizer (EpZero1LostMessage): optim/ files named by
+// ep rank, ep rank 0's holding ZeRO-1 state. Told as the optim/ folder's problem.
+void ReportLostExpertOptimizer(Env* env, const std::string& tag_dir, const std::vector<std::string>& files, const std::set<std::string>& present,
+                               const std::set<std::string>& outside, const std::function<void(std::string, std::string)>& problem) {
+  std::vector<std::string> optim, names;  // optim/'s rank file names; model/'s and optim/'s
+  for (const auto& f : files)
+    for (const char* sub : {"model/", "optim/"})
+      if (f.starts_with(sub) && f.find('/', 6) == std::string::npos) {
+        names.push_back(f.substr(6));
+        if (sub[0] == 'o') optim.push_back(f.substr(6));
+      }
+  const auto ep0 = EpNamedOptimFile(optim);
+  if (!ep0 || !present.count("optim/" + *ep0) || outside.count("optim/" + *ep0)) return;
+  const std::string tensors = "optim/" + XserTensorDir(*ep0) + "/";
+  const bool xser = std::any_of(files.begin(), files.end(), [&](const std::string& f) { return f.starts_with(tensors); });
+  try {
+    if (std::string why = EpZero1LostMessage("damaged by design", LoadTagFile(env, tag_dir, "optim/" + *ep0), EpSizeOfNames(names), xser);
+        !why.empty())
+      problem("optim/", std::move(why));
+  } catch (const Error&) {
+    // an unreadable file is reported by the load
   }
 }
 
@@ -266,6 +291,7 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
       }
     }
   }
+  if (!r.has_manifest) ReportLostExpertOptimizer(env, tag_dir, files, present, outside, problem);
   for (const char* rel : {kUserContentFile, kSchedulerFile}) {
     const bool reported = std::any_of(r.problems.begin(), r.problems.end(), [&](const TagProblem& p) { return p.file == rel; });
     if (present.count(rel) && !outside.count(rel) && !reported)

@@ -52,6 +52,16 @@ TEST(TagVerify, AFolderLinkedOutOfTheTagIsReportedAndNeverListed) {
   for (const auto& read : env2.reads()) EXPECT_EQ(read.find(away), std::string::npos) << read << " was read";
 }
 
+// NxDT's ep 2 save (tests/data/upstream/nxd_mixtral/nxdt_ep2_pt): optim/ named by ep rank, ep rank 0's
+// alone, is reported as the optim/ folder's problem; NxD's own ep 2 tag is not.
+TEST(TagVerify, NxdtsLossyExpertParallelSaveIsDamagedByDesign) {
+  const std::string data = std::string(SHARDKIT_TEST_DATA) + "/upstream/nxd_mixtral/";
+  const std::string lost = ProblemsOf(VerifyTag(Env::Default(), data + "nxdt_ep2_pt/hf_mixtral--step=2-consumed_samples=16.0.ckpt"), "optim/");
+  EXPECT_TRUE(lost.starts_with("damaged by design: NxDT saved an expert-parallel (ep=2) dp=2 ZeRO-1 optimizer of an MoE model")) << lost;
+  EXPECT_NE(lost.find("optim/ holds ep rank 0's files alone"), std::string::npos) << lost;
+  EXPECT_EQ(ProblemsOf(VerifyTag(Env::Default(), data + "hf_ep2_pt/step_2"), "optim/"), "");
+}
+
 // Reading the contents apart (each rank of a resume its files): VerifyTag
 // without checksums plus VerifyListedContent over every listed file reports
 // what VerifyTag with checksums reports, each problem once.

@@ -3,6 +3,9 @@
 //   pt_canonical tag-file TAG REL      the same of file REL of tag TAG as the tag
 //                                      readers load it (LoadTagFile: plain or xser,
 //                                      an ep rank's shared xser tensors from ep_rank_00)
+//   pt_canonical ep-optim TAG REL OUT  parse optim file REL of TAG as NxD's
+//                                      NeuronEPZero1Optimizer state dict and write it
+//                                      back to OUT (ParseEpZero1File, ToValue)
 //   pt_canonical build JSON OUT [-w]   write OUT from canonical JSON
 //   pt_canonical copy IN OUT [-w]      read IN, write OUT (round trip)
 //   pt_canonical big OUT MIB           a file past 4 GiB: one MIB-MiB uint8 storage
@@ -18,6 +21,7 @@
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/pt/value_json.h"
 #include "ckpt/pt/xser.h"
+#include "ckpt/spec/ep_zero1_state.h"
 
 int main(int argc, char** argv) {
   if (argc < 3) {
@@ -34,6 +38,9 @@ int main(int argc, char** argv) {
                                      {.tensor_bytes = true})
                        .dump()
                 << "\n";
+    } else if (cmd == "ep-optim" && argc >= 5) {
+      const ckpt::Value file = ckpt::LoadTagFile(ckpt::Env::Default(), argv[2], argv[3], {.verify_crc = true, .confine_to = {}});
+      ckpt::SavePt(argv[4], ckpt::ParseEpZero1File(file, std::string(argv[2]) + "/" + argv[3]).ToValue());
     } else if (cmd == "build" && argc >= 4) {
       std::ifstream in(argv[2]);
       ckpt::SavePt(argv[3], ckpt::ValueFromJson(nlohmann::json::parse(in)), {.weights_only = weights_only});
