@@ -15,15 +15,12 @@ wrote under expert parallelism (tests/data/upstream/nxd_mixtral; its README's
     ckpt-verify, each naming the optim/ folder, what was lost, why, and
     --weights_only; NxD's own ep 2 tags are not told so."""
 import os
-import shutil
 import unittest
 
 import torch
 
 from canon import EXPORT, PT_CANONICAL, RESHARD, TempDirTest, VERIFY, run
-
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "upstream", "nxd_mixtral")
-NXDT_TAG = "hf_mixtral--step=2-consumed_samples=16.0.ckpt"
+from mixtral_tags import DATA, NXDT_TAG, copy_tag
 TP, DP, EP = 2, 2, 2
 OFFSETS = ["ep_param_id_offset", "ep_param_group_offset", "ep_base_state_offset", "ep_shape_info_offset"]
 EXPERT_LEAVES = ("expert_mlps.mlp_op.gate_up_proj.weight", "expert_mlps.mlp_op.down_proj.weight")
@@ -79,14 +76,7 @@ def parameter_names(tag):
 
 class MixtralOptim(TempDirTest):
     def copy(self, rel):
-        """The tag in a temporary folder, with the empty folders git cannot store (empty_dirs.txt)."""
-        dst = os.path.join(self.dir, rel.replace(os.sep, "_"))
-        shutil.copytree(os.path.join(DATA, rel), dst)
-        with open(os.path.join(DATA, "empty_dirs.txt")) as f:
-            for line in f.read().split():
-                if line.startswith(rel + "/"):
-                    os.makedirs(os.path.join(dst, line[len(rel) + 1:]), exist_ok=True)
-        return dst
+        return copy_tag(rel, os.path.join(self.dir, rel.replace(os.sep, "_")))
 
     def rewritten(self, tag, d, t):
         out = os.path.join(self.dir, f"rewritten_{d}_{t}.pt")

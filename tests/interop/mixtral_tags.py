@@ -88,17 +88,20 @@ def expected_box(name, full, e, t, ep):
     return full[t * rows:(t + 1) * rows]
 
 
+def copy_tag(rel, dst):
+    """Tag `rel` of DATA copied to `dst`, with the empty folders git cannot store (empty_dirs.txt)."""
+    shutil.copytree(os.path.join(DATA, rel), dst)
+    with open(os.path.join(DATA, "empty_dirs.txt")) as f:
+        for line in f.read().split():
+            if line.startswith(rel + "/"):
+                os.makedirs(os.path.join(dst, line[len(rel) + 1:]), exist_ok=True)
+    return dst
+
+
 class MixtralTags(TempDirTest):
     def copy(self, name):
-        """The tag in a temporary folder, with the empty folders git cannot store (empty_dirs.txt)."""
-        rel, _ = TAGS[name]
-        dst = os.path.join(self.dir, name)
-        shutil.copytree(os.path.join(DATA, rel), dst)
-        with open(os.path.join(DATA, "empty_dirs.txt")) as f:
-            for line in f.read().split():
-                if line.startswith(rel + "/"):
-                    os.makedirs(os.path.join(dst, line[len(rel) + 1:]), exist_ok=True)
-        return dst
+        """The tag in a temporary folder (copy_tag)."""
+        return copy_tag(TAGS[name][0], os.path.join(self.dir, name))
 
     def test_model_files_read_as_the_full_state_boxes(self):
         for name in ("hf_ep1_pt", "hf_ep1_xser", "hf_ep2_pt", "hf_ep2_xser"):
