@@ -11,6 +11,7 @@
 #include "ckpt/util/input_guard.h"
 #include "ckpt/util/error.h"
 #include "ckpt/store/manifest.h"
+#include "ckpt/spec/lora.h"
 #include "ckpt/spec/model_family.h"
 #include "ckpt/spec/partition.h"
 #include "ckpt/spec/tag_paths.h"
@@ -135,6 +136,27 @@ void DescribeMoeTag(InspectReport& r) {
   r.notes.push_back(ckpt::MoeRefusal(*moe));
 }
 
+// A LoRA tag NxD wrote (no manifest): what its first model file's lora_config
+// says (ckpt/spec/lora.h), validated. Nothing when it holds none.
+void DescribeLoraTag(InspectReport& r, ckpt::Env* env) {
+  for (const auto& f : r.files) {
+    if (!f.file.starts_with("model/") || f.file.ends_with(".info.pt")) continue;
+    const bool has = std::any_of(f.entries.begin(), f.entries.end(), [](const InspectEntry& e) {
+      return e.key == ckpt::kLoraConfigKey || e.key.starts_with(std::string(ckpt::kLoraConfigKey) + "/");
+    });
+    if (!has) continue;
+    ckpt::LoadOptions opts;
+    opts.confine_to = r.path;
+    const Value v = ckpt::LoadPtOrXser(r.path + "/" + f.file, opts, env);
+    const Value* config = v.is_dict() ? v.as_dict().Find(ckpt::kLoraConfigKey) : nullptr;
+    if (!config) return;
+    const ckpt::LoraFormat l = ckpt::LoraFormatOfConfig(*config, r.path + "/" + f.file);
+    r.model = ckpt::DescribeLora(l) + " (the model files' " + ckpt::kLoraConfigKey + ")";
+    r.model_json = nlohmann::ordered_json{{"lora", ckpt::LoraToJson(l)}};
+    return;
+  }
+}
+
 }  // namespace
 
 InspectReport Inspect(const std::string& path, bool verify_crc, ckpt::Env* env) {
@@ -170,6 +192,7 @@ InspectReport Inspect(const std::string& path, bool verify_crc, ckpt::Env* env) 
     }
   }
   if (r.kind == "nxdt_tag" && r.model.empty()) DescribeMoeTag(r);
+  if (r.kind == "nxdt_tag" && r.model.empty()) DescribeLoraTag(r, env);
   return r;
 }
 

@@ -39,7 +39,7 @@ struct InspectReport {
   // For a tag whose manifest records its model format: the parallel layout
   // and model (ModelFormat::Describe, with its family and KV replication),
   // and what a reader must know of it (a Megatron-style KV replication that
-  // only shardkit loads).
+  // only shardkit loads). A LoRA tag without one: its lora_config (ckpt/spec/lora.h).
   std::string model;
   std::optional<nlohmann::ordered_json> model_json;
   std::vector<std::string> notes;

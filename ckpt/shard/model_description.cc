@@ -1,11 +1,13 @@
 #include "ckpt/shard/model_description.h"
 
 #include <algorithm>
+#include <map>
 #include <cstring>
 #include <set>
 #include <type_traits>
 
 #include "ckpt/shard/extent_index.h"
+#include "ckpt/spec/lora.h"
 #include "ckpt/spec/model_family.h"
 #include "ckpt/spec/partition.h"
 #include "ckpt/spec/tag_paths.h"
@@ -493,7 +495,72 @@ ModelFormat DescribeHfLlamaModel(const ModelEvidence& e, const std::vector<int64
   return Describer(e, hints, notes).HfLlama(stage_bounds);
 }
 
+namespace {
+
+// The lora_config entry of the model files (ckpt/spec/lora.h): validated, the
+// same in every file (NxD saves it in each); nullopt when none holds one.
+std::optional<LoraFormat> LoraOfFiles(const ModelEvidence& e) {
+  std::optional<LoraFormat> seen;
+  std::string first, missing;
+  for (int p = 0; p < e.grid.pp; ++p)
+    for (int t = 0; t < e.grid.tp; ++t) {
+      const std::string where = e.path(RankFilePath(RankFileKind::kModel, {0, t, p}));
+      const Value* v = e.model(t, p).Find(kLoraConfigKey);
+      if (!v) {
+        missing = where;
+        continue;
+      }
+      const LoraFormat l = LoraFormatOfConfig(*v, where);
+      if (!seen) seen = l, first = where;
+      else if (!(l == *seen)) throw Error(where + ": its '" + kLoraConfigKey + "' differs from " + first + "'s");
+    }
+  if (seen && !missing.empty()) throw Error(missing + ": has no '" + kLoraConfigKey + "', which " + first + " holds (NxD saves it in every model file)");
+  return seen;
+}
+
+// A model file as the family's describer reads it: base weights under their
+// base names, adapters and lora_config left out.
+Dict BaseOf(const Dict& d) {
+  Dict out;
+  out.ordered = d.ordered;
+  for (const auto& [k, v] : d.items) {
+    if (k.is_str() && (k.as_str() == kLoraConfigKey || IsLoraAdapterName(k.as_str()))) continue;
+    out.items.emplace_back(k.is_str() ? Value(WithoutBaseLayer(k.as_str())) : k, v);
+  }
+  return out;
+}
+
+// A LoRA tag: the base model described from the base weights (those of the
+// merged mode are the base's names already), then the adapters added by the
+// LoRA table. An adapter-only tag holds no base to learn sizes from.
+ModelDescription DescribeLoraModel(const ModelEvidence& e, const FormatHints& hints, const LoraFormat& lora) {
+  if (lora.saved == LoraSaved::kAdapterOnly && !e.recorded)
+    throw Error(e.dir + ": is an adapter-only LoRA tag (NxD's save_lora_base False: " + DescribeLora(lora) +
+                "); it holds no base weights to learn the model's sizes from, and shardkit does not read it without them yet");
+  if (e.recorded && !(e.recorded->lora == lora))
+    throw Error(e.dir + ": its model files' '" + kLoraConfigKey + "' (" + DescribeLora(lora) + ") is not what its manifest records" +
+                (e.recorded->lora.on() ? " (" + DescribeLora(e.recorded->lora) + ")" : " (no LoRA)"));
+  std::map<std::pair<int, int>, Dict> base;
+  for (int p = 0; p < e.grid.pp; ++p)
+    for (int t = 0; t < e.grid.tp; ++t) base[{t, p}] = BaseOf(e.model(t, p));
+  ModelEvidence plain = e;
+  plain.model = [&base](int t, int p) -> const Dict& { return base.at({t, p}); };
+  ModelFormat recorded_base;
+  if (e.recorded) recorded_base = *e.recorded, recorded_base.lora = {}, plain.recorded = &recorded_base;
+  ModelDescription d = DescribeModel(plain, hints);
+  d.format.lora = lora;
+  if (const std::string why = d.format.CheckTensorParallel(e.grid.tp); !why.empty()) throw Error(e.dir + ": " + why);
+  d.params = LogicalParameters(d.format, e.grid.tp);
+  d.notes.push_back(DescribeLora(lora) + ", from the model files' '" + kLoraConfigKey + "'");
+  return d;
+}
+
+}  // namespace
+
 ModelDescription DescribeModel(const ModelEvidence& e, const FormatHints& hints) {
+  if (const auto lora = LoraOfFiles(e)) return DescribeLoraModel(e, hints, *lora);
+  if (e.recorded && e.recorded->lora.on())
+    throw Error(e.dir + ": its manifest records " + DescribeLora(e.recorded->lora) + ", but its model files hold no '" + kLoraConfigKey + "'");
   ModelDescription d;
   StageSplit split = StageSplitOfFiles(e);
   d.stage_bounds = std::move(split.bounds), d.virtual_stages = split.virtual_stages;

@@ -1,4 +1,5 @@
 #include "ckpt/shard/reshard.h"
+#include "ckpt/spec/lora.h"
 
 #include "ckpt/spec/model_family.h"
 #include "ckpt/shard/renamed_state.h"
@@ -181,7 +182,8 @@ class Planner {
       d.Set(sp.name, SliceTensor(s, src_.dtype(sp.rule->name, StateField::kParam)));
       AddBuffersAfter(sp.name, d, p);
     }
-    pf.file = {ckpt::RankFilePath(ckpt::RankFileKind::kModel, {0, t, p}), model, {.weights_only = true, .stream_chunk = chunk_, .stream_buffers = chunks_}};
+    // LoRA's lora_config holds a float (lora_dropout), which torch 1.13's weights_only loader refuses.
+    pf.file = {ckpt::RankFilePath(ckpt::RankFileKind::kModel, {0, t, p}), model, {.weights_only = !fmt_.lora.on(), .stream_chunk = chunk_, .stream_buffers = chunks_}};
     pf.unit = unit;
     return pf;
   }
@@ -206,6 +208,10 @@ class Planner {
     of.param_groups = ckpt::ParamGroupsFor(src_.ParamGroups(), g);
     for (const auto& slot : g.order) {
       const ckpt::StageParam& sp = stage[std::find(names.begin(), names.end(), slot.name) - names.begin()];
+      if (!src_.Has(sp.rule->name, StateField::kExpAvg) && fmt_.lora.on()) {  // LoRA's frozen base: no state
+        of.params.emplace_back();
+        continue;
+      }
       const auto local = ckpt::LocalShape(*sp.rule, fmt_, to_.tp, t);
       const int64_t shard = to_.zero1 ? ckpt::Zero1ShardRows(local[0], to_.dp) : local[0];
       ckpt::ParamState ps;
@@ -242,6 +248,15 @@ class Planner {
   std::map<std::tuple<std::string, StateField, int64_t>, std::pair<int, int>> first_holder_;
 };
 
+// LoRA adapters are named after their base's tensors (ckpt/spec/lora.h): `to`,
+// unless it re-lays those (attention tensors, family), which is not done for them.
+const ckpt::ModelFormat& LoraKeepsItsNames(const ckpt::ModelFormat& from, const ckpt::ModelFormat& to) {
+  if (from.lora.on() && (to.family != from.family || to.fuse_qkv != from.fuse_qkv || to.qkv_linear != from.qkv_linear))
+    throw Error("the tag holds LoRA adapters (" + ckpt::DescribeLora(from.lora) +
+                "); re-laying its attention tensors or family (--out_fuse_qkv, --out_qkv_linear, --out_model_family) is not supported for them");
+  return to;
+}
+
 // The target's model format: the source's, with the HF-style family's attention options applied.
 ckpt::ModelFormat TargetFormat(const ckpt::ModelFormat& from, const ReshardArgs& a) {
   ckpt::ModelFormat to = from;
@@ -252,14 +267,14 @@ ckpt::ModelFormat TargetFormat(const ckpt::ModelFormat& from, const ReshardArgs&
     // The HF-style family does not pad the vocabulary; NxDT's megatron models pad to a multiple of 128 x tp.
     to.make_vocab_size_divisible_by = to.family == ckpt::ModelFamily::kHfLlama ? 1 : 128;
   }
-  if (!asked) return to;
+  if (!asked) return LoraKeepsItsNames(from, to);
   if (to.family != ckpt::ModelFamily::kHfLlama)
     throw Error("--out_kv_size_multiplier, --out_hw_backend, --out_fuse_qkv and --out_qkv_linear apply to HF-style tags (model_source: hf) only");
   if (a.out_fuse_qkv) to.fuse_qkv = *a.out_fuse_qkv;
   if (a.out_qkv_linear) to.qkv_linear = *a.out_qkv_linear;
   if (a.out_kv_size_multiplier) to.kv_size_multiplier = *a.out_kv_size_multiplier;
   if (a.out_hw_backend) to.hw_backend = *a.out_hw_backend;
-  return to;
+  return LoraKeepsItsNames(from, to);
 }
 
 std::string StagesString(const std::vector<int64_t>& b, int virtual_stages) {

@@ -1,4 +1,5 @@
 #include "ckpt/shard/sharded_tag.h"
+#include "ckpt/spec/lora.h"
 
 #include <algorithm>
 #include <cstring>
@@ -61,6 +62,11 @@ class ShardedTagBuilder {
     t_->ordered_ = files_->Model(0, 0).ordered;
     Describe();
     CheckModelFiles();
+    // NxD saves the training's optimizer (base and adapters) whatever the model files hold.
+    if (L.has_optimizer && L.format.lora.on() && L.format.lora.saved != LoraSaved::kBaseAndAdapter)
+      throw Error(dir() + ": is a LoRA tag saved with " + LoraSavedName(L.format.lora.saved) +
+                  ": its optimizer files hold the state of the training's parameters (base and adapters), not of the ones its model "
+                  "files hold, and shardkit does not re-lay those; --weights_only reads the model alone");
     if (L.has_optimizer)
       ReadTagOptimizer(*files_, L, t_->params_, manifest_ ? manifest_->optimizer_grouping : std::nullopt, t_->index_, &t_->optimizer_);
     LearnStep();
@@ -130,6 +136,12 @@ class ShardedTagBuilder {
                       files_->Path(RankFilePath(RankFileKind::kModel, {0, t, 0})) + "'s '" + sp.rule->name + "'");
         }
         prev = name;
+        continue;
+      }
+      if (name == kLoraConfigKey && L.format.lora.on()) {
+        // LoRA's metadata (validated when the model was described): carried into every
+        // stage's file, at its front (NxD saves it last; its loads go by name).
+        if (t == 0 && p == 0) t_->buffers_.push_back({name, "", kEveryStageLayer, v});
         continue;
       }
       CheckOtherEntry(where, name, p);

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <set>
 
+#include "ckpt/spec/lora.h"
 #include "ckpt/spec/optimizer_groups.h"
 #include "ckpt/spec/optimizer_state.h"
 #include "ckpt/spec/model_family.h"
@@ -137,6 +138,9 @@ std::optional<int64_t> OptimizerReader::ReadParam(const OptimizerStage& stage, c
   const int64_t key = f.zero1 ? static_cast<int64_t>(id) : f.file_ids[id];
   const Value* e = EntryById(*f.state, static_cast<size_t>(key));
   if (!e && sp.tied_copy()) return std::nullopt;  // read from the embedding
+  // LoRA trains only its adapters: the frozen base weights are listed in
+  // param_groups but torch's AdamW keeps no state for them (no gradient).
+  if (!e && L_.format.lora.on() && !IsLoraAdapterName(name)) return std::nullopt;
   if (!e) throw Error(at + " has no state");
   const Dict& entry = OptimizerFileView::AdamWEntry(*e, at);
   const auto local = LocalShape(rule, L_.format, L_.grid.tp, f.t);

@@ -14,6 +14,11 @@ Value OptimizerFile::ToValue() const {
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamState& p = params[i];
     const Value id(static_cast<int64_t>(i));
+    // A parameter without state (LoRA's frozen base: torch's AdamW keeps none without a gradient).
+    if (p.exp_avg.is_none()) {
+      if (zero1) throw Error("a ZeRO-1 state dict has a shard for every parameter; parameter " + std::to_string(i) + " has no state");
+      continue;
+    }
     Value s = Value::NewDict();
     s.as_dict().Set("step", p.step);
     s.as_dict().Set("exp_avg", p.exp_avg);

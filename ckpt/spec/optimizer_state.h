@@ -29,7 +29,7 @@ struct ParamState {
 struct OptimizerFile {
   bool zero1 = false;
   Value param_groups;               // ParamGroupsFor
-  std::vector<ParamState> params;   // by optimizer id
+  std::vector<ParamState> params;   // by optimizer id; exp_avg None: no state (plain AdamW only)
   Value ToValue() const;
 };
 

@@ -4,6 +4,7 @@
 #include "ckpt/spec/tag_paths.h"
 #include <algorithm>
 
+#include "ckpt/spec/lora.h"
 #include "ckpt/spec/model_family.h"
 #include "ckpt/spec/optimizer_groups.h"
 #include "ckpt/pt/tensor.h"
@@ -74,7 +75,8 @@ std::string ModelFormat::Describe() const {
   if (moe())
     s += ", MoE: " + std::to_string(experts) + " experts, top " + std::to_string(moe_top_k) + ", every " + std::to_string(moe_frequency) +
          (moe_frequency == 1 ? "st" : "th") + " layer";
-  return s + ", vocab " + std::to_string(vocab_size);
+  s += ", vocab " + std::to_string(vocab_size);
+  return lora.on() ? s + ", " + DescribeLora(lora) : s;
 }
 
 std::string ModelFormat::CheckTensorParallel(int tp) const {
@@ -89,6 +91,7 @@ std::string ModelFormat::CheckTensorParallel(int tp) const {
     // NxD's ParallelEmbedding and the converter split the vocabulary evenly, with no padding.
     if (vocab_size % tp) return no("vocabulary", vocab_size) + " (the HF-style family does not pad it)";
     if (tied_output) return "the HF-style family with tied embeddings (no lm_head.weight) is not supported";
+    if (const std::string why = LoraProblem(*this); !why.empty()) return why;
     return KvReplicationProblem(*this, tp);
   }
   if (kv_heads % tp && tp % kv_heads)
@@ -149,6 +152,8 @@ nlohmann::ordered_json ModelFormat::ToJson() const {
           {"hw_backend", BackendName(hw_backend)}};
   // Dense models' manifests stay as they were.
   if (moe()) j["num_experts"] = experts, j["moe_top_k"] = moe_top_k, j["moe_frequency"] = moe_frequency;
+  // Models without LoRA keep their manifests as they were.
+  if (lora.on()) j["lora"] = LoraToJson(lora);
   return j;
 }
 
@@ -193,6 +198,7 @@ ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& wh
     f.moe_top_k = FieldInt(j, "moe_top_k", 1, f.experts, where);
     f.moe_frequency = FieldInt(j, "moe_frequency", 1, kMaxLayers, where);
   }
+  if (j.contains("lora")) f.lora = LoraFormatOfJson(j.at("lora"), where);
   if (f.hidden % f.heads) throw Error(where + ": model format hidden_size " + std::to_string(f.hidden) + " is not a multiple of num_attention_heads");
   if (f.heads % f.kv_heads) throw Error(where + ": model format num_attention_heads is not a multiple of num_kv_heads");
   if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(where + ": model format: " + why);
@@ -200,7 +206,7 @@ ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& wh
 }
 
 std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
-  if (f.family == ModelFamily::kHfLlama) return HfLlamaParameters(f, tp);
+  if (f.family == ModelFamily::kHfLlama) return WithLora(f, HfLlamaParameters(f, tp));
   if (f.moe()) throw Error(kMegatronMoeUnsupported);
   const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), V = f.PaddedVocab(tp);
   std::vector<ParamRule> p;
@@ -369,6 +375,7 @@ std::vector<std::pair<int64_t, int64_t>> RankLayerRanges(const std::vector<int64
 }
 
 bool RankHoldsLayer(const std::vector<int64_t>& bounds, int virtual_stages, int rank, int64_t layer) {
+  if (layer == kEveryStageLayer) return true;
   for (const auto& [first, end] : RankLayerRanges(bounds, virtual_stages, rank))
     if (layer >= first && layer < end) return true;
   return false;

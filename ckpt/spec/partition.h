@@ -51,6 +51,23 @@ enum class ModelFamily { kMegatron, kHfLlama };
 // not matter for the layout at hand.
 enum class HwBackend { kUnknown, kTrn1, kTrn2 };
 
+// LoRA (NxD modules/lora/): low-rank adapters on some linear layers of the
+// HF-style family, and which of NxD's three save modes a tag holds
+// (model.py LoraModel._get_lora_adapter_state_dict): the base (targets renamed
+// `<module>.base_layer.<weight>`) with the adapters, the adapters alone, or
+// the base with the adapters merged in (no adapters). rank 0: no LoRA. The
+// rules are ckpt/spec/lora.h's.
+enum class LoraSaved { kBaseAndAdapter, kAdapterOnly, kMerged };
+struct LoraFormat {
+  int64_t rank = 0;    // LoraConfig.lora_rank
+  double alpha = 0;    // LoraConfig.lora_alpha
+  bool use_rslora = false;
+  std::vector<std::string> targets;  // LoraConfig.target_modules, as saved
+  LoraSaved saved = LoraSaved::kBaseAndAdapter;
+  bool on() const { return rank > 0; }
+  bool operator==(const LoraFormat&) const = default;
+};
+
 // What describes a checkpoint's model format, as NxDT's model config names
 // it; nothing about training (dropout, recompute, seeds). A manifest carries
 // it, so a tag can be resharded without its training config.
@@ -90,6 +107,8 @@ struct ModelFormat {
   // num_moe_experts / moe_top_k / moe_frequency (Megatron-style).
   int64_t experts = 0, moe_top_k = 0, moe_frequency = 1;
   bool moe() const { return experts > 0; }
+  // LoRA fine-tuning (the HF-style family only; off by default).
+  LoraFormat lora;
 
   int64_t head_dim() const { return hidden / heads; }
   int64_t PaddedVocab(int tp) const;  // Megatron's _vocab_size_with_padding
@@ -209,7 +228,10 @@ std::vector<int64_t> CutsOf(const std::vector<int64_t>& bounds);
 std::vector<int64_t> VirtualStageBounds(int64_t layers, int pp, int virtual_stages, const std::vector<int64_t>& cuts = {});
 // The [first, end) layer ranges pp rank `rank` holds, in the order it runs them.
 std::vector<std::pair<int64_t, int64_t>> RankLayerRanges(const std::vector<int64_t>& bounds, int virtual_stages, int rank);
-// Whether pp rank `rank` holds `layer`.
+// The layer of what every pp rank's files hold (LoRA's lora_config entry):
+// RankHoldsLayer answers true for it.
+inline constexpr int64_t kEveryStageLayer = -2;
+// Whether pp rank `rank` holds `layer` (kEveryStageLayer: every rank does).
 bool RankHoldsLayer(const std::vector<int64_t>& bounds, int virtual_stages, int rank, int64_t layer);
 // "0..1" for one range, "0..0, 2..2" for several (messages).
 std::string LayerRangesString(const std::vector<std::pair<int64_t, int64_t>>& ranges);
