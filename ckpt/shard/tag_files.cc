@@ -203,16 +203,16 @@ Value TagFiles::Load(const std::string& rel) {
       auto got = std::move(pre->second);
       preloaded_.erase(pre);
       if (auto* e = std::get_if<std::exception_ptr>(&got)) std::rethrow_exception(*e);
-      v = std::move(std::get<Value>(got));
+      v = std::move(std::get<Value>(got));  // Preload released its parsed pages
     } else {
       v = LoadTagFile(env_, dir_, rel);
+      DropParsedPages(v);
     }
     bytes_ += env_->FileSize(Path(rel));
     std::set<const MappedFile*> files;
     ForEachTensor(v, [&](const Tensor& x) {
       if (const StorageOrigin* o = x.storage() ? x.storage()->origin() : nullptr; o && files.insert(o->file).second) bytes_ += o->file->size();
     });
-    DropParsedPages(v);
     held_.push_back(v);
     return v;
   }

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <filesystem>
 #include <thread>
+#include <vector>
 #include <fstream>
 
 #include "ckpt/util/error.h"
@@ -74,6 +75,40 @@ TEST(Env, ErrorsNameThePath) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent/x.pt: cannot open"), std::string::npos);
   }
+}
+
+// Whether `path` is mapped into this process (/proc/self/maps names it).
+bool IsMapped(const std::string& path) { return ReadAll("/proc/self/maps").find(path + "\n") != std::string::npos; }
+
+// A small file is read whole into memory (no mapping, no TLB-flushing munmap),
+// up to 16 MiB of them held at once; a larger one, or one past the cap, is mapped.
+TEST(Env, SmallFilesAreReadWholeUpToTheCapLargerOnesMapped) {
+  const std::string dir = EnvTestDir();
+  auto* env = Env::Default();
+  auto write = [&](const std::string& name, size_t n) {
+    std::string bytes(n, 'a');
+    for (size_t i = 0; i < n; ++i) bytes[i] = static_cast<char>('a' + i % 26);
+    WriteFileAtomically(env, dir + "/" + name, [&](WritableFile& f) { f.Append({reinterpret_cast<const uint8_t*>(bytes.data()), n}); });
+    return bytes;
+  };
+  const std::string small = write("small.bin", 64 << 10), large = write("large.bin", (64 << 10) + 1);
+  auto s = env->MapFile(dir + "/small.bin");
+  auto l = env->MapFile(dir + "/large.bin");
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(s->data()), s->size()), small);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(l->data()), l->size()), large);
+  EXPECT_FALSE(IsMapped(dir + "/small.bin"));
+  EXPECT_TRUE(IsMapped(dir + "/large.bin"));
+  // 255 more 64 KiB files fill the 16 MiB cap; the next is mapped, and is read whole once one is released.
+  std::vector<std::shared_ptr<const MappedFile>> held{s};
+  for (int i = 1; i < 256; ++i) held.push_back(env->MapFile(dir + "/small.bin"));
+  auto past = env->MapFile(dir + "/small.bin");
+  EXPECT_TRUE(IsMapped(dir + "/small.bin"));
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(past->data()), past->size()), small);
+  past.reset();
+  held.pop_back();
+  auto again = env->MapFile(dir + "/small.bin");
+  EXPECT_FALSE(IsMapped(dir + "/small.bin"));
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Env, WriteToFullDiskReportsEnospc) {
