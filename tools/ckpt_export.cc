@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tools/common/cli.h"
+#include "ckpt/spec/lora.h"
 #include "ckpt/util/error.h"
 #include "ckpt/shard/source_check.h"
 #include "ckpt/shard/fingerprint.h"
@@ -119,6 +120,7 @@ int main(int argc, char** argv) {
       if (env->Exists(partial)) env->RemoveAll(partial);  // an interrupted earlier export's
       if (hf) {
         if (const std::string why = ckpt::HfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
+        if (const std::string why = ckpt::LoraHfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
         // As the HDF5 export and reshard do: a source must still hold what its manifest recorded.
         ckpt::CheckRecordedFingerprints(*state, block, ckpt::StateField::kParam);
         env->CreateDirs(partial);

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 
+#include "ckpt/spec/lora.h"
 #include "ckpt/util/error.h"
 #include "ckpt/spec/model_family.h"
 #include "ckpt/pt/pt_file.h"
@@ -103,6 +104,7 @@ void WriteText(ckpt::Env* env, const std::string& path, const std::string& text)
 HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env) {
   const ckpt::ModelFormat& f = src.layout().format;
   if (const std::string why = ckpt::HfUnsupported(f); !why.empty()) throw Error(src.path() + ": " + why);
+  if (const std::string why = ckpt::LoraHfUnsupported(f); !why.empty()) throw Error(src.path() + ": " + why);
   const bool gpt2 = f.gelu;
   std::vector<HfTensor> tensors =
       ckpt::HfTensorsFor(f, src.dtype(src.params().front().name, ckpt::StateField::kParam));  // the embedding's, first in every family

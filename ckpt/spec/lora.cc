@@ -191,6 +191,13 @@ std::string LoraProblem(const ModelFormat& f) {
   return "";
 }
 
+std::string LoraHfUnsupported(const ModelFormat& f) {
+  if (!f.lora.on() || f.lora.saved == LoraSaved::kMerged) return "";
+  return "the tag holds LoRA adapters (" + DescribeLora(f.lora) +
+         "); a Hugging Face export would merge them into the base (W + scale * B A), which shardkit does not write yet (issue #41); "
+         "a tag NxD saved with merge_lora: True exports as it is";
+}
+
 std::vector<ParamRule> WithLora(const ModelFormat& f, std::vector<ParamRule> base) {
   if (!f.lora.on() || f.lora.saved == LoraSaved::kMerged) return base;
   if (const std::string why = LoraProblem(f); !why.empty()) throw Error(why);

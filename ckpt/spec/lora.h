@@ -69,6 +69,11 @@ std::string DescribeLora(const LoraFormat& l);
 // laid out here).
 std::string LoraProblem(const ModelFormat& f);
 
+// Why a Hugging Face export of f cannot be written ("" when it can): a tag
+// holding adapters (not merged) would need them merged in, which is not
+// written yet; the merged mode's tensors are the HF model's.
+std::string LoraHfUnsupported(const ModelFormat& f);
+
 // The family's table `base` (LogicalParameters without LoRA) as the tag
 // holds it under f.lora: targets renamed and their adapters after them
 // (kBaseAndAdapter), the adapters alone (kAdapterOnly), or `base` itself

@@ -13,7 +13,8 @@ layer (plain .pt), in NxD's three save modes.
     whole model, computed here from shardkit's tp 1 re-cut, equals shardkit's
     tp 1 re-cut of NxD's own per-rank merge (the merge_lora tag) within the
     rounding the computation allows;
-  - an adapter-only tag is refused naming what is missing.
+  - the merged tag exports as a Hugging Face model (NxD's merge); one holding
+    unmerged adapters is refused, as is an adapter-only tag, naming why.
 
 The dev-time counterpart, NxD's load_checkpoint reading shardkit's re-cut,
 is tests/data/upstream/nxd_lora/load_check.py (needs upstream source)."""
@@ -22,7 +23,8 @@ import unittest
 
 import torch
 
-from canon import INSPECT, RESHARD, VERIFY, TempDirTest, run
+from canon import EXPORT, INSPECT, RESHARD, VERIFY, TempDirTest, run
+from hf_export import read_safetensors
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "upstream", "nxd_lora")
 HEADS = ["--heads", "8"]  # NxD records no model format; the fixture's model has 8 heads (README)
@@ -124,6 +126,19 @@ class LoraTags(TempDirTest):
             self.assertGreater(float((b @ a).abs().max()), 1e3 * tol, k)  # the adapter is not negligible
             checked += 1
         self.assertEqual(checked, 2 * 6)  # q, k, v, o_proj, gate_up_proj, down_proj per layer
+
+    def test_hf_export_of_the_merged_tag_and_refusal_of_unmerged_adapters(self):
+        out = os.path.join(self.dir, "hf")
+        run(EXPORT, tag("all_targets", 4, "merged"), out, "--format", "hf", *HEADS, "--weights_only")
+        hf, _ = read_safetensors(os.path.join(out, "model.safetensors"))
+        nxd = model_file(self.reshard(tag("all_targets", 4, "merged"), 1, "merged", "--weights_only"))
+        self.assertTrue(torch.equal(hf["model.layers.1.mlp.down_proj.weight"], nxd["model.layers.1.mlp.down_proj.weight"]))
+        self.assertTrue(torch.equal(hf["model.layers.0.self_attn.k_proj.weight"], nxd["model.layers.0.self_attn.qkv_proj.weight_k"]))
+        p = run(EXPORT, tag("all_targets", 4, "base_adapter"), os.path.join(self.dir, "no"), "--format", "hf", *HEADS, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("holds LoRA adapters", p.stderr)
+        self.assertIn("does not write yet", p.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "no")))
 
     def test_adapter_only_is_refused_naming_what_is_missing(self):
         p = run(RESHARD, tag("qkv", 4, "adapter_only"), os.path.join(self.dir, "out"), "--tp", "1", "--pp", "1", *HEADS, check=False)
