@@ -38,6 +38,7 @@ ckpt::ModelFormat ModelConfig::format(int tp) const {
   f.max_positions = max_positions, f.tied_output = tied_output;
   f.rope_theta = rope_theta, f.norm_eps = norm_eps(), f.rotary_percentage = rotary_percentage;
   f.family = family;
+  f.experts = experts, f.moe_top_k = moe_top_k, f.moe_frequency = moe_frequency;
   if (family == ckpt::ModelFamily::kHfLlama)
     f.fuse_qkv = fuse_qkv, f.qkv_linear = qkv_linear, f.kv_size_multiplier = kv_size_multiplier, f.hw_backend = hw_backend;
   return f;
@@ -51,6 +52,7 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
   if (c.heads % c.kv_heads) throw ckpt::Error("num_attention_heads must be divisible by num_kv_heads");
   if (c.learned_positions && c.max_positions < 1) throw ckpt::Error("learned position embeddings need max_position_embeddings");
   if (const std::string why = format_.CheckTensorParallel(tp.size); !why.empty()) throw ckpt::Error(why);
+  if (format_.moe()) CheckMoe();
   if (c.vocab % tp.size)
     throw ckpt::Error("tensor parallel degree " + std::to_string(tp.size) + " does not divide the padded vocabulary (" +
                       std::to_string(c.vocab) + ")");
@@ -620,6 +622,13 @@ void Model::LayerForward(int l, LayerCache& lc, float* out) {
     lc.ln2.resize(N * H);
     NormForward(Name(Module::kPostAttentionNorm, l), lc.x2.data(), lc.ln2.data(), lc.mean2, lc.rstd2);
   }
+  std::vector<float> mlp_out(R * H);
+  if (ckpt::IsMoeLayer(format_, l)) {
+    MoeMlpForward(l, lc, mlp_out.data());
+    HiddenDropout(mlp_out.data(), DropoutSite(l, 3));
+    for (int64_t i = 0; i < R * H; ++i) out[i] = lc.x2[i] + mlp_out[i];
+    return;
+  }
   const int64_t fc_width = c_.gelu ? F : 2 * F;
   lc.fc.resize(N * fc_width), lc.act.resize(N * F);
   Linear(Name(Module::kMlpIn, l), lc.ln2.data(), lc.fc.data(), H, fc_width);
@@ -627,10 +636,40 @@ void Model::LayerForward(int l, LayerCache& lc, float* out) {
   else SwiGluForward(lc.act.data(), lc.fc.data(), N, F);
   // act holds what dense_4h_to_h sees; masks keyed on the global FFN column.
   DropoutApplyColumns(lc.act.data(), N, F, f0_, c_.ffn, c_.ffn_dropout, DropoutSite(l, 2));
-  std::vector<float> mlp_out(R * H);
   RowParallelLinear(Name(Module::kMlpOut, l), lc.act.data(), mlp_out.data(), F, H);
   HiddenDropout(mlp_out.data(), DropoutSite(l, 3));
   for (int64_t i = 0; i < R * H; ++i) out[i] = lc.x2[i] + mlp_out[i];
+}
+
+void Model::CheckMoe() const {
+  if (c_.family != ckpt::ModelFamily::kHfLlama)
+    throw ckpt::Error("MoE layers are built for the HF-style family (NxDT's MixtralForCausalLM) only");
+  if (tp_.size > 1) throw ckpt::Error("MoE layers with tensor parallelism are not implemented yet");
+  // The auxiliary loss joins every MoE layer's router logits: one stage must see them all.
+  if (pp_.size * pp_.chunks > 1) throw ckpt::Error("MoE layers with pipeline parallelism are not implemented yet");
+  CheckMoeSettings({1, c_.hidden, c_.ffn, c_.experts, c_.moe_top_k}, MoeOptionsOf());
+}
+
+MoeShape Model::MoeShapeOf() const { return {B_ * T_, c_.hidden, F_, c_.experts, c_.moe_top_k}; }
+
+MoeOptions Model::MoeOptionsOf() const {
+  MoeOptions o;
+  o.capacity_factor = c_.capacity_factor, o.normalize_top_k_affinities = c_.normalize_top_k_affinities;
+  return o;
+}
+
+// NxD's MoE (modules/moe/model.py MoE.forward) on the post-attention norm's output.
+void Model::MoeMlpForward(int l, LayerCache& lc, float* mlp_out) {
+  const MoeWeights w{W(Name(Module::kRouter, l)), W(Name(Module::kExpertsIn, l)), W(Name(Module::kExpertsOut, l))};
+  MoeForward(mlp_out, &lc.moe, lc.ln2.data(), w, MoeShapeOf(), MoeOptionsOf());
+}
+
+void Model::MoeMlpBackward(int l, LayerCache& lc, const Activations& a, const float* dmlp_out, float* dln2) {
+  const MoeWeights w{W(Name(Module::kRouter, l)), W(Name(Module::kExpertsIn, l)), W(Name(Module::kExpertsOut, l))};
+  const MoeGrads g{Dw(Name(Module::kRouter, l)), Dw(Name(Module::kExpertsIn, l)), Dw(Name(Module::kExpertsOut, l))};
+  const std::vector<double> aux =
+      c_.router_aux_loss_coef == 0 ? std::vector<double>{} : MoeAuxAffinityGrad(a.moe_aux, c_.router_aux_loss_coef);
+  MoeBackward(dln2, g, dmlp_out, aux, lc.ln2.data(), w, lc.moe, MoeShapeOf(), MoeOptionsOf());
 }
 
 uint64_t Model::DropoutSite(int l, int site) const {
@@ -645,6 +684,7 @@ void Model::Drop(LayerCache& lc) {
     for (auto* v : {&lc.ln1, &lc.mean1, &lc.rstd1, &lc.proj, &lc.kvproj, &lc.q, &lc.k, &lc.v, &lc.att, &lc.y, &lc.x2,
                     &lc.ln2, &lc.mean2, &lc.rstd2, &lc.fc, &lc.act})
       release(*v);
+    lc.moe = {};
   }
 }
 
@@ -654,7 +694,15 @@ size_t Model::Activations::bytes() const {
     for (const auto* v : {&lc.x, &lc.ln1, &lc.mean1, &lc.rstd1, &lc.proj, &lc.kvproj, &lc.q, &lc.k, &lc.v, &lc.att, &lc.y,
                           &lc.x2, &lc.ln2, &lc.mean2, &lc.rstd2, &lc.fc, &lc.act})
       n += v->size();
-  return n * sizeof(float);
+  size_t bytes = n * sizeof(float);
+  for (const auto& lc : layers) {
+    const MoeActivations& m = lc.moe;
+    bytes += (m.logits.size() + m.affinities.size() + m.combine.size()) * sizeof(float) + m.kept.size() +
+             m.expert_index.size() * sizeof(int64_t);
+    for (const MoeExpertBatch& b : m.experts)
+      bytes += b.tokens.size() * sizeof(int64_t) + (b.fc.size() + b.act.size() + b.out.size()) * sizeof(float);
+  }
+  return bytes;
 }
 
 float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, uint64_t dropout_key) {
@@ -713,10 +761,12 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
     std::copy(x_in, x_in + R * H, x.begin());
   }
   a.layers.resize(end_layer - first_layer);
+  a.moe_aux = {};
   for (int l = first_layer; l < end_layer; ++l) {
     LayerCache& lc = a.layers[l - first_layer];
     lc.x = x;
     LayerForward(l, lc, x.data());
+    if (ckpt::IsMoeLayer(format_, l)) AddMoeAuxStats(&a.moe_aux, lc.moe, MoeShapeOf());
     Drop(lc);
   }
   if (!LastStage(chunk)) {
@@ -740,7 +790,10 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
   std::vector<double> sums(2 * N);  // sum of exp(logit - max), then the target's logit
   CrossEntropySums(sums.data(), sums.data() + N, a.probs.data(), a.logits.data(), row_max.data(), targets, v0_, N, V_);
   if (tp_.comm) tp_.comm->AllReduceSum(sums.data(), sums.size());
-  return CrossEntropyFinish(a.probs.data(), sums.data(), sums.data() + N, row_max.data(), N, V_);
+  const float loss = CrossEntropyFinish(a.probs.data(), sums.data(), sums.data() + N, row_max.data(), N, V_);
+  // NxDT's MixtralForCausalLM: loss += router_aux_loss_coef * load_balancing_loss_func(all router logits).
+  if (c_.router_aux_loss_coef == 0 || a.moe_aux.rows == 0) return loss;
+  return static_cast<float>(loss + c_.router_aux_loss_coef * MoeAuxLossOf(a.moe_aux));
 }
 
 void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float>* dx_in) {
@@ -777,18 +830,22 @@ void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float
   };
   for (int l = end_layer - 1; l >= first_layer; --l) {
     LayerCache& lc = a.layers[l - first_layer];
-    if (lc.fc.empty()) {  // full recompute: rebuild the layer's activations from its input
+    if (lc.x2.empty()) {  // full recompute: rebuild the layer's activations from its input
       std::vector<float> unused(N * H);
       LayerForward(l, lc, unused.data());
     } else if (lc.att.empty()) {  // selective: rebuild the attention probabilities
       AttentionCore(l, lc);
     }
     // MLP block: dx is the gradient at the layer output (x2 + dropout(mlp_out)).
-    LinearGrad(Name(Module::kMlpOut, l), before_dropout(l, 3), lc.act.data(), dact.data(), F, H);
-    DropoutApplyColumns(dact.data(), N, F, f0_, c_.ffn, c_.ffn_dropout, DropoutSite(l, 2));
-    if (c_.gelu) GeluBackward(dfc.data(), dact.data(), lc.fc.data(), N * F);
-    else SwiGluBackward(dfc.data(), dact.data(), lc.fc.data(), N, F);
-    LinearGrad(Name(Module::kMlpIn, l), dfc.data(), lc.ln2.data(), dln.data(), H, fc_width);
+    if (ckpt::IsMoeLayer(format_, l)) {
+      MoeMlpBackward(l, lc, a, before_dropout(l, 3), dln.data());
+    } else {
+      LinearGrad(Name(Module::kMlpOut, l), before_dropout(l, 3), lc.act.data(), dact.data(), F, H);
+      DropoutApplyColumns(dact.data(), N, F, f0_, c_.ffn, c_.ffn_dropout, DropoutSite(l, 2));
+      if (c_.gelu) GeluBackward(dfc.data(), dact.data(), lc.fc.data(), N * F);
+      else SwiGluBackward(dfc.data(), dact.data(), lc.fc.data(), N, F);
+      LinearGrad(Name(Module::kMlpIn, l), dfc.data(), lc.ln2.data(), dln.data(), H, fc_width);
+    }
     NormBackward(Name(Module::kPostAttentionNorm, l), reduce_dln(), lc.x2.data(), lc.mean2, lc.rstd2, dpart.data());
     for (int64_t i = 0; i < R * H; ++i) dx[i] += dpart[i];  // now the gradient at x2
     // Attention block.
