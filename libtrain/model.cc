@@ -167,11 +167,13 @@ void Model::InitWeights() {
     for (float& x : whole) x = dist(rng);
     if (c_.bf16_params)
       for (float& x : whole) x = ckpt::RoundToBFloat16(x);
-    // This rank's slice: runs of rows, or of columns within every row.
+    // This rank's slice: runs of rows, or of columns within every row; an expert weight's boxes.
     const auto runs = ckpt::LocalRuns(p, format_, tp_.size, tp_.rank);
     auto slice_into = [&](const std::string& name) {
       float* w = W(name);
-      if (p.split == ckpt::SplitDim::kColumns) {
+      if (p.split == ckpt::SplitDim::kExperts) {
+        CopyExpertBoxes(w, param(name).shape(), whole.data(), p);
+      } else if (p.split == ckpt::SplitDim::kColumns) {
         const int64_t rows = p.shape[0], cols = p.shape[1], local_cols = param(name).numel() / rows;
         for (int64_t i = 0; i < rows; ++i)
           for (const ckpt::Run& run : runs)
@@ -210,6 +212,9 @@ void Model::ReduceReplicaGrads() {
         if (c_.bias) sum_all(tp_.kv_comm, grad(ckpt::BiasOf(Name(m, l))));
       }
     }
+  if (tp_.comm)  // each rank's router gradient is its experts' slices' part (MoeMlpBackward)
+    for (int l : Layers())
+      if (ckpt::IsMoeLayer(format_, l)) sum_all(tp_.comm, grad(Name(Module::kRouter, l)));
   if (pp_.embedding_comm) sum_all(pp_.embedding_comm, grad(pp_.first() ? Name(Module::kEmbedding) : tied_copy_));
   if (pp_.size == 1 && !tied_copy_.empty()) {  // both on this stage: each takes the sum
     float* a = reinterpret_cast<float*>(grad(Name(Module::kEmbedding)).mutable_data());
@@ -641,10 +646,18 @@ void Model::LayerForward(int l, LayerCache& lc, float* out) {
   for (int64_t i = 0; i < R * H; ++i) out[i] = lc.x2[i] + mlp_out[i];
 }
 
+void Model::CopyExpertBoxes(float* local, const std::vector<int64_t>& local_shape, const float* whole, const ckpt::ParamRule& p) const {
+  const int64_t S1 = p.shape[1], S2 = p.shape[2], L1 = local_shape[1], L2 = local_shape[2];
+  for (const ckpt::Box& b : ckpt::BoxesOf(p.spec, ckpt::AxisCoords::Tp(tp_.size, tp_.rank)))
+    for (int64_t e = 0; e < b.size[0]; ++e)
+      for (int64_t i = 0; i < b.size[1]; ++i)
+        std::copy_n(whole + ((b.offset[0] + e) * S1 + b.offset[1] + i) * S2 + b.offset[2], b.size[2],
+                    local + ((b.local[0] + e) * L1 + b.local[1] + i) * L2 + b.local[2]);
+}
+
 void Model::CheckMoe() const {
   if (c_.family != ckpt::ModelFamily::kHfLlama)
     throw ckpt::Error("MoE layers are built for the HF-style family (NxDT's MixtralForCausalLM) only");
-  if (tp_.size > 1) throw ckpt::Error("MoE layers with tensor parallelism are not implemented yet");
   // The auxiliary loss joins every MoE layer's router logits: one stage must see them all.
   if (pp_.size * pp_.chunks > 1) throw ckpt::Error("MoE layers with pipeline parallelism are not implemented yet");
   CheckMoeSettings({1, c_.hidden, c_.ffn, c_.experts, c_.moe_top_k}, MoeOptionsOf());
@@ -658,17 +671,26 @@ MoeOptions Model::MoeOptionsOf() const {
   return o;
 }
 
-// NxD's MoE (modules/moe/model.py MoE.forward) on the post-attention norm's output.
+// NxD's MoE (modules/moe/model.py MoE.forward) on the post-attention norm's output (every row).
+// Under tensor parallelism each rank holds every expert's slice of the intermediate dimension
+// (ckpt::ExpertSpec: gate_up_proj's [gate_r || up_r], down_proj's rows), and the replicated
+// router routes alike on every rank: each rank's output is a partial sum over its slice, summed
+// over the ranks as a row-parallel layer's (ExpertFusedRowParallelLinear's reduce).
 void Model::MoeMlpForward(int l, LayerCache& lc, float* mlp_out) {
   const MoeWeights w{W(Name(Module::kRouter, l)), W(Name(Module::kExpertsIn, l)), W(Name(Module::kExpertsOut, l))};
-  MoeForward(mlp_out, &lc.moe, lc.ln2.data(), w, MoeShapeOf(), MoeOptionsOf());
+  std::vector<float> whole(B_ * T_ * c_.hidden);
+  MoeForward(whole.data(), &lc.moe, lc.ln2.data(), w, MoeShapeOf(), MoeOptionsOf());
+  ReduceRows(whole.data(), mlp_out);
 }
 
 void Model::MoeMlpBackward(int l, LayerCache& lc, const Activations& a, const float* dmlp_out, float* dln2) {
   const MoeWeights w{W(Name(Module::kRouter, l)), W(Name(Module::kExpertsIn, l)), W(Name(Module::kExpertsOut, l))};
   const MoeGrads g{Dw(Name(Module::kRouter, l)), Dw(Name(Module::kExpertsIn, l)), Dw(Name(Module::kExpertsOut, l))};
-  const std::vector<double> aux =
-      c_.router_aux_loss_coef == 0 ? std::vector<double>{} : MoeAuxAffinityGrad(a.moe_aux, c_.router_aux_loss_coef);
+  // Under tensor parallelism the router's and the input's gradients are partial sums over the
+  // ranks' expert slices (linear in each rank's dot(dout, expert output)), summed by the callers
+  // (reduce_dln, ReduceReplicaGrads); the auxiliary loss's part is added on one rank only.
+  const bool aux_here = c_.router_aux_loss_coef != 0 && tp_.rank == 0;
+  const std::vector<double> aux = aux_here ? MoeAuxAffinityGrad(a.moe_aux, c_.router_aux_loss_coef) : std::vector<double>{};
   MoeBackward(dln2, g, dmlp_out, aux, lc.ln2.data(), w, lc.moe, MoeShapeOf(), MoeOptionsOf());
 }
 

@@ -293,6 +293,8 @@ class Model {
   void AttentionForward(int l, LayerCache& lc);
   // An MoE layer's MLP block on lc.ln2 into mlp_out [N, hidden], and its backward
   // from dmlp_out into dln2 (the auxiliary loss's part from a's routing).
+  // Copies this tp rank's boxes (ckpt::BoxesOf of p.spec) of the 3-D expert weight `whole` into `local`.
+  void CopyExpertBoxes(float* local, const std::vector<int64_t>& local_shape, const float* whole, const ckpt::ParamRule& p) const;
   // Throws ckpt::Error naming what this build does not do with MoE layers.
   void CheckMoe() const;
   MoeShape MoeShapeOf() const;

@@ -146,9 +146,10 @@ void ReadVirtualPipeline(const Reader& r, TrainConfig& c) {
 // normalize_top_k_affinities True), whatever config.json says; moe.dropout becomes the
 // attention dropout. config.json's sliding_window masks the attention (modeling_mixtral.py CoreAttention).
 void ReadHfMixtral(const Reader& r, TrainConfig& c, const nlohmann::json& j, const std::string& cpath) {
-  if (c.grid.tp > 1 || c.grid.pp > 1 || c.virtual_pipeline > 1)
-    r.Fail(c.grid.tp > 1 ? "distributed_strategy.tensor_model_parallel_size" : "distributed_strategy.pipeline_model_parallel_size",
-           "MoE layers (NxDT's HF Mixtral) with tensor or pipeline parallelism; shardkit does not implement it yet");
+  // The auxiliary loss joins every MoE layer's router logits: one stage must hold them all.
+  if (c.grid.pp > 1 || c.virtual_pipeline > 1)
+    r.Fail("distributed_strategy.pipeline_model_parallel_size",
+           "MoE layers (NxDT's HF Mixtral) with pipeline parallelism; shardkit does not implement it yet");
   if (!r.Has("model.moe.num_experts") && !r.Has("model.moe.top_k"))
     r.Fail("model.moe", "NxDT's HF Mixtral (a run named '" + c.name + "') reads its experts from model.moe (num_experts, top_k); set them");
   ModelConfig& m = c.model;

@@ -4,9 +4,10 @@
   trainer_refuses.py shrinks every config and given a tiny MixtralForCausalLM config.json, train and write
   tags whose model files hold NxD's MoE tensors (the names and per-layer order of NxD's own tag,
   tests/data/upstream/nxd_mixtral/hf_ep1_pt, at tp 1 shapes).
-- Two data-parallel ranks train the model one process trains (losses within 1e-5).
+- tp 2 (experts cut as NxD cuts them), with sequence parallelism, dp 2 and tp 2 dp 2 train the model one
+  process trains (losses within 1e-5).
 - Killed after a checkpoint, a run resumes to exactly the uninterrupted run.
-- What is not built is refused by name: the Megatron-style Mixtral (model.moe), MoE with tensor parallelism,
+- What is not built is refused by name: the Megatron-style Mixtral (model.moe), MoE with pipeline parallelism,
   moe.dropout (NxDT's attention dropout), a Mixtral config.json under a run name without 'mixtral'.
 """
 import glob
@@ -96,15 +97,30 @@ class TrainMoe(TempDirTest):
         dense = sorted({int(MOE.match(n).group(1)) for n in model if n.endswith(".mlp.gate_up_proj.weight")})
         self.assertEqual((moe, dense), ([0, 2], [1, 3]))  # 0-based layer_index % moe_frequency == 0
 
-    def test_data_parallel_ranks_train_the_one_process_model(self):
+    def test_every_layout_trains_the_one_process_model(self):
+        # Tensor parallelism cuts every expert's intermediate dimension as NxD does (ckpt::ExpertSpec); with
+        # sequence parallelism too, and with data parallelism (tp 2 dp 2 on 4 ranks). Token dropping on.
         fp32 = ["precision.type=fp32", "model.moe.router_aux_loss_coef=0.1", "trainer.max_steps=4"]
-        one = self.trained(self.argv(CONFIGS[0], "one", *fp32, devices=2) + ["trainer.devices=1"])
-        two = self.trained(self.argv(CONFIGS[0], "two", *fp32, devices=2), ranks=2)
-        del one, two
-        a, b = losses(os.path.join(self.dir, "one")), losses(os.path.join(self.dir, "two"))
+        tp = "distributed_strategy.tensor_model_parallel_size"
+        self.trained(self.argv(CONFIGS[0], "one", *fp32, devices=4) + ["trainer.devices=1"])
+        layouts = {"dp2": (2, [f"{tp}=1"]), "tp2": (2, [f"{tp}=2", "distributed_strategy.sequence_parallel=False"]),
+                   "tp2_sp": (2, [f"{tp}=2"]), "tp2_dp2": (4, [f"{tp}=2"])}
+        a = losses(os.path.join(self.dir, "one"))
         self.assertEqual(sorted(a), [1, 2, 3, 4])
-        for step in a:
-            self.assertAlmostEqual(a[step], b[step], delta=1e-5, msg=step)
+        for name, (ranks, extra) in layouts.items():
+            with self.subTest(name):
+                self.trained(self.argv(CONFIGS[0], name, *fp32, devices=4) + [f"trainer.devices={ranks}", *extra], ranks=ranks)
+                b = losses(os.path.join(self.dir, name))
+                self.assertEqual(sorted(b), sorted(a))
+                for step in a:
+                    self.assertAlmostEqual(a[step], b[step], delta=1e-5, msg=step)
+        # tp rank 1 holds [gate_1 || up_1] of every expert (stride 2 on the last dim) and down_proj's rows 16..31.
+        model = {t: torch.load(os.path.join(self.tag("tp2", 4), "model", f"dp_rank_00_tp_rank_{t:02d}_pp_rank_00.pt")) for t in (0, 1)}
+        for t in (0, 1):
+            self.assertEqual(tuple(model[t]["model.layers.0.mlp.expert_mlps.mlp_op.gate_up_proj.weight"].shape), (8, 64, 32))
+            self.assertEqual(tuple(model[t]["model.layers.0.mlp.expert_mlps.mlp_op.down_proj.weight"].shape), (8, 16, 64))
+        router = "model.layers.0.mlp.router.linear_router.weight"
+        self.assertTrue(torch.equal(model[0][router], model[1][router]))  # replicated, the same step on both
 
     def test_killed_run_resumes_exactly(self):
         keep = ["exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=True",
@@ -127,8 +143,8 @@ class TrainMoe(TempDirTest):
 
     def test_what_is_not_built_is_refused_by_name(self):
         cases = [
-            (self.argv(CONFIGS[0], "tp2", devices=2) + ["distributed_strategy.tensor_model_parallel_size=2"], 2,
-             "distributed_strategy.tensor_model_parallel_size: MoE layers (NxDT's HF Mixtral) with tensor or pipeline parallelism"),
+            (self.argv(CONFIGS[0], "pp2", devices=2) + ["distributed_strategy.pipeline_model_parallel_size=2"], 2,
+             "distributed_strategy.pipeline_model_parallel_size: MoE layers (NxDT's HF Mixtral) with pipeline parallelism"),
             (self.argv(CONFIGS[0], "drop", "model.moe.dropout=0.1"), 1, "model.moe.dropout: becomes the attention dropout"),
             (self.argv(CONFIGS[0], "name", "name=hf_llama", "exp_manager.name=hf_llama"), 1,
              "does not hold 'mixtral': NxDT's training.py builds its dense HFLLamaModule"),
