@@ -186,8 +186,27 @@ const std::vector<KeyRule>& Table() {
       {"model.use_cpu_initialization", U::kIgnored, "where NxDT initializes the weights", {}},
       {"model.persist_layer_norm", U::kIgnored, "a fused LayerNorm kernel", {}},
       {"model.transpose_nki_inputs", U::kIgnored, "an NKI kernel's input layout", {}},
-      // training_orchestrator.py process_config and the models' MoE layers (models/*/..moe..).
-      {"model.moe", U::kRefused, "mixture-of-experts layers (router, experts, load-balancing loss)", {}},
+      // training_orchestrator.py process_config and the models' MoE layers (models/*/..moe..): NxDT's
+      // HF-style Mixtral (lightning_modules/model/hf_models/mixtral_model.py _get_model) reads the keys
+      // below; the Megatron-style one (models/megatron/transformer.py NeuronSwitchMLP) is not built here.
+      {"model.moe", U::kRefused,
+       "mixture-of-experts layers of the Megatron-style model (router, experts, load-balancing loss: NeuronSwitchMLP); "
+       "shardkit trains the HF-style Mixtral (model_source: hf) only",
+       {}, {}, "model_source=hf"},
+      {"model.moe.num_experts", U::kRead, "", {}},
+      {"model.moe.frequency", U::kRead, "", {}},
+      {"model.moe.top_k", U::kRead, "", {}},
+      {"model.moe.capacity_factor", U::kRead, "", {}},
+      {"model.moe.normalize_top_k_affinities", U::kRead, "", {}},
+      {"model.moe.output_router_logits", U::kRead, "", {}},
+      {"model.moe.router_aux_loss_coef", U::kRead, "", {}},
+      {"model.moe.dropout", U::kRead, "", {}},
+      {"model.moe.dropless", U::kIgnored,
+       "NxDT's HF Mixtral does not read it: capacity_factor decides (0 or None: no token dropped)", {}},
+      {"model.moe.routing_algorithm", U::kIgnored, "NxDT's HF Mixtral builds RouterTopK whatever it says", {"top_k"}},
+      {"model.moe.router_activation", U::kIgnored, "NxDT's HF Mixtral does not read it (RouterTopK: softmax)", {"softmax"}},
+      {"model.moe.sinkhorn_iterations", U::kIgnored, "NxDT's HF Mixtral does not read it (RouterTopK)", {}},
+      {"model.moe.sinkhorn_tol", U::kIgnored, "NxDT's HF Mixtral does not read it (RouterTopK)", {}},
       {"model.optim.name", U::kRead,
        "an optimizer other than adamw (torch.optim.AdamW); NxDT's adamw_fp32OptState is NxD's AdamW_FP32OptimParams, HF's "
        "AdamW (epsilon after the bias correction, float64 moments)",
@@ -265,11 +284,21 @@ bool AboveOne(const YAML::Node& n) {
   }
 }
 
+// Whether the other key the rule names (walked_when) holds its value.
+bool WalkedInto(const YAML::Node& root, const KeyRule& rule) {
+  if (rule.walked_when.empty()) return false;
+  const std::string_view when = rule.walked_when;
+  const size_t eq = when.find('=');
+  const YAML::Node other = migrate::Find(root, std::string(when.substr(0, eq)));
+  return other.IsDefined() && other.IsScalar() && SameValue(other.Scalar(), when.substr(eq + 1));
+}
+
 // A key with a rule is judged whole (a section's keys with it); a mapping
 // without one is walked into.
 void Walk(const YAML::Node& root, const YAML::Node& node, const std::string& path, KeyCheck& out) {
   if (Unset(node)) return;
   const KeyRule* rule = path.empty() ? nullptr : FindKeyRule(path);
+  if (rule && node.IsMap() && WalkedInto(root, *rule)) rule = nullptr;
   if (!rule && node.IsMap()) {
     for (const auto& kv : node) Walk(root, kv.second, path.empty() ? kv.first.Scalar() : path + "." + kv.first.Scalar(), out);
     return;

@@ -35,6 +35,10 @@ struct KeyRule {
   // kRead: the key that must be above 1 for a value above 1 of this one (else
   // refused, with `why`: what needs it); empty: none.
   std::string_view needs_above_one = {};
+  // kRefused section: "key=value" of another key under which the section is
+  // not refused but walked into, each key under it judged by its own rule;
+  // empty: refused always.
+  std::string_view walked_when = {};
 };
 
 // The rule for a dotted key (a section's covers the keys under it); nullptr

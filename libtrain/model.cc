@@ -38,6 +38,7 @@ ckpt::ModelFormat ModelConfig::format(int tp) const {
   f.max_positions = max_positions, f.tied_output = tied_output;
   f.rope_theta = rope_theta, f.norm_eps = norm_eps(), f.rotary_percentage = rotary_percentage;
   f.family = family;
+  f.experts = experts, f.moe_top_k = moe_top_k, f.moe_frequency = moe_frequency;
   if (family == ckpt::ModelFamily::kHfLlama)
     f.fuse_qkv = fuse_qkv, f.qkv_linear = qkv_linear, f.kv_size_multiplier = kv_size_multiplier, f.hw_backend = hw_backend;
   return f;
@@ -51,6 +52,7 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
   if (c.heads % c.kv_heads) throw ckpt::Error("num_attention_heads must be divisible by num_kv_heads");
   if (c.learned_positions && c.max_positions < 1) throw ckpt::Error("learned position embeddings need max_position_embeddings");
   if (const std::string why = format_.CheckTensorParallel(tp.size); !why.empty()) throw ckpt::Error(why);
+  if (format_.moe()) CheckMoe();
   if (c.vocab % tp.size)
     throw ckpt::Error("tensor parallel degree " + std::to_string(tp.size) + " does not divide the padded vocabulary (" +
                       std::to_string(c.vocab) + ")");
@@ -165,11 +167,13 @@ void Model::InitWeights() {
     for (float& x : whole) x = dist(rng);
     if (c_.bf16_params)
       for (float& x : whole) x = ckpt::RoundToBFloat16(x);
-    // This rank's slice: runs of rows, or of columns within every row.
+    // This rank's slice: runs of rows, or of columns within every row; an expert weight's boxes.
     const auto runs = ckpt::LocalRuns(p, format_, tp_.size, tp_.rank);
     auto slice_into = [&](const std::string& name) {
       float* w = W(name);
-      if (p.split == ckpt::SplitDim::kColumns) {
+      if (p.split == ckpt::SplitDim::kExperts) {
+        CopyExpertBoxes(w, param(name).shape(), whole.data(), p);
+      } else if (p.split == ckpt::SplitDim::kColumns) {
         const int64_t rows = p.shape[0], cols = p.shape[1], local_cols = param(name).numel() / rows;
         for (int64_t i = 0; i < rows; ++i)
           for (const ckpt::Run& run : runs)
@@ -208,6 +212,9 @@ void Model::ReduceReplicaGrads() {
         if (c_.bias) sum_all(tp_.kv_comm, grad(ckpt::BiasOf(Name(m, l))));
       }
     }
+  if (tp_.comm)  // each rank's router gradient is its experts' slices' part (MoeMlpBackward)
+    for (int l : Layers())
+      if (ckpt::IsMoeLayer(format_, l)) sum_all(tp_.comm, grad(Name(Module::kRouter, l)));
   if (pp_.embedding_comm) sum_all(pp_.embedding_comm, grad(pp_.first() ? Name(Module::kEmbedding) : tied_copy_));
   if (pp_.size == 1 && !tied_copy_.empty()) {  // both on this stage: each takes the sum
     float* a = reinterpret_cast<float*>(grad(Name(Module::kEmbedding)).mutable_data());
@@ -620,6 +627,13 @@ void Model::LayerForward(int l, LayerCache& lc, float* out) {
     lc.ln2.resize(N * H);
     NormForward(Name(Module::kPostAttentionNorm, l), lc.x2.data(), lc.ln2.data(), lc.mean2, lc.rstd2);
   }
+  std::vector<float> mlp_out(R * H);
+  if (ckpt::IsMoeLayer(format_, l)) {
+    MoeMlpForward(l, lc, mlp_out.data());
+    HiddenDropout(mlp_out.data(), DropoutSite(l, 3));
+    for (int64_t i = 0; i < R * H; ++i) out[i] = lc.x2[i] + mlp_out[i];
+    return;
+  }
   const int64_t fc_width = c_.gelu ? F : 2 * F;
   lc.fc.resize(N * fc_width), lc.act.resize(N * F);
   Linear(Name(Module::kMlpIn, l), lc.ln2.data(), lc.fc.data(), H, fc_width);
@@ -627,10 +641,57 @@ void Model::LayerForward(int l, LayerCache& lc, float* out) {
   else SwiGluForward(lc.act.data(), lc.fc.data(), N, F);
   // act holds what dense_4h_to_h sees; masks keyed on the global FFN column.
   DropoutApplyColumns(lc.act.data(), N, F, f0_, c_.ffn, c_.ffn_dropout, DropoutSite(l, 2));
-  std::vector<float> mlp_out(R * H);
   RowParallelLinear(Name(Module::kMlpOut, l), lc.act.data(), mlp_out.data(), F, H);
   HiddenDropout(mlp_out.data(), DropoutSite(l, 3));
   for (int64_t i = 0; i < R * H; ++i) out[i] = lc.x2[i] + mlp_out[i];
+}
+
+void Model::CopyExpertBoxes(float* local, const std::vector<int64_t>& local_shape, const float* whole, const ckpt::ParamRule& p) const {
+  const int64_t S1 = p.shape[1], S2 = p.shape[2], L1 = local_shape[1], L2 = local_shape[2];
+  for (const ckpt::Box& b : ckpt::BoxesOf(p.spec, ckpt::AxisCoords::Tp(tp_.size, tp_.rank)))
+    for (int64_t e = 0; e < b.size[0]; ++e)
+      for (int64_t i = 0; i < b.size[1]; ++i)
+        std::copy_n(whole + ((b.offset[0] + e) * S1 + b.offset[1] + i) * S2 + b.offset[2], b.size[2],
+                    local + ((b.local[0] + e) * L1 + b.local[1] + i) * L2 + b.local[2]);
+}
+
+void Model::CheckMoe() const {
+  if (c_.family != ckpt::ModelFamily::kHfLlama)
+    throw ckpt::Error("MoE layers are built for the HF-style family (NxDT's MixtralForCausalLM) only");
+  // The auxiliary loss joins every MoE layer's router logits: one stage must see them all.
+  if (pp_.size * pp_.chunks > 1) throw ckpt::Error("MoE layers with pipeline parallelism are not implemented yet");
+  CheckMoeSettings({1, c_.hidden, c_.ffn, c_.experts, c_.moe_top_k}, MoeOptionsOf());
+}
+
+MoeShape Model::MoeShapeOf() const { return {B_ * T_, c_.hidden, F_, c_.experts, c_.moe_top_k}; }
+
+MoeOptions Model::MoeOptionsOf() const {
+  MoeOptions o;
+  o.capacity_factor = c_.capacity_factor, o.normalize_top_k_affinities = c_.normalize_top_k_affinities;
+  return o;
+}
+
+// NxD's MoE (modules/moe/model.py MoE.forward) on the post-attention norm's output (every row).
+// Under tensor parallelism each rank holds every expert's slice of the intermediate dimension
+// (ckpt::ExpertSpec: gate_up_proj's [gate_r || up_r], down_proj's rows), and the replicated
+// router routes alike on every rank: each rank's output is a partial sum over its slice, summed
+// over the ranks as a row-parallel layer's (ExpertFusedRowParallelLinear's reduce).
+void Model::MoeMlpForward(int l, LayerCache& lc, float* mlp_out) {
+  const MoeWeights w{W(Name(Module::kRouter, l)), W(Name(Module::kExpertsIn, l)), W(Name(Module::kExpertsOut, l))};
+  std::vector<float> whole(B_ * T_ * c_.hidden);
+  MoeForward(whole.data(), &lc.moe, lc.ln2.data(), w, MoeShapeOf(), MoeOptionsOf());
+  ReduceRows(whole.data(), mlp_out);
+}
+
+void Model::MoeMlpBackward(int l, LayerCache& lc, const Activations& a, const float* dmlp_out, float* dln2) {
+  const MoeWeights w{W(Name(Module::kRouter, l)), W(Name(Module::kExpertsIn, l)), W(Name(Module::kExpertsOut, l))};
+  const MoeGrads g{Dw(Name(Module::kRouter, l)), Dw(Name(Module::kExpertsIn, l)), Dw(Name(Module::kExpertsOut, l))};
+  // Under tensor parallelism the router's and the input's gradients are partial sums over the
+  // ranks' expert slices (linear in each rank's dot(dout, expert output)), summed by the callers
+  // (reduce_dln, ReduceReplicaGrads); the auxiliary loss's part is added on one rank only.
+  const bool aux_here = c_.router_aux_loss_coef != 0 && tp_.rank == 0;
+  const std::vector<double> aux = aux_here ? MoeAuxAffinityGrad(a.moe_aux, c_.router_aux_loss_coef) : std::vector<double>{};
+  MoeBackward(dln2, g, dmlp_out, aux, lc.ln2.data(), w, lc.moe, MoeShapeOf(), MoeOptionsOf());
 }
 
 uint64_t Model::DropoutSite(int l, int site) const {
@@ -645,6 +706,7 @@ void Model::Drop(LayerCache& lc) {
     for (auto* v : {&lc.ln1, &lc.mean1, &lc.rstd1, &lc.proj, &lc.kvproj, &lc.q, &lc.k, &lc.v, &lc.att, &lc.y, &lc.x2,
                     &lc.ln2, &lc.mean2, &lc.rstd2, &lc.fc, &lc.act})
       release(*v);
+    lc.moe = {};
   }
 }
 
@@ -654,7 +716,15 @@ size_t Model::Activations::bytes() const {
     for (const auto* v : {&lc.x, &lc.ln1, &lc.mean1, &lc.rstd1, &lc.proj, &lc.kvproj, &lc.q, &lc.k, &lc.v, &lc.att, &lc.y,
                           &lc.x2, &lc.ln2, &lc.mean2, &lc.rstd2, &lc.fc, &lc.act})
       n += v->size();
-  return n * sizeof(float);
+  size_t bytes = n * sizeof(float);
+  for (const auto& lc : layers) {
+    const MoeActivations& m = lc.moe;
+    bytes += (m.logits.size() + m.affinities.size() + m.combine.size()) * sizeof(float) + m.kept.size() +
+             m.expert_index.size() * sizeof(int64_t);
+    for (const MoeExpertBatch& b : m.experts)
+      bytes += b.tokens.size() * sizeof(int64_t) + (b.fc.size() + b.act.size() + b.out.size()) * sizeof(float);
+  }
+  return bytes;
 }
 
 float Model::Forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, uint64_t dropout_key) {
@@ -713,10 +783,12 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
     std::copy(x_in, x_in + R * H, x.begin());
   }
   a.layers.resize(end_layer - first_layer);
+  a.moe_aux = {};
   for (int l = first_layer; l < end_layer; ++l) {
     LayerCache& lc = a.layers[l - first_layer];
     lc.x = x;
     LayerForward(l, lc, x.data());
+    if (ckpt::IsMoeLayer(format_, l)) AddMoeAuxStats(&a.moe_aux, lc.moe, MoeShapeOf());
     Drop(lc);
   }
   if (!LastStage(chunk)) {
@@ -740,7 +812,10 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
   std::vector<double> sums(2 * N);  // sum of exp(logit - max), then the target's logit
   CrossEntropySums(sums.data(), sums.data() + N, a.probs.data(), a.logits.data(), row_max.data(), targets, v0_, N, V_);
   if (tp_.comm) tp_.comm->AllReduceSum(sums.data(), sums.size());
-  return CrossEntropyFinish(a.probs.data(), sums.data(), sums.data() + N, row_max.data(), N, V_);
+  const float loss = CrossEntropyFinish(a.probs.data(), sums.data(), sums.data() + N, row_max.data(), N, V_);
+  // NxDT's MixtralForCausalLM: loss += router_aux_loss_coef * load_balancing_loss_func(all router logits).
+  if (c_.router_aux_loss_coef == 0 || a.moe_aux.rows == 0) return loss;
+  return static_cast<float>(loss + c_.router_aux_loss_coef * MoeAuxLossOf(a.moe_aux));
 }
 
 void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float>* dx_in) {
@@ -777,18 +852,22 @@ void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float
   };
   for (int l = end_layer - 1; l >= first_layer; --l) {
     LayerCache& lc = a.layers[l - first_layer];
-    if (lc.fc.empty()) {  // full recompute: rebuild the layer's activations from its input
+    if (lc.x2.empty()) {  // full recompute: rebuild the layer's activations from its input
       std::vector<float> unused(N * H);
       LayerForward(l, lc, unused.data());
     } else if (lc.att.empty()) {  // selective: rebuild the attention probabilities
       AttentionCore(l, lc);
     }
     // MLP block: dx is the gradient at the layer output (x2 + dropout(mlp_out)).
-    LinearGrad(Name(Module::kMlpOut, l), before_dropout(l, 3), lc.act.data(), dact.data(), F, H);
-    DropoutApplyColumns(dact.data(), N, F, f0_, c_.ffn, c_.ffn_dropout, DropoutSite(l, 2));
-    if (c_.gelu) GeluBackward(dfc.data(), dact.data(), lc.fc.data(), N * F);
-    else SwiGluBackward(dfc.data(), dact.data(), lc.fc.data(), N, F);
-    LinearGrad(Name(Module::kMlpIn, l), dfc.data(), lc.ln2.data(), dln.data(), H, fc_width);
+    if (ckpt::IsMoeLayer(format_, l)) {
+      MoeMlpBackward(l, lc, a, before_dropout(l, 3), dln.data());
+    } else {
+      LinearGrad(Name(Module::kMlpOut, l), before_dropout(l, 3), lc.act.data(), dact.data(), F, H);
+      DropoutApplyColumns(dact.data(), N, F, f0_, c_.ffn, c_.ffn_dropout, DropoutSite(l, 2));
+      if (c_.gelu) GeluBackward(dfc.data(), dact.data(), lc.fc.data(), N * F);
+      else SwiGluBackward(dfc.data(), dact.data(), lc.fc.data(), N, F);
+      LinearGrad(Name(Module::kMlpIn, l), dfc.data(), lc.ln2.data(), dln.data(), H, fc_width);
+    }
     NormBackward(Name(Module::kPostAttentionNorm, l), reduce_dln(), lc.x2.data(), lc.mean2, lc.rstd2, dpart.data());
     for (int64_t i = 0; i < R * H; ++i) dx[i] += dpart[i];  // now the gradient at x2
     // Attention block.

@@ -49,6 +49,7 @@
 #include "ckpt/spec/partition.h"
 #include "ckpt/pt/tensor.h"
 #include "ckpt/pt/value.h"
+#include "libtrain/moe_layer.h"
 
 namespace train {
 
@@ -91,6 +92,15 @@ struct ModelConfig {
   bool fuse_qkv = true, qkv_linear = false;
   int64_t kv_size_multiplier = 1;
   ckpt::HwBackend hw_backend = ckpt::HwBackend::kTrn1;
+  // Mixtral (MoE, the HF-style family only): the layers ckpt::IsMoeLayer picks
+  // run NxD's MoE layer (libtrain/moe_layer.h) in place of the dense MLP, with
+  // `experts` experts of width ffn each, `moe_top_k` per token; 0 experts: dense.
+  // The loss adds router_aux_loss_coef times load_balancing_loss_func of every
+  // MoE layer's router logits together (0: no auxiliary loss).
+  int64_t experts = 0, moe_top_k = 0, moe_frequency = 1;
+  double capacity_factor = 0.0;
+  bool normalize_top_k_affinities = true;
+  double router_aux_loss_coef = 0.0;
   int64_t head_dim() const { return hidden / heads; }
   int64_t rotary_dim() const {
     return learned_positions ? 0 : static_cast<int64_t>(head_dim() * rotary_percentage) / 2 * 2;
@@ -148,6 +158,7 @@ class Model {
     std::vector<float> y;                     // [N, H] attention output before dense
     std::vector<float> x2, ln2, mean2, rstd2;  // after the attention residual, its norm
     std::vector<float> fc, act;               // [N, 2F] (SwiGLU) or [N, F] (GeLU), and [N, F]
+    MoeActivations moe;                       // an MoE layer's, in place of fc and act
   };
   // One micro-batch's activations on this stage, from its forward to its backward.
   struct Activations {
@@ -157,6 +168,7 @@ class Model {
     std::vector<int32_t> tokens, targets;
     std::vector<LayerCache> layers;  // this stage's, first layer first
     std::vector<float> x_final, lnf, meanf, rstdf, logits, probs;  // last stage
+    MoeAuxStats moe_aux;  // the MoE layers' routing, for the auxiliary loss and its gradient
     size_t bytes() const;
   };
 
@@ -279,6 +291,16 @@ class Model {
   // The name of module m's weight (of layer l) in this model's family.
   std::string Name(ckpt::Module m, int l = -1) const { return ckpt::ParamName(format_, m, l); }
   void AttentionForward(int l, LayerCache& lc);
+  // An MoE layer's MLP block on lc.ln2 into mlp_out [N, hidden], and its backward
+  // from dmlp_out into dln2 (the auxiliary loss's part from a's routing).
+  // Copies this tp rank's boxes (ckpt::BoxesOf of p.spec) of the 3-D expert weight `whole` into `local`.
+  void CopyExpertBoxes(float* local, const std::vector<int64_t>& local_shape, const float* whole, const ckpt::ParamRule& p) const;
+  // Throws ckpt::Error naming what this build does not do with MoE layers.
+  void CheckMoe() const;
+  MoeShape MoeShapeOf() const;
+  MoeOptions MoeOptionsOf() const;
+  void MoeMlpForward(int l, LayerCache& lc, float* mlp_out);
+  void MoeMlpBackward(int l, LayerCache& lc, const Activations& a, const float* dmlp_out, float* dln2);
   // Softmax attention of layer l from lc.q/k/v into lc.att and lc.y.
   void AttentionCore(int l, LayerCache& lc);
   // Where local head h's q and local group g's k and v lie in the projections.

@@ -139,18 +139,38 @@ void MoeForward(float* out, MoeActivations* acts, const float* x, const MoeWeigh
     }
 }
 
-// loss_function.py load_balancing_loss_func: expert e's share of the T * k
-// choices (before any capacity drop) times its mean affinity, summed, times E / k.
-float MoeAuxLoss(const MoeActivations& acts, const MoeShape& s) {
+void AddMoeAuxStats(MoeAuxStats* stats, const MoeActivations& acts, const MoeShape& s) {
   const int64_t T = s.tokens, E = s.experts;
-  std::vector<double> chosen(E, 0), mean_affinity(E, 0);
+  if (stats->chosen.empty()) stats->experts = E, stats->top_k = s.top_k, stats->chosen.assign(E, 0), stats->affinity_sum.assign(E, 0);
+  if (stats->experts != E || stats->top_k != s.top_k) throw ckpt::Error("internal: MoE layers of different expert counts in one auxiliary loss");
   for (int64_t t = 0; t < T; ++t) {
-    for (int64_t k = 0; k < s.top_k; ++k) chosen[acts.expert_index[t * s.top_k + k]] += 1;
-    for (int64_t e = 0; e < E; ++e) mean_affinity[e] += acts.affinities[t * E + e];
+    for (int64_t k = 0; k < s.top_k; ++k) stats->chosen[acts.expert_index[t * s.top_k + k]] += 1;
+    for (int64_t e = 0; e < E; ++e) stats->affinity_sum[e] += acts.affinities[t * E + e];
   }
+  stats->rows += T;
+}
+
+// loss_function.py load_balancing_loss_func: expert e's share of the rows * k
+// choices (before any capacity drop) times its mean affinity, summed, times E / k.
+float MoeAuxLossOf(const MoeAuxStats& st) {
+  if (st.rows == 0) return 0;
+  const double rows = static_cast<double>(st.rows);
   double sum = 0;
-  for (int64_t e = 0; e < E; ++e) sum += chosen[e] / T * (mean_affinity[e] / T);
-  return static_cast<float>(sum * E / s.top_k);
+  for (int64_t e = 0; e < st.experts; ++e) sum += st.chosen[e] / rows * (st.affinity_sum[e] / rows);
+  return static_cast<float>(sum * st.experts / st.top_k);
+}
+
+std::vector<double> MoeAuxAffinityGrad(const MoeAuxStats& st, double coef) {
+  std::vector<double> g(st.experts, 0.0);
+  const double rows = static_cast<double>(st.rows);
+  for (int64_t e = 0; e < st.experts; ++e) g[e] = coef * double(st.experts) / st.top_k * st.chosen[e] / rows / rows;
+  return g;
+}
+
+float MoeAuxLoss(const MoeActivations& acts, const MoeShape& s) {
+  MoeAuxStats st;
+  AddMoeAuxStats(&st, acts, s);
+  return MoeAuxLossOf(st);
 }
 
 namespace {
@@ -199,19 +219,17 @@ void CombineWeightsBackward(std::vector<double>* daff, const std::vector<float>&
 }
 }  // namespace
 
-void MoeBackward(float* dx, const MoeGrads& g, const float* dout, float aux_coef, const float* x, const MoeWeights& w,
-                 const MoeActivations& a, const MoeShape& s, const MoeOptions& o) {
+void MoeBackward(float* dx, const MoeGrads& g, const float* dout, const std::vector<double>& aux_affinity_grad, const float* x,
+                 const MoeWeights& w, const MoeActivations& a, const MoeShape& s, const MoeOptions& o) {
   const int64_t T = s.tokens, E = s.experts, H = s.hidden;
   std::fill_n(dx, T * H, 0.0f);
   std::vector<float> dcombine(T * E, 0.0f);
   ExpertsBackward(dx, &dcombine, g, dout, x, w, a, s);
   std::vector<double> daff(T * E, 0.0);
   CombineWeightsBackward(&daff, dcombine, a, s, o);
-  // The auxiliary loss's part: d(aux)/d softmax[t, e] = E / k * (choices of e / T) / T.
-  std::vector<double> chosen(E, 0);
-  for (int64_t i = 0; i < T * s.top_k; ++i) chosen[a.expert_index[i]] += 1;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t e = 0; e < E; ++e) daff[t * E + e] += aux_coef * double(E) / s.top_k * chosen[e] / T / T;
+  if (!aux_affinity_grad.empty())
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t e = 0; e < E; ++e) daff[t * E + e] += aux_affinity_grad[e];
   // Backward of step 1: softmax (in fp64, as NxD's), then the router linear.
   std::vector<float> dlogits(T * E);
   for (int64_t t = 0; t < T; ++t) {
@@ -223,6 +241,13 @@ void MoeBackward(float* dx, const MoeGrads& g, const float* dout, float aux_coef
   std::vector<float> dx_router(T * H);
   LinearBackward(dx_router.data(), g.router, nullptr, dlogits.data(), x, w.router, T, H, E);
   for (int64_t i = 0; i < T * H; ++i) dx[i] += dx_router[i];
+}
+
+void MoeBackward(float* dx, const MoeGrads& g, const float* dout, float aux_coef, const float* x, const MoeWeights& w,
+                 const MoeActivations& a, const MoeShape& s, const MoeOptions& o) {
+  MoeAuxStats st;
+  AddMoeAuxStats(&st, a, s);
+  MoeBackward(dx, g, dout, MoeAuxAffinityGrad(st, aux_coef), x, w, a, s, o);
 }
 
 }  // namespace train

@@ -76,11 +76,32 @@ struct MoeActivations {
 void MoeForward(float* out, MoeActivations* acts, const float* x, const MoeWeights& w, const MoeShape& s,
                 const MoeOptions& o);
 
-// load_balancing_loss_func of this layer's router logits (unscaled by the
-// coefficient): E / k * sum_e (tokens choosing e / T) * mean_t softmax[t, e].
+// What load_balancing_loss_func (modules/moe/loss_function.py) reads of the
+// router logits it is given: NxDT's MixtralForCausalLM gives it every MoE
+// layer's logits concatenated (modeling_mixtral.py, past_router_logits), so
+// the counts are summed over the layers (AddMoeAuxStats once per layer).
+struct MoeAuxStats {
+  int64_t experts = 0, top_k = 0;
+  int64_t rows = 0;                   // tokens times layers
+  std::vector<double> chosen;         // [E] top-k choices of each expert (before any capacity drop)
+  std::vector<double> affinity_sum;   // [E] sum over rows of softmax[row, e]
+};
+void AddMoeAuxStats(MoeAuxStats* stats, const MoeActivations& acts, const MoeShape& s);
+// E / k * sum_e (chosen[e] / rows) * (affinity_sum[e] / rows), unscaled by the coefficient.
+float MoeAuxLossOf(const MoeAuxStats& stats);
+// d(coef * MoeAuxLossOf) / d softmax[row, e] for any row: the same for every
+// row, coef * E / k * chosen[e] / rows / rows (the top-k mask has no gradient).
+std::vector<double> MoeAuxAffinityGrad(const MoeAuxStats& stats, double coef);
+
+// load_balancing_loss_func of this layer's router logits alone (unscaled by
+// the coefficient): E / k * sum_e (tokens choosing e / T) * mean_t softmax[t, e].
 float MoeAuxLoss(const MoeActivations& acts, const MoeShape& s);
 
-// Gradients of sum(out * dout) + aux_coef * MoeAuxLoss.
+// Gradients of sum(out * dout) + sum_{t,e} aux_affinity_grad[e] * softmax[t, e]
+// (MoeAuxAffinityGrad; empty: no auxiliary loss).
+void MoeBackward(float* dx, const MoeGrads& g, const float* dout, const std::vector<double>& aux_affinity_grad, const float* x,
+                 const MoeWeights& w, const MoeActivations& acts, const MoeShape& s, const MoeOptions& o);
+// Gradients of sum(out * dout) + aux_coef * MoeAuxLoss (this layer's loss alone).
 void MoeBackward(float* dx, const MoeGrads& g, const float* dout, float aux_coef, const float* x, const MoeWeights& w,
                  const MoeActivations& acts, const MoeShape& s, const MoeOptions& o);
 

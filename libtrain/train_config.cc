@@ -140,6 +140,40 @@ void ReadVirtualPipeline(const Reader& r, TrainConfig& c) {
     r.Fail("data.global_batch_size", why + " (" + c.virtual_pipeline_key + " is " + std::to_string(c.virtual_pipeline) + ")");
 }
 
+// NxDT's HF Mixtral (lightning_modules/model/hf_models/mixtral_model.py _get_model): the
+// MoE settings come from model.moe, with its defaults (num_experts 1, frequency 1,
+// capacity_factor 1.0, top_k 1, output_router_logits True, router_aux_loss_coef 0.02,
+// normalize_top_k_affinities True), whatever config.json says; moe.dropout becomes the
+// attention dropout. config.json's sliding_window masks the attention (modeling_mixtral.py CoreAttention).
+void ReadHfMixtral(const Reader& r, TrainConfig& c, const nlohmann::json& j, const std::string& cpath) {
+  // The auxiliary loss joins every MoE layer's router logits: one stage must hold them all.
+  if (c.grid.pp > 1 || c.virtual_pipeline > 1)
+    r.Fail("distributed_strategy.pipeline_model_parallel_size",
+           "MoE layers (NxDT's HF Mixtral) with pipeline parallelism; shardkit does not implement it yet");
+  if (!r.Has("model.moe.num_experts") && !r.Has("model.moe.top_k"))
+    r.Fail("model.moe", "NxDT's HF Mixtral (a run named '" + c.name + "') reads its experts from model.moe (num_experts, top_k); set them");
+  ModelConfig& m = c.model;
+  m.experts = r.Int("model.moe.num_experts", 1, 1, 1 << 16);
+  m.moe_frequency = r.Int("model.moe.frequency", 1, 1, 1 << 16);
+  m.moe_top_k = r.Int("model.moe.top_k", 1, 1, m.experts);
+  m.capacity_factor = r.Number("model.moe.capacity_factor", 1.0);
+  m.normalize_top_k_affinities = r.Bool("model.moe.normalize_top_k_affinities", true);
+  const bool aux = r.Bool("model.moe.output_router_logits", true);
+  m.router_aux_loss_coef = aux ? r.Number("model.moe.router_aux_loss_coef", 0.02) : 0.0;
+  if (!aux && r.Has("model.moe.router_aux_loss_coef"))
+    c.ignored.push_back("model.moe.router_aux_loss_coef (no auxiliary loss: output_router_logits is False)");
+  if (!(m.router_aux_loss_coef >= 0) || !std::isfinite(m.router_aux_loss_coef))
+    r.Fail("model.moe.router_aux_loss_coef", "must be a number >= 0");
+  if (r.Number("model.moe.dropout", 0.0) != 0)
+    r.Fail("model.moe.dropout", "becomes the attention dropout of NxDT's HF Mixtral; shardkit does not implement it");
+  if (m.normalize_top_k_affinities && m.moe_top_k == 1)
+    r.Fail("model.moe.normalize_top_k_affinities", "needs top_k > 1 (NxD's ExpertMLPs refuses it with top_k 1)");
+  const nlohmann::json window = j.contains("sliding_window") ? j["sliding_window"] : nlohmann::json(4096);  // MixtralConfig's default
+  if (!window.is_null() && (!window.is_number_integer() || window.get<int64_t>() < c.seq_length))
+    r.Fail("model.model_config", cpath + ": sliding_window " + window.dump() + " masks attention within data.seq_length (" +
+                                     std::to_string(c.seq_length) + "); shardkit does not implement it");
+}
+
 TrainConfig Parse(const std::string& text, const std::string& path, const std::vector<std::string>& overrides) {
   YAML::Node raw = migrate::LoadYaml(text, path);
   std::vector<migrate::Override> ovs;
@@ -232,6 +266,7 @@ TrainConfig Parse(const std::string& text, const std::string& path, const std::v
   std::optional<ckpt::ModelFormat> hf;
   if (source == "hf") {
     const std::string given = r.Str("model.model_config", "");
+    nlohmann::json config_json;
     if (given.empty()) r.Fail("model.model_config", "model_source: hf needs the model's HF config.json");
     // As given (NxDT opens it from the working folder), else beside this config file.
     std::string cpath = given;
@@ -244,9 +279,22 @@ TrainConfig Parse(const std::string& text, const std::string& path, const std::v
       const nlohmann::json j = ckpt::ParseJsonBounded(reinterpret_cast<const char*>(mapped->data()),
                                                       reinterpret_cast<const char*>(mapped->data()) + mapped->size(), cpath);
       if (j.is_discarded() || !j.is_object()) throw ckpt::Error(cpath + ": is not a JSON object");
-      hf = ckpt::FormatOfHfConfig(j, cpath);
+      // NxDT's examples/training.py builds HFMixtralModule when the run's name holds "mixtral", whose
+      // MixtralConfig.from_pretrained takes a Mixtral's or a Llama's config.json (the same fields).
+      const bool mixtral_json = j.value("architectures", nlohmann::json::array()).dump().find("Mixtral") != std::string::npos ||
+                                j.value("model_type", std::string()) == "mixtral";
+      hf = mixtral_json ? ckpt::FormatOfHfMixtralConfig(j, cpath) : ckpt::FormatOfHfConfig(j, cpath);
+      config_json = j;
     } catch (const ckpt::Error& e) {
       r.Fail("model.model_config", e.what());
+    }
+    if (c.name.find("mixtral") != std::string::npos) {
+      ReadHfMixtral(r, c, config_json, cpath);
+    } else if (hf->moe()) {
+      r.Fail("model.model_config", cpath + " is a Mixtral, but name '" + c.name + "' does not hold 'mixtral': NxDT's training.py "
+                                   "builds its dense HFLLamaModule then; shardkit does not implement it");
+    } else if (r.Has("model.moe.num_experts") || r.Has("model.moe.top_k")) {
+      c.ignored.push_back("model.moe (NxDT's training.py builds its dense HFLLamaModule for a run whose name does not hold 'mixtral')");
     }
     if (hf->gelu) r.Fail("model.model_config", cpath + " is not a LlamaForCausalLM (NxDT's model_source: hf builds Llama)");
     m.family = ckpt::ModelFamily::kHfLlama;

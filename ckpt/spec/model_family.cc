@@ -181,14 +181,16 @@ Grouping FamilyGrouping(const ModelFormat& f, const std::vector<std::string>& pa
   return f.family == ModelFamily::kHfLlama ? NxdtHfGrouping(params, flag) : NxdtGrouping(params, flag);
 }
 
-ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) {
+namespace {
+// The architecture a config.json names. Without `architectures`,
+// transformers' AutoConfig dispatches on model_type (configuration_auto.py
+// CONFIG_MAPPING), and AutoModelForCausalLM takes the causal-LM class of that
+// type: so does this.
+std::string ArchitectureOf(const nlohmann::json& c, const std::string& cpath) {
   std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty() &&
                              c["architectures"][0].is_string()
                          ? c["architectures"][0].get<std::string>()
                          : "";
-  // Without `architectures`, transformers' AutoConfig dispatches on model_type
-  // (configuration_auto.py CONFIG_MAPPING), and AutoModelForCausalLM takes the
-  // causal-LM class of that type: so does this.
   if (arch.empty() && c.contains("model_type") && c["model_type"].is_string()) {
     const std::string type = c["model_type"].get<std::string>();
     if (type == "llama") arch = "LlamaForCausalLM";
@@ -197,27 +199,47 @@ ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) 
     else throw Error(cpath + ": model_type '" + type + "' (and no architectures) is not one this import knows (llama, gpt2)");
   }
   if (arch.empty()) throw Error(cpath + ": names neither architectures nor model_type, so the model it describes is unknown");
+  return arch;
+}
+
+bool ConfigFlag(const nlohmann::json& c, const char* key, const std::string& cpath, bool fallback) {
+  if (!c.contains(key)) return fallback;
+  if (!c[key].is_boolean()) throw Error(cpath + ": '" + key + "' is not true or false");
+  return c[key].get<bool>();
+}
+
+// LlamaConfig's fields (transformers' defaults for what it leaves out);
+// MixtralConfig has the same.
+void ReadLlamaFields(const nlohmann::json& c, const std::string& cpath, ModelFormat& f) {
+  f.hidden = ConfigInt(c, "hidden_size", cpath), f.ffn = ConfigInt(c, "intermediate_size", cpath);
+  f.heads = ConfigInt(c, "num_attention_heads", cpath), f.kv_heads = ConfigInt(c, "num_key_value_heads", cpath, f.heads);
+  f.layers = ConfigInt(c, "num_hidden_layers", cpath), f.vocab_size = ConfigInt(c, "vocab_size", cpath);
+  f.tied_output = ConfigFlag(c, "tie_word_embeddings", cpath, false);
+  if (ConfigFlag(c, "attention_bias", cpath, false) || ConfigFlag(c, "mlp_bias", cpath, false))
+    throw Error(cpath + ": a Llama with biases, which NxDT's Llama has not");
+  f.rope_theta = ConfigNumber(c, "rope_theta", cpath, 10000.0), f.norm_eps = ConfigNumber(c, "rms_norm_eps", cpath, 1e-6);
+  f.max_positions = ConfigInt(c, "max_position_embeddings", cpath, 2048);  // transformers' LlamaConfig defaults
+  if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
+    throw Error(cpath + ": rope_scaling is set; the training core's rope has no scaling, so this model would compute otherwise");
+}
+
+ModelFormat Checked(ModelFormat f, const std::string& cpath) {
+  if (f.hidden % f.heads || f.heads % f.kv_heads) throw Error(cpath + ": the head counts do not divide the hidden size");
+  if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(cpath + ": " + why);
+  return f;
+}
+}  // namespace
+
+ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) {
+  const std::string arch = ArchitectureOf(c, cpath);
   ModelFormat f;
-  auto flag = [&](const char* key, bool fallback) {
-    if (!c.contains(key)) return fallback;
-    if (!c[key].is_boolean()) throw Error(cpath + ": '" + key + "' is not true or false");
-    return c[key].get<bool>();
-  };
   if (arch == "LlamaForCausalLM") {
-    f.hidden = ConfigInt(c, "hidden_size", cpath), f.ffn = ConfigInt(c, "intermediate_size", cpath);
-    f.heads = ConfigInt(c, "num_attention_heads", cpath), f.kv_heads = ConfigInt(c, "num_key_value_heads", cpath, f.heads);
-    f.layers = ConfigInt(c, "num_hidden_layers", cpath), f.vocab_size = ConfigInt(c, "vocab_size", cpath);
-    f.tied_output = flag("tie_word_embeddings", false);
-    if (flag("attention_bias", false) || flag("mlp_bias", false)) throw Error(cpath + ": a Llama with biases, which NxDT's Llama has not");
-    f.rope_theta = ConfigNumber(c, "rope_theta", cpath, 10000.0), f.norm_eps = ConfigNumber(c, "rms_norm_eps", cpath, 1e-6);
-    f.max_positions = ConfigInt(c, "max_position_embeddings", cpath, 2048);  // transformers' LlamaConfig defaults
-    if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
-      throw Error(cpath + ": rope_scaling is set; the training core's rope has no scaling, so this model would compute otherwise");
+    ReadLlamaFields(c, cpath, f);
   } else if (arch == "GPT2LMHeadModel") {
     f.hidden = ConfigInt(c, "n_embd", cpath), f.heads = ConfigInt(c, "n_head", cpath), f.kv_heads = f.heads;
     f.ffn = ConfigInt(c, "n_inner", cpath, 4 * f.hidden), f.layers = ConfigInt(c, "n_layer", cpath);
     f.vocab_size = ConfigInt(c, "vocab_size", cpath), f.max_positions = ConfigInt(c, "n_positions", cpath);
-    f.tied_output = flag("tie_word_embeddings", true);
+    f.tied_output = ConfigFlag(c, "tie_word_embeddings", cpath, true);
     f.layernorm = f.gelu = f.bias = f.learned_positions = true;
     f.norm_eps = ConfigNumber(c, "layer_norm_epsilon", cpath, 1e-5);  // GPT2Config's default
     const std::string act = c.value("activation_function", std::string("gelu_new"));
@@ -228,9 +250,18 @@ ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) 
       throw Error(cpath + ": architecture '" + arch + "' is an MoE (Mixtral) model; shardkit does not import Mixtral's experts from Hugging Face yet");
     throw Error(cpath + ": architecture '" + arch + "' is not one this import knows (LlamaForCausalLM, GPT2LMHeadModel)");
   }
-  if (f.hidden % f.heads || f.heads % f.kv_heads) throw Error(cpath + ": the head counts do not divide the hidden size");
-  if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(cpath + ": " + why);
-  return f;
+  return Checked(f, cpath);
+}
+
+ModelFormat FormatOfHfMixtralConfig(const nlohmann::json& c, const std::string& cpath) {
+  const std::string arch = ArchitectureOf(c, cpath);
+  if (arch != "MixtralForCausalLM") throw Error(cpath + ": architecture '" + arch + "' is not MixtralForCausalLM");
+  ModelFormat f;
+  ReadLlamaFields(c, cpath, f);
+  f.experts = ConfigInt(c, "num_local_experts", cpath, 8), f.moe_top_k = ConfigInt(c, "num_experts_per_tok", cpath, 2);
+  if (c.contains("router_jitter_noise") && !(c["router_jitter_noise"].is_number() && c["router_jitter_noise"].get<double>() == 0))
+    throw Error(cpath + ": router_jitter_noise is set; NxD's RouterTopK adds no jitter, so this model would compute otherwise");
+  return Checked(f, cpath);
 }
 
 std::string ParamName(const ModelFormat& f, Module m, int layer) {

@@ -26,6 +26,12 @@ namespace ckpt {
 // vocabulary unpadded, Megatron-style family. Throws ckpt::Error naming
 // `cpath` and the key.
 ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath);
+// The same for a MixtralForCausalLM config.json (transformers'
+// MixtralConfig: LlamaConfig's fields, num_local_experts (default 8) and
+// num_experts_per_tok (2) as experts and moe_top_k; router_jitter_noise must
+// be 0, as NxD's RouterTopK adds none). What NxDT's HF Mixtral reads
+// (lightning_modules/model/hf_models/mixtral_model.py _get_model).
+ModelFormat FormatOfHfMixtralConfig(const nlohmann::json& c, const std::string& cpath);
 
 // The modules a decoder is built from, and the names of their weights in
 // each family, so the trainer computes one model under either family's names.

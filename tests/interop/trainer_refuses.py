@@ -43,9 +43,10 @@ EXPECTED = {
                                      "model_alignment_strategy.peft", "precision.type"],
     # Megatron SFT: use_sft_style_data_module, packing, JSONL train_dir, dev_choose_samples: 10000.
     "megatron_llama2_7B_SFT_config": ["data.packing", "data.use_sft_style_data_module", "data.train_dir", "data.dev_choose_samples"],
-    # The model.moe section.
-    "hf_mixtral_8x7b_config": ["data.train_dir", "model.moe"],
-    "hf_mixtral_8x7b_dropless_config": ["data.train_dir", "model.moe"],
+    # HF-style Mixtral (issue #39: trained, tests/interop/train_moe.py): refused for its data alone.
+    "hf_mixtral_8x7b_config": ["data.train_dir"],
+    "hf_mixtral_8x7b_dropless_config": ["data.train_dir"],
+    # The model.moe section of the Megatron-style Mixtral (NeuronSwitchMLP).
     "megatron_mixtral_8x7b_config": ["model.moe"],
     "megatron_mixtral_8x7b_dropless_config": ["model.moe"],
     # Dense Megatron-style Llamas with data_prefix; Mistral's sliding window (4096) covers its sequence.
