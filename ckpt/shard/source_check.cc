@@ -20,7 +20,8 @@ SourceCheck::SourceCheck(Env* env, std::string tag, bool enabled, bool weights_o
     : env_(env), tag_(std::move(tag)), enabled_(enabled), weights_only_(weights_only) {}
 
 uint64_t SourceCheck::memory() const {
-  // A window, and a 2 MiB folio at either end of it (MappedFile::DropPages releases whole ones).
+  // DigestFile's buffer, and 4 MiB more: what a mapped window's end folios took before the pass
+  // read with pread (Env::ReadInPieces), kept as a reserve.
   return enabled_ ? kThreads * (kCrcWindow + (uint64_t{4} << 20)) : 0;
 }
 

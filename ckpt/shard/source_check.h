@@ -41,7 +41,8 @@ class SourceCheck {
   ~SourceCheck();
 
   // What the check holds in memory at most while it runs, for the caller's
-  // budget: kThreads windows of Crc32Mapped with their large folios. 0 when not enabled.
+  // budget: kThreads of DigestFile's 4 MiB buffers, and as much again (a mapped
+  // window's large folios before the pass read with pread; kept as the reserve). 0 when not enabled.
   uint64_t memory() const;
 
   // Starts VerifySourceTag(env, tag, weights_only) on a thread of its own, in

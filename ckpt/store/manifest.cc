@@ -19,8 +19,13 @@ std::string CrcHex(uint32_t v) {
 }
 
 FileDigest DigestFile(Env* env, const std::string& path) {
-  auto m = env->MapFile(path);
-  return {m->size(), Crc32Mapped(*m, m->bytes())};
+  // Read, not mapped (Env::ReadInPieces), through one window per thread,
+  // kept: a 4 MiB buffer freed after each file would be unmapped by malloc
+  // (over its mmap threshold), flushing the TLB as a mapping's release does.
+  thread_local std::vector<uint8_t> window(kCrcWindow);
+  FileDigest d;
+  d.size = env->ReadInPieces(path, window, [&](std::span<const uint8_t> p) { d.crc32 = Crc32Combine(d.crc32, Crc32(p), p.size()); });
+  return d;
 }
 
 const char* ContainerName(Container c) { return c == Container::kXser ? "xser" : "pt"; }

@@ -121,8 +121,8 @@ struct Manifest {
 FileDigest DigestFromJson(const nlohmann::json& entry, const std::string& where);
 
 std::string CrcHex(uint32_t crc);
-// Size and CRC-32 of a file as it is on disk (mapped a chunk at a time, each
-// released once summed, so memory stays small whatever the file's size).
+// Size and CRC-32 of a file as it is on disk (read a 4 MiB window at a time,
+// Env::ReadInPieces, so memory stays small whatever the file's size).
 FileDigest DigestFile(Env* env, const std::string& path);
 
 }  // namespace ckpt

@@ -57,6 +57,11 @@ class FaultEnv : public Env {
     LogRead(path);
     return base_->MapFile(path);
   }
+  uint64_t ReadInPieces(const std::string& path, std::span<uint8_t> buf,
+                        const std::function<void(std::span<const uint8_t>)>& piece) override {
+    LogRead(path);
+    return base_->ReadInPieces(path, buf, piece);
+  }
   void RenameFile(const std::string& from, const std::string& to) override;
   void SyncDir(const std::string& dir) override;
   void SyncFileSystem(const std::string& dir) override;

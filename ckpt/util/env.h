@@ -75,6 +75,13 @@ class Env {
   // the bytes already there.
   virtual std::unique_ptr<WritableFile> NewAppendableFile(const std::string& path) = 0;
   virtual std::shared_ptr<const MappedFile> MapFile(const std::string& path) = 0;
+  // Reads `path` once from start to end, at most buf.size() bytes at a time
+  // into `buf`, calling `piece` with each piece read; returns the bytes read.
+  // For one pass over a file (its checksum): the POSIX Env reads with pread,
+  // so the pass maps nothing and costs no page faults, nor an madvise and a
+  // munmap that each flush the TLB of every core running the process.
+  virtual uint64_t ReadInPieces(const std::string& path, std::span<uint8_t> buf,
+                                const std::function<void(std::span<const uint8_t>)>& piece) = 0;
   // Atomically replaces `to` with `from`.
   virtual void RenameFile(const std::string& from, const std::string& to) = 0;
   // fsyncs a directory so renames and creations inside it are durable.

@@ -254,6 +254,26 @@ void SyncThroughDir(const std::string& dir, int (*sync)(int), const char* failed
   if (rc != 0) ThrowErrno(dir, failed, e);
 }
 
+// Opens `path` for reading and sets `size`; throws naming it unless it is a
+// regular file. O_NONBLOCK: opening a FIFO for reading would otherwise wait
+// for a writer forever; it returns at once and the file type is refused. It
+// does not affect reads of a regular file, which are all this opens.
+int OpenRegularFile(const std::string& path, uint64_t* size) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) ThrowErrno(path, "cannot open");
+  const struct stat st = StatOrClose(fd, path);
+  if (S_ISDIR(st.st_mode)) {
+    ::close(fd);
+    throw Error(path + ": is a directory, not a file");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw Error(path + ": is not a regular file (a FIFO, socket or device); refusing to read it");
+  }
+  *size = static_cast<uint64_t>(st.st_size);
+  return fd;
+}
+
 class PosixEnv final : public Env {
  private:
   std::atomic<uint64_t> read_whole_{0};  // bytes ReadWholeFiles hold
@@ -273,21 +293,8 @@ class PosixEnv final : public Env {
   }
 
   std::shared_ptr<const MappedFile> MapFile(const std::string& path) override {
-    // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
-    // forever; it returns at once and the file type is refused below. It does
-    // not affect reads of a regular file, which are all this maps.
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) ThrowErrno(path, "cannot open");
-    const struct stat st = StatOrClose(fd, path);
-    if (S_ISDIR(st.st_mode)) {
-      ::close(fd);
-      throw Error(path + ": is a directory, not a file");
-    }
-    if (!S_ISREG(st.st_mode)) {
-      ::close(fd);
-      throw Error(path + ": is not a regular file (a FIFO, socket or device); refusing to read it");
-    }
-    const uint64_t size = static_cast<uint64_t>(st.st_size);
+    uint64_t size = 0;
+    const int fd = OpenRegularFile(path, &size);
     if (auto f = ReadWhole(fd, path, size)) return f;
     void* p = nullptr;
     if (size > 0) {
@@ -300,6 +307,28 @@ class PosixEnv final : public Env {
     }
     ::close(fd);
     return std::make_shared<PosixMappedFile>(path, static_cast<const uint8_t*>(p), size);
+  }
+
+  uint64_t ReadInPieces(const std::string& path, std::span<uint8_t> buf,
+                        const std::function<void(std::span<const uint8_t>)>& piece) override {
+    uint64_t size = 0, at = 0;
+    const int fd = OpenRegularFile(path, &size);
+    try {
+      ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);  // a hint: deeper read-ahead; failure is harmless
+      for (;;) {
+        const ssize_t got = ::pread(fd, buf.data(), buf.size(), static_cast<off_t>(at));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) ThrowErrno(path, "read failed");
+        if (got == 0) break;
+        piece({buf.data(), static_cast<size_t>(got)});
+        at += static_cast<uint64_t>(got);
+      }
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    ::close(fd);
+    return at;
   }
 
   // Files up to 64 KiB (an xser tag's norms and biases) are read whole

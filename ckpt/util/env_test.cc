@@ -111,6 +111,33 @@ TEST(Env, SmallFilesAreReadWholeUpToTheCapLargerOnesMapped) {
   std::filesystem::remove_all(dir);
 }
 
+// One pass over a file without mapping it: every byte, in order, a buffer at a time.
+TEST(Env, ReadInPiecesReadsTheFileInBufferSizedPiecesWithoutMappingIt) {
+  const std::string dir = EnvTestDir(), path = dir + "/f.bin";
+  auto* env = Env::Default();
+  std::string bytes(10 << 10, 0);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 7 % 251);
+  WriteFileAtomically(env, path, [&](WritableFile& f) { f.Append({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()}); });
+  std::vector<uint8_t> buf(4096);
+  std::vector<size_t> sizes;
+  std::string got;
+  const uint64_t n = env->ReadInPieces(path, buf, [&](std::span<const uint8_t> p) {
+    sizes.push_back(p.size());
+    got.append(reinterpret_cast<const char*>(p.data()), p.size());
+    EXPECT_FALSE(IsMapped(path));
+  });
+  EXPECT_EQ(n, bytes.size());
+  EXPECT_EQ(got, bytes);
+  EXPECT_EQ(sizes, (std::vector<size_t>{4096, 4096, 2048}));
+  try {
+    env->ReadInPieces(dir, buf, [](std::span<const uint8_t>) {});
+    FAIL() << "a folder was read";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), dir + ": is a directory, not a file");
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Env, WriteToFullDiskReportsEnospc) {
   if (!std::filesystem::exists("/dev/full")) GTEST_FAIL() << "/dev/full missing";
   auto f = Env::Default()->NewWritableFile("/dev/full");
