@@ -105,5 +105,63 @@ TEST(ExtentIndex, ADtypeOtherRanksDoNotHoldIsRefused) {
   EXPECT_FALSE(idx.FindDType("w", StateField::kExpAvg, &d));
 }
 
+// The local tensor of the rank at `at`, filled box by box from a logical arange.
+Tensor BoxLocal(const ParamRule& r, const AxisCoords& at) {
+  Tensor x = Tensor::Zeros(DType::kFloat32, LocalShapeOf(r.spec, at));
+  float* dst = reinterpret_cast<float*>(x.mutable_data());
+  for (const Box& b : LocalBoxes(r, at)) {
+    std::vector<int64_t> g = b.offset, l = b.local;
+    for (int64_t i = 0, n = ShapeNumel(b.size); i < n; ++i) {
+      dst[FlatIndex(l, x.shape())] = static_cast<float>(FlatIndex(g, r.shape));
+      AdvanceInBox(b.offset, b.size, g, 1), AdvanceInBox(b.local, b.size, l, 1);
+    }
+  }
+  return x;
+}
+
+// The index holds a box per rank (and ZeRO-1 shard), never an entry per row:
+// a column split's entry count stays the same however many rows it has.
+TEST(ExtentIndex, AColumnSplitIsABoxPerRankWhateverItsRows) {
+  const ModelFormat f;
+  for (int64_t rows : {4, 64, 4096}) {
+    const ParamRule r = Rule("w", {rows, 8}, SplitDim::kColumns);
+    ExtentIndex idx;
+    ExtentIndex::Holders owner;
+    std::vector<Tensor> locals;
+    for (int t = 0; t < 2; ++t) locals.push_back(Local(r, f, 2, t));
+    for (int t = 0; t < 2; ++t)  // two ZeRO-1 shards of each rank's rows
+      for (int d = 0; d < 2; ++d) {
+        const int64_t half = rows / 2;
+        const Tensor shard = locals[t].Narrow0(d * half, (d + 1) * half);
+        idx.AddRuns(r, f, 2, StateField::kParam, t, shard, nullptr, d * half, (d + 1) * half, rows, owner, DType::kFloat32, "w");
+      }
+    idx.CheckCovered("tag", {r});
+    EXPECT_EQ(idx.BoxCount("w", StateField::kParam), 4u) << rows << " rows";
+    const auto all = ReadAll(idx, "w", 0, static_cast<uint64_t>(rows * 8));
+    for (int64_t i = 0; i < rows * 8; ++i) ASSERT_EQ(all[i], static_cast<float>(i)) << "element " << i << " of " << rows << " rows";
+  }
+}
+
+// Mixtral's expert weights: experts over ep on dim 0, [gate || up] over tp on dim 2 with stride 2.
+TEST(ExtentIndex, ThreeDimensionalExpertBoxesReadBackAsTheLogicalTensor) {
+  ParamRule r{.name = "gate_up", .shape = {4, 3, 8}, .split = SplitDim::kExperts};
+  r.spec = ExpertSpec(r.shape, ExpertWeight::kGateUp);
+  ExtentIndex idx;
+  ExtentIndex::Holders owner;
+  std::vector<Tensor> locals;
+  for (int e = 0; e < 2; ++e)
+    for (int t = 0; t < 2; ++t) {
+      AxisCoords at = AxisCoords::Tp(2, t);
+      at[Axis::kEp] = {2, e};
+      locals.push_back(BoxLocal(r, at));
+      idx.AddBoxes(r, at, StateField::kParam, locals.back(), nullptr, 0, 2, owner, DType::kFloat32, "gate_up");
+    }
+  idx.CheckCovered("tag", {r});
+  EXPECT_EQ(idx.BoxCount("gate_up", StateField::kParam), 8u);  // 2 ep x 2 tp ranks x [gate; up]
+  const auto all = ReadAll(idx, "gate_up", 0, 96);
+  for (int i = 0; i < 96; ++i) ASSERT_EQ(all[i], static_cast<float>(i)) << "element " << i;
+  EXPECT_EQ(ReadAll(idx, "gate_up", 29, 5), (std::vector<float>{29, 30, 31, 32, 33}));
+}
+
 }  // namespace
 }  // namespace ckpt

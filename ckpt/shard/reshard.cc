@@ -38,66 +38,65 @@ constexpr int64_t kMaxRankFiles = int64_t{1} << 16;
 
 using ckpt::Error;
 using ckpt::ParamRule;
-using ckpt::Run;
 using ckpt::StateField;
 using ckpt::Value;
 using Clock = std::chrono::steady_clock;
 
 
 // One target tensor (or ZeRO-1 shard of one): the rows [row_lo, row_lo +
-// rows) of tp rank `runs`' local tensor of `rule`, copied from the source.
+// rows) of the target rank's local tensor of a parameter, copied from the
+// source box by box (the rank's boxes, ckpt/spec/shard_spec.h BoxesOf), each
+// box's part of a chunk as the longest runs contiguous in both tensors.
 struct TargetSlice {
   const ckpt::LogicalState* src;
   std::string name;  // the logical parameter read
   StateField field;
-  ckpt::SplitDim split;
-  std::vector<Run> runs;
-  std::vector<int64_t> local;  // the unsharded local shape
-  int64_t row_lo, rows;        // rows of `local` this slice holds; past local[0] they are ZeRO-1 padding (zeros)
-  int64_t logical_width;       // dim 1 of the logical tensor (column splits)
+  std::vector<ckpt::Box> boxes;  // the target rank's, in local row-major order
+  std::vector<int64_t> local;    // the unsharded local shape
+  std::vector<int64_t> global;   // the logical shape
+  int64_t row_lo, rows;          // rows of `local` this slice holds; past local[0] they are ZeRO-1 padding (zeros)
   size_t es;
-  // Fingerprints: runs[i] is summed into `fp` when primary[i] (its first
+  // Fingerprints: boxes[i] is summed into `fp` when primary[i] (its first
   // holder in the target: replicas are summed once), up to logical_numel
   // (vocab padding rows are not part of the logical tensor).
   ckpt::FingerprintCollector* fp;
   std::vector<char> primary;
   uint64_t logical_numel;
 
-  // The run holding local index i along the split dim.
-  size_t RunHolding(int64_t i) const {
-    for (size_t k = 0; k < runs.size(); ++k)
-      if (i >= runs[k].local && i < runs[k].local + runs[k].count) return k;
+  // The box holding local point q.
+  size_t BoxHolding(const std::vector<int64_t>& q) const {
+    for (size_t k = 0; k < boxes.size(); ++k) {
+      bool in = true;
+      for (size_t d = 0; d < q.size() && in; ++d) in = q[d] >= boxes[k].local[d] && q[d] < boxes[k].local[d] + boxes[k].size[d];
+      if (in) return k;
+    }
     return 0;
   }
 
   // Bytes [offset, offset + out.size()) of the slice, row-major.
   void Produce(uint64_t offset, std::span<uint8_t> out) const {
-    const int64_t inner = local.empty() ? 1 : ckpt::ShapeNumel(local) / local[0];
-    uint64_t e = offset / es, n = out.size() / es;
+    const uint64_t numel = static_cast<uint64_t>(ckpt::ShapeNumel(local));
+    const uint64_t inner = local.empty() ? 1 : numel / std::max<int64_t>(local[0], 1);
+    uint64_t e = static_cast<uint64_t>(row_lo) * inner + offset / es, n = out.size() / es;
     uint8_t* o = out.data();
     ckpt::Touched touched(out.size());  // source pages: at most a chunk's worth, as the budget counts them
+    std::vector<int64_t> q, g;
     while (n > 0) {
-      const int64_t r = row_lo + static_cast<int64_t>(e / inner), c = static_cast<int64_t>(e % inner);
-      uint64_t take, flat;
-      size_t run_index = 0;
-      if (r >= local[0]) {  // ZeRO-1 padding
+      if (e >= numel) {  // ZeRO-1 padding
         std::memset(o, 0, n * es);
         break;
       }
-      if (split == ckpt::SplitDim::kColumns) {  // the run holding local column c, to its end or the row's
-        run_index = RunHolding(c);
-        const Run* run = &runs[run_index];
-        take = std::min<uint64_t>(n, static_cast<uint64_t>(run->local + run->count - c));
-        flat = static_cast<uint64_t>(r * logical_width + run->logical + (c - run->local));
-      } else {
-        run_index = RunHolding(r);
-        const Run* run = &runs[run_index];
-        take = std::min<uint64_t>(n, static_cast<uint64_t>((run->local + run->count - r) * inner - c));
-        flat = static_cast<uint64_t>((run->logical + r - run->local) * inner + c);
-      }
+      ckpt::PointOf(static_cast<int64_t>(e), local, q);
+      const size_t k = BoxHolding(q);
+      const ckpt::Box& b = boxes[k];
+      g = q;
+      for (size_t d = 0; d < g.size(); ++d) g[d] += b.offset[d] - b.local[d];
+      // The run must be contiguous in the local tensor and in the logical one.
+      const uint64_t take = std::min<uint64_t>({n, static_cast<uint64_t>(ckpt::RunInBox(b.local, b.size, local, q)),
+                                                static_cast<uint64_t>(ckpt::RunInBox(b.offset, b.size, global, g))});
+      const uint64_t flat = static_cast<uint64_t>(ckpt::FlatIndex(g, global));
       src->Read(name, field, flat, {o, take * es}, &touched);
-      if (primary[run_index] && flat < logical_numel)
-        fp->Add(name, field, flat * es, {o, std::min<uint64_t>(take, logical_numel - flat) * es});
+      if (primary[k] && flat < logical_numel) fp->Add(name, field, flat * es, {o, std::min<uint64_t>(take, logical_numel - flat) * es});
       o += take * es, e += take, n -= take;
     }
   }
@@ -149,23 +148,22 @@ class Planner {
     s->src = &src_;
     s->name = rule.name;
     s->field = f;
-    s->split = rule.split;
-    s->runs = ckpt::LocalRuns(rule, fmt_, to_.tp, t);
+    s->boxes = ckpt::LocalBoxes(rule, ckpt::AxisCoords::Tp(to_.tp, t));
     s->local = ckpt::LocalShape(rule, fmt_, to_.tp, t);
+    s->global = rule.shape;
     s->row_lo = row_lo;
     s->rows = rows < 0 ? s->local[0] : rows;
-    s->logical_width = rule.shape.size() > 1 ? rule.shape[1] : 1;
     s->es = ckpt::ElementSize(src_.dtype(rule.name, f));
     s->fp = fp_;
     s->logical_numel = logical_numel_.at(rule.name);
-    // A run's first holder (stage, tp rank) sums it; every ZeRO-1 shard of
+    // A box's first holder (stage, tp rank) sums it; every ZeRO-1 shard of
     // that holder sums its part.
-    for (const Run& run : s->runs) {
+    for (const ckpt::Box& box : s->boxes) {
       if (sp.tied_copy()) {  // GPT's tied output copy: the embedding's holder sums it
         s->primary.push_back(false);
         continue;
       }
-      const auto holder = first_holder_.try_emplace({rule.name, f, run.logical}, p, t).first->second;
+      const auto holder = first_holder_.try_emplace({rule.name, f, box.offset}, p, t).first->second;
       s->primary.push_back(holder == std::make_pair(p, t));
     }
     return s;
@@ -245,7 +243,7 @@ class Planner {
   ckpt::FingerprintCollector* fp_;
   std::vector<ParamRule> rules_;
   std::map<std::string, uint64_t> logical_numel_;
-  std::map<std::tuple<std::string, StateField, int64_t>, std::pair<int, int>> first_holder_;
+  std::map<std::tuple<std::string, StateField, std::vector<int64_t>>, std::pair<int, int>> first_holder_;
 };
 
 // LoRA adapters are named after their base's tensors (ckpt/spec/lora.h): `to`,

@@ -2,9 +2,9 @@
 // parallel degrees, weights and optimizer state alike, streaming.
 //
 // The source is read through ShardedTag (ckpt/shard/sharded_tag.h), which indexes
-// every logical tensor's runs in the mapped rank files. Every target tensor
+// every logical tensor's boxes in the mapped rank files. Every target tensor
 // is a generated storage (Storage::Generated): when the writer asks for a
-// chunk of its bytes, the target rank's runs (ckpt/spec/partition.h) name the
+// chunk of its bytes, the target rank's boxes (ckpt/spec/shard_spec.h BoxesOf) name the
 // logical elements, which are copied from the source's mapped pages, and
 // those pages are then released. So memory holds a few chunks per writing
 // thread, never a tensor or a file, and each byte is read once and written

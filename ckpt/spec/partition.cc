@@ -315,6 +315,8 @@ std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat&, int tp, int r
   return runs;
 }
 
+std::vector<Box> LocalBoxes(const ParamRule& p, const AxisCoords& at) { return BoxesOf(SpecOf(p), at); }
+
 KvReplicas KvReplicasOf(int64_t kv_heads, int tp, int rank) {
   const int sharing = tp / static_cast<int>(kv_heads);
   return {rank / sharing, rank / sharing * sharing, sharing};

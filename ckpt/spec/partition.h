@@ -195,6 +195,8 @@ std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp = 1);
 // (BoxesOf of p.spec) along the split dim. p.spec carries f's heads and KV
 // replication, so `f` is that of the table p came from.
 std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank);
+// The boxes the rank at `at` holds of p (BoxesOf of p.spec), in local row-major order.
+std::vector<Box> LocalBoxes(const ParamRule& p, const AxisCoords& at);
 // The local shape of tp rank `rank`'s slice (LocalShapeOf of p.spec).
 std::vector<int64_t> LocalShape(const ParamRule& p, const ModelFormat& f, int tp, int rank);
 

@@ -117,6 +117,39 @@ std::vector<int64_t> LocalShapeOf(const ShardSpec& spec, const AxisCoords& at) {
   return shape;
 }
 
+int64_t FlatIndex(const std::vector<int64_t>& point, const std::vector<int64_t>& shape) {
+  int64_t flat = 0;
+  for (size_t d = 0; d < shape.size(); ++d) flat = flat * shape[d] + point[d];
+  return flat;
+}
+
+void PointOf(int64_t flat, const std::vector<int64_t>& shape, std::vector<int64_t>& point) {
+  point.resize(shape.size());
+  for (size_t d = shape.size(); d-- > 0;) {
+    point[d] = shape[d] ? flat % shape[d] : 0;
+    flat = shape[d] ? flat / shape[d] : 0;
+  }
+}
+
+int64_t RunInBox(const std::vector<int64_t>& lo, const std::vector<int64_t>& size, const std::vector<int64_t>& shape,
+                 const std::vector<int64_t>& point) {
+  if (shape.empty()) return 1;
+  // Dims d+1.. are whole in the box, so the run goes on to the box's end along dim d.
+  size_t d = shape.size() - 1;
+  while (d > 0 && size[d] == shape[d]) --d;
+  int64_t inner = 1, past = 0;  // the box's elements per index of dim d; those before `point` within it
+  for (size_t i = shape.size(); i-- > d + 1;) past += (point[i] - lo[i]) * inner, inner *= size[i];
+  return (lo[d] + size[d] - point[d]) * inner - past;
+}
+
+void AdvanceInBox(const std::vector<int64_t>& lo, const std::vector<int64_t>& size, std::vector<int64_t>& point, int64_t n) {
+  for (size_t d = size.size(); d-- > 0 && n > 0;) {
+    const int64_t at = point[d] - lo[d] + n;
+    point[d] = lo[d] + (d == 0 ? at : at % size[d]);
+    n = d == 0 ? 0 : at / size[d];
+  }
+}
+
 bool IsFirstReplica(const ShardSpec& spec, const AxisCoords& at) {
   return std::all_of(spec.replicated_over.begin(), spec.replicated_over.end(), [&](Axis a) { return at[a].index == 0; });
 }

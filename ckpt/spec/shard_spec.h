@@ -110,6 +110,19 @@ std::vector<int64_t> LocalShapeOf(const ShardSpec& spec, const AxisCoords& at);
 // (index 0 along every replicated axis): the one that writes the shard.
 bool IsFirstReplica(const ShardSpec& spec, const AxisCoords& at);
 
+// Box arithmetic on row-major tensors (the reshard engine walks boxes with it).
+// The flat row-major index of `point` in `shape`, and the point of `flat`.
+int64_t FlatIndex(const std::vector<int64_t>& point, const std::vector<int64_t>& shape);
+void PointOf(int64_t flat, const std::vector<int64_t>& shape, std::vector<int64_t>& point);
+// How many elements, from `point` inside the box [lo, lo + size) of a tensor
+// of `shape`, follow one another both in the box's row-major order and in
+// the tensor's: the run ends at the box's innermost edge unless the box spans
+// the tensor's whole inner dimensions. 1 for a scalar.
+int64_t RunInBox(const std::vector<int64_t>& lo, const std::vector<int64_t>& size, const std::vector<int64_t>& shape,
+                 const std::vector<int64_t>& point);
+// Moves `point` `n` elements on in the box's row-major order.
+void AdvanceInBox(const std::vector<int64_t>& lo, const std::vector<int64_t>& size, std::vector<int64_t>& point, int64_t n);
+
 // The KV heads, and the query heads of a region of `query_heads` heads, that
 // rank `rank` of `size` holds along a head split, in local order.
 std::vector<int64_t> KvHeadsOf(const HeadSplit& h, int size, int rank);

@@ -93,5 +93,22 @@ TEST(ShardSpec, FirstReplicaIsIndexZeroAlongEveryReplicatedAxis) {
   EXPECT_TRUE(IsFirstReplica(ShardSpec::Whole({4}, {Axis::kDp}), c));
 }
 
+// A box's runs stop at its innermost edge unless it spans the tensor's inner dimensions.
+TEST(BoxWalk, RunsFollowTheBoxAndTheTensor) {
+  const std::vector<int64_t> shape{4, 6};
+  EXPECT_EQ(FlatIndex({2, 3}, shape), 15);
+  std::vector<int64_t> p;
+  PointOf(15, shape, p);
+  EXPECT_EQ(p, (std::vector<int64_t>{2, 3}));
+  // Columns [2, 5) of rows [1, 3): three elements a row.
+  EXPECT_EQ(RunInBox({1, 2}, {2, 3}, shape, {1, 3}), 2);
+  // Whole rows [1, 3): the run goes on to the box's last row.
+  EXPECT_EQ(RunInBox({1, 0}, {2, 6}, shape, {1, 3}), 9);
+  EXPECT_EQ(RunInBox({}, {}, {}, {}), 1);
+  std::vector<int64_t> q{1, 4};
+  AdvanceInBox({1, 2}, {2, 3}, q, 2);  // past the row's end: the next row's second column of the box
+  EXPECT_EQ(q, (std::vector<int64_t>{2, 3}));
+}
+
 }  // namespace
 }  // namespace ckpt
