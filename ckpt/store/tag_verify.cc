@@ -79,8 +79,10 @@ bool IsDirectlyLoaded(const std::string& rel) {
 // Loads `rel` as a reader would: the zip structure, the pickle, every
 // tensor's storage, and (with `crc`) every zip record's CRC-32, which torch
 // writes. An optimizer file's ZeRO-1 shards are checked against its
-// shape_info and `zero1_dp` (0: not checked). Returns the problem, or "".
-std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string& rel, bool crc, int zero1_dp) {
+// shape_info and `zero1_dp` (0: not checked). `moe_recorded`: the manifest
+// records an MoE (Mixtral) format, which readers check the files against
+// (issue #38), so MoE tensors are no problem. Returns the problem, or "".
+std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string& rel, bool crc, int zero1_dp, bool moe_recorded = false) {
   Value v;
   try {
     LoadOptions opts;
@@ -90,7 +92,7 @@ std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string&
     return std::string("unreadable: ") + e.what();
   }
   // Bytes alone do not vouch for a model no reader takes: an MoE (Mixtral) model's files are told so.
-  if (rel.starts_with("model/") && v.is_dict()) {
+  if (rel.starts_with("model/") && v.is_dict() && !moe_recorded) {
     std::vector<std::string> keys;
     for (const auto& [k, _] : v.as_dict().items)
       if (k.is_str()) keys.push_back(k.as_str());
@@ -106,12 +108,12 @@ std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string&
 
 // The problem of a listed file whose size matches the manifest: its CRC-32
 // differs, or it does not load; or "".
-std::string ContentProblem(Env* env, const std::string& tag_dir, const std::string& rel, const FileDigest& want, int zero1_dp) {
+std::string ContentProblem(Env* env, const std::string& tag_dir, const std::string& rel, const FileDigest& want, int zero1_dp, bool moe_recorded) {
   const FileDigest got = DigestFile(env, tag_dir + "/" + rel);
   if (got.crc32 != want.crc32) return "checksum " + CrcHex(got.crc32) + " differs from the manifest's " + CrcHex(want.crc32);
   // Bytes that match a manifest rewritten to match them (a truncated file
   // and its recomputed record) must still load.
-  return IsDirectlyLoaded(rel) ? LoadProblem(env, tag_dir, rel, false, zero1_dp) : "";
+  return IsDirectlyLoaded(rel) ? LoadProblem(env, tag_dir, rel, false, zero1_dp, moe_recorded) : "";
 }
 
 // Where training stands, as `rel` (user_content.pt, scheduler.pt) records it: a step, sample count
@@ -196,7 +198,7 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
           if (size != want.size) {
             what = "size " + std::to_string(size) + " differs from the manifest's " + std::to_string(want.size);
           } else if (opts.checksums) {
-            what = ContentProblem(env, tag_dir, rel, want, zero1_dp);
+            what = ContentProblem(env, tag_dir, rel, want, zero1_dp, m.model && m.model->moe());
             bytes = size;
           }
         } catch (const Error& e) {
@@ -303,7 +305,7 @@ std::vector<TagProblem> VerifyListedContent(Env* env, const std::string& tag_dir
     std::string what;
     try {
       if (env->FileSize(path) != want->second.size) return;
-      what = ContentProblem(env, tag_dir, rel, want->second, m.grid.dp);
+      what = ContentProblem(env, tag_dir, rel, want->second, m.grid.dp, m.model && m.model->moe());
     } catch (const Error& e) {
       what = e.what();
     }
