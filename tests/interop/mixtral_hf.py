@@ -12,6 +12,7 @@ holds layer 0's MoE output on six tokens computed from it by hf_moe.py.
     names (and, for the HF-style family, HF's order); --format full_state likewise, in HF's
     orientation; config.json says MixtralForCausalLM with its experts;
   - the exported weights, through HF's MoE forward (hf_moe.py), give moe_check.pt's output;
+  - ckpt-export's h5 and its import give the tag back;
   - an MoE import at tp 2 is refused naming MoE, nothing written (the engine does not split
     experts yet)."""
 import json
@@ -115,6 +116,15 @@ class MixtralHf(TempDirTest):
         a = torch.load(os.path.join(back, MODEL_FILE))
         b = torch.load(os.path.join(tag, MODEL_FILE))
         self.assert_same_state(a, b, same_order=True)
+
+    def test_h5_round_trip(self):
+        """ckpt-export's h5 holds each expert weight as a 2-D dataset of its leading dimensions' rows; import gives the tag back."""
+        tag = self.imported(1, "megatron")
+        h5 = os.path.join(self.dir, "x.h5")
+        self.tool(EXPORT, tag, h5)
+        back = os.path.join(self.dir, "back")
+        self.tool(IMPORT, h5, back, "--tp", 1, "--pp", 1)
+        self.assert_same_state(torch.load(os.path.join(back, MODEL_FILE)), torch.load(os.path.join(tag, MODEL_FILE)), same_order=True)
 
     def test_exported_weights_compute_the_reference_moe_output(self):
         check = torch.load(os.path.join(reference(1)[0], "moe_check.pt"))
