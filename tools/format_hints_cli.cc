@@ -47,6 +47,8 @@ ckpt::FormatHints HintsOfJobConfig(const std::string& path, std::string& model_c
     throw ckpt::Error(path + ": " + key + " is '" + *v + "', not True or False");
   };
   ckpt::FormatHints h;
+  // Mixtral (MoE): both styles read model.moe (NxDT mixtral_model.py, megatron_gpt_model.py).
+  h.experts = integer("model.moe.num_experts"), h.moe_top_k = integer("model.moe.top_k"), h.moe_frequency = integer("model.moe.frequency");
   if (scalar("model_source").value_or("megatron") == "hf") {
     const auto given = scalar("model.model_config");
     if (!given) throw ckpt::Error(path + ": model_source hf without model.model_config");
@@ -81,6 +83,9 @@ ckpt::FormatHints FormatHintOptions::Hints() const {
     // NxDT's YAML overrides config.json's layers and hidden size (llama_model.py _get_model).
     if (!h.layers) h.layers = f.layers;
     if (!h.hidden) h.hidden = f.hidden;
+    // And its model.moe config.json's num_local_experts and num_experts_per_tok (mixtral_model.py sets them from it).
+    if (f.moe() && !h.experts) h.experts = f.experts;
+    if (f.moe() && !h.moe_top_k) h.moe_top_k = f.moe_top_k;
   }
   // A flag agrees with what the configs say, or is refused.
   const std::string said = !hf_config.empty() ? hf_config : config;
@@ -95,6 +100,7 @@ ckpt::FormatHints FormatHintOptions::Hints() const {
   take(h.kv_size_multiplier, kv_size_multiplier, "--kv_size_multiplier");
   take(h.rope_theta, rope_theta, "--rope_theta"), take(h.norm_eps, norm_eps, "--layernorm_epsilon");
   take(h.rotary_percentage, rotary, "--rotary_percentage");
+  take(h.experts, experts, "--num_experts"), take(h.moe_top_k, moe_top_k, "--moe_top_k"), take(h.moe_frequency, moe_frequency, "--moe_frequency");
   if (!hw_backend.empty()) h.hw_backend = ckpt::ParseBackend(hw_backend);
   return h;
 }

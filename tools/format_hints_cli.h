@@ -15,6 +15,7 @@ struct FormatHintOptions {
   int64_t heads = 0, kv_heads = 0, vocab = 0, divisible = 0;
   double rope_theta = 0, norm_eps = 0, rotary = 0;
   int64_t kv_size_multiplier = 0;
+  int64_t experts = 0, moe_top_k = 0, moe_frequency = 0;  // Mixtral (MoE), issue #38
   std::string hw_backend, model_config, config;
 
   void AddTo(CLI::App& app) {
@@ -34,6 +35,12 @@ struct FormatHintOptions {
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
     app.add_option("--hw_backend", hw_backend, "HF-style tags: how KV heads are replicated, when the data cannot tell (trn1: interleaved, trn2: consecutive)")
         ->check(CLI::IsMember({"trn1", "trn2"}));
+    app.add_option("--num_experts", experts, "Mixtral (MoE): model.moe.num_experts, checked against the router's rows")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
+    app.add_option("--moe_top_k", moe_top_k, "Mixtral (MoE): model.moe.top_k (experts per token), which no tensor holds")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
+    app.add_option("--moe_frequency", moe_frequency, "Mixtral (MoE): model.moe.frequency, checked against which layers hold experts")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
     app.add_option("--model_config", model_config,
                    "an HF config.json (NxDT's model.model_config): heads, KV heads, sizes, rope_theta and rms_norm_eps, checked against the tensors");
     app.add_option("--config", config,

@@ -346,9 +346,11 @@ ExportSummary WriteH5State(const ckpt::LogicalState& src, const std::string& tag
     const bool widen = o.float32 && (t.dtype == DType::kBFloat16 || t.dtype == DType::kFloat16);
     const DType stored = widen ? DType::kFloat32 : t.dtype;
     const size_t ses = ckpt::ElementSize(stored);
-    const int rank = static_cast<int>(rule.shape.size());
-    if (rank < 1 || rank > 2) throw Error(where + ": a " + std::to_string(rank) + "-dimensional parameter, which the export does not hold");
-    const int64_t width = rank == 2 ? rule.shape[1] : 1;
+    if (rule.shape.empty() || rule.shape.size() > 3)
+      throw Error(where + ": a " + std::to_string(rule.shape.size()) + "-dimensional parameter, which the export does not hold");
+    // A Mixtral expert weight (3-D, issue #38) is stored as a 2-D dataset: its leading dimensions flattened into rows.
+    const int rank = std::min<int>(static_cast<int>(rule.shape.size()), 2);
+    const int64_t width = rank == 2 ? rule.shape.back() : 1;
     // Writes logical rows [row_lo, row_hi) (of `rule`'s padded shape) to dataset `dpath`.
     auto write_rows = [&](const std::string& dpath, int64_t row_lo, int64_t row_hi, uint32_t* crc) -> void {
       const int64_t rows = row_hi - row_lo;
@@ -541,13 +543,15 @@ std::unique_ptr<H5State> H5State::Open(const std::string& path) {
       const Hid ftype(H5Dget_type(ds), H5Tclose);
       if (H5Tequal(ftype, FileType(t.stored, where)) <= 0)
         throw Error(where + ": its HDF5 type does not hold " + stored + " (dtype attribute and data disagree)");
-      t.width = p.shape.size() > 1 ? p.shape[1] : 1;
-      t.rows = p.vocab ? L.format.vocab_size : p.shape[0];
+      // A 3-D (Mixtral expert) weight is a 2-D dataset of its leading dimensions' rows (WriteH5State).
+      const int want_rank = std::min<int>(static_cast<int>(p.shape.size()), 2);
+      t.width = p.shape.size() > 1 ? p.shape.back() : 1;
+      t.rows = p.vocab ? L.format.vocab_size : ckpt::ShapeNumel(p.shape) / t.width;
       const Hid space(H5Dget_space(ds), H5Sclose);
       const int rank = H5Sget_simple_extent_ndims(space);
       hsize_t dims[2] = {0, 0};
-      if (rank == static_cast<int>(p.shape.size())) H5Sget_simple_extent_dims(space, dims, nullptr);
-      if (rank != static_cast<int>(p.shape.size()) || static_cast<int64_t>(dims[0]) != t.rows ||
+      if (rank == want_rank) H5Sget_simple_extent_dims(space, dims, nullptr);
+      if (rank != want_rank || static_cast<int64_t>(dims[0]) != t.rows ||
           (rank == 2 && static_cast<int64_t>(dims[1]) != t.width))
         throw Error(where + ": its shape does not fit the model format (" + std::to_string(t.rows) +
                     (rank == 2 ? " x " + std::to_string(t.width) : std::string()) + " expected)");

@@ -14,6 +14,8 @@
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/pt/storage.h"
 #include "ckpt/pt/tensor.h"
+#include "ckpt/spec/tag_paths.h"
+#include "ckpt/store/training_state.h"
 
 namespace tools {
 namespace {
@@ -52,17 +54,20 @@ class Producer {
   }
 
  private:
-  // Elements [e, e + out.size()/es) of the concatenated blocks.
+  // Elements [e, e + out.size()/es) of the concatenated blocks. A block of
+  // step > 1 is read a row at a time (its rows are apart in the logical tensor).
   void Gather(uint64_t e, std::span<uint8_t> out) const {
     const size_t es = ckpt::ElementSize(t_.dtype);
+    const uint64_t width = static_cast<uint64_t>(t_.width);
     uint64_t n = out.size() / es, o = 0, start = 0;
     for (const RowBlock& b : t_.blocks) {
-      const uint64_t len = static_cast<uint64_t>(b.rows * t_.width);
-      if (n > 0 && e < start + len) {
-        const uint64_t from = e - start, take = std::min(n, len - from);
+      const uint64_t len = static_cast<uint64_t>(b.rows) * width;
+      while (n > 0 && e >= start && e < start + len) {
+        const uint64_t from = e - start, row = from / width, col = from % width;
+        const uint64_t take = b.step == 1 ? std::min(n, len - from) : std::min(n, width - col);
+        const uint64_t at = (static_cast<uint64_t>(b.row) + row * static_cast<uint64_t>(b.step)) * width + col;
         ckpt::Touched touched(out.size());  // source pages: at most a chunk's worth
-        src_.Read(b.name, ckpt::StateField::kParam, static_cast<uint64_t>(b.row * t_.width) + from, {out.data() + o * es, take * es},
-                  &touched);
+        src_.Read(b.name, ckpt::StateField::kParam, at, {out.data() + o * es, take * es}, &touched);
         e += take, n -= take, o += take;
       }
       start += len;
@@ -99,17 +104,56 @@ void WriteText(ckpt::Env* env, const std::string& path, const std::string& text)
   });
 }
 
+// --- Mixtral (MoE) (issue #38) ---
+// LlamaForCausalLM's config.json made MixtralForCausalLM's (transformers'
+// configuration_mixtral.py MixtralConfig): its experts and top_k, no sliding
+// window (NxDT's Mixtral attends to every earlier position; MixtralConfig's
+// default is not null in every transformers release, so it is written).
+void AddMixtralConfig(const ckpt::ModelFormat& f, nlohmann::ordered_json& config) {
+  config["architectures"] = {"MixtralForCausalLM"};
+  config["model_type"] = "mixtral";
+  config["num_local_experts"] = f.experts;
+  config["num_experts_per_tok"] = f.moe_top_k;
+  config["sliding_window"] = nullptr;
+  config.erase("attention_bias");  // not a MixtralConfig key
+}
+
+// Why the routing NxDT's job config (user_content.pt hyper_parameters.cfg.moe)
+// records is not MixtralSparseMoeBlock's ("" when it is, or when no config is
+// recorded): HF's softmax over the router logits, top-k, the chosen weights
+// renormalised. NxDT's Megatron style may route by Sinkhorn (routing_algorithm,
+// transformer.py NeuronSwitchMLP) and leaves the top-k weights unnormalised
+// at top_k 1 (megatron_gpt_model.py: normalize_top_k_affinities defaults to
+// top_k > 1); the HF style always builds RouterTopK (softmax).
+std::string MixtralRoutingProblem(const ckpt::LogicalState& src) {
+  const std::optional<ckpt::Value> uc = src.TagFile(ckpt::kUserContentFile);
+  const ckpt::Value* cfg = uc ? ckpt::RecordedJobConfig(*uc) : nullptr;
+  const ckpt::Value* moe = cfg ? ckpt::ConfigEntry(*cfg, "moe") : nullptr;
+  if (!moe || !(moe->is_dict() || moe->is_object())) return "";
+  const ckpt::ModelFormat& f = src.layout().format;
+  const std::string where = src.path() + "/" + ckpt::kUserContentFile + " (hyper_parameters.cfg.moe.";
+  if (f.family == ckpt::ModelFamily::kMegatron)
+    if (const ckpt::Value* algo = ckpt::ConfigEntry(*moe, "routing_algorithm"); algo && algo->is_str() && algo->as_str() != "top_k")
+      return where + "routing_algorithm) routes by '" + algo->as_str() + "', which MixtralForCausalLM's softmax top-k router does not compute";
+  const ckpt::Value* norm = ckpt::ConfigEntry(*moe, "normalize_top_k_affinities");
+  const bool normalized = norm && norm->is_bool() ? norm->as_bool() : f.family == ckpt::ModelFamily::kHfLlama || f.moe_top_k > 1;
+  if (!normalized)
+    return where + "normalize_top_k_affinities) leaves the chosen experts' weights unnormalised, which MixtralForCausalLM always normalises";
+  return "";
+}
+
 }  // namespace
 
 HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env) {
   const ckpt::ModelFormat& f = src.layout().format;
   if (const std::string why = ckpt::HfUnsupported(f); !why.empty()) throw Error(src.path() + ": " + why);
   if (const std::string why = ckpt::LoraHfUnsupported(f); !why.empty()) throw Error(src.path() + ": " + why);
+  if (const std::string why = f.moe() ? MixtralRoutingProblem(src) : ""; !why.empty()) throw Error(why);
   const bool gpt2 = f.gelu;
   std::vector<HfTensor> tensors =
       ckpt::HfTensorsFor(f, src.dtype(src.params().front().name, ckpt::StateField::kParam));  // the embedding's, first in every family
   HfExportSummary sum;
-  sum.architecture = gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
+  sum.architecture = ckpt::HfArchitecture(f);
 
   // Shards: tensors in order, a new file when the next would pass the limit (a full state is one file).
   std::vector<std::vector<size_t>> shards(1);
@@ -193,6 +237,7 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
               {"rms_norm_eps", f.norm_eps}, {"rope_theta", f.rope_theta}, {"attention_bias", false},
               {"tie_word_embeddings", f.tied_output}, {"torch_dtype", torch_dtype}};
   }
+  if (f.moe()) AddMixtralConfig(f, config);
   // The longest sequence the model was trained for, when the tag records it (else transformers' default).
   if (!gpt2 && f.max_positions > 0) config["max_position_embeddings"] = f.max_positions;
   // Where it came from; also how --overwrite knows the folder is an export.

@@ -1,7 +1,8 @@
 // A checkpoint's weights as a Hugging Face model folder (ckpt-export
 // --format hf), streamed from any LogicalState:
 //   config.json           LlamaForCausalLM (the llama-style format: RMSNorm,
-//                         SwiGLU, RoPE) or GPT2LMHeadModel (the GPT format:
+//                         SwiGLU, RoPE), MixtralForCausalLM (its MoE form)
+//                         or GPT2LMHeadModel (the GPT format:
 //                         LayerNorm, GeLU, biases, learned positions)
 //   pytorch_model.bin     torch's zip format, or pytorch_model-0000k-of-0000n.bin
 //                         with pytorch_model.bin.index.json past --max_shard_size
@@ -25,6 +26,14 @@
 //     refused.
 //   - GPT-2: Conv1D weights are [in, out], so every linear weight is
 //     transposed; c_attn is [q; k; v] over all heads (de-interleaved).
+//   - Mixtral (MoE, either style; MixtralForCausalLM): the router is
+//     block_sparse_moe.gate; expert e's w1 and w3 are gate_up_proj[e]'s gate
+//     and up halves transposed, w2 is down_proj[e] transposed (NxD keeps
+//     them input-major; ckpt::HfTensorsFor states the mapping). Each expert
+//     matrix is held whole while it is written, as GPT-2's are. A tag whose
+//     recorded job config routes otherwise than HF's softmax top-k with
+//     renormalised weights (Sinkhorn, normalize_top_k_affinities off) is
+//     refused naming the key; without a job config the routing is not known.
 //   - Vocab padding rows are dropped; a tied output layer is HF's tie
 //     (tie_word_embeddings, no lm_head tensor).
 // Memory: Llama tensors stream a chunk at a time; GPT-2's transposed ones
@@ -53,6 +62,11 @@ struct HfExportOptions {
   // Instead of the weights files: one torch state dict, checkpoint.pt, HF's
   // names and order, as NxD's checkpoint_converter.py --convert_to_full_state
   // writes it (save_full), with config.json beside it for its --config.
+  // A Mixtral's full state follows HF's orientation (w1, w3 (I, H); w2 (H, I)):
+  // the same tensors as the folder's. NxD's training converter
+  // (examples/training/mixtral/convert_checkpoints.py) writes them transposed
+  // (w1 (H, I)); ckpt-import refuses such a file by its shapes, which cannot
+  // tell the two apart when I == H.
   bool full_state = false;
 };
 

@@ -197,14 +197,14 @@ std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& src, c
   s->specs_ = HfTensorsFor(f, s->dtype_);
   for (const HfTensorSpec& spec : s->specs_) {
     const auto it = s->sources_.find(spec.name);
-    if (it == s->sources_.end()) throw Error(dir + ": tensor '" + spec.name + "' missing (" + std::string(f.gelu ? "GPT2LMHeadModel" : "LlamaForCausalLM") + " with this config has it)");
+    if (it == s->sources_.end()) throw Error(dir + ": tensor '" + spec.name + "' missing (" + std::string(ckpt::HfArchitecture(f)) + " with this config has it)");
     if (it->second.shape != spec.shape || it->second.dtype != s->dtype_)
       throw Error(dir + ": tensor '" + spec.name + "' is " + std::string(ckpt::DTypeName(it->second.dtype)) + " " +
                   ckpt::ShapeString(it->second.shape) + ", expected " + std::string(ckpt::DTypeName(s->dtype_)) + " " +
                   ckpt::ShapeString(spec.shape));
     int64_t from = 0;
     for (const HfRowBlock& b : spec.blocks) {
-      s->pieces_[b.name].push_back({b.row, b.rows, from, &spec});
+      s->pieces_[b.name].push_back({b.row, b.rows, from, &spec, b.step});
       from += b.rows;
     }
   }
@@ -231,16 +231,18 @@ const ckpt::Value& HfState::Step(const std::string& name) const {
 const uint8_t* HfState::Matrix(const HfTensorSpec& spec) const {
   const Source& src = sources_.at(spec.name);
   if (!spec.transpose) return src.data;
-  // GPT-2's Conv1D [in, out] is the transpose of the concatenated [rows, width].
-  if (transposed_name_ != spec.name) {
-    const size_t es = ckpt::ElementSize(dtype_);
-    const uint64_t width = static_cast<uint64_t>(spec.width), rows = spec.numel() / width;
-    transposed_.resize(spec.bytes());
-    for (uint64_t r = 0; r < rows; ++r)
-      for (uint64_t c = 0; c < width; ++c) std::memcpy(transposed_.data() + (r * width + c) * es, src.data + (c * rows + r) * es, es);
-    transposed_name_ = spec.name;
-  }
-  return transposed_.data();
+  // GPT-2's Conv1D [in, out] (a Mixtral expert's w1, w2, w3) is the transpose of the concatenated [rows, width].
+  for (const Transposed& t : transposed_)
+    if (t.name == spec.name) return t.bytes.data();
+  Transposed& t = transposed_[transposed_next_];
+  transposed_next_ = 1 - transposed_next_;
+  const size_t es = ckpt::ElementSize(dtype_);
+  const uint64_t width = static_cast<uint64_t>(spec.width), rows = spec.numel() / width;
+  t.bytes.resize(spec.bytes());
+  for (uint64_t r = 0; r < rows; ++r)
+    for (uint64_t c = 0; c < width; ++c) std::memcpy(t.bytes.data() + (r * width + c) * es, src.data + (c * rows + r) * es, es);
+  t.name = spec.name;
+  return t.bytes.data();
 }
 
 void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, std::span<uint8_t> out, ckpt::Touched* touched) const {
@@ -251,6 +253,10 @@ void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, 
   std::memset(out.data(), 0, out.size());  // rows no piece holds: vocab padding
   std::lock_guard<std::mutex> lock(mu_);
   for (const Piece& p : ps) {
+    if (p.step != 1) {
+      ReadStepped(p, begin, out);
+      continue;
+    }
     const uint64_t lo = std::max(begin, static_cast<uint64_t>(p.row) * width),
                    hi = std::min(end, static_cast<uint64_t>(p.row + p.rows) * width);
     if (lo >= hi) continue;
@@ -260,6 +266,22 @@ void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, 
     // The mapped input's pages are released once the chunk is written, so memory holds chunks,
     // not the model (a transposed GPT-2 matrix is this state's own copy).
     if (const Source& src = sources_.at(p.spec->name); touched && !p.spec->transpose && src.file) touched->Add(src.file, from, (hi - lo) * es);
+  }
+}
+
+void HfState::ReadStepped(const Piece& p, uint64_t begin, std::span<uint8_t> out) const {
+  const size_t es = ckpt::ElementSize(dtype_);
+  const uint64_t width = static_cast<uint64_t>(p.spec->width), end = begin + out.size() / es, step = static_cast<uint64_t>(p.step),
+                 row = static_cast<uint64_t>(p.row);
+  // The piece's rows k with row + k * step inside [begin, end) (by whole rows; the ends are clipped below).
+  const uint64_t first_row = begin / width, last_row = (end + width - 1) / width;
+  uint64_t k = first_row <= row ? 0 : (first_row - row + step - 1) / step;
+  const uint8_t* m = nullptr;
+  for (; k < static_cast<uint64_t>(p.rows) && row + k * step < last_row; ++k) {
+    const uint64_t at = (row + k * step) * width, lo = std::max(begin, at), hi = std::min(end, at + width);
+    if (lo >= hi) continue;
+    if (!m) m = Matrix(*p.spec);
+    std::memcpy(out.data() + (lo - begin) * es, m + ((static_cast<uint64_t>(p.from) + k) * width + (lo - at)) * es, (hi - lo) * es);
   }
 }
 

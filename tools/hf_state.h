@@ -11,7 +11,9 @@
 // Logical tensors are rebuilt by inverting ckpt-export's mapping
 // (ckpt::HfTensorsFor in ckpt/spec/model_family.h): q/k/v back into per-head [q;k;v]
 // (or query and per-group [k;v]), gate/up into [gate; up], GPT-2's Conv1D
-// transposed back (one tensor held at a time). Vocab rows past vocab_size
+// transposed back (one tensor held at a time), a Mixtral's experts (w1, w3,
+// w2 per expert; MixtralForCausalLM, num_local_experts, num_experts_per_tok)
+// transposed back into gate_up_proj and down_proj (two held at a time). Vocab rows past vocab_size
 // read as zero padding. No optimizer state: the tag is weights only.
 #pragma once
 
@@ -99,12 +101,15 @@ class HfState final : public ckpt::LogicalState {
     std::vector<int64_t> shape;
     ckpt::DType dtype = ckpt::DType::kFloat32;
   };
-  struct Piece {  // logical rows [row, row + rows) are rows [from, ...) of `spec`'s concatenated matrix
+  struct Piece {  // logical rows row, row + step, ... (`rows` of them) are rows [from, ...) of `spec`'s concatenated matrix
     int64_t row, rows, from;
     const HfTensorSpec* spec;
+    int64_t step = 1;
   };
   HfState() = default;
   const uint8_t* Matrix(const HfTensorSpec& spec) const;  // the concatenated matrix of a spec, row-major
+  // Read's copy of a piece of step > 1 (Mixtral's w1 and w3 rows in gate_up_proj), under mu_.
+  void ReadStepped(const Piece& p, uint64_t begin, std::span<uint8_t> out) const;
 
   std::string dir_;
   ckpt::TagDescription layout_;
@@ -119,8 +124,14 @@ class HfState final : public ckpt::LogicalState {
   std::vector<ckpt::StateBuffer> buffers_;
   std::optional<ckpt::TensorFingerprints> fingerprints_;
   mutable std::mutex mu_;
-  mutable std::string transposed_name_;  // the one transposed matrix held
-  mutable std::vector<uint8_t> transposed_;
+  // The transposed matrices held: two, since a Mixtral expert's gate_up_proj
+  // rows alternate between its w1 and w3 (each read whole once per Read).
+  struct Transposed {
+    std::string name;
+    std::vector<uint8_t> bytes;
+  };
+  mutable Transposed transposed_[2];
+  mutable int transposed_next_ = 0;  // the slot the next one replaces
 };
 
 }  // namespace tools

@@ -38,11 +38,15 @@ struct FormatHints {
   std::optional<HwBackend> hw_backend;
   std::optional<int64_t> hidden, ffn, layers, max_positions;
   std::optional<bool> fuse_qkv, qkv_linear;  // NxDT's model.fuse_qkv and model.qkv_linear (a job config)
+  // Mixtral (MoE, issue #38): NxDT's model.moe.num_experts, top_k and frequency
+  // (HF config.json: num_local_experts, num_experts_per_tok).
+  std::optional<int64_t> experts, moe_top_k, moe_frequency;
 
   // Whether any hint is given.
   bool Any() const {
     return heads || kv_heads || vocab_size || make_vocab_size_divisible_by || rope_theta || norm_eps || rotary_percentage ||
-           kv_size_multiplier || hw_backend || hidden || ffn || layers || max_positions || fuse_qkv || qkv_linear;
+           kv_size_multiplier || hw_backend || hidden || ffn || layers || max_positions || fuse_qkv || qkv_linear || experts ||
+           moe_top_k || moe_frequency;
   }
 };
 

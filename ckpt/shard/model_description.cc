@@ -47,6 +47,11 @@ class Describer {
   std::optional<int64_t> RecordedConfigInt(const char* key, int64_t max) const;
   std::optional<int64_t> PaddingRule(int64_t rows, int tp);
   std::string RecordedWhere() const { return e_.in_memory ? e_.dir : e_.path(kManifestFile); }
+  // Mixtral (MoE, issue #38).
+  const Tensor* MoeExpertsOut(ModelFamily family) const;
+  void Moe(ModelFormat& f);
+  void TakeRecordedMoeConfig();
+  int64_t MoeFrequency(const ModelFormat& f, const std::set<int64_t>& moe_layers) const;
 
   const ModelEvidence& e_;
   FormatHints hints_;
@@ -67,6 +72,28 @@ std::vector<std::string> ModelNames(const ModelEvidence& e) {
     for (const auto& [k, v] : e.model(0, p).items)
       if (k.is_str()) names.push_back(k.as_str());
   return names;
+}
+
+// --- Mixtral (MoE) (issue #38) ---
+// A tag without a manifest holding MoE tensors: every MoE tensor is one the
+// family table holds (not shared experts, biases or spmd ranks), and the
+// first MoE layer holds its router, gate_up_proj and down_proj. Throws naming
+// the tensor, so a partial MoE layer is told before any Llama inference asks
+// for its MLP.
+void RequireMoeModule(const ModelEvidence& e, const std::vector<std::string>& names, const std::string& first) {
+  for (const std::string& n : names)
+    if (FirstMoeName({n})) {
+      const std::string leaf = n.substr(n.find('.', n.find(".layers.") + 8) + 1);
+      const auto known = MoeLeaves(*FamilyOfName(n));
+      if (std::find(known.begin(), known.end(), leaf) == known.end()) throw Error(e.dir + ": " + MoeRefusal(n));
+    }
+  ModelFormat named;
+  named.family = *FamilyOfName(first), named.experts = 1;
+  const int l = LayerOfName(first);
+  for (const Module m : {Module::kRouter, Module::kExpertsIn, Module::kExpertsOut})
+    if (const std::string want = ParamName(named, m, l); std::find(names.begin(), names.end(), want) == names.end())
+      throw Error(e.dir + ": " + MoeModelOf(first) + ": layer " + std::to_string(l) + " holds '" + first + "' but not '" + want +
+                  "' (NxD's MoE layer as shardkit's Mixtral family holds it: router, expert_mlps.mlp_op.gate_up_proj and down_proj)");
 }
 
 // Each pp rank's layers, as the names in its tp rank 0 file give them, in maximal ranges of consecutive layers.
@@ -154,13 +181,15 @@ ModelFormat Describer::Megatron(const std::vector<int64_t>& bounds) {
   const Tensor* emb = FindTensor("embedding.word_embeddings.weight");
   const Tensor* fc2 = FindTensor("mlp.dense_4h_to_h.weight");
   const Tensor* fc1 = FindTensor("mlp.dense_h_to_4h.weight");
-  if (!norm || !emb || !fc2 || !fc1 || norm->shape().size() != 1 || emb->shape().size() != 2 || fc2->shape().size() != 2 ||
-      fc1->shape().size() != 2)
+  // Every layer MoE (NxDT's Mixtral): the experts' down_proj (experts, ffn / tp, hidden) gives ffn on dim 1, as fc2 does.
+  const bool moe_only = !fc2 && !fc1 && (fc2 = fc1 = MoeExpertsOut(ModelFamily::kMegatron)) != nullptr;
+  if (!norm || !emb || !fc2 || !fc1 || norm->shape().size() != 1 || emb->shape().size() != 2 || fc2->shape().size() != (moe_only ? 3u : 2u) ||
+      fc1->shape().size() != (moe_only ? 3u : 2u))
     throw Error(why + "and its model files do not hold a Megatron decoder's word_embeddings, final_layernorm and mlp weights");
   f.hidden = norm->shape()[0];
   f.layers = bounds.back();
   f.ffn = fc2->shape()[1] * tp;
-  f.gelu = fc1->shape()[0] * tp == f.ffn;
+  f.gelu = !moe_only && fc1->shape()[0] * tp == f.ffn;
   f.layernorm = FindTensor("input_layernorm.bias") != nullptr;
   f.bias = FindTensor("self_attention.dense.bias") != nullptr;
   if (const Tensor* pos = FindTensor("position_embeddings.weight")) f.learned_positions = true, f.max_positions = pos->shape()[0];
@@ -168,6 +197,7 @@ ModelFormat Describer::Megatron(const std::vector<int64_t>& bounds) {
   const Tensor* out = FindTensor("output_layer.weight");
   f.tied_output = out == nullptr || SameBytes(*out, *emb);
   TakeRecordedConfig();
+  Moe(f);
   // With rope no tensor holds it; the job config does (the longest sequence the rotary table covers).
   if (!f.learned_positions) f.max_positions = hints_.max_positions.value_or(RecordedConfigInt("max_position_embeddings", ModelFormat::kMaxPositions).value_or(0));
   MegatronHeads(f, why);
@@ -238,11 +268,14 @@ ModelFormat Describer::HfLlama(const std::vector<int64_t>& bounds) {
   const Tensor* norm = FindTensor(ParamName(f, Module::kFinalNorm));
   const Tensor* emb = FindTensor(ParamName(f, Module::kEmbedding));
   const Tensor* down = FindTensor(ParamName(f, Module::kMlpOut, static_cast<int>(bounds[0])));
-  if (!norm || !emb || !down || norm->shape().size() != 1 || emb->shape().size() != 2 || down->shape().size() != 2)
+  // An MoE first layer (NxDT's Mixtral's always is): its experts' down_proj (experts, ffn / tp, hidden) gives ffn on dim 1.
+  const bool moe_first = !down && (down = MoeExpertsOut(ModelFamily::kHfLlama)) != nullptr;
+  if (!norm || !emb || !down || norm->shape().size() != 1 || emb->shape().size() != 2 || down->shape().size() != (moe_first ? 3u : 2u))
     throw Error(why + "and its model files do not hold an HF-style Llama's model.embed_tokens, model.norm and mlp.down_proj weights");
   f.hidden = norm->shape()[0];
   f.layers = bounds.back();
   f.ffn = down->shape()[1] * tp;
+  Moe(f);
   f.vocab_size = emb->shape()[0] * tp;
   f.make_vocab_size_divisible_by = 1;
   f.tied_output = FindTensor(ParamName(f, Module::kOutput)) == nullptr;
@@ -379,6 +412,8 @@ void Describer::CheckHintsAgree(const ModelFormat& f) const {
   check(hints_.rotary_percentage, f.rotary_percentage, "--rotary_percentage");
   check(hints_.kv_size_multiplier, f.kv_size_multiplier, "--kv_size_multiplier");
   check(hints_.hidden, f.hidden, "the hidden size"), check(hints_.ffn, f.ffn, "the ffn size"), check(hints_.layers, f.layers, "num_layers");
+  check(hints_.experts, f.experts, "num_experts"), check(hints_.moe_top_k, f.moe_top_k, "--moe_top_k");
+  if (f.moe()) check(hints_.moe_frequency, f.moe_frequency, "--moe_frequency");
   if (hints_.hw_backend && f.hw_backend != HwBackend::kUnknown && *hints_.hw_backend != f.hw_backend)
     throw Error(std::string("--hw_backend ") + BackendName(*hints_.hw_backend) + " contradicts " + where + ", which records " +
                 BackendName(f.hw_backend));
@@ -481,6 +516,94 @@ std::optional<int64_t> Describer::PaddingRule(int64_t rows, int tp) {
   return hint ? hint : recorded;
 }
 
+// --- Mixtral (MoE) (issue #38) ---
+
+// The experts' down_proj of the first MoE layer a file holds (any stage), or null.
+const Tensor* Describer::MoeExpertsOut(ModelFamily family) const { return FindTensor("." + MoeLeaves(family).at(2)); }
+
+// An MoE tag without a manifest: the experts from the router's rows, the MoE
+// layers from the names (MoeFrequency), top_k from the job config or a hint
+// (no tensor holds it). The first MoE layer must hold NxD's MoE as the table
+// describes it (router, gate_up_proj and down_proj), of whole experts (ep 1).
+void Describer::Moe(ModelFormat& f) {
+  std::set<int64_t> moe_layers;
+  for (const std::string& n : ModelNames(e_))
+    if (FirstMoeName({n})) moe_layers.insert(LayerOfName(n));
+  if (moe_layers.empty()) return;
+  const int l = static_cast<int>(*moe_layers.begin());
+  ModelFormat named = f;
+  named.experts = 1;
+  const std::string router_name = ParamName(named, Module::kRouter, l), in_name = ParamName(named, Module::kExpertsIn, l),
+                    out_name = ParamName(named, Module::kExpertsOut, l);
+  const Tensor *router = FindTensor(router_name), *in = FindTensor(in_name), *out = FindTensor(out_name);
+  if (!router || !in || !out) throw Error(e_.dir + ": " + MoeModelOf(router_name) + ": layer " + std::to_string(l) + " lacks its router or experts");
+  const auto &rs = router->shape(), &is = in->shape(), &os = out->shape();
+  const std::string kind = e_.dir + ": " + MoeModelOf(router_name) + ": ";
+  const int tp = e_.grid.tp;
+  if (rs.size() != 2 || rs[1] != f.hidden || is.size() != 3 || os.size() != 3 || is[0] != rs[0] || os[0] != rs[0] || is[1] != f.hidden ||
+      is[2] * tp != 2 * f.ffn || os[1] * tp != f.ffn || os[2] != f.hidden)
+    throw Error(kind + "'" + router_name + "' " + ShapeString(rs) + ", '" + in_name + "' " + ShapeString(is) + " and '" + out_name + "' " +
+                ShapeString(os) + " are not a router (experts, hidden " + std::to_string(f.hidden) + ") and whole experts' (experts, hidden, 2 x ffn " +
+                std::to_string(f.ffn) + " / tp " + std::to_string(tp) + ") and (experts, ffn / tp, hidden)");
+  f.experts = rs[0];
+  TakeRecordedMoeConfig();
+  if (hints_.experts && *hints_.experts != f.experts)
+    throw Error(e_.dir + ": num_experts " + std::to_string(*hints_.experts) + " (given, or the job config's model.moe.num_experts) contradicts '" +
+                router_name + "', whose " + std::to_string(f.experts) + " rows are the experts");
+  if (!hints_.moe_top_k)
+    throw FormatUnknown(e_.dir + " has no manifest recording its model format, and no tensor holds how many experts each token is routed to, "
+                                 "so give --moe_top_k (model.moe.top_k, config.json's num_experts_per_tok)");
+  f.moe_top_k = *hints_.moe_top_k;
+  if (f.moe_top_k > f.experts) throw Error(e_.dir + ": moe top_k " + std::to_string(f.moe_top_k) + " exceeds the " + std::to_string(f.experts) + " experts");
+  f.moe_frequency = MoeFrequency(f, moe_layers);
+}
+
+// The moe_frequency that makes exactly `moe_layers` MoE (IsMoeLayer): the
+// given one (or the job config's), refused naming the key when it does not;
+// else the smallest that does (any other that does describes the same tag).
+int64_t Describer::MoeFrequency(const ModelFormat& f, const std::set<int64_t>& moe_layers) const {
+  auto gives = [&](int64_t frequency) {
+    ModelFormat g = f;
+    g.moe_frequency = frequency;
+    for (int64_t l = 0; l < f.layers; ++l)
+      if (IsMoeLayer(g, l) != (moe_layers.count(l) > 0)) return false;
+    return true;
+  };
+  std::string held;
+  for (int64_t l : moe_layers) held += (held.empty() ? "" : ", ") + std::to_string(l);
+  const std::string rule = f.family == ModelFamily::kHfLlama ? "0-based layer_index % frequency == 0 (NxDT modeling_mixtral.py)"
+                                                             : "1-based layer_number % frequency == 0 (NxDT transformer.py)";
+  if (hints_.moe_frequency) {
+    if (!gives(*hints_.moe_frequency))
+      throw Error(e_.dir + ": moe frequency " + std::to_string(*hints_.moe_frequency) + " (given, or the job config's model.moe.frequency) contradicts " +
+                  "the model files, whose MoE layers are " + held + " (" + rule + ")");
+    return *hints_.moe_frequency;
+  }
+  for (int64_t frequency = 1; frequency <= f.layers; ++frequency)
+    if (gives(frequency)) return frequency;
+  throw Error(e_.dir + ": its MoE layers " + held + " follow no moe frequency (" + rule + ")");
+}
+
+// NxDT's job config (user_content.pt hyper_parameters.cfg.moe: num_experts,
+// top_k, frequency; both styles read them, mixtral_model.py and
+// megatron_gpt_model.py) gives the MoE hints; a hint it contradicts is refused.
+void Describer::TakeRecordedMoeConfig() {
+  const Value* cfg = RecordedConfig();
+  const Value* moe = cfg ? ConfigEntry(*cfg, "moe") : nullptr;
+  if (!moe || !(moe->is_dict() || moe->is_object())) return;
+  auto take = [&](const char* key, std::optional<int64_t>& hint, const char* flag) {
+    const Value* v = ConfigEntry(*moe, key);
+    if (!v || !v->is_int()) return;
+    if (hint && *hint != v->as_int())
+      throw Error(JobConfigContradiction(flag, std::to_string(*hint), std::string("moe.") + key, std::to_string(v->as_int())));
+    if (!hint) notes_->push_back(std::string("moe.") + key + " " + std::to_string(v->as_int()) + " from the job config in user_content.pt");
+    hint = v->as_int();
+  };
+  take("num_experts", hints_.experts, "--num_experts");
+  take("top_k", hints_.moe_top_k, "--moe_top_k");
+  take("frequency", hints_.moe_frequency, "--moe_frequency");
+}
+
 ModelFormat DescribeRecordedModel(const ModelEvidence& e, const FormatHints& hints, std::vector<std::string>* notes) {
   return Describer(e, hints, notes).Recorded();
 }
@@ -565,9 +688,14 @@ ModelDescription DescribeModel(const ModelEvidence& e, const FormatHints& hints)
   StageSplit split = StageSplitOfFiles(e);
   d.stage_bounds = std::move(split.bounds), d.virtual_stages = split.virtual_stages;
   const int tp = e.grid.tp;
-  // A Mixtral tag (NxDT's layer 0 is always an MoE layer) is refused for what it is, not for lacking a Llama's MLP.
-  if (const auto moe = FirstMoeName(ModelNames(e))) throw Error(e.dir + ": " + MoeRefusal(*moe));
-  if (e.recorded && e.recorded->moe()) throw Error(e.dir + ": its manifest records an MoE (Mixtral) model; shardkit does not read MoE tags yet");
+  // A Mixtral tag (NxDT's layer 0 is always an MoE layer) is refused for what it is, not for lacking a Llama's MLP,
+  // unless its experts are whole (tp 1, ep 1: issue #38's HF export and import; the engine splits no expert yet).
+  const bool whole_experts = tp == 1 && e.grid.ep == 1;
+  if (const auto moe = FirstMoeName(ModelNames(e)); moe && !whole_experts) throw Error(e.dir + ": " + MoeRefusal(*moe));
+  else if (moe && !e.recorded) RequireMoeModule(e, ModelNames(e), *moe);
+  if (e.recorded && e.recorded->moe() && !whole_experts)
+    throw Error(e.dir + ": its manifest records an MoE (Mixtral) model at tp " + std::to_string(tp) + ", ep " + std::to_string(e.grid.ep) +
+                "; shardkit reads MoE tags at tp 1 and ep 1 only yet (whole experts)");
   if (e.recorded) {
     d.format = DescribeRecordedModel(e, hints, &d.notes);
     d.from_manifest = true;

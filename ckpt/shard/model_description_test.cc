@@ -3,6 +3,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
+#include "ckpt/spec/model_family.h"
+
 #include "ckpt/testing/test_util.h"
 
 namespace ckpt {
@@ -111,6 +115,96 @@ TEST(ModelDescription, MoeModelsAreRefusedNamingMoe) {
   EXPECT_EQ(hf_why.find("mlp.down_proj"), std::string::npos) << hf_why;
 }
 
+// user_content.pt as NxDT saves it: the job config under hyper_parameters.cfg.
+Value UserContentWith(const Value& cfg) {
+  Value hp = Value::NewDict();
+  hp.as_dict().Set("cfg", cfg);
+  Value uc = Value::NewDict();
+  uc.as_dict().Set("hyper_parameters", hp);
+  return uc;
+}
+
+// --- Mixtral (MoE), issue #38: a tag without a manifest at tp 1, ep 1 ---
+
+// An HF-style Mixtral's model file (tp 1): hidden 8, ffn 16, 4 experts, 2 heads of head_dim 4 (q/k/v_proj);
+// `moe_layers` of its 4 layers hold the MoE, the others a dense MLP.
+Value HfMixtralFile(const std::vector<int>& moe_layers) {
+  Value d = Value::NewDict();
+  d.as_dict().Set("model.embed_tokens.weight", Zeros({16, 8}));
+  for (int l = 0; l < 4; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    for (const char* x : {"q_proj", "k_proj", "v_proj"}) d.as_dict().Set(p + "self_attn." + x + ".weight", Zeros({8, 8}));
+    if (std::find(moe_layers.begin(), moe_layers.end(), l) != moe_layers.end()) {
+      d.as_dict().Set(p + "mlp.router.linear_router.weight", Zeros({4, 8}));
+      d.as_dict().Set(p + "mlp.expert_mlps.mlp_op.gate_up_proj.weight", Zeros({4, 8, 32}));
+      d.as_dict().Set(p + "mlp.expert_mlps.mlp_op.down_proj.weight", Zeros({4, 16, 8}));
+    } else {
+      d.as_dict().Set(p + "mlp.gate_up_proj.weight", Zeros({32, 8}));
+      d.as_dict().Set(p + "mlp.down_proj.weight", Zeros({8, 16}));
+    }
+  }
+  d.as_dict().Set("model.norm.weight", Zeros({8}));
+  d.as_dict().Set("lm_head.weight", Zeros({16, 8}));
+  return d;
+}
+
+TEST(ModelDescription, MoeSizesComeFromTheExpertsAndTopKFromTheJobConfigOrAHint) {
+  MegatronFiles m(1, 1);
+  m.files[0] = HfMixtralFile({0, 2});
+  FormatHints hints;
+  hints.heads = 2;
+  const std::string unknown = ErrorOf([&] { DescribeModel(m.Evidence(), hints); });
+  EXPECT_NE(unknown.find("so give --moe_top_k"), std::string::npos) << unknown;
+  hints.moe_top_k = 2;
+  const ModelDescription d = DescribeModel(m.Evidence(), hints);
+  EXPECT_EQ(std::tuple(d.format.hidden, d.format.ffn, d.format.experts, d.format.moe_top_k, d.format.moe_frequency), std::tuple(8, 16, 4, 2, 2));
+  EXPECT_EQ(FamilyLabel(d.format), "hf_mixtral");
+  // The job config (hyper_parameters.cfg.moe) gives top_k, and what it says must be what the files hold.
+  Value moe = Value::NewDict();
+  moe.as_dict().Set("top_k", Value(int64_t{1}));
+  moe.as_dict().Set("frequency", Value(int64_t{3}));
+  Value cfg = Value::NewDict();
+  cfg.as_dict().Set("moe", moe);
+  const Value uc = UserContentWith(cfg);
+  ModelEvidence e = m.Evidence();
+  e.user_content = [&] { return &uc; };
+  hints.moe_top_k.reset();
+  const std::string freq = ErrorOf([&] { DescribeModel(e, hints); });
+  EXPECT_NE(freq.find("moe frequency 3 (given, or the job config's model.moe.frequency) contradicts the model files, whose MoE layers are 0, 2"),
+            std::string::npos) << freq;
+  moe.as_dict().Set("frequency", Value(int64_t{2}));
+  EXPECT_EQ(DescribeModel(e, hints).format.moe_top_k, 1);
+  hints.experts = 8;
+  EXPECT_NE(ErrorOf([&] { DescribeModel(e, hints); }).find("num_experts 8 (given, or the job config's model.moe.num_experts) contradicts"),
+            std::string::npos);
+  hints.experts.reset();
+  hints.moe_top_k = 2;
+  EXPECT_EQ(ErrorOf([&] { DescribeModel(e, hints); }),
+            "--moe_top_k 2 contradicts tag/user_content.pt, whose job config (hyper_parameters.cfg.moe.top_k) is 1");
+}
+
+// What the family table does not hold (shared experts, a router bias) is refused naming it; experts split
+// over tp are refused (the engine splits no expert yet).
+TEST(ModelDescription, MoePartsTheTableDoesNotHoldAreRefused) {
+  MegatronFiles m(1, 1);
+  m.files[0] = HfMixtralFile({0, 1, 2, 3});
+  m.files[0].as_dict().Set("model.layers.1.mlp.shared_experts.gate_proj.weight", Zeros({16, 8}));
+  FormatHints hints;
+  hints.heads = 2, hints.moe_top_k = 2;
+  const std::string shared = ErrorOf([&] { DescribeModel(m.Evidence(), hints); });
+  EXPECT_NE(shared.find("'model.layers.1.mlp.shared_experts.gate_proj.weight', a part of NxD's MoE layer"), std::string::npos) << shared;
+  m.files[0] = HfMixtralFile({0, 1, 2, 3});
+  m.files[0].as_dict().Set("model.layers.2.mlp.router.linear_router.bias", Zeros({4}));
+  EXPECT_NE(ErrorOf([&] { DescribeModel(m.Evidence(), hints); }).find("router or expert biases"), std::string::npos);
+  m.files[0] = HfMixtralFile({0, 1, 2, 3});
+  EXPECT_EQ(DescribeModel(m.Evidence(), hints).format.moe_frequency, 1);
+  ModelEvidence split = m.Evidence();
+  split.grid.tp = 2;
+  const std::vector<Value> two{m.files[0], m.files[0]};
+  split.model = [&](int t, int) -> const Dict& { return two[static_cast<size_t>(t)].as_dict(); };
+  EXPECT_NE(ErrorOf([&] { DescribeModel(split, hints); }).find("only with whole experts"), std::string::npos);
+}
+
 TEST(ModelDescription, MegatronSizesComeFromShapesAndHeadsFromAHint) {
   const MegatronFiles m(2, 1);
   const ModelEvidence e = m.Evidence();
@@ -132,10 +226,7 @@ TEST(ModelDescription, TheRecordedJobConfigGivesHeadsAndContradictsAHint) {
   Value cfg = Value::NewDict();
   cfg.as_dict().Set("num_attention_heads", Value(int64_t{4}));
   cfg.as_dict().Set("make_vocab_size_divisible_by", Value(int64_t{8}));
-  Value hp = Value::NewDict();
-  hp.as_dict().Set("cfg", cfg);
-  Value uc = Value::NewDict();
-  uc.as_dict().Set("hyper_parameters", hp);
+  const Value uc = UserContentWith(cfg);
   ModelEvidence e = m.Evidence();
   e.user_content = [&] { return &uc; };
   std::vector<std::string> notes;

@@ -37,6 +37,30 @@ HfAttention AttentionOf(const ModelFormat& f) {
 
 std::string HfLayer(int64_t l, const std::string& rest) { return "model.layers." + std::to_string(l) + "." + rest; }
 
+// --- Mixtral (MoE): HF's MixtralSparseMoeBlock from NxD's MoE tensors (issue #38) ---
+// transformers' modeling_mixtral.py MixtralSparseMoeBlock: `gate` (E, H), then
+// per expert MixtralBlockSparseTop2MLP's w1, w2, w3. NxD keeps them fused and
+// input-major (moe_parallel_layers.py ExpertFusedColumnParallelLinear:
+// gate_up_proj (E, H, 2I), last dim [gate || up]; ExpertFusedRowParallelLinear:
+// down_proj (E, I, H)), so w1[e] = gate_up_proj[e][:, :I].T, w3[e] =
+// gate_up_proj[e][:, I:].T, w2[e] = down_proj[e].T (as NxD's inference converter
+// examples/inference/mixtral/neuron_modeling_mixtral.py
+// convert_mixtral_to_neuron_state_dict maps them; tests/data/upstream/nxd_mixtral
+// hf_reference.py ran it). Seen as rows of I elements, gate_up_proj[e]'s gate
+// half is every other row from 2eH, its up half every other row from 2eH + 1.
+void AppendHfMoeTensors(const ModelFormat& f, int64_t layer, DType dt, std::vector<HfTensorSpec>& out) {
+  const int64_t E = f.experts, H = f.hidden, I = f.ffn;
+  const std::string p = HfLayer(layer, "block_sparse_moe."), gate_up = ParamName(f, Module::kExpertsIn, static_cast<int>(layer)),
+                    down = ParamName(f, Module::kExpertsOut, static_cast<int>(layer));
+  out.push_back({p + "gate.weight", {E, H}, dt, {{ParamName(f, Module::kRouter, static_cast<int>(layer)), 0, E}}, H, false});
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string x = p + "experts." + std::to_string(e) + ".";
+    out.push_back({x + "w1.weight", {I, H}, dt, {{gate_up, 2 * e * H, H, 2}}, I, true});
+    out.push_back({x + "w2.weight", {H, I}, dt, {{down, e * I, I}}, H, true});
+    out.push_back({x + "w3.weight", {I, H}, dt, {{gate_up, 2 * e * H + 1, H, 2}}, I, true});
+  }
+}
+
 // HF's tensors of the HF-style family: names are HF's already; fused tensors are split by rows.
 std::vector<HfTensorSpec> HfLlamaTensors(const ModelFormat& f, DType dt) {
   const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), Q = f.heads * hd, K = f.kv_heads * hd, V = f.vocab_size;
@@ -65,10 +89,14 @@ std::vector<HfTensorSpec> HfLlamaTensors(const ModelFormat& f, DType dt) {
       case HfAttention::kPlain: same(q, {Q, H}), same(k, {K, H}), same(v, {K, H}); break;
     }
     same(HfLayer(i, "self_attn.o_proj.weight"), {H, Q});
-    const std::string gu = HfLayer(i, "mlp.gate_up_proj.weight");
-    add(HfLayer(i, "mlp.gate_proj.weight"), {F, H}, {{gu, 0, F}});
-    add(HfLayer(i, "mlp.up_proj.weight"), {F, H}, {{gu, F, F}});
-    same(HfLayer(i, "mlp.down_proj.weight"), {H, F});
+    if (IsMoeLayer(f, i)) {
+      AppendHfMoeTensors(f, i, dt, out);
+    } else {
+      const std::string gu = HfLayer(i, "mlp.gate_up_proj.weight");
+      add(HfLayer(i, "mlp.gate_proj.weight"), {F, H}, {{gu, 0, F}});
+      add(HfLayer(i, "mlp.up_proj.weight"), {F, H}, {{gu, F, F}});
+      same(HfLayer(i, "mlp.down_proj.weight"), {H, F});
+    }
     same(HfLayer(i, "input_layernorm.weight"), {H});
     same(HfLayer(i, "post_attention_layernorm.weight"), {H});
   }
@@ -105,6 +133,10 @@ std::vector<HfTensorSpec> LlamaTensors(const ckpt::ModelFormat& f, DType dt) {
     add(p + "self_attn.v_proj.weight", {G * hd, H}, v);
     add(p + "self_attn.o_proj.weight", {H, H}, {{L(i, "self_attention.dense.weight"), 0, H}});
     add(p + "post_attention_layernorm.weight", {H}, {{L(i, "post_attention_layernorm.weight"), 0, H}});
+    if (IsMoeLayer(f, i)) {
+      AppendHfMoeTensors(f, i, dt, out);
+      continue;
+    }
     const std::string fc = L(i, "mlp.dense_h_to_4h.weight");
     add(p + "mlp.gate_proj.weight", {F, H}, {{fc, 0, F}});
     add(p + "mlp.up_proj.weight", {F, H}, {{fc, F, F}});
@@ -154,15 +186,13 @@ std::vector<HfTensorSpec> Gpt2Tensors(const ckpt::ModelFormat& f, DType dt) {
 }  // namespace
 
 std::vector<HfTensorSpec> HfTensorsFor(const ModelFormat& f, DType dtype) {
-  if (f.moe()) throw Error("the Hugging Face tensors of an MoE (Mixtral) model are not mapped here: " + HfUnsupported(f));
+  if (const std::string why = MoeHfUnsupported(f); !why.empty()) throw Error("the Hugging Face tensors of this MoE (Mixtral) model are not mapped: " + why);
   if (f.family == ModelFamily::kHfLlama) return HfLlamaTensors(f, dtype);
   return f.gelu ? Gpt2Tensors(f, dtype) : LlamaTensors(f, dtype);
 }
 
 std::string HfUnsupported(const ModelFormat& f) {
-  if (f.moe())
-    return "the model is MoE (Mixtral, " + std::to_string(f.experts) +
-           " experts): shardkit does not map Mixtral's experts to Hugging Face's MixtralForCausalLM (or h5) yet";
+  if (const std::string why = MoeHfUnsupported(f); !why.empty()) return why;
   const bool llama = f.family == ModelFamily::kHfLlama || (!f.layernorm && !f.gelu && !f.bias && !f.learned_positions);
   const bool gpt2 = f.layernorm && f.gelu && f.bias && f.learned_positions && f.kv_heads == f.heads;
   // transformers' LlamaForCausalLM rotates every dimension of a head (LlamaRotaryEmbedding).
@@ -196,7 +226,7 @@ std::string ArchitectureOf(const nlohmann::json& c, const std::string& cpath) {
     if (type == "llama") arch = "LlamaForCausalLM";
     else if (type == "mixtral") arch = "MixtralForCausalLM";
     else if (type == "gpt2") arch = "GPT2LMHeadModel";
-    else throw Error(cpath + ": model_type '" + type + "' (and no architectures) is not one this import knows (llama, gpt2)");
+    else throw Error(cpath + ": model_type '" + type + "' (and no architectures) is not one this import knows (llama, mixtral, gpt2)");
   }
   if (arch.empty()) throw Error(cpath + ": names neither architectures nor model_type, so the model it describes is unknown");
   return arch;
@@ -223,6 +253,28 @@ void ReadLlamaFields(const nlohmann::json& c, const std::string& cpath, ModelFor
     throw Error(cpath + ": rope_scaling is set; the training core's rope has no scaling, so this model would compute otherwise");
 }
 
+// --- Mixtral (MoE): config.json (issue #38) ---
+// MixtralForCausalLM's config past Llama's keys (transformers'
+// configuration_mixtral.py MixtralConfig; its defaults for what is left out):
+// num_local_experts (8) and num_experts_per_tok (2); every layer is MoE
+// (MixtralDecoderLayer always builds block_sparse_moe). NxDT's attention
+// masks by config.sliding_window (hf_models/modeling_mixtral.py
+// CoreAttention), but a model format carries no window, so a window shorter
+// than the positions is refused: an export would describe another model.
+void ReadMixtralConfig(const nlohmann::json& c, const std::string& cpath, ModelFormat& f) {
+  f.experts = ConfigInt(c, "num_local_experts", cpath, 8);
+  f.moe_top_k = ConfigInt(c, "num_experts_per_tok", cpath, 2);
+  f.moe_frequency = 1;
+  if (f.moe_top_k > f.experts)
+    throw Error(cpath + ": 'num_experts_per_tok' " + std::to_string(f.moe_top_k) + " exceeds 'num_local_experts' " + std::to_string(f.experts));
+  if (c.contains("sliding_window") && !c["sliding_window"].is_null() &&
+      (!c["sliding_window"].is_number_integer() || c["sliding_window"].get<int64_t>() < f.max_positions))
+    throw Error(cpath + ": 'sliding_window' is " + c["sliding_window"].dump() + ", shorter than the " + std::to_string(f.max_positions) +
+                " positions, and the model format carries no sliding window: a model written from it would attend to every earlier position");
+  const std::string act = c.value("hidden_act", std::string("silu"));
+  if (act != "silu") throw Error(cpath + ": 'hidden_act' is '" + act + "': NxD's experts here are SwiGLU (silu), so this model would compute otherwise");
+}
+
 ModelFormat Checked(ModelFormat f, const std::string& cpath) {
   if (f.hidden % f.heads || f.heads % f.kv_heads) throw Error(cpath + ": the head counts do not divide the hidden size");
   if (const std::string why = f.CheckSizes(); !why.empty()) throw Error(cpath + ": " + why);
@@ -233,8 +285,9 @@ ModelFormat Checked(ModelFormat f, const std::string& cpath) {
 ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) {
   const std::string arch = ArchitectureOf(c, cpath);
   ModelFormat f;
-  if (arch == "LlamaForCausalLM") {
+  if (arch == "LlamaForCausalLM" || arch == "MixtralForCausalLM") {
     ReadLlamaFields(c, cpath, f);
+    if (arch == "MixtralForCausalLM") ReadMixtralConfig(c, cpath, f);
   } else if (arch == "GPT2LMHeadModel") {
     f.hidden = ConfigInt(c, "n_embd", cpath), f.heads = ConfigInt(c, "n_head", cpath), f.kv_heads = f.heads;
     f.ffn = ConfigInt(c, "n_inner", cpath, 4 * f.hidden), f.layers = ConfigInt(c, "n_layer", cpath);
@@ -246,9 +299,7 @@ ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) 
     if (act != "gelu")
       throw Error(cpath + ": activation_function '" + act + "': the training core's GeLU is erf's ('gelu'), so this model would compute otherwise");
   } else {
-    if (arch == "MixtralForCausalLM" || c.value("model_type", std::string()) == "mixtral")
-      throw Error(cpath + ": architecture '" + arch + "' is an MoE (Mixtral) model; shardkit does not import Mixtral's experts from Hugging Face yet");
-    throw Error(cpath + ": architecture '" + arch + "' is not one this import knows (LlamaForCausalLM, GPT2LMHeadModel)");
+    throw Error(cpath + ": architecture '" + arch + "' is not one this import knows (LlamaForCausalLM, MixtralForCausalLM, GPT2LMHeadModel)");
   }
   return Checked(f, cpath);
 }
@@ -331,21 +382,51 @@ std::optional<std::string> FirstMoeName(const std::vector<std::string>& names) {
   return std::nullopt;
 }
 
+std::string MoeModelOf(const std::string& moe_name) {
+  const bool hf = FamilyOfName(moe_name) == ModelFamily::kHfLlama;
+  return std::string("an MoE (Mixtral) model, ") + (hf ? "HF-style (NxDT modeling_mixtral.py)" : "Megatron-style (NxDT NeuronSwitchMLP)");
+}
+
 std::string MoeRefusal(const std::string& moe_name) {
   const bool hf = FamilyOfName(moe_name) == ModelFamily::kHfLlama;
   const std::string leaf = LeafOfLayerName(moe_name);
   const auto known = MoeLeaves(hf ? ModelFamily::kHfLlama : ModelFamily::kMegatron);
-  std::string what = std::string("an MoE (Mixtral) model, ") + (hf ? "HF-style (NxDT modeling_mixtral.py)" : "Megatron-style (NxDT NeuronSwitchMLP)") +
-                     ": it holds '" + moe_name + "'";
+  std::string what = MoeModelOf(moe_name) + ": it holds '" + moe_name + "'";
   if (std::find(known.begin(), known.end(), leaf) == known.end())
-    what += ", a part of NxD's MoE layer (shared experts, expert biases or spmd ranks) shardkit's Mixtral family does not hold";
-  return what + "; shardkit does not reshard, export, import or compare MoE tags yet (issue #38), so it refuses rather than treat the experts as "
-                "a dense Llama's";
+    return what + ", a part of NxD's MoE layer (shared experts, router or expert biases, spmd ranks) shardkit's Mixtral family does not hold, "
+                  "so it refuses rather than drop it";
+  return what + "; shardkit reads MoE tags only with whole experts yet (tp 1, ep 1: HF export and import; issue #38), so it refuses rather "
+                "than treat the experts as a dense Llama's";
 }
 
 std::string FamilyLabel(const ModelFormat& f) {
   if (!f.moe()) return FamilyName(f.family);
   return f.family == ModelFamily::kHfLlama ? "hf_mixtral" : "megatron_mixtral";
+}
+
+// --- Mixtral (MoE): what the family table does not describe (issue #38) ---
+std::string MoeUnsupported(const ModelFormat& f) {
+  if (!f.moe()) return "";
+  if (f.gelu || f.bias || f.layernorm || f.learned_positions)
+    return "an MoE (Mixtral) model with " + std::string(f.gelu ? "GeLU" : f.bias ? "biases" : f.layernorm ? "LayerNorm" : "learned positions") +
+           ": NxD's experts here are SwiGLU without biases (glu_mlp, NxDT NeuronSwitchMLP asserts activation swiglu and no bias), in a Llama";
+  if (f.family == ModelFamily::kMegatron && f.experts < 2)
+    return "a Megatron-style MoE model with one expert: NxDT's ParallelTransformerLayer builds NeuronSwitchMLP only for num_moe_experts > 1";
+  return "";
+}
+
+std::string MoeHfUnsupported(const ModelFormat& f) {
+  if (!f.moe()) return "";
+  if (const std::string why = MoeUnsupported(f); !why.empty()) return why;
+  for (int64_t l = 0; l < f.layers; ++l)
+    if (!IsMoeLayer(f, l))
+      return "layer " + std::to_string(l) + " of this MoE (Mixtral) model is dense (moe_frequency " + std::to_string(f.moe_frequency) + ", " +
+             FamilyLabel(f) + "), and Hugging Face's MixtralForCausalLM makes every layer MoE";
+  return "";
+}
+
+const char* HfArchitecture(const ModelFormat& f) {
+  return f.moe() ? "MixtralForCausalLM" : f.gelu ? "GPT2LMHeadModel" : "LlamaForCausalLM";
 }
 
 AttentionTensors AttentionTensorsOf(const ModelFormat& f) {
@@ -406,12 +487,10 @@ ModelFamily FamilyOfNames(const std::vector<std::string>& names, const std::stri
   return hf ? ModelFamily::kHfLlama : ModelFamily::kMegatron;
 }
 
-namespace {
-// An MoE layer's parameters in MoE's module order (router, then expert_mlps'
-// gate_up_proj and down_proj): the router (fp32, RouterTopK's dtype default)
-// replicated on every rank, so a reader compares its copies as it does a
-// norm's (by its spec); not a norm (weight decay applies). The experts 3-D.
-void AddMoeParameters(const ModelFormat& f, int layer, std::vector<ParamRule>& p) {
+// The router (fp32, RouterTopK's dtype default) is replicated on every rank,
+// so a reader compares its copies as it does a norm's (by its spec); not a
+// norm (weight decay applies). The experts 3-D.
+void AppendMoeParameters(const ModelFormat& f, int layer, std::vector<ParamRule>& p) {
   const int64_t E = f.experts, H = f.hidden, F = f.ffn;
   ParamRule router{ParamName(f, Module::kRouter, layer), {E, H}, SplitDim::kReplicated};
   router.spec = TensorParallelSpec(router.shape, SplitDim::kReplicated, FusedRows::kPlain, f);
@@ -421,7 +500,6 @@ void AddMoeParameters(const ModelFormat& f, int layer, std::vector<ParamRule>& p
   out.spec = ExpertSpec(out.shape, ExpertWeight::kDown);
   for (ParamRule* r : {&router, &in, &out}) r->layer = layer, r->place = StagePlace::kLayer, p.push_back(std::move(*r));
 }
-}  // namespace
 
 std::vector<ParamRule> HfLlamaParameters(const ModelFormat& f, int tp) {
   const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), Q = f.heads * hd, K = f.kv_heads * hd, V = f.PaddedVocab(tp);
@@ -454,7 +532,7 @@ std::vector<ParamRule> HfLlamaParameters(const ModelFormat& f, int tp) {
     }
     add(HfLayer(layer, "self_attn.o_proj.weight"), {H, Q}, SplitDim::kColumns, FusedRows::kQueryHeads);
     if (IsMoeLayer(f, layer)) {
-      AddMoeParameters(f, layer, p);
+      AppendMoeParameters(f, layer, p);
     } else {
       add(HfLayer(layer, "mlp.gate_up_proj.weight"), {2 * F, H}, SplitDim::kRows, FusedRows::kGateUp);
       add(HfLayer(layer, "mlp.down_proj.weight"), {H, F}, SplitDim::kColumns);

@@ -21,8 +21,9 @@
 
 namespace ckpt {
 
-// The model format an HF config.json describes (LlamaForCausalLM or
-// GPT2LMHeadModel; transformers' defaults for what it leaves out), the
+// The model format an HF config.json describes (LlamaForCausalLM,
+// MixtralForCausalLM or GPT2LMHeadModel; transformers' defaults for what it
+// leaves out), the
 // vocabulary unpadded, Megatron-style family. Throws ckpt::Error naming
 // `cpath` and the key.
 ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath);
@@ -70,9 +71,27 @@ std::optional<std::string> FirstMoeName(const std::vector<std::string>& names);
 // Why a reader refuses a tag whose model files hold MoE tensor `moe_name`
 // (FirstMoeName): which MoE it is and what shardkit does not do with it yet.
 std::string MoeRefusal(const std::string& moe_name);
+// "an MoE (Mixtral) model, HF-style (NxDT modeling_mixtral.py)" (or its
+// Megatron-style twin) for an MoE name of either style: how messages name it.
+std::string MoeModelOf(const std::string& moe_name);
 // "hf_mixtral" for an HF-style MoE format, "megatron_mixtral" for a
 // Megatron-style one, else FamilyName(f.family): what inspect and messages call it.
 std::string FamilyLabel(const ModelFormat& f);
+// --- Mixtral (MoE), both styles (issue #38) ---
+// Why NxD's MoE layer as f describes it is not one the family table holds (""
+// when it is, or when f is dense): experts need SwiGLU without biases in a
+// Llama (NxDT NeuronSwitchMLP asserts activation == "swiglu" and bias False;
+// modeling_mixtral.py passes glu_mlp=True), and a Megatron-style MoE layer
+// more than one expert. CheckTensorParallel refuses with it.
+std::string MoeUnsupported(const ModelFormat& f);
+// Why an MoE f has no Hugging Face MixtralForCausalLM ("" when it has one, or
+// when f is dense): MoeUnsupported, or a dense layer (HF's Mixtral makes every
+// layer MoE).
+std::string MoeHfUnsupported(const ModelFormat& f);
+// The Hugging Face architecture f's tensors map to: MixtralForCausalLM,
+// GPT2LMHeadModel or LlamaForCausalLM.
+const char* HfArchitecture(const ModelFormat& f);
+
 // NxDT's Megatron-style models keep RoPE's inverse frequencies as a
 // persistent buffer of every layer (NxDT models/megatron/rotary_pos_embedding.py
 // RotaryEmbedding.__init__: register_buffer("inv_freq", ...)), so the tags
@@ -125,6 +144,14 @@ std::optional<std::string> HfAttentionOfNames(const std::vector<std::string>& na
 // NxDPPModel.local_state_dict keeps the original names).
 std::vector<ParamRule> HfLlamaParameters(const ModelFormat& f, int tp);
 
+// --- Mixtral (MoE), both styles (issue #38) ---
+// Appends the MoE parameters of MoE layer `layer` of f (IsMoeLayer) in NxD's
+// module order (modules/moe/model.py MoE: router, then expert_mlps' gate_up_proj
+// and down_proj), under f's family's names (ParamName): what replaces the dense
+// MLP in both styles' tables (HfLlamaParameters, and LogicalParameters'
+// Megatron-style table for NxDT's NeuronSwitchMLP).
+void AppendMoeParameters(const ModelFormat& f, int layer, std::vector<ParamRule>& p);
+
 // NxD's KV replication (HF-style family). With m = kv_size_multiplier, KV
 // heads are repeated m times and split over tp ranks, n = kv_heads * m / tp
 // per rank (qkv_linear.py _initialize_affine_weight):
@@ -176,9 +203,13 @@ Grouping FamilyGrouping(const ModelFormat& f, const std::vector<std::string>& pa
 // from `row`, concatenated in order; `transpose`: the concatenation is
 // transposed (GPT-2's Conv1D stores [in, out]). The one mapping both
 // directions use (export in tools/hf_export.h, import in tools/hf_state.h).
+// `step` > 1 (Mixtral's experts): the rows are row, row + step, ... of the
+// logical tensor seen as rows of the spec's width (gate_up_proj[e]'s gate half
+// is every other row of width ffn).
 struct HfRowBlock {
   std::string name;
   int64_t row, rows;
+  int64_t step = 1;
 };
 struct HfTensorSpec {
   std::string name;

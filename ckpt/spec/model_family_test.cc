@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "ckpt/testing/test_util.h"
 
 namespace ckpt {
@@ -275,12 +277,121 @@ TEST(ModelFamily, MixtralFormatRecordsItsExpertsAndRefusesWhatIsNotDone) {
   EXPECT_NE(Tiny(1, HwBackend::kUnknown).CheckExpertParallel(2).find("dense"), std::string::npos);
   EXPECT_NE(HfUnsupported(f).find("MoE (Mixtral"), std::string::npos);
   EXPECT_NE(ErrorOf([&] { HfTensorsFor(f, DType::kFloat32); }).find("MoE"), std::string::npos);
-  ModelFormat megatron = f;
-  megatron.family = ModelFamily::kMegatron;
-  EXPECT_NE(megatron.CheckTensorParallel(1).find("Megatron-style MoE"), std::string::npos);
-  EXPECT_NE(ErrorOf([&] { LogicalParameters(megatron, 1); }).find("Megatron-style MoE"), std::string::npos);
-  const nlohmann::json hf = {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", 64}};
-  EXPECT_NE(ErrorOf([&] { FormatOfHfConfig(hf, "config.json"); }).find("MoE (Mixtral)"), std::string::npos);
+  // (Before issue #38's Megatron-style table and HF import, a Megatron-style MoE format and a
+  // MixtralForCausalLM config were refused here; MegatronMixtral* and MixtralHf* below test them.)
+  ModelFormat gelu = f;
+  gelu.gelu = true;
+  EXPECT_NE(gelu.CheckTensorParallel(1).find("SwiGLU"), std::string::npos) << gelu.CheckTensorParallel(1);
+}
+
+// --- Mixtral (MoE), issue #38: the Megatron-style table, and HF's MixtralForCausalLM ---
+
+ModelFormat MegatronMixtral(int64_t frequency) {
+  ModelFormat f;  // tests/data/upstream/nxd_mixtral's model: hidden 16, 4 heads, 2 KV heads, ffn 32, 4 experts
+  f.hidden = 16, f.ffn = 32, f.heads = 4, f.kv_heads = 2, f.layers = 2, f.vocab_size = 64;
+  f.experts = 4, f.moe_top_k = 2, f.moe_frequency = frequency;
+  return f;
+}
+
+std::vector<std::string> Names(const std::vector<ParamRule>& ps) {
+  std::vector<std::string> out;
+  for (const ParamRule& p : ps) out.push_back(p.name);
+  return out;
+}
+
+// The parameter order NxDT's GPTModel with NeuronSwitchMLP saves (nxd_mixtral/generate_megatron.out.txt).
+TEST(ModelFamily, MegatronMixtralTableFollowsNeuronSwitchMlp) {
+  const ModelFormat f = MegatronMixtral(1);
+  EXPECT_EQ(f.CheckTensorParallel(2), "");
+  const auto ps = LogicalParameters(f, 2);
+  const std::string l1 = "language_model.encoder.layers.1.";
+  auto names = Names(ps);
+  const auto at = std::find(names.begin(), names.end(), l1 + "input_layernorm.weight");
+  ASSERT_NE(at, names.end());
+  EXPECT_EQ(std::vector<std::string>(at, names.end()),
+            (std::vector<std::string>{l1 + "input_layernorm.weight", l1 + "self_attention.query.weight", l1 + "self_attention.key_value.weight",
+                                      l1 + "self_attention.dense.weight", l1 + "post_attention_layernorm.weight",
+                                      l1 + "mlp.moe.router.linear_router.weight", l1 + "mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight",
+                                      l1 + "mlp.moe.expert_mlps.mlp_op.down_proj.weight", "language_model.encoder.final_layernorm.weight",
+                                      "language_model.output_layer.weight"}));
+  const ParamRule& in = Rule(ps, l1 + "mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight");
+  EXPECT_EQ(in.shape, (std::vector<int64_t>{4, 16, 64}));
+  EXPECT_EQ(LocalShapeOf(in.spec, AxisCoords::Tp(2, 1)), (std::vector<int64_t>{4, 16, 32}));  // the fixture's per-rank shape
+  EXPECT_EQ(Rule(ps, l1 + "mlp.moe.router.linear_router.weight").spec.replicated_over, (std::vector<Axis>{Axis::kTp, Axis::kDp}));
+  // moe_frequency 2: the 1-based rule makes layer 1 MoE and layer 0 dense (NxDT transformer.py).
+  const auto mixed = Names(LogicalParameters(MegatronMixtral(2), 1));
+  EXPECT_NE(std::find(mixed.begin(), mixed.end(), "language_model.encoder.layers.0.mlp.dense_h_to_4h.weight"), mixed.end());
+  EXPECT_EQ(std::find(mixed.begin(), mixed.end(), "language_model.encoder.layers.1.mlp.dense_h_to_4h.weight"), mixed.end());
+  // NxDT's Megatron grouping (NeMo get_params_for_weight_decay_optimization): one group, experts included.
+  const Grouping g = FamilyGrouping(f, names, GroupingRule::kNxdt);
+  EXPECT_EQ(g.GroupSizes(), (std::vector<size_t>{names.size()}));
+  // NeuronSwitchMLP is built for more than one expert only; GeLU or biases it asserts against.
+  ModelFormat one = f;
+  one.experts = 1, one.moe_top_k = 1;
+  EXPECT_NE(one.CheckTensorParallel(1).find("num_moe_experts > 1"), std::string::npos);
+  ModelFormat bias = f;
+  bias.bias = true;
+  EXPECT_NE(bias.CheckTensorParallel(1).find("biases"), std::string::npos);
+}
+
+const HfTensorSpec& Spec(const std::vector<HfTensorSpec>& specs, const std::string& name) {
+  for (const HfTensorSpec& s : specs)
+    if (s.name == name) return s;
+  throw Error("no HF tensor " + name);
+}
+
+// HF's MixtralSparseMoeBlock from NxD's fused, input-major experts
+// (nxd_mixtral/README.md "HF reference"): w1[e] = gate_up[e][:, :I].T, w3 the up half, w2 = down[e].T.
+TEST(ModelFamily, MixtralHfTensorsTransposeEachExpertsHalves) {
+  for (const ModelFamily family : {ModelFamily::kHfLlama, ModelFamily::kMegatron}) {
+    ModelFormat f = MegatronMixtral(1);
+    f.family = family, f.fuse_qkv = false;
+    EXPECT_EQ(HfUnsupported(f), "");
+    EXPECT_STREQ(HfArchitecture(f), "MixtralForCausalLM");
+    const auto specs = HfTensorsFor(f, DType::kFloat32);
+    const std::string gate_up = ParamName(f, Module::kExpertsIn, 1), down = ParamName(f, Module::kExpertsOut, 1);
+    const HfTensorSpec& w1 = Spec(specs, "model.layers.1.block_sparse_moe.experts.3.w1.weight");
+    EXPECT_EQ(w1.shape, (std::vector<int64_t>{32, 16}));
+    EXPECT_TRUE(w1.transpose);
+    EXPECT_EQ(w1.width, 32);  // gate_up_proj seen as rows of I: row 2(eH + h) is gate[e][h], the next up[e][h]
+    ASSERT_EQ(w1.blocks.size(), 1u);
+    EXPECT_EQ(w1.blocks[0].name, gate_up);
+    EXPECT_EQ(w1.blocks[0].row, 2 * 3 * 16);
+    EXPECT_EQ(w1.blocks[0].rows, 16);
+    EXPECT_EQ(w1.blocks[0].step, 2);
+    EXPECT_EQ(Spec(specs, "model.layers.1.block_sparse_moe.experts.3.w3.weight").blocks[0].row, 2 * 3 * 16 + 1);
+    const HfTensorSpec& w2 = Spec(specs, "model.layers.1.block_sparse_moe.experts.3.w2.weight");
+    EXPECT_EQ(w2.shape, (std::vector<int64_t>{16, 32}));
+    EXPECT_EQ(w2.width, 16);
+    EXPECT_EQ(w2.blocks[0].name, down);
+    EXPECT_EQ(w2.blocks[0].row, 3 * 32);
+    EXPECT_EQ(w2.blocks[0].step, 1);
+    const HfTensorSpec& gate = Spec(specs, "model.layers.0.block_sparse_moe.gate.weight");
+    EXPECT_FALSE(gate.transpose);
+    EXPECT_EQ(gate.blocks[0].name, ParamName(f, Module::kRouter, 0));
+    EXPECT_THROW(Spec(specs, "model.layers.0.mlp.gate_proj.weight"), Error);
+  }
+  // A dense layer has no MixtralForCausalLM form (HF makes every layer MoE).
+  EXPECT_NE(HfUnsupported(MegatronMixtral(2)).find("layer 0 of this MoE (Mixtral) model is dense"), std::string::npos) << HfUnsupported(MegatronMixtral(2));
+}
+
+TEST(ModelFamily, MixtralHfConfigGivesExpertsAndRefusesWhatNxdtDoesNotCompute) {
+  nlohmann::json c = {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", 16}, {"intermediate_size", 32},
+                      {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"num_hidden_layers", 2},
+                      {"vocab_size", 64}, {"max_position_embeddings", 32}, {"num_local_experts", 4},
+                      {"num_experts_per_tok", 2}, {"sliding_window", nullptr}};
+  const ModelFormat f = FormatOfHfConfig(c, "config.json");
+  EXPECT_EQ(f.experts, 4);
+  EXPECT_EQ(f.moe_top_k, 2);
+  EXPECT_EQ(f.moe_frequency, 1);
+  c.erase("num_experts_per_tok");
+  EXPECT_EQ(FormatOfHfConfig(c, "config.json").moe_top_k, 2);  // MixtralConfig's default
+  c["num_experts_per_tok"] = 5;
+  EXPECT_NE(ErrorOf([&] { FormatOfHfConfig(c, "config.json"); }).find("'num_experts_per_tok' 5 exceeds 'num_local_experts' 4"), std::string::npos);
+  c["num_experts_per_tok"] = 2, c["sliding_window"] = 8;
+  EXPECT_NE(ErrorOf([&] { FormatOfHfConfig(c, "config.json"); }).find("'sliding_window' is 8"), std::string::npos);
+  c["sliding_window"] = nullptr, c["hidden_act"] = "gelu";
+  EXPECT_NE(ErrorOf([&] { FormatOfHfConfig(c, "config.json"); }).find("'hidden_act'"), std::string::npos);
 }
 
 // Either style's MoE module names a Mixtral tag; a dense Llama's names do not.

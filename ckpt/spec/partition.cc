@@ -12,9 +12,6 @@
 namespace ckpt {
 namespace {
 
-constexpr const char* kMegatronMoeUnsupported =
-    "a Megatron-style MoE (Mixtral, NxDT's NeuronSwitchMLP) model is not supported yet; only the HF-style Mixtral family is";
-
 std::string LayerName(int l, const std::string& leaf) {
   return "language_model.encoder.layers." + std::to_string(l) + "." + leaf;
 }
@@ -84,7 +81,7 @@ std::string ModelFormat::CheckTensorParallel(int tp) const {
     return "tensor parallel degree " + std::to_string(tp) + " does not divide the " + what + " (" + std::to_string(n) + ")";
   };
   if (tp < 1 || tp > kMaxRanks) return "tensor parallel degree " + std::to_string(tp) + " is out of range";
-  if (moe() && family != ModelFamily::kHfLlama) return kMegatronMoeUnsupported;
+  if (std::string why = MoeUnsupported(*this); !why.empty()) return why;
   if (heads % tp) return no("attention heads", heads);
   if (family == ModelFamily::kHfLlama) {
     if (ffn % tp) return no("FFN width", ffn);
@@ -207,7 +204,6 @@ ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& wh
 
 std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
   if (f.family == ModelFamily::kHfLlama) return WithLora(f, HfLlamaParameters(f, tp));
-  if (f.moe()) throw Error(kMegatronMoeUnsupported);
   const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), V = f.PaddedVocab(tp);
   std::vector<ParamRule> p;
   int layer = -1;
@@ -249,6 +245,11 @@ std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
     }
     row(LayerName(layer, "self_attention.dense"), H);
     norm(LayerName(layer, "post_attention_layernorm"));
+    // NxDT models/megatron/transformer.py ParallelTransformerLayer: NeuronSwitchMLP in MoE layers.
+    if (IsMoeLayer(f, layer)) {
+      AppendMoeParameters(f, layer, p);
+      continue;
+    }
     column(LayerName(layer, "mlp.dense_h_to_4h"), f.gelu ? F : 2 * F, f.gelu ? FusedRows::kPlain : FusedRows::kGateUp);
     row(LayerName(layer, "mlp.dense_4h_to_h"), F);
   }
@@ -308,10 +309,36 @@ const ShardSpec& SpecOf(const ParamRule& p) {
 }
 }  // namespace
 
+namespace {
+// Mixtral (issue #38): boxes that abut in the logical tensor and in the local
+// one alike are one box. An expert weight's [gate || up] split (stride 2 on
+// dim 2) gives each rank two boxes; at tp 1 they are the whole tensor, whose
+// expert rows the runs below must cover once, not twice.
+std::vector<Box> MergedAbutting(std::vector<Box> boxes) {
+  std::vector<Box> out;
+  for (Box& b : boxes) {
+    if (!out.empty()) {
+      Box& a = out.back();
+      size_t differ = 0, n = 0;
+      for (size_t d = 0; d < b.offset.size(); ++d)
+        if (a.offset[d] != b.offset[d] || a.size[d] != b.size[d] || a.local[d] != b.local[d]) differ = d, ++n;
+      if (n == 1 && a.offset[differ] + a.size[differ] == b.offset[differ] && a.local[differ] + a.size[differ] == b.local[differ]) {
+        a.size[differ] += b.size[differ];
+        continue;
+      }
+    }
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+}  // namespace
+
 std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat&, int tp, int rank) {
   const int dim = p.split == SplitDim::kColumns ? 1 : 0;
+  std::vector<Box> boxes = BoxesOf(SpecOf(p), AxisCoords::Tp(tp, rank));
+  if (p.split == SplitDim::kExperts) boxes = MergedAbutting(std::move(boxes));
   std::vector<Run> runs;
-  for (const Box& b : BoxesOf(SpecOf(p), AxisCoords::Tp(tp, rank))) runs.push_back({b.local.at(dim), b.offset.at(dim), b.size.at(dim)});
+  for (const Box& b : boxes) runs.push_back({b.local.at(dim), b.offset.at(dim), b.size.at(dim)});
   return runs;
 }
 

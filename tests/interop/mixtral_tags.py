@@ -12,7 +12,8 @@ xser, ZeRO-1, with the gathered full state of each run; see its README). Issue #
   - every transforming command refuses an MoE tag (exit 2, nothing written) naming
     MoE, and ckpt-verify no longer says ok on one;
   - ckpt-inspect names the family, the experts and ep;
-  - ckpt-import --format hf refuses MixtralForCausalLM naming MoE.
+  - ckpt-import --format hf refuses MixtralForCausalLM at tp > 1 naming MoE (at tp 1 it
+    imports: tests/interop/mixtral_hf.py).
 
 Nothing here is written from belief about the layout: the boxes are the README's
 layout facts, which its generator read from NxD's files."""
@@ -175,7 +176,7 @@ class MixtralTags(TempDirTest):
         src = os.path.join(self.dir, "hf")
         shutil.copytree(os.path.join(DATA, "hf_reference", "ep1"), src)
         out = os.path.join(self.dir, "imported")
-        self.expect_refused([IMPORT, "--format", "hf", src, out, "--tp", 1, "--pp", 1], out)
+        self.expect_refused([IMPORT, "--format", "hf", src, out, "--tp", 2, "--pp", 1], out)
 
 
 if __name__ == "__main__":
