@@ -95,6 +95,7 @@ ckpt::FormatHints FormatHintOptions::Hints() const {
   take(h.kv_size_multiplier, kv_size_multiplier, "--kv_size_multiplier");
   take(h.rope_theta, rope_theta, "--rope_theta"), take(h.norm_eps, norm_eps, "--layernorm_epsilon");
   take(h.rotary_percentage, rotary, "--rotary_percentage");
+  take(h.moe_top_k, moe_top_k, "--moe_top_k");
   if (!hw_backend.empty()) h.hw_backend = ckpt::ParseBackend(hw_backend);
   return h;
 }

@@ -14,7 +14,7 @@ namespace tools {
 struct FormatHintOptions {
   int64_t heads = 0, kv_heads = 0, vocab = 0, divisible = 0;
   double rope_theta = 0, norm_eps = 0, rotary = 0;
-  int64_t kv_size_multiplier = 0;
+  int64_t kv_size_multiplier = 0, moe_top_k = 0;
   std::string hw_backend, model_config, config;
 
   void AddTo(CLI::App& app) {
@@ -34,6 +34,8 @@ struct FormatHintOptions {
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
     app.add_option("--hw_backend", hw_backend, "HF-style tags: how KV heads are replicated, when the data cannot tell (trn1: interleaved, trn2: consecutive)")
         ->check(CLI::IsMember({"trn1", "trn2"}));
+    app.add_option("--moe_top_k", moe_top_k, "HF-style Mixtral tags without a manifest: experts per token (num_experts_per_tok)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
     app.add_option("--model_config", model_config,
                    "an HF config.json (NxDT's model.model_config): heads, KV heads, sizes, rope_theta and rms_norm_eps, checked against the tensors");
     app.add_option("--config", config,

@@ -38,11 +38,12 @@ struct FormatHints {
   std::optional<HwBackend> hw_backend;
   std::optional<int64_t> hidden, ffn, layers, max_positions;
   std::optional<bool> fuse_qkv, qkv_linear;  // NxDT's model.fuse_qkv and model.qkv_linear (a job config)
+  std::optional<int64_t> moe_top_k;          // an HF-style Mixtral's num_experts_per_tok (no tensor shows it)
 
   // Whether any hint is given.
   bool Any() const {
     return heads || kv_heads || vocab_size || make_vocab_size_divisible_by || rope_theta || norm_eps || rotary_percentage ||
-           kv_size_multiplier || hw_backend || hidden || ffn || layers || max_positions || fuse_qkv || qkv_linear;
+           kv_size_multiplier || hw_backend || hidden || ffn || layers || max_positions || fuse_qkv || qkv_linear || moe_top_k;
   }
 };
 

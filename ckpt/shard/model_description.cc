@@ -34,6 +34,7 @@ class Describer {
   void MegatronVocabulary(ModelFormat& f, int64_t padded);
   void HfCheckSizes(const ModelFormat& f, const std::string& k_leaf, const std::string& why);
   void HfKvHeads(ModelFormat& f, const std::vector<int64_t>& bounds, const std::string& k_leaf);
+  void HfMoe(ModelFormat& f, const std::string& why);
   void HfKvReplication(ModelFormat& f, int layer, const Tensor& kv, int64_t n, int64_t k_row);
   void TakeForwardHints(ModelFormat& f, const std::string& eps_name, const std::string& flags);
   void CheckHintsAgree(const ModelFormat& f) const;
@@ -237,12 +238,15 @@ ModelFormat Describer::HfLlama(const std::vector<int64_t>& bounds) {
   f.family = ModelFamily::kHfLlama;
   const Tensor* norm = FindTensor(ParamName(f, Module::kFinalNorm));
   const Tensor* emb = FindTensor(ParamName(f, Module::kEmbedding));
-  const Tensor* down = FindTensor(ParamName(f, Module::kMlpOut, static_cast<int>(bounds[0])));
-  if (!norm || !emb || !down || norm->shape().size() != 1 || emb->shape().size() != 2 || down->shape().size() != 2)
+  // An HF-style Mixtral's layer 0 is an MoE layer (HfMoe); a Llama's holds mlp.down_proj.
+  const bool moe = FirstMoeName(ModelNames(e_)).has_value();
+  const Tensor* down = moe ? nullptr : FindTensor(ParamName(f, Module::kMlpOut, static_cast<int>(bounds[0])));
+  if (!norm || !emb || norm->shape().size() != 1 || emb->shape().size() != 2 || (!moe && (!down || down->shape().size() != 2)))
     throw Error(why + "and its model files do not hold an HF-style Llama's model.embed_tokens, model.norm and mlp.down_proj weights");
   f.hidden = norm->shape()[0];
   f.layers = bounds.back();
-  f.ffn = down->shape()[1] * tp;
+  if (moe) HfMoe(f, why);
+  else f.ffn = down->shape()[1] * tp;
   f.vocab_size = emb->shape()[0] * tp;
   f.make_vocab_size_divisible_by = 1;
   f.tied_output = FindTensor(ParamName(f, Module::kOutput)) == nullptr;
@@ -258,6 +262,36 @@ ModelFormat Describer::HfLlama(const std::vector<int64_t>& bounds) {
   f.max_positions = hints_.max_positions.value_or(0);
   TakeForwardHints(f, "rms_norm_eps", "--model_config, or --rope_theta and --layernorm_epsilon,");
   return f;
+}
+
+// An HF-style Mixtral (NxDT modeling_mixtral.py MixtralDecoderLayer): experts from the
+// router's rows, the FFN width from an expert down_proj (experts, ffn / tp, hidden),
+// moe_frequency from the layers that hold a router (0-based `layer_index % moe_frequency
+// == 0`: layer 0 always; with only layer 0, any frequency >= layers places the same),
+// top_k from a hint, as no tensor shows it.
+void Describer::HfMoe(ModelFormat& f, const std::string& why) {
+  const Tensor* router = FindTensor(ParamName(f, Module::kRouter, 0));
+  const Tensor* down = FindTensor(ParamName(f, Module::kExpertsOut, 0));
+  if (!router || !down || router->shape().size() != 2 || down->shape().size() != 3)
+    throw Error(why + "and it holds '" + *FirstMoeName(ModelNames(e_)) + "' of an MoE (Mixtral) model, HF-style (NxDT modeling_mixtral.py), " +
+                "but not layer 0's router (experts x hidden) and expert down_proj (experts x ffn x hidden): NxDT's layer 0 is always MoE");
+  f.experts = router->shape()[0];
+  f.ffn = down->shape()[1] * e_.grid.tp;
+  std::set<int64_t> moe_layers;
+  for (const std::string& n : ModelNames(e_))
+    if (FirstMoeName({n})) moe_layers.insert(LayerOfName(n));
+  f.moe_frequency = std::max<int64_t>(f.layers, 1);
+  for (int64_t l = 1; l < f.layers; ++l)
+    if (moe_layers.count(l)) {
+      f.moe_frequency = l;
+      break;
+    }
+  for (int64_t l = 0; l < f.layers; ++l)
+    if (IsMoeLayer(f, l) != (moe_layers.count(l) > 0))
+      throw Error(e_.dir + ": its MoE layers (those holding a router) are not every moe_frequency-th layer from layer 0, as NxDT's HF-style Mixtral places them");
+  if (!hints_.moe_top_k) throw FormatUnknown(why + "and no tensor shows an MoE's top_k, so give --moe_top_k (num_experts_per_tok)");
+  f.moe_top_k = *hints_.moe_top_k;
+  notes_->push_back("MoE top_k " + std::to_string(f.moe_top_k) + " from --moe_top_k");
 }
 
 // A job config's attention flags must name these tensors (LlamaAttention.__init__'s choice); sizes
@@ -518,6 +552,20 @@ std::optional<LoraFormat> LoraOfFiles(const ModelEvidence& e) {
   return seen;
 }
 
+// The first MoE name (FirstMoeName) the HF-style Mixtral family does not hold: a
+// Megatron-style MoE's, or a part of NxD's MoE layer outside MoeLeaves (shared experts,
+// spmd ranks, which NxD saves only at ep > 1).
+std::optional<std::string> UnreadMoeName(const std::vector<std::string>& names) {
+  const std::vector<std::string> leaves = MoeLeaves(ModelFamily::kHfLlama);
+  for (const std::string& n : names) {
+    if (!FirstMoeName({n})) continue;
+    const bool known = FamilyOfName(n) == ModelFamily::kHfLlama &&
+                       std::any_of(leaves.begin(), leaves.end(), [&](const std::string& l) { return n.ends_with("." + l); });
+    if (!known) return n;
+  }
+  return std::nullopt;
+}
+
 // A model file as the family's describer reads it: base weights under their
 // base names, adapters and lora_config left out.
 Dict BaseOf(const Dict& d) {
@@ -565,9 +613,11 @@ ModelDescription DescribeModel(const ModelEvidence& e, const FormatHints& hints)
   StageSplit split = StageSplitOfFiles(e);
   d.stage_bounds = std::move(split.bounds), d.virtual_stages = split.virtual_stages;
   const int tp = e.grid.tp;
-  // A Mixtral tag (NxDT's layer 0 is always an MoE layer) is refused for what it is, not for lacking a Llama's MLP.
-  if (const auto moe = FirstMoeName(ModelNames(e))) throw Error(e.dir + ": " + MoeRefusal(*moe));
-  if (e.recorded && e.recorded->moe()) throw Error(e.dir + ": its manifest records an MoE (Mixtral) model; shardkit does not read MoE tags yet");
+  // A Mixtral tag is read only as the HF-style family's (its weights, at ep 1: an ep > 1 tag's files are
+  // refused by name); others are refused for what they are, not for lacking a Llama's MLP.
+  if (const auto moe = UnreadMoeName(ModelNames(e))) throw Error(e.dir + ": " + MoeRefusal(*moe));
+  if (e.recorded && e.recorded->moe() && e.recorded->family != ModelFamily::kHfLlama)
+    throw Error(e.dir + ": its manifest records a Megatron-style MoE (Mixtral) model; shardkit does not read those yet");
   if (e.recorded) {
     d.format = DescribeRecordedModel(e, hints, &d.notes);
     d.from_manifest = true;
