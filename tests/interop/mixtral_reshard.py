@@ -25,7 +25,8 @@ CONFIG = full_state(1)["config"]
 
 
 def hints():
-    return ["--heads", str(CONFIG["num_attention_heads"]), "--moe_top_k", str(CONFIG["num_experts_per_tok"])]
+    return ["--heads", str(CONFIG["num_attention_heads"]), "--moe_top_k", str(CONFIG["num_experts_per_tok"]),
+            "--rope_theta", str(CONFIG["rope_theta"]), "--layernorm_epsilon", str(CONFIG["rms_norm_eps"])]
 
 
 def read_file(tag, rel):
