@@ -1,5 +1,5 @@
 // ckpt-verify PATH [--json] [--no-checksums] [--fingerprints] [--gc [--dry-run]]
-// ckpt-verify TAG --against OTHER [--rtol R] [--atol A] [--no-checksums] [--json]
+// ckpt-verify TAG --against OTHER [--weights_only] [--rtol R] [--atol A] [--no-checksums] [--json]
 // PATH is a checkpoint tag or a checkpoint directory (every tag in it).
 // Checks markers, every file against manifest.json (size and CRC-32, in
 // parallel), missing and extra files, leftover temporaries and rank-grid
@@ -84,7 +84,7 @@ int Gc(ckpt::Env* env, const std::string& dir, bool dry_run, bool json) {
 // every tensor that differs, 2 when either is not a readable tag. A tag's
 // recorded fingerprints are used once its files match its manifest's
 // checksums (skipped with --no-checksums: then only the manifests speak).
-int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ckpt::FormatHints& h, bool checksums, bool json,
+int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ckpt::SourceOptions& read, bool checksums, bool json,
             const ckpt::CompareOptions& tolerance) {
   std::vector<ckpt::TagDifference> failed;
   for (const std::string& t : {a, b})
@@ -94,7 +94,7 @@ int Against(ckpt::Env* env, const std::string& a, const std::string& b, const ck
   ckpt::CompareReport r;
   if (failed.empty()) {
     const ckpt::SourceRegistry& sources = ckpt::SourceRegistry::Default();
-    const auto ta = sources.Open(env, a, {.hints = h}, "tag"), tb = sources.Open(env, b, {.hints = h}, "tag");
+    const auto ta = sources.Open(env, a, read, "tag"), tb = sources.Open(env, b, read, "tag");
     r = ckpt::CompareTags(*ta.state, *tb.state, tolerance);
   } else {
     r.differences = failed;  // a tag that fails verification proves nothing
@@ -180,7 +180,7 @@ int VirtualStages(ckpt::Env* env, const std::string& tag, const ckpt::TagReport&
 int main(int argc, char** argv) {
   CLI::App app{"Verify NxDT checkpoint tags against their manifests and rank grid"};
   std::string path;
-  bool json = false, no_checksums = false, gc = false, dry_run = false;
+  bool json = false, no_checksums = false, gc = false, dry_run = false, weights_only = false;
   app.add_option("path", path, "a checkpoint tag or a checkpoint directory")->required();
   app.add_flag("--json", json, "print the report as JSON");
   app.add_flag("--no-checksums", no_checksums, "check sizes only");
@@ -192,6 +192,7 @@ int main(int argc, char** argv) {
   app.add_flag("--fingerprints", fingerprints, "also recompute each logical tensor's fingerprint and check it against the manifest's");
   app.add_option("--against", against, "another tag, in any layout: do both hold the same model and optimizer state?");
   ckpt::CompareOptions tolerance;
+  app.add_flag("--weights_only", weights_only, "with --against: compare the models alone (neither tag's optimizer state is read)");
   app.add_option("--rtol", tolerance.rtol, "with --against: equal within |a-b| <= atol + rtol*|b| (numpy.allclose), not bit for bit")
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--atol", tolerance.atol, "with --against: the absolute part of the tolerance")->check(CLI::Range(0.0, 1e30));
@@ -204,7 +205,7 @@ int main(int argc, char** argv) {
   auto* env = ckpt::Env::Default();
   try {
     if (!against.empty()) {
-      return Against(env, path, against, hints.Hints(), !no_checksums, json, tolerance);
+      return Against(env, path, against, {.hints = hints.Hints(), .weights_only = weights_only}, !no_checksums, json, tolerance);
     }
     if (!env->IsDirectory(path)) throw ckpt::Error(path + ": not a directory");
     if (gc) {

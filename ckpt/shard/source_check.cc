@@ -9,7 +9,8 @@
 namespace ckpt {
 
 void VerifySourceTag(Env* env, const std::string& tag, bool weights_only, const LogFn& log) {
-  TagReport rep = VerifyTag(env, tag, {.checksums = true});
+  // Read for its weights alone, an MoE tag's model files are the reader's to take or refuse.
+  TagReport rep = VerifyTag(env, tag, {.checksums = true, .moe_left_to_reader = weights_only});
   if (weights_only) DropOptimizerProblems(rep, [&](const TagProblem& p) { log("note: " + p.file + ": " + p.what + " (not read: --weights_only)"); });
   std::string what;
   for (const auto& p : rep.problems) what += "\n  " + (p.file.empty() ? "" : p.file + ": ") + p.what;

@@ -81,7 +81,8 @@ bool IsDirectlyLoaded(const std::string& rel) {
 // tensor's storage, and (with `crc`) every zip record's CRC-32, which torch
 // writes. An optimizer file's ZeRO-1 shards are checked against its
 // shape_info and `zero1_dp` (0: not checked). `moe_described`: the manifest
-// records an MoE model (its writer, the trainer, reads it back). Returns the problem, or "".
+// records an MoE model (its writer, the trainer, reads it back), or VerifyOptions::moe_left_to_reader.
+// Returns the problem, or "".
 std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string& rel, bool crc, int zero1_dp, bool moe_described) {
   Value v;
   try {
@@ -224,7 +225,7 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
           if (size != want.size) {
             what = "size " + std::to_string(size) + " differs from the manifest's " + std::to_string(want.size);
           } else if (opts.checksums) {
-            what = ContentProblem(env, tag_dir, rel, want, zero1_dp, m.model && m.model->moe());
+            what = ContentProblem(env, tag_dir, rel, want, zero1_dp, opts.moe_left_to_reader || (m.model && m.model->moe()));
             bytes = size;
           }
         } catch (const Error& e) {
@@ -252,7 +253,7 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
         if (IsDirectlyLoaded(f) && !outside.count(f) && !IsTempPath(f)) loaded.push_back(f);
       std::mutex mu;
       tbb::parallel_for(size_t{0}, loaded.size(), [&](size_t i) {
-        const std::string what = LoadProblem(env, tag_dir, loaded[i], true, zero1_dp, false);
+        const std::string what = LoadProblem(env, tag_dir, loaded[i], true, zero1_dp, opts.moe_left_to_reader);
         uint64_t bytes = 0;
         try {
           bytes = env->FileSize(tag_dir + "/" + loaded[i]);
