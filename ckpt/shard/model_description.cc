@@ -551,7 +551,7 @@ void Describer::Moe(ModelFormat& f) {
     throw Error(e_.dir + ": num_experts " + std::to_string(*hints_.experts) + " (given, or the job config's model.moe.num_experts) contradicts '" +
                 router_name + "', whose " + std::to_string(f.experts) + " rows are the experts");
   if (!hints_.moe_top_k)
-    throw FormatUnknown(e_.dir + " has no manifest recording its model format, and no tensor holds how many experts each token is routed to, "
+    throw FormatUnknown(e_.dir + " has no manifest recording its model format, and no tensor of its MoE (Mixtral) layers holds how many experts each token is routed to, "
                                  "so give --moe_top_k (model.moe.top_k, config.json's num_experts_per_tok)");
   f.moe_top_k = *hints_.moe_top_k;
   if (f.moe_top_k > f.experts) throw Error(e_.dir + ": moe top_k " + std::to_string(f.moe_top_k) + " exceeds the " + std::to_string(f.experts) + " experts");

@@ -395,8 +395,9 @@ std::string MoeRefusal(const std::string& moe_name) {
   if (std::find(known.begin(), known.end(), leaf) == known.end())
     return what + ", a part of NxD's MoE layer (shared experts, router or expert biases, spmd ranks) shardkit's Mixtral family does not hold, "
                   "so it refuses rather than drop it";
-  return what + "; shardkit reads MoE tags only with whole experts yet (tp 1, ep 1: HF export and import; issue #38), so it refuses rather "
-                "than treat the experts as a dense Llama's";
+  return what + "; shardkit reads HF-style MoE tags at ep 1 (any tp) and Megatron-style ones with whole experts (tp 1, ep 1) yet; "
+                "expert-parallel (ep > 1) tags and their optimizer state are not read yet (issue #38), so it refuses rather than treat "
+                "the experts as a dense Llama's";
 }
 
 std::string FamilyLabel(const ModelFormat& f) {
