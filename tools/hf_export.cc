@@ -11,6 +11,7 @@
 #include "ckpt/spec/lora.h"
 #include "ckpt/util/error.h"
 #include "ckpt/spec/model_family.h"
+#include "ckpt/pt/dtype_cast.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/pt/storage.h"
 #include "ckpt/pt/tensor.h"
@@ -24,11 +25,97 @@ using ckpt::Error;
 using HfTensor = ckpt::HfTensorSpec;
 using RowBlock = ckpt::HfRowBlock;
 
+// Float32 values of `bytes` of dtype d (float32 or bfloat16), and back;
+// other dtypes are refused naming `what`.
+std::vector<float> ToFloats(DType d, std::span<const uint8_t> bytes, const std::string& what) {
+  std::vector<float> v(bytes.size() / ckpt::ElementSize(d));
+  if (d == DType::kFloat32) {
+    std::memcpy(v.data(), bytes.data(), bytes.size());
+  } else if (d == DType::kBFloat16) {
+    for (size_t i = 0; i < v.size(); ++i) v[i] = ckpt::BFloat16ToFloat(static_cast<uint16_t>(bytes[2 * i] | bytes[2 * i + 1] << 8));
+  } else {
+    throw Error("hf export: " + what + " is " + std::string(ckpt::DTypeName(d)) + "; a LoRA merge reads float32 and bfloat16 only");
+  }
+  return v;
+}
+
+void FromFloats(DType d, const std::vector<float>& v, std::span<uint8_t> out) {
+  if (d == DType::kFloat32) return (void)std::memcpy(out.data(), v.data(), out.size());
+  for (size_t i = 0; i < v.size(); ++i) {  // bfloat16 (ToFloats refused the rest)
+    const uint16_t b = ckpt::FloatToBFloat16(v[i]);
+    out[2 * i] = static_cast<uint8_t>(b), out[2 * i + 1] = static_cast<uint8_t>(b >> 8);
+  }
+}
+
+// The merged rows of one targeted base tensor (ckpt::LoraMergeOf): elements
+// are read from the base and merged in float32, W + (B A) * scale with the
+// rank-long dot products summed in order k = 0..rank-1 (layer.py
+// get_delta_weight), then rounded once to the base's dtype. Holds lora_A
+// ([rank, in], float32) and, per call, the rows of lora_B it needs.
+class LoraMerge {
+ public:
+  LoraMerge(const ckpt::LogicalState& src, ckpt::LoraMergeSource m, int64_t width, DType dtype)
+      : src_(src), m_(std::move(m)), dtype_(dtype), width_(width), rank_(src.layout().format.lora.rank),
+        scale_(static_cast<float>(ckpt::LoraScale(src.layout().format.lora))) {}
+
+  // Logical elements [e, e + out.size()/es) of the merged tensor, in the base's dtype.
+  void Read(uint64_t e, std::span<uint8_t> out) {
+    const DType d = src_.dtype(m_.base, ckpt::StateField::kParam);
+    if (d != dtype_) throw Error("hf export: " + m_.base + " is " + std::string(ckpt::DTypeName(d)) + ", the model's other weights " +
+                                 std::string(ckpt::DTypeName(dtype_)));
+    const size_t es = ckpt::ElementSize(d);
+    std::vector<uint8_t> raw(out.size());
+    {
+      ckpt::Touched touched(out.size());
+      src_.Read(m_.base, ckpt::StateField::kParam, e, raw, &touched);
+    }
+    std::vector<float> w = ToFloats(d, raw, m_.base);
+    const std::vector<float>& a = A();
+    const uint64_t n = out.size() / es, width = static_cast<uint64_t>(width_), rank = static_cast<uint64_t>(rank_);
+    const uint64_t row0 = e / width, rows = n == 0 ? 0 : (e + n - 1) / width - row0 + 1;
+    const std::vector<float> b = ReadFloats(m_.b, row0 * rank, rows * rank);
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint64_t r = (e + i) / width - row0, c = (e + i) % width;
+      float dot = 0;
+      for (uint64_t k = 0; k < rank; ++k) dot += b[r * rank + k] * a[k * width + c];
+      w[i] += dot * scale_;
+    }
+    FromFloats(d, w, out);
+  }
+
+ private:
+  std::vector<float> ReadFloats(const std::string& name, uint64_t begin, uint64_t count) const {
+    const DType d = src_.dtype(name, ckpt::StateField::kParam);
+    std::vector<uint8_t> raw(count * ckpt::ElementSize(d));
+    ckpt::Touched touched(raw.size());
+    src_.Read(name, ckpt::StateField::kParam, begin, raw, &touched);
+    return ToFloats(d, raw, name);
+  }
+  const std::vector<float>& A() {
+    std::call_once(a_once_, [&] { a_ = ReadFloats(m_.a, 0, static_cast<uint64_t>(rank_ * width_)); });
+    return a_;
+  }
+
+  const ckpt::LogicalState& src_;
+  ckpt::LoraMergeSource m_;
+  DType dtype_;  // the HF tensor's
+  int64_t width_, rank_;
+  float scale_;
+  std::once_flag a_once_;
+  std::vector<float> a_;
+};
+
 // Produces an HfTensor's bytes in order, a chunk at a time. A transposed one
-// reads its whole logical matrix at the first chunk and frees it after the last.
+// reads its whole logical matrix at the first chunk and frees it after the
+// last. A LoRA target's blocks are merged (LoraMerge).
 class Producer {
  public:
-  Producer(const ckpt::LogicalState& src, HfTensor t) : src_(src), t_(std::move(t)) {}
+  Producer(const ckpt::LogicalState& src, HfTensor t) : src_(src), t_(std::move(t)) {
+    for (const RowBlock& b : t_.blocks) {
+      auto m = ckpt::LoraMergeOf(src.layout().format, b.name);
+      merges_.push_back(m ? std::make_unique<LoraMerge>(src, std::move(*m), t_.width, t_.dtype) : nullptr);
+    }
+  }
 
   void operator()(uint64_t offset, std::span<uint8_t> out) {
     const size_t es = ckpt::ElementSize(t_.dtype);
@@ -56,13 +143,18 @@ class Producer {
   void Gather(uint64_t e, std::span<uint8_t> out) const {
     const size_t es = ckpt::ElementSize(t_.dtype);
     uint64_t n = out.size() / es, o = 0, start = 0;
-    for (const RowBlock& b : t_.blocks) {
+    for (size_t i = 0; i < t_.blocks.size(); ++i) {
+      const RowBlock& b = t_.blocks[i];
       const uint64_t len = static_cast<uint64_t>(b.rows * t_.width);
       if (n > 0 && e < start + len) {
-        const uint64_t from = e - start, take = std::min(n, len - from);
-        ckpt::Touched touched(out.size());  // source pages: at most a chunk's worth
-        src_.Read(b.name, ckpt::StateField::kParam, static_cast<uint64_t>(b.row * t_.width) + from, {out.data() + o * es, take * es},
-                  &touched);
+        const uint64_t from = e - start, take = std::min(n, len - from), at = static_cast<uint64_t>(b.row * t_.width) + from;
+        const std::span<uint8_t> part{out.data() + o * es, take * es};
+        if (merges_[i]) {
+          merges_[i]->Read(at, part);
+        } else {
+          ckpt::Touched touched(out.size());  // source pages: at most a chunk's worth
+          src_.Read(b.name, ckpt::StateField::kParam, at, part, &touched);
+        }
         e += take, n -= take, o += take;
       }
       start += len;
@@ -72,6 +164,7 @@ class Producer {
 
   const ckpt::LogicalState& src_;
   HfTensor t_;
+  std::vector<std::unique_ptr<LoraMerge>> merges_;  // per block, null when it is read as it is
   std::mutex mu_;
   std::vector<uint8_t> whole_;
 };
