@@ -192,6 +192,39 @@ void WriteText(ckpt::Env* env, const std::string& path, const std::string& text)
   });
 }
 
+// safetensors: u64 header length, the JSON header (8-byte aligned), then
+// tensors[i] for i in `which`, produced a chunk at a time.
+void WriteSafetensors(const ckpt::LogicalState& src, const std::vector<HfTensor>& tensors, const std::vector<size_t>& which,
+                      const std::string& path, size_t chunk, ckpt::Env* env) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  uint64_t at = 0;
+  for (size_t i : which) {
+    const HfTensor& t = tensors[i];
+    header[t.name] = {{"dtype", SafetensorsDtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + t.bytes()}}};
+    at += t.bytes();
+  }
+  header["__metadata__"] = {{"format", "pt"}};
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  ckpt::WriteFileAtomically(env, path, [&](ckpt::WritableFile& file) {
+    uint8_t len[8];
+    for (int b = 0; b < 8; ++b) len[b] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * b));
+    file.Append({len, 8});
+    file.Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
+    std::vector<uint8_t> buf(std::min<uint64_t>(chunk, std::max<uint64_t>(at, 1)));
+    for (size_t i : which) {
+      Producer produce(src, tensors[i]);
+      const uint64_t bytes = tensors[i].bytes();
+      for (uint64_t off = 0; off < bytes;) {
+        const size_t m = static_cast<size_t>(std::min<uint64_t>(buf.size(), bytes - off));
+        produce(off, {buf.data(), m});
+        file.Append({buf.data(), m});
+        off += m;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env) {
@@ -234,34 +267,7 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
       break;
     }
     if (o.bin) ckpt::SavePt(dir + "/" + bin, sd, {.weights_only = true, .stream_chunk = o.chunk}, env);
-    // safetensors: u64 header length, the JSON header (8-byte aligned), the data.
-    nlohmann::ordered_json header = nlohmann::ordered_json::object();
-    uint64_t at = 0;
-    for (size_t i : shards[k]) {
-      const HfTensor& t = tensors[i];
-      header[t.name] = {{"dtype", SafetensorsDtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + t.bytes()}}};
-      at += t.bytes();
-    }
-    header["__metadata__"] = {{"format", "pt"}};
-    std::string text = header.dump();
-    text.append((8 - text.size() % 8) % 8, ' ');
-    ckpt::WriteFileAtomically(env, dir + "/" + st, [&](ckpt::WritableFile& file) {
-      uint8_t len[8];
-      for (int b = 0; b < 8; ++b) len[b] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * b));
-      file.Append({len, 8});
-      file.Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
-      std::vector<uint8_t> buf(std::min<uint64_t>(o.chunk, std::max<uint64_t>(at, 1)));
-      for (size_t i : shards[k]) {
-        Producer produce(src, tensors[i]);
-        const uint64_t bytes = tensors[i].bytes();
-        for (uint64_t off = 0; off < bytes;) {
-          const size_t m = static_cast<size_t>(std::min<uint64_t>(buf.size(), bytes - off));
-          produce(off, {buf.data(), m});
-          file.Append({buf.data(), m});
-          off += m;
-        }
-      }
-    });
+    WriteSafetensors(src, tensors, shards[k], dir + "/" + st, o.chunk, env);
   }
   if (n > 1 && !o.full_state) {
     if (o.bin)
@@ -291,6 +297,44 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
   // Where it came from; also how --overwrite knows the folder is an export.
   config["shardkit_export"] = {{"source", src.path()}, {"step", src.step()}, {"model", f.ToJson()}};
   WriteText(env, dir + "/config.json", config.dump(2) + "\n");
+  return sum;
+}
+
+HfExportSummary WritePeftFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env) {
+  const ckpt::ModelFormat& f = src.layout().format;
+  if (!f.lora.on() || f.lora.saved != ckpt::LoraSaved::kBaseAndAdapter)
+    throw Error(src.path() + ": --format peft writes the adapters of a tag holding base and adapters, and this tag " +
+                (f.lora.on() ? "has them merged" : "has no LoRA adapters"));
+  if (const std::string why = ckpt::HfUnsupported(f); !why.empty()) throw Error(src.path() + ": " + why);
+  // Each targeted HF weight's adapter pair (peft's LoraLayer names): lora_A whole (q, k and v
+  // share NxD's one; gate and up too), lora_B the rows its base weight takes from the logical one.
+  std::vector<HfTensor> adapters;
+  std::vector<std::string> targets;
+  HfExportSummary sum{"peft LoRA adapter", 1, 0, 0};
+  for (const HfTensor& t : ckpt::HfTensorsFor(f, DType::kFloat32)) {
+    const auto m = ckpt::LoraMergeOf(f, t.blocks.front().name);
+    if (!m) continue;
+    const std::string stem = "base_model.model." + t.name.substr(0, t.name.size() - std::string(".weight").size());
+    const int64_t r = f.lora.rank;
+    HfTensor a{stem + ".lora_A.weight", {r, t.width}, src.dtype(m->a, ckpt::StateField::kParam), {{m->a, 0, r}}, t.width, false};
+    HfTensor b{stem + ".lora_B.weight", {t.shape[0], r}, src.dtype(m->b, ckpt::StateField::kParam), {}, r, false};
+    for (const RowBlock& blk : t.blocks) b.blocks.push_back({ckpt::LoraMergeOf(f, blk.name)->b, blk.row, blk.rows});
+    adapters.push_back(std::move(a)), adapters.push_back(std::move(b));
+    const std::string module = t.name.substr(0, t.name.rfind('.'));
+    const std::string leaf = module.substr(module.rfind('.') + 1);
+    if (std::find(targets.begin(), targets.end(), leaf) == targets.end()) targets.push_back(leaf);
+  }
+  std::vector<size_t> all(adapters.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i, sum.bytes += adapters[i].bytes();
+  sum.tensors = adapters.size();
+  WriteSafetensors(src, adapters, all, dir + "/adapter_model.safetensors", o.chunk, env);
+  // peft's LoraConfig fields (what PeftModel.from_pretrained reads); dropout is training's, not the tag's.
+  const nlohmann::ordered_json config = {
+      {"peft_type", "LORA"}, {"task_type", "CAUSAL_LM"}, {"base_model_name_or_path", nullptr}, {"r", f.lora.rank},
+      {"lora_alpha", f.lora.alpha}, {"use_rslora", f.lora.use_rslora}, {"target_modules", targets}, {"lora_dropout", 0.0},
+      {"bias", "none"}, {"fan_in_fan_out", false}, {"modules_to_save", nullptr}, {"inference_mode", true},
+      {"shardkit_export", {{"source", src.path()}, {"step", src.step()}, {"model", f.ToJson()}}}};
+  WriteText(env, dir + "/adapter_config.json", config.dump(2) + "\n");
   return sum;
 }
 

@@ -20,6 +20,7 @@ layer (plain .pt), in NxD's three save modes.
 
 The dev-time counterpart, NxD's load_checkpoint reading shardkit's re-cut,
 is tests/data/upstream/nxd_lora/load_check.py (needs upstream source)."""
+import json
 import os
 import unittest
 
@@ -160,7 +161,7 @@ class LoraTags(TempDirTest):
         ours = self.export_hf(model, "base_adapter")
         nxd = self.export_hf(model, "merged", "--weights_only")
         self.assertEqual(list(ours), list(nxd))
-        full = model_file(self.reshard(tag(model, 4, "base_adapter"), 1, "adapters", "--no_save_xser"))  # B and A, logical
+        full = model_file(self.reshard(tag(model, 4, "base_adapter"), 1, f"adapters_{model}", "--no_save_xser"))  # B and A, logical
         F = 48  # ffn (README): gate_proj is gate_up_proj's rows [0, F), up_proj [F, 2F)
         where = {"q_proj": ("self_attn.qkv_proj.", "weight_q", None), "k_proj": ("self_attn.qkv_proj.", "weight_k", None),
                  "v_proj": ("self_attn.qkv_proj.", "weight_v", None), "o_proj": ("self_attn.o_proj.", "weight", None),
@@ -197,6 +198,32 @@ class LoraTags(TempDirTest):
     def test_hf_export_merges_row_and_column_parallel_adapters_as_nxd_does(self):
         targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
         self.assertEqual(self.check_hf_merge_equals_nxds("all_targets", targets), 2 * 7)
+
+    def test_peft_adapter_applied_to_the_base_gives_nxds_merge(self):
+        out = os.path.join(self.dir, "peft")
+        run(EXPORT, tag("all_targets", 4, "base_adapter"), out, "--format", "peft", *HEADS)
+        with open(os.path.join(out, "adapter_config.json")) as f:
+            config = json.load(f)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        self.assertEqual((config["peft_type"], config["r"], config["lora_alpha"], config["use_rslora"]), ("LORA", 16, 32, False))
+        self.assertEqual(config["target_modules"], targets)  # HF's module order
+        peft, header = read_safetensors(os.path.join(out, "adapter_model.safetensors"))
+        self.assertEqual(len(peft), 2 * 7 * 2)  # lora_A and lora_B of 7 modules in 2 layers
+        self.assertEqual(header["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"]["shape"], [8, 16])
+        self.assertEqual(header["base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"]["shape"], [16, 32])
+        self.assertEqual(self.check_hf_merge_equals_nxds("all_targets", set(targets), peft), 2 * 7)
+        # the shipped config: q, k and v share NxD's one lora_A
+        out = os.path.join(self.dir, "peft_qkv")
+        run(EXPORT, tag("qkv", 4, "base_adapter"), out, "--format", "peft", *HEADS)
+        peft, _ = read_safetensors(os.path.join(out, "adapter_model.safetensors"))
+        self.assertEqual(self.check_hf_merge_equals_nxds("qkv", {"q_proj", "k_proj", "v_proj"}, peft), 2 * 3)
+
+    def test_peft_export_of_a_merged_tag_is_refused(self):
+        out = os.path.join(self.dir, "no")
+        p = run(EXPORT, tag("qkv", 4, "merged"), out, "--format", "peft", *HEADS, "--weights_only", check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("has them merged", p.stderr)
+        self.assertFalse(os.path.exists(out))
 
     def test_hf_export_of_an_adapter_only_tag_is_refused(self):
         out = os.path.join(self.dir, "no")
