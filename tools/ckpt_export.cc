@@ -47,7 +47,7 @@ void FsyncPath(const std::string& path) {
 
 // A folder ckpt-export --format hf wrote: config.json says so.
 bool IsHfExport(ckpt::Env* env, const std::string& dir) {
-  const std::string config = dir + "/config.json";
+  const std::string config = dir + (env->Exists(dir + "/adapter_config.json") ? "/adapter_config.json" : "/config.json");
   if (!env->IsDirectory(dir) || !env->Exists(config)) return false;
   const auto m = env->MapFile(config);
   const auto j = ckpt::ParseJsonBounded(reinterpret_cast<const char*>(m->data()), reinterpret_cast<const char*>(m->data()) + m->size(), m->path());
@@ -68,8 +68,9 @@ int main(int argc, char** argv) {
   app.add_option("--compression", compression, "none, or gzip (with shuffle)")->check(CLI::IsMember({"none", "gzip"}));
   app.add_option("--format", format,
                  "h5: the whole state in one HDF5 file; hf: the weights as a Hugging Face model folder; full_state: OUT/checkpoint.pt "
-                 "(HF names, one torch file) and config.json, as NxD's checkpoint_converter.py --convert_to_full_state writes it")
-      ->check(CLI::IsMember({"h5", "hf", "full_state"}));
+                 "(HF names, one torch file) and config.json, as NxD's checkpoint_converter.py --convert_to_full_state writes it; peft: a LoRA "
+                 "tag's adapters as a peft folder (adapter_config.json, adapter_model.safetensors)")
+      ->check(CLI::IsMember({"h5", "hf", "full_state", "peft"}));
   app.add_option("--max_shard_size", max_shard, "with --format hf: bytes per weights file (default 10G)");
   bool bin = false;
   app.add_flag("--bin", bin, "with --format hf: also write torch's pytorch_model*.bin (default: model*.safetensors only, as transformers saves)");
@@ -86,7 +87,7 @@ int main(int argc, char** argv) {
   try {
     const auto t0 = std::chrono::steady_clock::now();
     out = ckpt::WithoutTrailingSeparators(out);
-    const bool hf = format == "hf" || format == "full_state";
+    const bool hf = format == "hf" || format == "full_state" || format == "peft";
     // A Hugging Face folder holds weights alone, so the optimizer is never read for it.
     const bool model_only = weights_only || hf;
     const ckpt::SourceTag found = ckpt::FindSourceTag(src, !no_verify, env, log);
@@ -120,11 +121,12 @@ int main(int argc, char** argv) {
       if (env->Exists(partial)) env->RemoveAll(partial);  // an interrupted earlier export's
       if (hf) {
         if (const std::string why = ckpt::HfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
-        if (const std::string why = ckpt::LoraHfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
+        if (const std::string why = ckpt::LoraHfUnsupported(state->layout().format); !why.empty() && format != "peft") throw ckpt::Error(tag + ": " + why);
         // As the HDF5 export and reshard do: a source must still hold what its manifest recorded.
         ckpt::CheckRecordedFingerprints(*state, block, ckpt::StateField::kParam);
         env->CreateDirs(partial);
-        const tools::HfExportSummary s = tools::WriteHfFolder(*state, partial, {.max_shard_size = shard_size, .chunk = block, .bin = bin, .full_state = format == "full_state"}, env);
+        const tools::HfExportOptions ho{.max_shard_size = shard_size, .chunk = block, .bin = bin, .full_state = format == "full_state"};
+        const tools::HfExportSummary s = format == "peft" ? tools::WritePeftFolder(*state, partial, ho, env) : tools::WriteHfFolder(*state, partial, ho, env);
         env->SyncDir(partial);
         check.Wait(log);
         const std::string old = dir + "/." + p.filename().string() + ".ckpt-export-old";

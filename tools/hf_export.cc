@@ -11,6 +11,7 @@
 #include "ckpt/spec/lora.h"
 #include "ckpt/util/error.h"
 #include "ckpt/spec/model_family.h"
+#include "ckpt/pt/dtype_cast.h"
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/pt/storage.h"
 #include "ckpt/pt/tensor.h"
@@ -26,11 +27,97 @@ using ckpt::Error;
 using HfTensor = ckpt::HfTensorSpec;
 using RowBlock = ckpt::HfRowBlock;
 
+// Float32 values of `bytes` of dtype d (float32 or bfloat16), and back;
+// other dtypes are refused naming `what`.
+std::vector<float> ToFloats(DType d, std::span<const uint8_t> bytes, const std::string& what) {
+  std::vector<float> v(bytes.size() / ckpt::ElementSize(d));
+  if (d == DType::kFloat32) {
+    std::memcpy(v.data(), bytes.data(), bytes.size());
+  } else if (d == DType::kBFloat16) {
+    for (size_t i = 0; i < v.size(); ++i) v[i] = ckpt::BFloat16ToFloat(static_cast<uint16_t>(bytes[2 * i] | bytes[2 * i + 1] << 8));
+  } else {
+    throw Error("hf export: " + what + " is " + std::string(ckpt::DTypeName(d)) + "; a LoRA merge reads float32 and bfloat16 only");
+  }
+  return v;
+}
+
+void FromFloats(DType d, const std::vector<float>& v, std::span<uint8_t> out) {
+  if (d == DType::kFloat32) return (void)std::memcpy(out.data(), v.data(), out.size());
+  for (size_t i = 0; i < v.size(); ++i) {  // bfloat16 (ToFloats refused the rest)
+    const uint16_t b = ckpt::FloatToBFloat16(v[i]);
+    out[2 * i] = static_cast<uint8_t>(b), out[2 * i + 1] = static_cast<uint8_t>(b >> 8);
+  }
+}
+
+// The merged rows of one targeted base tensor (ckpt::LoraMergeOf): elements
+// are read from the base and merged in float32, W + (B A) * scale with the
+// rank-long dot products summed in order k = 0..rank-1 (layer.py
+// get_delta_weight), then rounded once to the base's dtype. Holds lora_A
+// ([rank, in], float32) and, per call, the rows of lora_B it needs.
+class LoraMerge {
+ public:
+  LoraMerge(const ckpt::LogicalState& src, ckpt::LoraMergeSource m, int64_t width, DType dtype)
+      : src_(src), m_(std::move(m)), dtype_(dtype), width_(width), rank_(src.layout().format.lora.rank),
+        scale_(static_cast<float>(ckpt::LoraScale(src.layout().format.lora))) {}
+
+  // Logical elements [e, e + out.size()/es) of the merged tensor, in the base's dtype.
+  void Read(uint64_t e, std::span<uint8_t> out) {
+    const DType d = src_.dtype(m_.base, ckpt::StateField::kParam);
+    if (d != dtype_) throw Error("hf export: " + m_.base + " is " + std::string(ckpt::DTypeName(d)) + ", the model's other weights " +
+                                 std::string(ckpt::DTypeName(dtype_)));
+    const size_t es = ckpt::ElementSize(d);
+    std::vector<uint8_t> raw(out.size());
+    {
+      ckpt::Touched touched(out.size());
+      src_.Read(m_.base, ckpt::StateField::kParam, e, raw, &touched);
+    }
+    std::vector<float> w = ToFloats(d, raw, m_.base);
+    const std::vector<float>& a = A();
+    const uint64_t n = out.size() / es, width = static_cast<uint64_t>(width_), rank = static_cast<uint64_t>(rank_);
+    const uint64_t row0 = e / width, rows = n == 0 ? 0 : (e + n - 1) / width - row0 + 1;
+    const std::vector<float> b = ReadFloats(m_.b, row0 * rank, rows * rank);
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint64_t r = (e + i) / width - row0, c = (e + i) % width;
+      float dot = 0;
+      for (uint64_t k = 0; k < rank; ++k) dot += b[r * rank + k] * a[k * width + c];
+      w[i] += dot * scale_;
+    }
+    FromFloats(d, w, out);
+  }
+
+ private:
+  std::vector<float> ReadFloats(const std::string& name, uint64_t begin, uint64_t count) const {
+    const DType d = src_.dtype(name, ckpt::StateField::kParam);
+    std::vector<uint8_t> raw(count * ckpt::ElementSize(d));
+    ckpt::Touched touched(raw.size());
+    src_.Read(name, ckpt::StateField::kParam, begin, raw, &touched);
+    return ToFloats(d, raw, name);
+  }
+  const std::vector<float>& A() {
+    std::call_once(a_once_, [&] { a_ = ReadFloats(m_.a, 0, static_cast<uint64_t>(rank_ * width_)); });
+    return a_;
+  }
+
+  const ckpt::LogicalState& src_;
+  ckpt::LoraMergeSource m_;
+  DType dtype_;  // the HF tensor's
+  int64_t width_, rank_;
+  float scale_;
+  std::once_flag a_once_;
+  std::vector<float> a_;
+};
+
 // Produces an HfTensor's bytes in order, a chunk at a time. A transposed one
-// reads its whole logical matrix at the first chunk and frees it after the last.
+// reads its whole logical matrix at the first chunk and frees it after the
+// last. A LoRA target's blocks are merged (LoraMerge).
 class Producer {
  public:
-  Producer(const ckpt::LogicalState& src, HfTensor t) : src_(src), t_(std::move(t)) {}
+  Producer(const ckpt::LogicalState& src, HfTensor t) : src_(src), t_(std::move(t)) {
+    for (const RowBlock& b : t_.blocks) {
+      auto m = ckpt::LoraMergeOf(src.layout().format, b.name);
+      merges_.push_back(m ? std::make_unique<LoraMerge>(src, std::move(*m), t_.width, t_.dtype) : nullptr);
+    }
+  }
 
   void operator()(uint64_t offset, std::span<uint8_t> out) {
     const size_t es = ckpt::ElementSize(t_.dtype);
@@ -60,14 +147,20 @@ class Producer {
     const size_t es = ckpt::ElementSize(t_.dtype);
     const uint64_t width = static_cast<uint64_t>(t_.width);
     uint64_t n = out.size() / es, o = 0, start = 0;
-    for (const RowBlock& b : t_.blocks) {
+    for (size_t i = 0; i < t_.blocks.size(); ++i) {
+      const RowBlock& b = t_.blocks[i];
       const uint64_t len = static_cast<uint64_t>(b.rows) * width;
       while (n > 0 && e >= start && e < start + len) {
         const uint64_t from = e - start, row = from / width, col = from % width;
         const uint64_t take = b.step == 1 ? std::min(n, len - from) : std::min(n, width - col);
         const uint64_t at = (static_cast<uint64_t>(b.row) + row * static_cast<uint64_t>(b.step)) * width + col;
-        ckpt::Touched touched(out.size());  // source pages: at most a chunk's worth
-        src_.Read(b.name, ckpt::StateField::kParam, at, {out.data() + o * es, take * es}, &touched);
+        const std::span<uint8_t> part{out.data() + o * es, take * es};
+        if (merges_[i]) {  // a LoRA target (whole rows, step 1): W + scale * B A
+          merges_[i]->Read(at, part);
+        } else {
+          ckpt::Touched touched(out.size());  // source pages: at most a chunk's worth
+          src_.Read(b.name, ckpt::StateField::kParam, at, part, &touched);
+        }
         e += take, n -= take, o += take;
       }
       start += len;
@@ -77,6 +170,7 @@ class Producer {
 
   const ckpt::LogicalState& src_;
   HfTensor t_;
+  std::vector<std::unique_ptr<LoraMerge>> merges_;  // per block, null when it is read as it is
   std::mutex mu_;
   std::vector<uint8_t> whole_;
 };
@@ -142,6 +236,39 @@ std::string MixtralRoutingProblem(const ckpt::LogicalState& src) {
   return "";
 }
 
+// safetensors: u64 header length, the JSON header (8-byte aligned), then
+// tensors[i] for i in `which`, produced a chunk at a time.
+void WriteSafetensors(const ckpt::LogicalState& src, const std::vector<HfTensor>& tensors, const std::vector<size_t>& which,
+                      const std::string& path, size_t chunk, ckpt::Env* env) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  uint64_t at = 0;
+  for (size_t i : which) {
+    const HfTensor& t = tensors[i];
+    header[t.name] = {{"dtype", SafetensorsDtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + t.bytes()}}};
+    at += t.bytes();
+  }
+  header["__metadata__"] = {{"format", "pt"}};
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  ckpt::WriteFileAtomically(env, path, [&](ckpt::WritableFile& file) {
+    uint8_t len[8];
+    for (int b = 0; b < 8; ++b) len[b] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * b));
+    file.Append({len, 8});
+    file.Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
+    std::vector<uint8_t> buf(std::min<uint64_t>(chunk, std::max<uint64_t>(at, 1)));
+    for (size_t i : which) {
+      Producer produce(src, tensors[i]);
+      const uint64_t bytes = tensors[i].bytes();
+      for (uint64_t off = 0; off < bytes;) {
+        const size_t m = static_cast<size_t>(std::min<uint64_t>(buf.size(), bytes - off));
+        produce(off, {buf.data(), m});
+        file.Append({buf.data(), m});
+        off += m;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env) {
@@ -185,34 +312,7 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
       break;
     }
     if (o.bin) ckpt::SavePt(dir + "/" + bin, sd, {.weights_only = true, .stream_chunk = o.chunk}, env);
-    // safetensors: u64 header length, the JSON header (8-byte aligned), the data.
-    nlohmann::ordered_json header = nlohmann::ordered_json::object();
-    uint64_t at = 0;
-    for (size_t i : shards[k]) {
-      const HfTensor& t = tensors[i];
-      header[t.name] = {{"dtype", SafetensorsDtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + t.bytes()}}};
-      at += t.bytes();
-    }
-    header["__metadata__"] = {{"format", "pt"}};
-    std::string text = header.dump();
-    text.append((8 - text.size() % 8) % 8, ' ');
-    ckpt::WriteFileAtomically(env, dir + "/" + st, [&](ckpt::WritableFile& file) {
-      uint8_t len[8];
-      for (int b = 0; b < 8; ++b) len[b] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * b));
-      file.Append({len, 8});
-      file.Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
-      std::vector<uint8_t> buf(std::min<uint64_t>(o.chunk, std::max<uint64_t>(at, 1)));
-      for (size_t i : shards[k]) {
-        Producer produce(src, tensors[i]);
-        const uint64_t bytes = tensors[i].bytes();
-        for (uint64_t off = 0; off < bytes;) {
-          const size_t m = static_cast<size_t>(std::min<uint64_t>(buf.size(), bytes - off));
-          produce(off, {buf.data(), m});
-          file.Append({buf.data(), m});
-          off += m;
-        }
-      }
-    });
+    WriteSafetensors(src, tensors, shards[k], dir + "/" + st, o.chunk, env);
   }
   if (n > 1 && !o.full_state) {
     if (o.bin)
@@ -243,6 +343,44 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
   // Where it came from; also how --overwrite knows the folder is an export.
   config["shardkit_export"] = {{"source", src.path()}, {"step", src.step()}, {"model", f.ToJson()}};
   WriteText(env, dir + "/config.json", config.dump(2) + "\n");
+  return sum;
+}
+
+HfExportSummary WritePeftFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env) {
+  const ckpt::ModelFormat& f = src.layout().format;
+  if (!f.lora.on() || f.lora.saved != ckpt::LoraSaved::kBaseAndAdapter)
+    throw Error(src.path() + ": --format peft writes the adapters of a tag holding base and adapters, and this tag " +
+                (f.lora.on() ? "has them merged" : "has no LoRA adapters"));
+  if (const std::string why = ckpt::HfUnsupported(f); !why.empty()) throw Error(src.path() + ": " + why);
+  // Each targeted HF weight's adapter pair (peft's LoraLayer names): lora_A whole (q, k and v
+  // share NxD's one; gate and up too), lora_B the rows its base weight takes from the logical one.
+  std::vector<HfTensor> adapters;
+  std::vector<std::string> targets;
+  HfExportSummary sum{"peft LoRA adapter", 1, 0, 0};
+  for (const HfTensor& t : ckpt::HfTensorsFor(f, DType::kFloat32)) {
+    const auto m = ckpt::LoraMergeOf(f, t.blocks.front().name);
+    if (!m) continue;
+    const std::string stem = "base_model.model." + t.name.substr(0, t.name.size() - std::string(".weight").size());
+    const int64_t r = f.lora.rank;
+    HfTensor a{stem + ".lora_A.weight", {r, t.width}, src.dtype(m->a, ckpt::StateField::kParam), {{m->a, 0, r}}, t.width, false};
+    HfTensor b{stem + ".lora_B.weight", {t.shape[0], r}, src.dtype(m->b, ckpt::StateField::kParam), {}, r, false};
+    for (const RowBlock& blk : t.blocks) b.blocks.push_back({ckpt::LoraMergeOf(f, blk.name)->b, blk.row, blk.rows});
+    adapters.push_back(std::move(a)), adapters.push_back(std::move(b));
+    const std::string module = t.name.substr(0, t.name.rfind('.'));
+    const std::string leaf = module.substr(module.rfind('.') + 1);
+    if (std::find(targets.begin(), targets.end(), leaf) == targets.end()) targets.push_back(leaf);
+  }
+  std::vector<size_t> all(adapters.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i, sum.bytes += adapters[i].bytes();
+  sum.tensors = adapters.size();
+  WriteSafetensors(src, adapters, all, dir + "/adapter_model.safetensors", o.chunk, env);
+  // peft's LoraConfig fields (what PeftModel.from_pretrained reads); dropout is training's, not the tag's.
+  const nlohmann::ordered_json config = {
+      {"peft_type", "LORA"}, {"task_type", "CAUSAL_LM"}, {"base_model_name_or_path", nullptr}, {"r", f.lora.rank},
+      {"lora_alpha", f.lora.alpha}, {"use_rslora", f.lora.use_rslora}, {"target_modules", targets}, {"lora_dropout", 0.0},
+      {"bias", "none"}, {"fan_in_fan_out", false}, {"modules_to_save", nullptr}, {"inference_mode", true},
+      {"shardkit_export", {{"source", src.path()}, {"step", src.step()}, {"model", f.ToJson()}}}};
+  WriteText(env, dir + "/adapter_config.json", config.dump(2) + "\n");
   return sum;
 }
 

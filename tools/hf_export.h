@@ -80,4 +80,14 @@ struct HfExportSummary {
 // publishes). Throws ckpt::Error.
 HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env);
 
+// The LoRA adapters of a tag holding base and adapters as a peft folder
+// (ckpt-export --format peft): adapter_config.json (peft's LoraConfig: r,
+// lora_alpha, use_rslora, target_modules in HF's names) and
+// adapter_model.safetensors, peft's names
+// (base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight, ...), in
+// the adapters' dtype. NxD's one lora_A of qkv_proj (gate_up_proj) is each
+// of q, k, v (gate, up)'s; lora_B's rows are split as the base's are for HF
+// (HfTensorsFor: HF's head order). Throws ckpt::Error.
+HfExportSummary WritePeftFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env);
+
 }  // namespace tools

@@ -192,10 +192,16 @@ std::string LoraProblem(const ModelFormat& f) {
 }
 
 std::string LoraHfUnsupported(const ModelFormat& f) {
-  if (!f.lora.on() || f.lora.saved == LoraSaved::kMerged) return "";
-  return "the tag holds LoRA adapters (" + DescribeLora(f.lora) +
-         "); a Hugging Face export would merge them into the base (W + scale * B A), which shardkit does not write yet (issue #41); "
-         "a tag NxD saved with merge_lora: True exports as it is";
+  if (!f.lora.on() || f.lora.saved != LoraSaved::kAdapterOnly) return "";
+  return "the tag holds LoRA adapters only (" + DescribeLora(f.lora) +
+         "): a Hugging Face model needs the base weights to merge them into, and the tag has none";
+}
+
+std::optional<LoraMergeSource> LoraMergeOf(const ModelFormat& f, const std::string& name) {
+  if (!f.lora.on() || f.lora.saved != LoraSaved::kBaseAndAdapter) return std::nullopt;
+  const auto [module, leaf] = ModuleAndLeaf(name);
+  if (!Targeted(f.lora, module)) return std::nullopt;
+  return LoraMergeSource{module + ".base_layer." + leaf, module + ".lora_A.weight", module + ".lora_B." + leaf};
 }
 
 std::vector<ParamRule> WithLora(const ModelFormat& f, std::vector<ParamRule> base) {

@@ -69,10 +69,24 @@ std::string DescribeLora(const LoraFormat& l);
 // laid out here).
 std::string LoraProblem(const ModelFormat& f);
 
-// Why a Hugging Face export of f cannot be written ("" when it can): a tag
-// holding adapters (not merged) would need them merged in, which is not
-// written yet; the merged mode's tensors are the HF model's.
+// Why a Hugging Face export of f cannot be written ("" when it can): an
+// adapter-only tag has no base to merge into; a tag holding base and
+// adapters exports merged (LoraMergeOf), the merged mode as it is.
 std::string LoraHfUnsupported(const ModelFormat& f);
+
+// The logical tensors whose merge W + scale * B A (LoraLayer.merge,
+// layer.py get_delta_weight: (lora_B @ lora_A) * scaling) is the HF weight
+// of a targeted module's base tensor: base `<module>.base_layer.<leaf>`,
+// a `<module>.lora_A.weight` ([rank, in]), b `<module>.lora_B.<leaf>`
+// ([out, rank], rows cut as the base's, so logical row i of b pairs with
+// logical row i of base).
+struct LoraMergeSource {
+  std::string base, a, b;
+};
+// For the base name `name` as the family's table names it (no base_layer):
+// its merge sources when f holds base and adapters and name's module is a
+// target; nullopt otherwise (the tensor is read as it is).
+std::optional<LoraMergeSource> LoraMergeOf(const ModelFormat& f, const std::string& name);
 
 // The family's table `base` (LogicalParameters without LoRA) as the tag
 // holds it under f.lora: targets renamed and their adapters after them

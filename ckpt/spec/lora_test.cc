@@ -122,6 +122,24 @@ TEST(Lora, SaveModesChooseTheTable) {
   EXPECT_NE(stride3.CheckTensorParallel(4).find("qkv_linear"), std::string::npos);
 }
 
+TEST(Lora, MergeSourcesOfATargetedBaseTensor) {
+  const ModelFormat f = Tiny({"qkv_proj", "gate_up_proj"}, LoraSaved::kBaseAndAdapter);
+  const auto q = LoraMergeOf(f, "model.layers.1.self_attn.qkv_proj.weight_k");
+  ASSERT_TRUE(q.has_value());
+  EXPECT_EQ(q->base, "model.layers.1.self_attn.qkv_proj.base_layer.weight_k");
+  EXPECT_EQ(q->a, "model.layers.1.self_attn.qkv_proj.lora_A.weight");
+  EXPECT_EQ(q->b, "model.layers.1.self_attn.qkv_proj.lora_B.weight_k");
+  EXPECT_EQ(LoraMergeOf(f, "model.layers.0.mlp.gate_up_proj.weight")->b, "model.layers.0.mlp.gate_up_proj.lora_B.weight");
+  // every source it names is a tensor of the tag's table
+  const auto table = LogicalParameters(f, 4);
+  for (const std::string& n : {q->base, q->a, q->b}) EXPECT_NO_THROW(Named(table, n)) << n;
+  EXPECT_FALSE(LoraMergeOf(f, "model.layers.0.mlp.down_proj.weight"));  // not a target
+  EXPECT_FALSE(LoraMergeOf(f, "model.embed_tokens.weight"));
+  EXPECT_FALSE(LoraMergeOf(Tiny({"qkv_proj"}, LoraSaved::kMerged), "model.layers.0.self_attn.qkv_proj.weight_q"));
+  EXPECT_EQ(LoraHfUnsupported(f), "");
+  EXPECT_NE(LoraHfUnsupported(Tiny({"qkv_proj"}, LoraSaved::kAdapterOnly)).find("needs the base weights"), std::string::npos);
+}
+
 TEST(Lora, DescribesItself) {
   EXPECT_EQ(DescribeLora(Tiny({"qkv_proj", "o_proj"}, LoraSaved::kBaseAndAdapter).lora),
             "LoRA rank 16, alpha 32 (scale 2) on qkv_proj, o_proj; base and adapters");
