@@ -1,6 +1,6 @@
 // A tag's optimizer files read as logical optimizer state (the tag reader's
 // fourth part, ckpt/shard/sharded_tag.h): each file parsed by the one
-// optimizer-schema parser (OptimizerFileView, ckpt/shard/optimizer_state.h),
+// optimizer-schema parser (OptimizerFileView, ckpt/spec/optimizer_state.h),
 // its ids tied to the stage's parameters by NxDT's grouping (the first file
 // decides among the groupings that fit, or the manifest does; every other
 // file must fit the same), ZeRO-1 shards checked against their shape_info

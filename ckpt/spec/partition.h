@@ -183,7 +183,7 @@ ShardSpec TensorParallelSpec(const std::vector<int64_t>& shape, SplitDim split, 
 enum class ExpertWeight { kGateUp, kDown };
 ShardSpec ExpertSpec(const std::vector<int64_t>& shape, ExpertWeight which);
 // The KV replication of f's head splits, no regions yet: NxD's rule
-// (ckpt/shard/model_family.h), kv_size_multiplier and the backend's order.
+// (ckpt/spec/model_family.h), kv_size_multiplier and the backend's order.
 HeadSplit KvReplicationOf(const ModelFormat& f);
 
 // Every logical parameter in module (state-dict) order, vocab padded for `tp`.

@@ -7,7 +7,7 @@
 // axes, replica_id) and a box is PyTorch DCP's chunk
 // (distributed/checkpoint/metadata.py ChunkStorageMetadata: offsets, sizes),
 // with the offset into the rank's local tensor beside it. The model families
-// (ckpt/shard/model_family.h, ckpt/shard/partition.h) declare a spec for each
+// (ckpt/spec/model_family.h, ckpt/spec/partition.h) declare a spec for each
 // parameter; every layout question (a rank's runs, its local shape, which
 // ranks hold copies) is BoxesOf of that spec and the rank's coordinates.
 #pragma once
