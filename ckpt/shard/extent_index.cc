@@ -256,7 +256,8 @@ void ExtentIndex::AddRuns(const ParamRule& rule, const ModelFormat&, int tp, Sta
 
 void ExtentIndex::CheckCovered(const std::string& dir, const std::vector<ParamRule>& params) {
   for (auto& [key, idx] : index_) {
-    auto rule = std::find_if(params.begin(), params.end(), [&](const ParamRule& p) { return p.name == key.name; });
+    const std::string& name = key.name;  // a structured binding cannot be captured before C++20's P1091 (clang 16)
+    auto rule = std::find_if(params.begin(), params.end(), [&](const ParamRule& p) { return p.name == name; });
     if (rule == params.end()) throw Error("no parameter " + key.name);
     if (idx.shape != rule->shape) throw Error(dir + ": " + key.name + " is indexed as " + ShapeString(idx.shape) + ", not " + ShapeString(rule->shape));
     BuildLookup(idx);
