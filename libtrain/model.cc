@@ -168,10 +168,11 @@ void Model::InitWeights() {
     if (c_.bf16_params)
       for (float& x : whole) x = ckpt::RoundToBFloat16(x);
     // This rank's slice: runs of rows, or of columns within every row; an expert weight's boxes.
-    const auto runs = ckpt::LocalRuns(p, format_, tp_.size, tp_.rank);
+    const bool experts = p.split == ckpt::SplitDim::kExperts;
+    const auto runs = experts ? std::vector<ckpt::Run>{} : ckpt::LocalRuns(p, format_, tp_.size, tp_.rank);
     auto slice_into = [&](const std::string& name) {
       float* w = W(name);
-      if (p.split == ckpt::SplitDim::kExperts) {
+      if (experts) {
         CopyExpertBoxes(w, param(name).shape(), whole.data(), p);
       } else if (p.split == ckpt::SplitDim::kColumns) {
         const int64_t rows = p.shape[0], cols = p.shape[1], local_cols = param(name).numel() / rows;

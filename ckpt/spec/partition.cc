@@ -3,6 +3,7 @@
 #include "ckpt/util/error.h"
 #include "ckpt/spec/tag_paths.h"
 #include <algorithm>
+#include <stdexcept>
 
 #include "ckpt/spec/lora.h"
 #include "ckpt/spec/model_family.h"
@@ -309,36 +310,12 @@ const ShardSpec& SpecOf(const ParamRule& p) {
 }
 }  // namespace
 
-namespace {
-// Mixtral (issue #38): boxes that abut in the logical tensor and in the local
-// one alike are one box. An expert weight's [gate || up] split (stride 2 on
-// dim 2) gives each rank two boxes; at tp 1 they are the whole tensor, whose
-// expert rows the runs below must cover once, not twice.
-std::vector<Box> MergedAbutting(std::vector<Box> boxes) {
-  std::vector<Box> out;
-  for (Box& b : boxes) {
-    if (!out.empty()) {
-      Box& a = out.back();
-      size_t differ = 0, n = 0;
-      for (size_t d = 0; d < b.offset.size(); ++d)
-        if (a.offset[d] != b.offset[d] || a.size[d] != b.size[d] || a.local[d] != b.local[d]) differ = d, ++n;
-      if (n == 1 && a.offset[differ] + a.size[differ] == b.offset[differ] && a.local[differ] + a.size[differ] == b.local[differ]) {
-        a.size[differ] += b.size[differ];
-        continue;
-      }
-    }
-    out.push_back(std::move(b));
-  }
-  return out;
-}
-}  // namespace
-
 std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat&, int tp, int rank) {
+  // An expert weight is cut on two dims (ep on 0, tp on 2): no runs along one dim describe it.
+  if (p.split == SplitDim::kExperts) throw std::logic_error("LocalRuns: " + p.name + " is an expert weight; ask LocalBoxes");
   const int dim = p.split == SplitDim::kColumns ? 1 : 0;
-  std::vector<Box> boxes = BoxesOf(SpecOf(p), AxisCoords::Tp(tp, rank));
-  if (p.split == SplitDim::kExperts) boxes = MergedAbutting(std::move(boxes));
   std::vector<Run> runs;
-  for (const Box& b : boxes) runs.push_back({b.local.at(dim), b.offset.at(dim), b.size.at(dim)});
+  for (const Box& b : BoxesOf(SpecOf(p), AxisCoords::Tp(tp, rank))) runs.push_back({b.local.at(dim), b.offset.at(dim), b.size.at(dim)});
   return runs;
 }
 

@@ -193,7 +193,8 @@ std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp = 1);
 // local index `local` are logical indices from `logical`) of tp rank `rank`
 // in local order (one whole run of dim 0 when replicated): its boxes
 // (BoxesOf of p.spec) along the split dim. p.spec carries f's heads and KV
-// replication, so `f` is that of the table p came from.
+// replication, so `f` is that of the table p came from. Not for an expert
+// weight (SplitDim::kExperts), cut on two dims: its boxes are LocalBoxes.
 std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat& f, int tp, int rank);
 // The boxes the rank at `at` holds of p (BoxesOf of p.spec), in local row-major order.
 std::vector<Box> LocalBoxes(const ParamRule& p, const AxisCoords& at);
