@@ -186,13 +186,10 @@ const std::vector<KeyRule>& Table() {
       {"model.use_cpu_initialization", U::kIgnored, "where NxDT initializes the weights", {}},
       {"model.persist_layer_norm", U::kIgnored, "a fused LayerNorm kernel", {}},
       {"model.transpose_nki_inputs", U::kIgnored, "an NKI kernel's input layout", {}},
-      // training_orchestrator.py process_config and the models' MoE layers (models/*/..moe..): NxDT's
-      // HF-style Mixtral (lightning_modules/model/hf_models/mixtral_model.py _get_model) reads the keys
-      // below; the Megatron-style one (models/megatron/transformer.py NeuronSwitchMLP) is not built here.
-      {"model.moe", U::kRefused,
-       "mixture-of-experts layers of the Megatron-style model (router, experts, load-balancing loss: NeuronSwitchMLP); "
-       "shardkit trains the HF-style Mixtral (model_source: hf) only",
-       {}, {}, "model_source=hf"},
+      // training_orchestrator.py process_config and the models' MoE layers: NxDT's HF-style Mixtral
+      // (lightning_modules/model/hf_models/mixtral_model.py _get_model) and its Megatron-style one
+      // (lightning_modules/model/megatron/megatron_gpt_model.py, models/megatron/transformer.py
+      // NeuronSwitchMLP) read the keys below (train_config.cc ReadMoeSettings).
       {"model.moe.num_experts", U::kRead, "", {}},
       {"model.moe.frequency", U::kRead, "", {}},
       {"model.moe.top_k", U::kRead, "", {}},
@@ -201,12 +198,14 @@ const std::vector<KeyRule>& Table() {
       {"model.moe.output_router_logits", U::kRead, "", {}},
       {"model.moe.router_aux_loss_coef", U::kRead, "", {}},
       {"model.moe.dropout", U::kRead, "", {}},
+      {"model.moe.routing_algorithm", U::kRead, "", {}},
       {"model.moe.dropless", U::kIgnored,
-       "NxDT's HF Mixtral does not read it: capacity_factor decides (0 or None: no token dropped)", {}},
-      {"model.moe.routing_algorithm", U::kIgnored, "NxDT's HF Mixtral builds RouterTopK whatever it says", {"top_k"}},
-      {"model.moe.router_activation", U::kIgnored, "NxDT's HF Mixtral does not read it (RouterTopK: softmax)", {"softmax"}},
-      {"model.moe.sinkhorn_iterations", U::kIgnored, "NxDT's HF Mixtral does not read it (RouterTopK)", {}},
-      {"model.moe.sinkhorn_tol", U::kIgnored, "NxDT's HF Mixtral does not read it (RouterTopK)", {}},
+       "NxDT's HF Mixtral does not read it, nor does its Megatron-style model: capacity_factor decides (0 or None: no token "
+       "dropped)",
+       {}},
+      {"model.moe.router_activation", U::kIgnored, "only NxD's RouterSinkhorn reads it; RouterTopK computes softmax", {"softmax"}},
+      {"model.moe.sinkhorn_iterations", U::kIgnored, "only NxD's RouterSinkhorn reads it (routing_algorithm: sinkhorn)", {}},
+      {"model.moe.sinkhorn_tol", U::kIgnored, "only NxD's RouterSinkhorn reads it (routing_algorithm: sinkhorn)", {}},
       {"model.optim.name", U::kRead,
        "an optimizer other than adamw (torch.optim.AdamW); NxDT's adamw_fp32OptState is NxD's AdamW_FP32OptimParams, HF's "
        "AdamW (epsilon after the bias correction, float64 moments)",

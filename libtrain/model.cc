@@ -161,7 +161,10 @@ void Model::InitWeights() {
       if (here) std::fill(W(p.name), W(p.name) + param(p.name).numel(), 1.0f);
       continue;
     }
-    const bool output_proj = p.layer >= 0 && (p.name == Name(Module::kAttentionOut, p.layer) || p.name == Name(Module::kMlpOut, p.layer));
+    // NeuronSwitchMLP gives its experts' down_proj the output layers' init (output_layer_init_method).
+    const bool megatron_experts_out = c_.family != ckpt::ModelFamily::kHfLlama && p.name == Name(Module::kExpertsOut, p.layer);
+    const bool output_proj = p.layer >= 0 && (p.name == Name(Module::kAttentionOut, p.layer) || p.name == Name(Module::kMlpOut, p.layer) ||
+                                              megatron_experts_out);
     std::normal_distribution<float> dist(0.f, output_proj ? scaled : c_.init_std);
     whole.resize(ckpt::ShapeNumel(p.shape));
     for (float& x : whole) x = dist(rng);
@@ -656,9 +659,9 @@ void Model::CopyExpertBoxes(float* local, const std::vector<int64_t>& local_shap
                     local + ((b.local[0] + e) * L1 + b.local[1] + i) * L2 + b.local[2]);
 }
 
+// Both styles' MoE layers compute alike (NxDT's MixtralForCausalLM and NeuronSwitchMLP build NxD's
+// RouterTopK and ExpertMLPs with the same arguments); the family table names and numbers them.
 void Model::CheckMoe() const {
-  if (c_.family != ckpt::ModelFamily::kHfLlama)
-    throw ckpt::Error("MoE layers are built for the HF-style family (NxDT's MixtralForCausalLM) only");
   // The auxiliary loss joins every MoE layer's router logits: one stage must see them all.
   if (pp_.size * pp_.chunks > 1) throw ckpt::Error("MoE layers with pipeline parallelism are not implemented yet");
   CheckMoeSettings({1, c_.hidden, c_.ffn, c_.experts, c_.moe_top_k}, MoeOptionsOf());

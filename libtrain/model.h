@@ -92,7 +92,7 @@ struct ModelConfig {
   bool fuse_qkv = true, qkv_linear = false;
   int64_t kv_size_multiplier = 1;
   ckpt::HwBackend hw_backend = ckpt::HwBackend::kTrn1;
-  // Mixtral (MoE, the HF-style family only): the layers ckpt::IsMoeLayer picks
+  // Mixtral (MoE, either family: NxDT's HF-style and Megatron-style Mixtral): the layers ckpt::IsMoeLayer picks
   // run NxD's MoE layer (libtrain/moe_layer.h) in place of the dense MLP, with
   // `experts` experts of width ffn each, `moe_top_k` per token; 0 experts: dense.
   // The loss adds router_aux_loss_coef times load_balancing_loss_func of every

@@ -140,38 +140,70 @@ void ReadVirtualPipeline(const Reader& r, TrainConfig& c) {
     r.Fail("data.global_batch_size", why + " (" + c.virtual_pipeline_key + " is " + std::to_string(c.virtual_pipeline) + ")");
 }
 
-// NxDT's HF Mixtral (lightning_modules/model/hf_models/mixtral_model.py _get_model): the
-// MoE settings come from model.moe, with its defaults (num_experts 1, frequency 1,
-// capacity_factor 1.0, top_k 1, output_router_logits True, router_aux_loss_coef 0.02,
-// normalize_top_k_affinities True), whatever config.json says; moe.dropout becomes the
-// attention dropout. config.json's sliding_window masks the attention (modeling_mixtral.py CoreAttention).
-void ReadHfMixtral(const Reader& r, TrainConfig& c, const nlohmann::json& j, const std::string& cpath) {
+// model.moe as NxDT's two Mixtral styles read it. HF-style (lightning_modules/model/hf_models/
+// mixtral_model.py _get_model): defaults num_experts 1, frequency 1, capacity_factor 1.0, top_k 1,
+// output_router_logits True, router_aux_loss_coef 0.02, normalize_top_k_affinities True.
+// Megatron-style (lightning_modules/model/megatron/megatron_gpt_model.py model_provider_func):
+// capacity_factor num_experts / top_k, output_router_logits False, router_aux_loss_coef 0.0,
+// normalize_top_k_affinities top_k > 1. Both build NxD's RouterTopK and ExpertMLPs alike
+// (modeling_mixtral.py initialize_mixtral_moe_layer; models/megatron/transformer.py
+// NeuronSwitchMLP, float32, NxD's defaults): the same layer, libtrain/moe_layer.h.
+void ReadMoeSettings(const Reader& r, TrainConfig& c, bool megatron) {
+  const std::string style = megatron ? "Megatron-style Mixtral (NeuronSwitchMLP)" : "HF Mixtral";
   // The auxiliary loss joins every MoE layer's router logits: one stage must hold them all.
   if (c.grid.pp > 1 || c.virtual_pipeline > 1)
     r.Fail("distributed_strategy.pipeline_model_parallel_size",
-           "MoE layers (NxDT's HF Mixtral) with pipeline parallelism; shardkit does not implement it yet");
-  if (!r.Has("model.moe.num_experts") && !r.Has("model.moe.top_k"))
-    r.Fail("model.moe", "NxDT's HF Mixtral (a run named '" + c.name + "') reads its experts from model.moe (num_experts, top_k); set them");
+           "MoE layers (NxDT's " + style + ") with pipeline parallelism; shardkit does not implement it yet");
   ModelConfig& m = c.model;
   m.experts = r.Int("model.moe.num_experts", 1, 1, 1 << 16);
   m.moe_frequency = r.Int("model.moe.frequency", 1, 1, 1 << 16);
   m.moe_top_k = r.Int("model.moe.top_k", 1, 1, m.experts);
-  m.capacity_factor = r.Number("model.moe.capacity_factor", 1.0);
-  m.normalize_top_k_affinities = r.Bool("model.moe.normalize_top_k_affinities", true);
-  const bool aux = r.Bool("model.moe.output_router_logits", true);
-  m.router_aux_loss_coef = aux ? r.Number("model.moe.router_aux_loss_coef", 0.02) : 0.0;
+  m.capacity_factor = r.Number("model.moe.capacity_factor", megatron ? static_cast<double>(m.experts) / m.moe_top_k : 1.0);
+  m.normalize_top_k_affinities = r.Bool("model.moe.normalize_top_k_affinities", megatron ? m.moe_top_k > 1 : true);
+  const bool aux = r.Bool("model.moe.output_router_logits", !megatron);
+  m.router_aux_loss_coef = aux ? r.Number("model.moe.router_aux_loss_coef", megatron ? 0.0 : 0.02) : 0.0;
   if (!aux && r.Has("model.moe.router_aux_loss_coef"))
     c.ignored.push_back("model.moe.router_aux_loss_coef (no auxiliary loss: output_router_logits is False)");
   if (!(m.router_aux_loss_coef >= 0) || !std::isfinite(m.router_aux_loss_coef))
     r.Fail("model.moe.router_aux_loss_coef", "must be a number >= 0");
-  if (r.Number("model.moe.dropout", 0.0) != 0)
-    r.Fail("model.moe.dropout", "becomes the attention dropout of NxDT's HF Mixtral; shardkit does not implement it");
   if (m.normalize_top_k_affinities && m.moe_top_k == 1)
     r.Fail("model.moe.normalize_top_k_affinities", "needs top_k > 1 (NxD's ExpertMLPs refuses it with top_k 1)");
+  const std::string routing = r.Str("model.moe.routing_algorithm", "top_k");
+  if (!megatron && routing != "top_k")
+    c.ignored.push_back("model.moe.routing_algorithm (NxDT's HF Mixtral builds RouterTopK whatever it says)");
+  if (megatron && routing == "sinkhorn")
+    r.Fail("model.moe.routing_algorithm", "'sinkhorn': Sinkhorn routing (NxD's RouterSinkhorn); shardkit does not implement it");
+  if (megatron && routing != "top_k")
+    r.Fail("model.moe.routing_algorithm", "'" + routing + "' is neither top_k nor sinkhorn (NeuronSwitchMLP raises ValueError)");
+}
+
+// NxDT's HF Mixtral: model.moe (ReadMoeSettings), whatever config.json says; moe.dropout becomes
+// the attention dropout. config.json's sliding_window masks the attention (modeling_mixtral.py CoreAttention).
+void ReadHfMixtral(const Reader& r, TrainConfig& c, const nlohmann::json& j, const std::string& cpath) {
+  if (!r.Has("model.moe.num_experts") && !r.Has("model.moe.top_k"))
+    r.Fail("model.moe", "NxDT's HF Mixtral (a run named '" + c.name + "') reads its experts from model.moe (num_experts, top_k); set them");
+  ReadMoeSettings(r, c, false);
+  if (r.Number("model.moe.dropout", 0.0) != 0)
+    r.Fail("model.moe.dropout", "becomes the attention dropout of NxDT's HF Mixtral; shardkit does not implement it");
   const nlohmann::json window = j.contains("sliding_window") ? j["sliding_window"] : nlohmann::json(4096);  // MixtralConfig's default
   if (!window.is_null() && (!window.is_number_integer() || window.get<int64_t>() < c.seq_length))
     r.Fail("model.model_config", cpath + ": sliding_window " + window.dump() + " masks attention within data.seq_length (" +
                                      std::to_string(c.seq_length) + "); shardkit does not implement it");
+}
+
+// NxDT's Megatron-style model: ParallelTransformerLayer (models/megatron/transformer.py) builds
+// NeuronSwitchMLP in place of ParallelMLP when num_experts > 1 and its 1-based layer_number %
+// frequency == 0 (ckpt::IsMoeLayer); one expert is a dense model. NeuronSwitchMLP takes
+// moe_dropout and uses it nowhere.
+void ReadMegatronMoe(const Reader& r, TrainConfig& c) {
+  if (r.Int("model.moe.num_experts", 1, 1, 1 << 16) == 1) {
+    for (const char* k : {"model.moe.top_k", "model.moe.frequency", "model.moe.capacity_factor", "model.moe.router_aux_loss_coef"})
+      if (r.Has(k)) c.ignored.push_back(std::string(k) + " (model.moe.num_experts is 1: NxDT's Megatron-style model is dense)");
+    return;
+  }
+  ReadMoeSettings(r, c, true);
+  if (r.Number("model.moe.dropout", 0.0) != 0)
+    c.ignored.push_back("model.moe.dropout (NxDT's NeuronSwitchMLP takes it and does not use it)");
 }
 
 TrainConfig Parse(const std::string& text, const std::string& path, const std::vector<std::string>& overrides) {
@@ -308,6 +340,7 @@ TrainConfig Parse(const std::string& text, const std::string& path, const std::v
                           "model.vocab_size"})
       if (r.Has(k)) r.Fail(k, "model_source: hf takes it from model.model_config (" + cpath + ")");
   }
+  if (!hf) ReadMegatronMoe(r, c);
   m.layers = r.Int("model.num_layers", hf ? hf->layers : 2, 1, 1 << 16);
   m.hidden = r.Int("model.hidden_size", hf ? hf->hidden : 64, 1, 1 << 20);
   m.ffn = hf ? hf->ffn : r.Int("model.ffn_hidden_size", m.hidden * 4, 1, 1 << 24);

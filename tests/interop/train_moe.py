@@ -7,7 +7,7 @@
 - tp 2 (experts cut as NxD cuts them), with sequence parallelism, dp 2 and tp 2 dp 2 train the model one
   process trains (losses within 1e-5).
 - Killed after a checkpoint, a run resumes to exactly the uninterrupted run.
-- What is not built is refused by name: the Megatron-style Mixtral (model.moe), MoE with pipeline parallelism,
+- What is not built is refused by name: MoE with pipeline parallelism,
   moe.dropout (NxDT's attention dropout), a Mixtral config.json under a run name without 'mixtral'.
 """
 import glob
@@ -155,10 +155,6 @@ class TrainMoe(TempDirTest):
                 p = self.train(argv, ranks)
                 self.assertEqual(p.returncode, 2, p.stderr)
                 self.assertIn(message, p.stderr)
-        # The Megatron-style Mixtral stays refused (NeuronSwitchMLP), naming model.moe.
-        p = self.train([os.path.join(trainer_refuses.NXDT, "megatron_mixtral_8x7b_config.yaml"), "+model.vocab_size=260"])
-        self.assertEqual(p.returncode, 2, p.stderr)
-        self.assertIn("model.moe: mixture-of-experts layers of the Megatron-style model", p.stderr)
 
 
 if __name__ == "__main__":

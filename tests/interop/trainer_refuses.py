@@ -46,9 +46,9 @@ EXPECTED = {
     # HF-style Mixtral (issue #39: trained, tests/interop/train_moe.py): refused for its data alone.
     "hf_mixtral_8x7b_config": ["data.train_dir"],
     "hf_mixtral_8x7b_dropless_config": ["data.train_dir"],
-    # The model.moe section of the Megatron-style Mixtral (NeuronSwitchMLP).
-    "megatron_mixtral_8x7b_config": ["model.moe"],
-    "megatron_mixtral_8x7b_dropless_config": ["model.moe"],
+    # Megatron-style Mixtral (NeuronSwitchMLP; issue #39: trained, tests/interop/train_moe_megatron.py).
+    "megatron_mixtral_8x7b_config": None,
+    "megatron_mixtral_8x7b_dropless_config": None,
     # Dense Megatron-style Llamas with data_prefix; Mistral's sliding window (4096) covers its sequence.
     "megatron_llama_7B_config": None,
     "megatron_llama_70b_config": None,
@@ -181,7 +181,7 @@ class TrainerRefuses(TempDirTest):
             (["distributed_strategy.virtual_pipeline_model_parallel_size=2"], "distributed_strategy.virtual_pipeline_model_parallel_size: 2"),
             (["+model.virtual_pipeline_model_parallel_size=2"], "model.virtual_pipeline_model_parallel_size: 2"),
             (["+distributed_strategy.context_parallel_size=2"], "distributed_strategy.context_parallel_size: 2"),
-            (["+model.moe.num_experts=8"], "model.moe: mixture-of-experts"),
+            (["+model.moe.num_experts=8", "+model.moe.routing_algorithm=sinkhorn"], "model.moe.routing_algorithm: 'sinkhorn': Sinkhorn"),
             (["+model_alignment_strategy.dpo.kl_beta=0.1"], "model_alignment_strategy.dpo: DPO"),
             (["precision.type=bf16SR"], "precision.type: 'bf16SR': a precision other than fp32 and mixed_precision"),
             (["+model.frobnicate=1"], "model.frobnicate: not a key shardkit knows"),
