@@ -277,7 +277,7 @@ void Model::TpSum(float* x, int64_t n) {
 }
 
 int64_t Model::HiddenStateFloats(int64_t B, int64_t T) const {
-  return B * T * c_.hidden / (SequenceParallel() ? tp_.size : 1);
+  return B * T * c_.hidden / (SequenceParallel() ? tp_.size : 1) + (format_.moe() ? MoeAuxStatsFloats(c_.experts) : 0);
 }
 
 // Rank r's rows are positions [r*Ts, (r+1)*Ts) of every sequence: block r of
@@ -662,8 +662,6 @@ void Model::CopyExpertBoxes(float* local, const std::vector<int64_t>& local_shap
 // Both styles' MoE layers compute alike (NxDT's MixtralForCausalLM and NeuronSwitchMLP build NxD's
 // RouterTopK and ExpertMLPs with the same arguments); the family table names and numbers them.
 void Model::CheckMoe() const {
-  // The auxiliary loss joins every MoE layer's router logits: one stage must see them all.
-  if (pp_.size * pp_.chunks > 1) throw ckpt::Error("MoE layers with pipeline parallelism are not implemented yet");
   CheckMoeSettings({1, c_.hidden, c_.ffn, c_.experts, c_.moe_top_k}, MoeOptionsOf());
 }
 
@@ -788,6 +786,8 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
   }
   a.layers.resize(end_layer - first_layer);
   a.moe_aux = {};
+  // The earlier stages' MoE layers' routing, after the hidden state (HiddenStateFloats).
+  if (!FirstStage(chunk) && format_.moe()) UnpackMoeAuxStats(&a.moe_aux, x_in + R * H, c_.experts, c_.moe_top_k);
   for (int l = first_layer; l < end_layer; ++l) {
     LayerCache& lc = a.layers[l - first_layer];
     lc.x = x;
@@ -796,6 +796,7 @@ float Model::ForwardStage(Activations& a, const int32_t* tokens, const int32_t* 
     Drop(lc);
   }
   if (!LastStage(chunk)) {
+    if (format_.moe()) x.resize(R * H + MoeAuxStatsFloats(c_.experts)), PackMoeAuxStats(x.data() + R * H, a.moe_aux, c_.experts);
     *x_out = std::move(x);
     return 0;
   }
@@ -840,6 +841,8 @@ void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float
     NormBackward(Name(Module::kFinalNorm), reduce_dln(), a.x_final.data(), a.meanf, a.rstdf, dx.data());
   } else {
     std::copy(dx_out, dx_out + R * H, dx.begin());
+    // Every MoE layer's routing, from the last stage: the auxiliary loss's gradient needs the totals.
+    if (format_.moe()) UnpackMoeAuxStats(&a.moe_aux, dx_out + R * H, c_.experts, c_.moe_top_k);
   }
   const int64_t fc_width = c_.gelu ? F : 2 * F;
   std::vector<float> dact(N * F), dfc(N * fc_width), dpart(R * H), dy(N * Hl), dropped;
@@ -891,6 +894,7 @@ void Model::BackwardStage(Activations& a, const float* dx_out, std::vector<float
         for (int64_t i = 0; i < H; ++i) dpos[(n % T_) * H + i] += d[n * H + i];
     }
   } else {
+    if (format_.moe()) dx.resize(R * H + MoeAuxStatsFloats(c_.experts)), PackMoeAuxStats(dx.data() + R * H, a.moe_aux, c_.experts);
     *dx_in = std::move(dx);
   }
 }

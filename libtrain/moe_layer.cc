@@ -3,6 +3,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <string>
 
@@ -148,6 +149,28 @@ void AddMoeAuxStats(MoeAuxStats* stats, const MoeActivations& acts, const MoeSha
     for (int64_t e = 0; e < E; ++e) stats->affinity_sum[e] += acts.affinities[t * E + e];
   }
   stats->rows += T;
+}
+
+int64_t MoeAuxStatsFloats(int64_t experts) { return static_cast<int64_t>((2 * experts + 1) * sizeof(double) / sizeof(float)); }
+
+void PackMoeAuxStats(float* out, const MoeAuxStats& stats, int64_t experts) {
+  std::vector<double> values(2 * experts + 1, 0.0);
+  values[0] = static_cast<double>(stats.rows);
+  if (stats.rows > 0) {
+    std::copy(stats.chosen.begin(), stats.chosen.end(), values.begin() + 1);
+    std::copy(stats.affinity_sum.begin(), stats.affinity_sum.end(), values.begin() + 1 + experts);
+  }
+  std::memcpy(out, values.data(), values.size() * sizeof(double));
+}
+
+void UnpackMoeAuxStats(MoeAuxStats* stats, const float* in, int64_t experts, int64_t top_k) {
+  std::vector<double> values(2 * experts + 1);
+  std::memcpy(values.data(), in, values.size() * sizeof(double));
+  *stats = {};
+  if (values[0] == 0) return;
+  stats->experts = experts, stats->top_k = top_k, stats->rows = static_cast<int64_t>(values[0]);
+  stats->chosen.assign(values.begin() + 1, values.begin() + 1 + experts);
+  stats->affinity_sum.assign(values.begin() + 1 + experts, values.end());
 }
 
 // loss_function.py load_balancing_loss_func: expert e's share of the rows * k

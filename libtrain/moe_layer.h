@@ -93,6 +93,18 @@ float MoeAuxLossOf(const MoeAuxStats& stats);
 // row, coef * E / k * chosen[e] / rows / rows (the top-k mask has no gradient).
 std::vector<double> MoeAuxAffinityGrad(const MoeAuxStats& stats, double coef);
 
+// The statistics as MoeAuxStatsFloats(experts) floats holding the bytes of
+// 2 * experts + 1 doubles (rows, chosen, affinity_sum), the tail of a
+// pipeline message: under pipeline parallelism the MoE layers' router logits
+// travel with the hidden state to the last stage's loss (NxDT's decoder layers
+// concatenate them onto past_router_logits, models/megatron/transformer.py and
+// modeling_mixtral.py), and here their statistics do, bit for bit, so every
+// stage sums what one process sums, in its order. Stats without rows pack as
+// zeros and unpack empty (AddMoeAuxStats starts them).
+int64_t MoeAuxStatsFloats(int64_t experts);
+void PackMoeAuxStats(float* out, const MoeAuxStats& stats, int64_t experts);
+void UnpackMoeAuxStats(MoeAuxStats* stats, const float* in, int64_t experts, int64_t top_k);
+
 // load_balancing_loss_func of this layer's router logits alone (unscaled by
 // the coefficient): E / k * sum_e (tokens choosing e / T) * mean_t softmax[t, e].
 float MoeAuxLoss(const MoeActivations& acts, const MoeShape& s);

@@ -147,5 +147,29 @@ TEST(MoeLayer, RefusesSettingsNxdRefuses) {
   EXPECT_NO_THROW(CheckMoeSettings({12, 16, 32, 4, 2}, normalize));
 }
 
+// A pipeline stage receives exactly the statistics the earlier stages summed
+// (the doubles' bytes), and stats without rows arrive empty.
+TEST(MoeLayer, AuxStatsTravelBitForBit) {
+  MoeAuxStats stats;
+  stats.experts = 3, stats.top_k = 2, stats.rows = 24;
+  stats.chosen = {17, 9, 22}, stats.affinity_sum = {0.1 + 0.2, 1.0 / 3, 7.000000000000001};
+  std::vector<float> message(MoeAuxStatsFloats(3) + 1, -1.0f);
+  ASSERT_EQ(MoeAuxStatsFloats(3), 14);  // 7 doubles
+  PackMoeAuxStats(message.data(), stats, 3);
+  EXPECT_EQ(message.back(), -1.0f);  // nothing past its floats
+  MoeAuxStats got;
+  UnpackMoeAuxStats(&got, message.data(), 3, 2);
+  EXPECT_EQ(got.experts, 3);
+  EXPECT_EQ(got.top_k, 2);
+  EXPECT_EQ(got.rows, 24);
+  EXPECT_EQ(got.chosen, stats.chosen);
+  EXPECT_EQ(got.affinity_sum, stats.affinity_sum);
+  EXPECT_EQ(MoeAuxLossOf(got), MoeAuxLossOf(stats));
+  PackMoeAuxStats(message.data(), MoeAuxStats{}, 3);
+  UnpackMoeAuxStats(&got, message.data(), 3, 2);
+  EXPECT_EQ(got.rows, 0);
+  EXPECT_TRUE(got.chosen.empty());
+}
+
 }  // namespace
 }  // namespace train

@@ -149,11 +149,6 @@ void ReadVirtualPipeline(const Reader& r, TrainConfig& c) {
 // (modeling_mixtral.py initialize_mixtral_moe_layer; models/megatron/transformer.py
 // NeuronSwitchMLP, float32, NxD's defaults): the same layer, libtrain/moe_layer.h.
 void ReadMoeSettings(const Reader& r, TrainConfig& c, bool megatron) {
-  const std::string style = megatron ? "Megatron-style Mixtral (NeuronSwitchMLP)" : "HF Mixtral";
-  // The auxiliary loss joins every MoE layer's router logits: one stage must hold them all.
-  if (c.grid.pp > 1 || c.virtual_pipeline > 1)
-    r.Fail("distributed_strategy.pipeline_model_parallel_size",
-           "MoE layers (NxDT's " + style + ") with pipeline parallelism; shardkit does not implement it yet");
   ModelConfig& m = c.model;
   m.experts = r.Int("model.moe.num_experts", 1, 1, 1 << 16);
   m.moe_frequency = r.Int("model.moe.frequency", 1, 1, 1 << 16);

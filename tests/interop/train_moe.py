@@ -7,7 +7,7 @@
 - tp 2 (experts cut as NxD cuts them), with sequence parallelism, dp 2 and tp 2 dp 2 train the model one
   process trains (losses within 1e-5).
 - Killed after a checkpoint, a run resumes to exactly the uninterrupted run.
-- What is not built is refused by name: MoE with pipeline parallelism,
+- What is not built is refused by name (pipeline parallelism trains: train_moe_megatron.py):
   moe.dropout (NxDT's attention dropout), a Mixtral config.json under a run name without 'mixtral'.
 """
 import glob
@@ -143,8 +143,6 @@ class TrainMoe(TempDirTest):
 
     def test_what_is_not_built_is_refused_by_name(self):
         cases = [
-            (self.argv(CONFIGS[0], "pp2", devices=2) + ["distributed_strategy.pipeline_model_parallel_size=2"], 2,
-             "distributed_strategy.pipeline_model_parallel_size: MoE layers (NxDT's HF Mixtral) with pipeline parallelism"),
             (self.argv(CONFIGS[0], "drop", "model.moe.dropout=0.1"), 1, "model.moe.dropout: becomes the attention dropout"),
             (self.argv(CONFIGS[0], "name", "name=hf_llama", "exp_manager.name=hf_llama"), 1,
              "does not hold 'mixtral': NxDT's training.py builds its dense HFLLamaModule"),

@@ -14,9 +14,16 @@
   both. Only the defaults of model.moe differ (megatron_gpt_model.py: capacity_factor E / k,
   output_router_logits False, router_aux_loss_coef 0.0).
 - tp 2 (+SP) and dp 2 train the model one process trains (losses within 1e-5); killed, a run resumes exactly.
+- Pipeline parallelism, both styles: NxDT's decoder layers concatenate their router logits onto
+  past_router_logits (models/megatron/transformer.py ParallelTransformerLayer.forward, modeling_mixtral.py), which
+  NxD's pipeline passes from stage to stage (load_balancing_loss_func is autowrapped: lightning_modules/model/base.py)
+  to the last stage's loss (gpt_model.py load_balancing_loss_func(lm_output[-1], ...)). Here the routing statistics
+  travel with the hidden state and their totals back with its gradient: pp 2 gives pp 1's losses within 1e-5, and
+  its tags verify (ckpt-verify).
 - Sinkhorn routing is refused by name; router_activation (RouterSinkhorn's only) and dropless are named as ignored.
 """
 import glob
+import json
 import os
 import re
 import signal
@@ -26,10 +33,11 @@ import unittest
 import numpy as np
 import torch
 
-from canon import TRAIN, TempDirTest
+from canon import TRAIN, VERIFY, TempDirTest, run
 from indexed_dataset_interop import megatron_write
 from train_hf_llama import mpirun
 from train_resume import losses, start_until
+import train_moe  # its tiny HF Mixtral and its shrink of the HF configs (a module: its tests run in their own file)
 import trainer_refuses  # its shrink of NxDT's configs (imported as a module: its tests run in their own file)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,9 +60,9 @@ class TrainMoeMegatron(TempDirTest):
         rng = np.random.default_rng(39)
         megatron_write(os.path.join(self.dir, "data", "tok"), [rng.integers(0, 64, 200) for _ in range(40)], np.uint16)
 
-    def argv(self, name, run_dir, *overrides, devices=1, steps=2):
+    def argv(self, name, run_dir, *overrides, devices=1, steps=2, pp=1):
         """NxDT's config `name` shrunk as trainer_refuses.py shrinks it, then to NxD's tag's sizes."""
-        return (trainer_refuses.TrainerRefuses.shrunk(self, name, run_dir, devices=devices) + TINY +
+        return (trainer_refuses.TrainerRefuses.shrunk(self, name, run_dir, devices=devices, pp=pp) + TINY +
                 [f"trainer.max_steps={steps}", *overrides])
 
     def train(self, argv, ranks=1):
@@ -122,6 +130,32 @@ class TrainMoeMegatron(TempDirTest):
         self.trained(self.argv(CONFIGS[0], "no_aux", *fp32, "model.moe.output_router_logits=False", devices=2, steps=1) +
                      ["trainer.devices=1"])
         self.assertNotAlmostEqual(losses(os.path.join(self.dir, "no_aux"))[1], a[1], delta=1e-5)
+
+    def test_pipeline_stages_train_the_one_process_model(self):
+        # The auxiliary loss (coefficient 0.1) joins the MoE layers of both stages; with it on one stage's layers
+        # alone, or each stage's gradient from its own layers' counts, pp 2 would train another model.
+        fp32 = ["precision.type=fp32", "model.moe.router_aux_loss_coef=0.1", "model.optim.lr=0.01", "model.moe.output_router_logits=True"]
+        pp = "distributed_strategy.pipeline_model_parallel_size"
+        self.mixtral = os.path.join(self.dir, "mixtral.json")
+        with open(self.mixtral, "w") as f:
+            json.dump(train_moe.MIXTRAL, f)
+        styles = {  # each run: 2 devices' global batch, on 1 rank (pp 1) or 2 (pp 2)
+            "megatron": lambda run_dir, *extra: self.argv(CONFIGS[0], run_dir, *fp32, *extra, devices=2, pp=2, steps=3),
+            "hf": lambda run_dir, *extra: train_moe.TrainMoe.argv(self, train_moe.CONFIGS[0], run_dir, *fp32, *extra, devices=2, steps=3),
+        }
+        for style, argv in styles.items():
+            with self.subTest(style):
+                self.trained(argv(style + "_pp1", f"{pp}=1", "trainer.devices=1"))
+                self.trained(argv(style + "_pp2", f"{pp}=2", "trainer.devices=2"), ranks=2)
+                a, b = (losses(os.path.join(self.dir, f"{style}_pp{n}")) for n in (1, 2))
+                self.assertEqual(sorted(a), [1, 2, 3])
+                self.assertEqual(sorted(b), sorted(a))
+                for step in a:
+                    self.assertAlmostEqual(a[step], b[step], delta=1e-5, msg=step)
+                (tag,) = glob.glob(os.path.join(self.dir, style + "_pp2", "checkpoints", "*.ckpt"))
+                self.assertEqual(sorted(os.listdir(os.path.join(tag, "model"))),
+                                 [f"dp_rank_00_tp_rank_00_pp_rank_{s:02d}.pt" for s in (0, 1)])
+                run(VERIFY, tag)
 
     def test_killed_run_resumes_exactly(self):
         keep = ["exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=True",
