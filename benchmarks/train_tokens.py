@@ -27,8 +27,10 @@ SHAPES = {
 }
 
 
-def ours(build, model, recompute=""):
+def ours(build, model, recompute="", threads=None):
     env = dict(os.environ, SHARDKIT_BENCH_MODEL=model, SHARDKIT_BENCH_RECOMPUTE=recompute)
+    if threads:
+        env["SHARDKIT_BENCH_THREADS"] = str(threads)
     out = subprocess.run([os.path.join(build, "bin", "train_bench"), "--benchmark_format=json"], env=env,
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out)["benchmarks"][0]

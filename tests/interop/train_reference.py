@@ -58,10 +58,11 @@ def dropout(key, p):
     return drop
 
 
-def forward(params, cfg, tokens, drop=lambda x, layer, site: x):
+def forward(params, cfg, tokens, drop=lambda x, layer, site: x, mlp=None):
     """Megatron's decoder: Llama style by default; LayerNorm, GeLU, biases (present in params),
     learned positions (when their table is present) and a tied output layer by cfg; `drop`
-    applies dropout where Megatron does."""
+    applies dropout where Megatron does; `mlp(h, layer)`, when given, is every layer's MLP
+    block (an MoE layer: benchmarks/train_moe.py)."""
     B, T = tokens.shape
     H, nh, G, L = cfg["hidden"], cfg["heads"], cfg["kv_heads"], cfg["layers"]
     hd = H // nh
@@ -102,6 +103,9 @@ def forward(params, cfg, tokens, drop=lambda x, layer, site: x):
         y = (att @ v).transpose(1, 2).reshape(B, T, H)
         x = x + drop(linear(y, pre + "self_attention.dense"), l, 1)
         h = norm(x, pre + "post_attention_layernorm")
+        if mlp:
+            x = x + drop(mlp(h, l), l, 3)
+            continue
         if cfg.get("gelu"):
             act = torch.nn.functional.gelu(linear(h, pre + "mlp.dense_h_to_4h"))
         else:
