@@ -14,14 +14,13 @@ softmax in fp32, top-k, then each expert's tokens gathered, run and scattered ba
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "interop"))
 from train_reference import forward  # noqa: E402
-from train_tokens import ours  # noqa: E402
+from train_tokens import ours, steps_tokens_per_s  # noqa: E402
 
 SHAPE = dict(vocab=264, hidden=128, ffn=256, heads=4, layers=4, experts=8, top_k=2, aux=0.02, batch=4, seq=128)
 
@@ -82,12 +81,7 @@ def torch_tokens_per_s(s, seconds=8.0):
         torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
         opt.step()
 
-    step()  # warm up
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds or n < 2:
-        step()
-        n += 1
-    return n * s["batch"] * s["seq"] / (time.perf_counter() - t0)
+    return steps_tokens_per_s(step, s["batch"] * s["seq"], seconds)
 
 
 def main():

@@ -64,12 +64,17 @@ def torch_tokens_per_s(s, seconds=8.0):
         torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
         opt.step()
 
+    return steps_tokens_per_s(step, s["batch"] * s["seq"], seconds)
+
+
+def steps_tokens_per_s(step, tokens_per_step, seconds):
+    """Tokens/s of `step()` run for `seconds` (at least twice) after one warm-up step."""
     step()  # warm up
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds or n < 2:
         step()
         n += 1
-    return n * s["batch"] * s["seq"] / (time.perf_counter() - t0)
+    return n * tokens_per_step / (time.perf_counter() - t0)
 
 
 def main():

@@ -38,6 +38,24 @@ CONFIGS = ["hf_mixtral_8x7b_config", "hf_mixtral_8x7b_dropless_config"]
 MOE = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
 
+def assert_resumes_exactly(test, argv, model_file):
+    """Killed after a checkpoint, a run resumes to exactly the uninterrupted run: `argv(run_dir, *overrides)` is an
+    8-step run, `model_file(run_dir, step)` its tag's first model file (train_moe_megatron.py uses it too)."""
+    keep = ["exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=True",
+            "exp_manager.checkpoint_callback_params.save_top_k=-1"]
+    test.trained(argv("full", *keep))
+    p = start_until(test, [TRAIN, *argv("killed", *keep)], test.dir, os.path.join(test.dir, "killed", "checkpoints", "*", "done"), 300)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    test.assertLess(max(losses(os.path.join(test.dir, "killed"))), 8)
+    test.trained(argv("killed", *keep, "exp_manager.resume_if_exists=True"))
+    test.assertEqual(losses(os.path.join(test.dir, "killed"))[8], losses(os.path.join(test.dir, "full"))[8])
+    a, b = model_file("killed", 8), model_file("full", 8)
+    test.assertEqual(list(a), list(b))
+    for n in a:
+        test.assertTrue(torch.equal(a[n], b[n]), n)
+
+
 class TrainMoe(TempDirTest):
     def setUp(self):
         super().setUp()
@@ -123,23 +141,9 @@ class TrainMoe(TempDirTest):
         self.assertTrue(torch.equal(model[0][router], model[1][router]))  # replicated, the same step on both
 
     def test_killed_run_resumes_exactly(self):
-        keep = ["exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=True",
-                "exp_manager.checkpoint_callback_params.save_top_k=-1"]
-        full = os.path.join(self.dir, "full")
-        self.trained(self.argv(CONFIGS[0], "full", *keep, steps=8))
-        cmd = [TRAIN, *self.argv(CONFIGS[0], "killed", *keep, steps=8)]
-        p = start_until(self, cmd, self.dir, os.path.join(self.dir, "killed", "checkpoints", "*", "done"), 300)
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        self.assertLess(max(losses(os.path.join(self.dir, "killed"))), 8)
-        self.trained(self.argv(CONFIGS[0], "killed", *keep, "exp_manager.resume_if_exists=True", steps=8))
-        got, want = losses(os.path.join(self.dir, "killed")), losses(full)
-        self.assertEqual(got[8], want[8])
-        a = torch.load(os.path.join(self.tag("killed", 8), "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
-        b = torch.load(os.path.join(self.tag("full", 8), "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt"))
-        self.assertEqual(list(a), list(b))
-        for n in a:
-            self.assertTrue(torch.equal(a[n], b[n]), n)
+        assert_resumes_exactly(self, lambda run_dir, *extra: self.argv(CONFIGS[0], run_dir, *extra, steps=8),
+                               lambda run_dir, step: torch.load(os.path.join(self.tag(run_dir, step), "model",
+                                                                             "dp_rank_00_tp_rank_00_pp_rank_00.pt")))
 
     def test_what_is_not_built_is_refused_by_name(self):
         cases = [

@@ -25,18 +25,14 @@
 import glob
 import json
 import os
-import re
-import signal
-import subprocess
 import unittest
 
 import numpy as np
 import torch
 
-from canon import TRAIN, VERIFY, TempDirTest, run
+from canon import VERIFY, TempDirTest, run
 from indexed_dataset_interop import megatron_write
-from train_hf_llama import mpirun
-from train_resume import losses, start_until
+from train_resume import losses
 import train_moe  # its tiny HF Mixtral and its shrink of the HF configs (a module: its tests run in their own file)
 import trainer_refuses  # its shrink of NxDT's configs (imported as a module: its tests run in their own file)
 
@@ -65,14 +61,8 @@ class TrainMoeMegatron(TempDirTest):
         return (trainer_refuses.TrainerRefuses.shrunk(self, name, run_dir, devices=devices, pp=pp) + TINY +
                 [f"trainer.max_steps={steps}", *overrides])
 
-    def train(self, argv, ranks=1):
-        return subprocess.run((mpirun(ranks) if ranks > 1 else []) + [TRAIN, *argv], cwd=self.dir, capture_output=True, text=True,
-                              timeout=300)
-
-    def trained(self, argv, ranks=1):
-        p = self.train(argv, ranks)
-        self.assertEqual(p.returncode, 0, p.stderr)
-        return p
+    train = train_moe.TrainMoe.train  # plain functions: these run in this class
+    trained = train_moe.TrainMoe.trained
 
     def model_file(self, run_dir, step, tp_rank=0):
         (tag,) = glob.glob(os.path.join(self.dir, run_dir, "checkpoints", f"*--step={step}-*.ckpt"))
@@ -158,20 +148,8 @@ class TrainMoeMegatron(TempDirTest):
                 run(VERIFY, tag)
 
     def test_killed_run_resumes_exactly(self):
-        keep = ["exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt=True",
-                "exp_manager.checkpoint_callback_params.save_top_k=-1"]
-        self.trained(self.argv(CONFIGS[0], "full", *keep, steps=8))
-        cmd = [TRAIN, *self.argv(CONFIGS[0], "killed", *keep, steps=8)]
-        p = start_until(self, cmd, self.dir, os.path.join(self.dir, "killed", "checkpoints", "*", "done"), 300)
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        self.assertLess(max(losses(os.path.join(self.dir, "killed"))), 8)
-        self.trained(self.argv(CONFIGS[0], "killed", *keep, "exp_manager.resume_if_exists=True", steps=8))
-        self.assertEqual(losses(os.path.join(self.dir, "killed"))[8], losses(os.path.join(self.dir, "full"))[8])
-        a, b = self.model_file("killed", 8), self.model_file("full", 8)
-        self.assertEqual(list(a), list(b))
-        for n in a:
-            self.assertTrue(torch.equal(a[n], b[n]), n)
+        train_moe.assert_resumes_exactly(self, lambda run_dir, *extra: self.argv(CONFIGS[0], run_dir, *extra, steps=8),
+                                         self.model_file)
 
     def test_what_is_not_built_is_refused_by_name(self):
         cases = [
