@@ -410,4 +410,12 @@ TEST(ModelFamily, MoeNamesAreToldFromDenseOnes) {
   EXPECT_EQ(MoeLeaves(ModelFamily::kMegatron).at(0), "mlp.moe.router.linear_router.weight");
 }
 
+// What the family holds of an MoE layer (router, gate_up_proj, down_proj) is read at ep 1; any other part is named.
+TEST(ModelFamily, MoePartsOutsideTheFamilyAreNamed) {
+  const std::string held = "language_model.encoder.layers.0.mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight";
+  EXPECT_EQ(FirstUnheldMoeName({"model.layers.0.mlp.router.linear_router.weight", held, "model.norm.weight"}), std::nullopt);
+  EXPECT_EQ(FirstUnheldMoeName({held, "model.layers.1.mlp.expert_mlps.spmd_rank.rank"}), "model.layers.1.mlp.expert_mlps.spmd_rank.rank");
+  EXPECT_EQ(FirstUnheldMoeName({"model.layers.0.mlp.router.linear_router.bias"}), "model.layers.0.mlp.router.linear_router.bias");
+}
+
 }  // namespace ckpt
