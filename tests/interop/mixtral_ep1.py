@@ -141,6 +141,79 @@ class MixtralEp1(TempDirTest):
             p = run(VERIFY, tp2, "--against", src, "--weights_only", *hints(name), check=False)
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
 
+    # --- 2. the optimizer state at ep 1 ---
+
+    def check_tp1_moments(self, name, tag, dp):
+        full = full_state(name)["optimizer"]
+        names = parameter_names(tag)
+        self.assertEqual(sorted(names), sorted(full))
+        checked = 0
+        for d in range(dp):
+            opt = torch.load(os.path.join(tag, optim_rel(d, 0)))
+            self.assertEqual(sorted(states(opt)), list(range(len(names))))
+            for i, key in enumerate(names):
+                entry = states(opt)[i]
+                for field in ("exp_avg", "exp_avg_sq"):
+                    want = tp1_tensor(key, full[key][field])
+                    if dp > 1:  # ZeRO-1: chunk d of dim 0, padded to dp chunks (torch-xla)
+                        rows = -(-want.shape[0] // dp)
+                        want = want[d * rows:(d + 1) * rows]
+                        self.assertEqual(list(opt["shape_info"][i]), list(full[key][field].shape))
+                    with self.subTest(tag=name, dp=d, tensor=key, field=field):
+                        self.assert_equal_tensor(entry[field], want, f"{key} {field}")
+                    checked += 1
+                self.assertTrue(torch.equal(torch.as_tensor(entry["step"]), torch.as_tensor(full[key]["step"])), key)
+        self.assertEqual(checked, 2 * len(full) * dp)
+
+    def same_optimizer(self, want, got, rel):
+        self.assertEqual(sorted(got), sorted(want), rel)
+        self.assertEqual(got["param_groups"], want["param_groups"], rel)
+        self.assertEqual({i: list(s) for i, s in got["shape_info"].items()}, {i: list(s) for i, s in want["shape_info"].items()}, rel)
+        self.assertEqual(sorted(got["base_state"]), sorted(want["base_state"]), rel)
+        for i, entry in want["base_state"].items():
+            for field in ("exp_avg", "exp_avg_sq"):
+                with self.subTest(file=rel, id=i, field=field):
+                    self.assert_equal_tensor(got["base_state"][i][field], entry[field], f"{rel} {i} {field}")
+
+    def optimizer_round_trip(self, name):
+        src = self.copy(name)
+        run(VERIFY, src)  # NxD's own tag: ok
+        for dp in (2, 1):
+            tp1 = self.reshard(src, os.path.join(self.dir, f"{name}_tp1_dp{dp}"), 1, dp, *hints(name))
+            self.check_tp1_model(name, tp1)
+            self.check_tp1_moments(name, tp1, dp)
+        tp2 = self.reshard(tp1, os.path.join(self.dir, name + "_tp2"), TP, DP)  # from tp 1 dp 1
+        self.check_same_files(name, tp2, [optim_rel(d, t) for d in range(DP) for t in range(TP)], self.same_optimizer)
+        self.check_same_files(name, tp2, [model_rel(t) for t in range(TP)])
+        p = run(VERIFY, tp2, "--against", src, *hints(name), check=False)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+
+    def test_hf_optimizer_round_trip(self):
+        for name in ("hf_ep1_pt", "hf_ep1_xser"):
+            self.optimizer_round_trip(name)
+
+    def test_megatron_optimizer_round_trip(self):
+        for name in ("megatron_ep1_pt", "megatron_ep1_xser"):
+            self.optimizer_round_trip(name)
+
+    def test_dense_and_moe_layers_mixed(self):
+        for name in ("hf_freq2_ep1_pt", "megatron_freq2_ep1_pt"):
+            self.optimizer_round_trip(name)
+
+    def test_verify_against_tells_a_changed_moment(self):
+        name = "hf_ep1_pt"
+        src = self.copy(name)
+        tp1 = self.reshard(src, os.path.join(self.dir, "tp1"), 1, 1, *hints(name))
+        rel = os.path.join(tp1, optim_rel(0, 0))
+        opt = torch.load(rel)
+        gate_up = parameter_names(tp1).index("model.layers.1.mlp.expert_mlps.mlp_op.gate_up_proj.weight")
+        states(opt)[gate_up]["exp_avg_sq"][3, 15, 63] += 1.0  # the last expert's last up column
+        torch.save(opt, rel)
+        os.remove(os.path.join(tp1, "manifest.json"))  # its checksum would tell the file, not the tensor
+        p = run(VERIFY, tp1, "--against", src, *hints(name), check=False)
+        self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("model.layers.1.mlp.expert_mlps.mlp_op.gate_up_proj.weight", p.stdout + p.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -10,7 +10,9 @@ xser, ZeRO-1, with the gathered full state of each run; see its README). Issue #
     rank; an ep rank above 0's xser file reads its shared tensors from ep_rank_00's
     folder, as NxD's _xser_load_data does, and its info.pt marks the experts alone;
   - every transforming command refuses an MoE tag (exit 2, nothing written) naming
-    MoE, and ckpt-verify no longer says ok on one;
+    MoE (at ep 1: until --heads and --moe_top_k tell what no tensor does), and
+    ckpt-verify does not say ok on an expert-parallel one (an ep 1 one it reads:
+    tests/interop/mixtral_ep1.py);
   - ckpt-inspect names the family, the experts and ep;
   - ckpt-import --format hf refuses MixtralForCausalLM at tp > 1 naming MoE (at tp 1 it
     imports: tests/interop/mixtral_hf.py).
@@ -153,8 +155,8 @@ class MixtralTags(TempDirTest):
                 self.expect_refused([EXPORT, tag, out, "--format", "hf"], out)
                 self.expect_refused([VERIFY, tag, "--against", tag])
 
-    def test_verify_does_not_say_ok(self):
-        for name in TAGS:
+    def test_verify_does_not_say_ok_at_ep_2(self):
+        for name in (n for n in TAGS if TAGS[n][1] > 1):
             with self.subTest(tag=name):
                 p = run(VERIFY, self.copy(name), check=False)
                 self.assertNotEqual(p.returncode, 0, p.stdout)
