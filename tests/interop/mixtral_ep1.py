@@ -23,7 +23,7 @@ import unittest
 
 import torch
 
-from canon import RESHARD, TempDirTest, VERIFY, run
+from canon import EXPORT, IMPORT, RESHARD, TempDirTest, VERIFY, run
 from mixtral_tags import DATA, copy_tag
 
 TP, DP = 2, 2
@@ -213,6 +213,49 @@ class MixtralEp1(TempDirTest):
         p = run(VERIFY, tp1, "--against", src, *hints(name), check=False)
         self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("model.layers.1.mlp.expert_mlps.mlp_op.gate_up_proj.weight", p.stdout + p.stderr)
+
+
+    # --- 3. Hugging Face's MixtralForCausalLM at tp > 1 ---
+
+    def test_hf_export_of_the_tp_2_tags_is_the_reference_folder(self):
+        ref = os.path.join(DATA, "hf_reference", "ep1")
+        want = torch.load(os.path.join(ref, "pytorch_model.bin"))
+        for name in ("hf_ep1_pt", "hf_ep1_xser"):
+            out = os.path.join(self.dir, name + "_hf")
+            run(EXPORT, self.copy(name), out, "--format", "hf", "--bin", *hints(name))
+            got = torch.load(os.path.join(out, "pytorch_model.bin"))
+            self.assertEqual(list(got), list(want), name)
+            for key, t in want.items():
+                with self.subTest(tag=name, tensor=key):
+                    self.assert_equal_tensor(got[key], t, key)
+            config, ref_config = (read_json(os.path.join(d, "config.json")) for d in (out, ref))
+            for key in ("architectures", "num_local_experts", "num_experts_per_tok", "hidden_size", "intermediate_size",
+                        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size", "rms_norm_eps", "rope_theta"):
+                self.assertEqual(config[key], ref_config[key], key)
+
+    def test_hf_import_at_tp_2_of_either_style(self):
+        ref = os.path.join(DATA, "hf_reference", "ep1")
+        for style in ("hf", "megatron"):
+            extra = ["--model_source", "hf"] if style == "hf" else []
+            tp1, tp2 = (os.path.join(self.dir, f"{style}_import_tp{tp}") for tp in (1, 2))
+            for tp, out in ((1, tp1), (TP, tp2)):
+                run(IMPORT, "--format", "hf", ref, out, "--tp", tp, "--pp", 1, *extra)
+            if style == "hf":  # the run's own weights, so NxD's tp 2 files: every tensor of each rank
+                for t in range(TP):
+                    want = torch.load(os.path.join(self.pt_twin("hf_ep1_pt"), model_rel(t)))
+                    got = torch.load(os.path.join(tp2, model_rel(t)))
+                    self.assertEqual(sorted(got), sorted(want))
+                    for key in want:
+                        with self.subTest(rank=t, tensor=key):
+                            self.assert_equal_tensor(got[key], want[key], key)
+            back = self.reshard(tp2, os.path.join(self.dir, f"{style}_back"), 1, 1, "--weights_only")
+            want, got = (torch.load(os.path.join(d, model_rel(0))) for d in (tp1, back))
+            self.assertEqual(list(got), list(want), style)
+            for key in want:
+                with self.subTest(style=style, tensor=key):
+                    self.assert_equal_tensor(got[key], want[key], key)
+            p = run(VERIFY, tp2, "--against", tp1, "--weights_only", check=False)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
 
 
 if __name__ == "__main__":
