@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "ckpt/util/error.h"
 #include "ckpt/spec/rank_grid.h"
@@ -403,6 +404,20 @@ std::string MoeRefusal(const std::string& moe_name) {
                   "so it refuses rather than drop it";
   return what + "; shardkit reads MoE tags of either style at ep 1 (any tp) yet; expert-parallel (ep > 1) tags and their optimizer "
                 "state are not read yet (issue #38), so it refuses rather than treat the experts as a dense Llama's";
+}
+
+std::string MoeFileProblem(const std::vector<std::string>& names) {
+  if (const auto unheld = FirstUnheldMoeName(names)) return MoeRefusal(*unheld);
+  const std::set<std::string> have(names.begin(), names.end());
+  for (const std::string& n : names) {
+    if (!FirstMoeName({n})) continue;
+    const std::string layer = n.substr(0, n.size() - LeafOfLayerName(n).size());
+    for (const std::string& leaf : MoeLeaves(*FamilyOfName(n)))
+      if (!have.count(layer + leaf))
+        return MoeModelOf(n) + ": it holds '" + n + "' but not '" + layer + leaf +
+               "' (NxD's MoE layer as shardkit's Mixtral family holds it: router, expert_mlps.mlp_op.gate_up_proj and down_proj)";
+  }
+  return "";
 }
 
 std::string FamilyLabel(const ModelFormat& f) {

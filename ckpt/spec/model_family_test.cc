@@ -416,6 +416,16 @@ TEST(ModelFamily, MoePartsOutsideTheFamilyAreNamed) {
   EXPECT_EQ(FirstUnheldMoeName({"model.layers.0.mlp.router.linear_router.weight", held, "model.norm.weight"}), std::nullopt);
   EXPECT_EQ(FirstUnheldMoeName({held, "model.layers.1.mlp.expert_mlps.spmd_rank.rank"}), "model.layers.1.mlp.expert_mlps.spmd_rank.rank");
   EXPECT_EQ(FirstUnheldMoeName({"model.layers.0.mlp.router.linear_router.bias"}), "model.layers.0.mlp.router.linear_router.bias");
+  // A model file is read when each MoE layer holds router and experts; else its problem names what is missing.
+  const std::string p = "model.layers.1.mlp.";
+  std::vector<std::string> layer{p + "router.linear_router.weight", p + "expert_mlps.mlp_op.gate_up_proj.weight", p + "expert_mlps.mlp_op.down_proj.weight"};
+  EXPECT_EQ(MoeFileProblem(layer), "");
+  EXPECT_EQ(MoeFileProblem({"model.norm.weight"}), "");
+  layer.pop_back();
+  const std::string missing = MoeFileProblem(layer);
+  EXPECT_NE(missing.find("MoE (Mixtral) model, HF-style"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("but not '" + p + "expert_mlps.mlp_op.down_proj.weight'"), std::string::npos) << missing;
+  EXPECT_NE(MoeFileProblem({held, "model.layers.1.mlp.shared_experts.gate_proj.weight"}).find("shared experts"), std::string::npos);
 }
 
 }  // namespace ckpt
