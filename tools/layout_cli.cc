@@ -55,10 +55,6 @@ ckpt::ReshardSummary RunImport(const ckpt::ReshardArgs& args, bool hf, const ckp
   if (!hf && (!env->Exists(a.src) || env->IsDirectory(a.src))) throw ckpt::Error(a.src + ": no such file (IN is a ckpt-export .h5 file)");
   const ckpt::OpenedSource src = AllSources().Open(env, hf ? sum.src_tag : a.src, o, hf ? "hf" : "h5");
   sum.bytes_read = src.bytes;
-  // Mixtral (issue #38): whole experts only until the engine cuts 3-D expert tensors over tp.
-  if (const ckpt::ModelFormat& f = src.state->layout().format; f.moe() && args.tp > 1)
-    throw ckpt::Error(a.src + ": an MoE (Mixtral) model imports at tp 1 only yet (whole experts; --tp " + std::to_string(args.tp) +
-                      " would cut them, which the reshard engine does not do yet)");
   return ckpt::WriteInLayout(*src.state, src.tag_name, a, env, log, t0, std::move(sum));
 }
 

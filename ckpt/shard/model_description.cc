@@ -689,18 +689,15 @@ ModelDescription DescribeModel(const ModelEvidence& e, const FormatHints& hints)
   d.stage_bounds = std::move(split.bounds), d.virtual_stages = split.virtual_stages;
   const int tp = e.grid.tp;
   // A Mixtral tag (NxDT's layer 0 is always an MoE layer) is refused for what it is, not for lacking a Llama's MLP,
-  // unless the engine reads its experts: HF-style at ep 1 and any tp (the engine cuts expert boxes; issue #38's
-  // mixtral_reshard), Megatron-style whole (tp 1, ep 1: HF export and import; its split experts are untested).
+  // unless the engine reads its experts: either style at ep 1 and any tp (the engine cuts expert boxes; issue #38's
+  // mixtral_reshard, mixtral_ep1).
   const auto moe = FirstMoeName(ModelNames(e));
-  const bool megatron = (moe && FamilyOfName(*moe) == ModelFamily::kMegatron) ||
-                        (e.recorded && e.recorded->moe() && e.recorded->family == ModelFamily::kMegatron);
-  const bool readable = e.grid.ep == 1 && (tp == 1 || !megatron);
+  const bool readable = e.grid.ep == 1;
   if (moe && !readable) throw Error(e.dir + ": " + MoeRefusal(*moe));
   else if (moe && !e.recorded) RequireMoeModule(e, ModelNames(e), *moe);
   if (e.recorded && e.recorded->moe() && !readable)
-    throw Error(e.dir + ": its manifest records " + std::string(megatron ? "a Megatron-style" : "an") + " MoE (Mixtral) model at tp " +
-                std::to_string(tp) + ", ep " + std::to_string(e.grid.ep) + "; shardkit reads " +
-                (megatron ? "Megatron-style MoE tags at tp 1 and ep 1 only yet" : "MoE tags at ep 1 only yet"));
+    throw Error(e.dir + ": its manifest records an MoE (Mixtral) model at tp " + std::to_string(tp) + ", ep " + std::to_string(e.grid.ep) +
+                "; shardkit reads MoE tags at ep 1 only yet");
   if (e.recorded) {
     d.format = DescribeRecordedModel(e, hints, &d.notes);
     d.from_manifest = true;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "ckpt/util/error.h"
 #include "ckpt/spec/rank_grid.h"
@@ -382,22 +383,41 @@ std::optional<std::string> FirstMoeName(const std::vector<std::string>& names) {
   return std::nullopt;
 }
 
+std::optional<std::string> FirstUnheldMoeName(const std::vector<std::string>& names) {
+  for (const std::string& n : names) {
+    if (!FirstMoeName({n})) continue;
+    const auto known = MoeLeaves(*FamilyOfName(n));
+    if (std::find(known.begin(), known.end(), LeafOfLayerName(n)) == known.end()) return n;
+  }
+  return std::nullopt;
+}
+
 std::string MoeModelOf(const std::string& moe_name) {
   const bool hf = FamilyOfName(moe_name) == ModelFamily::kHfLlama;
   return std::string("an MoE (Mixtral) model, ") + (hf ? "HF-style (NxDT modeling_mixtral.py)" : "Megatron-style (NxDT NeuronSwitchMLP)");
 }
 
 std::string MoeRefusal(const std::string& moe_name) {
-  const bool hf = FamilyOfName(moe_name) == ModelFamily::kHfLlama;
-  const std::string leaf = LeafOfLayerName(moe_name);
-  const auto known = MoeLeaves(hf ? ModelFamily::kHfLlama : ModelFamily::kMegatron);
   std::string what = MoeModelOf(moe_name) + ": it holds '" + moe_name + "'";
-  if (std::find(known.begin(), known.end(), leaf) == known.end())
+  if (FirstUnheldMoeName({moe_name}))
     return what + ", a part of NxD's MoE layer (shared experts, router or expert biases, spmd ranks) shardkit's Mixtral family does not hold, "
                   "so it refuses rather than drop it";
-  return what + "; shardkit reads HF-style MoE tags at ep 1 (any tp) and Megatron-style ones with whole experts (tp 1, ep 1) yet; "
-                "expert-parallel (ep > 1) tags and their optimizer state are not read yet (issue #38), so it refuses rather than treat "
-                "the experts as a dense Llama's";
+  return what + "; shardkit reads MoE tags of either style at ep 1 (any tp) yet; expert-parallel (ep > 1) tags and their optimizer "
+                "state are not read yet (issue #38), so it refuses rather than treat the experts as a dense Llama's";
+}
+
+std::string MoeFileProblem(const std::vector<std::string>& names) {
+  if (const auto unheld = FirstUnheldMoeName(names)) return MoeRefusal(*unheld);
+  const std::set<std::string> have(names.begin(), names.end());
+  for (const std::string& n : names) {
+    if (!FirstMoeName({n})) continue;
+    const std::string layer = n.substr(0, n.size() - LeafOfLayerName(n).size());
+    for (const std::string& leaf : MoeLeaves(*FamilyOfName(n)))
+      if (!have.count(layer + leaf))
+        return MoeModelOf(n) + ": it holds '" + n + "' but not '" + layer + leaf +
+               "' (NxD's MoE layer as shardkit's Mixtral family holds it: router, expert_mlps.mlp_op.gate_up_proj and down_proj)";
+  }
+  return "";
 }
 
 std::string FamilyLabel(const ModelFormat& f) {

@@ -68,6 +68,15 @@ std::vector<std::string> MoeLeaves(ModelFamily family);
 // router, expert_mlps or shared experts: NxD modules/moe/model.py MoE), or
 // nullopt. What tells a Mixtral tag from a Llama one, whatever its style.
 std::optional<std::string> FirstMoeName(const std::vector<std::string>& names);
+// The first of `names` inside an MoE layer's module that shardkit's Mixtral
+// family does not hold (shared experts, router or expert biases, spmd ranks:
+// not MoeLeaves), or nullopt. A reader refuses such a tag (MoeRefusal) at any ep.
+std::optional<std::string> FirstUnheldMoeName(const std::vector<std::string>& names);
+// Why a model file whose keys are `names` holds an MoE that shardkit does not
+// read at ep 1 ("" when it reads it, or when it holds no MoE): a part outside
+// the family (MoeRefusal), or an MoE layer lacking its router or an expert
+// weight. What ckpt-verify tells of a model file's MoE on its own.
+std::string MoeFileProblem(const std::vector<std::string>& names);
 // Why a reader refuses a tag whose model files hold MoE tensor `moe_name`
 // (FirstMoeName): which MoE it is and what shardkit does not do with it yet.
 std::string MoeRefusal(const std::string& moe_name);

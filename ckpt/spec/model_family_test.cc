@@ -410,4 +410,22 @@ TEST(ModelFamily, MoeNamesAreToldFromDenseOnes) {
   EXPECT_EQ(MoeLeaves(ModelFamily::kMegatron).at(0), "mlp.moe.router.linear_router.weight");
 }
 
+// What the family holds of an MoE layer (router, gate_up_proj, down_proj) is read at ep 1; any other part is named.
+TEST(ModelFamily, MoePartsOutsideTheFamilyAreNamed) {
+  const std::string held = "language_model.encoder.layers.0.mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight";
+  EXPECT_EQ(FirstUnheldMoeName({"model.layers.0.mlp.router.linear_router.weight", held, "model.norm.weight"}), std::nullopt);
+  EXPECT_EQ(FirstUnheldMoeName({held, "model.layers.1.mlp.expert_mlps.spmd_rank.rank"}), "model.layers.1.mlp.expert_mlps.spmd_rank.rank");
+  EXPECT_EQ(FirstUnheldMoeName({"model.layers.0.mlp.router.linear_router.bias"}), "model.layers.0.mlp.router.linear_router.bias");
+  // A model file is read when each MoE layer holds router and experts; else its problem names what is missing.
+  const std::string p = "model.layers.1.mlp.";
+  std::vector<std::string> layer{p + "router.linear_router.weight", p + "expert_mlps.mlp_op.gate_up_proj.weight", p + "expert_mlps.mlp_op.down_proj.weight"};
+  EXPECT_EQ(MoeFileProblem(layer), "");
+  EXPECT_EQ(MoeFileProblem({"model.norm.weight"}), "");
+  layer.pop_back();
+  const std::string missing = MoeFileProblem(layer);
+  EXPECT_NE(missing.find("MoE (Mixtral) model, HF-style"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("but not '" + p + "expert_mlps.mlp_op.down_proj.weight'"), std::string::npos) << missing;
+  EXPECT_NE(MoeFileProblem({held, "model.layers.1.mlp.shared_experts.gate_proj.weight"}).find("shared experts"), std::string::npos);
+}
+
 }  // namespace ckpt

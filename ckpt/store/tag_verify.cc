@@ -92,13 +92,15 @@ std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string&
   } catch (const Error& e) {
     return std::string("unreadable: ") + e.what();
   }
-  // Bytes alone do not vouch for a model no reader takes: an MoE (Mixtral) model's files are told
-  // so, unless the manifest describes the MoE model (the trainer resumes its own tags).
+  // Bytes alone do not vouch for a model no reader takes: an MoE (Mixtral) model's files holding a
+  // part shardkit's family does not, or lacking one, are told so (MoeFileProblem), unless the
+  // manifest describes the MoE model (the trainer resumes its own tags). Expert-parallel files are
+  // told by their names (InferGrid).
   if (rel.starts_with("model/") && v.is_dict() && !moe_described) {
     std::vector<std::string> keys;
     for (const auto& [k, _] : v.as_dict().items)
       if (k.is_str()) keys.push_back(k.as_str());
-    if (const auto moe = FirstMoeName(keys)) return MoeRefusal(*moe);
+    if (std::string why = MoeFileProblem(keys); !why.empty()) return why;
   }
   if (zero1_dp > 0 && rel.starts_with("optim/")) {
     std::string why = Zero1ShardProblem(v, zero1_dp, rel);

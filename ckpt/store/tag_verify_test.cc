@@ -62,6 +62,18 @@ TEST(TagVerify, NxdtsLossyExpertParallelSaveIsDamagedByDesign) {
   EXPECT_EQ(ProblemsOf(VerifyTag(Env::Default(), data + "hf_ep2_pt/step_2"), "optim/"), "");
 }
 
+// NxD's ep 1 Mixtral tags of either style hold the parts the family reads (ckpt/shard reads them at any tp):
+// their bytes vouch for them. Expert-parallel files are still told naming MoE.
+TEST(TagVerify, Ep1MoeTagsOfEitherStyleAreOk) {
+  const std::string data = std::string(SHARDKIT_TEST_DATA) + "/upstream/nxd_mixtral/";
+  for (const char* tag : {"hf_ep1_pt", "hf_ep1_xser", "megatron_ep1_pt", "megatron_ep1_xser", "megatron_freq2_ep1_pt"}) {
+    const TagReport r = VerifyTag(Env::Default(), data + tag + "/step_2");
+    EXPECT_TRUE(r.ok()) << tag << ": " << (r.ok() ? "" : r.problems[0].file + ": " + r.problems[0].what);
+  }
+  const std::string ep2 = ProblemsOf(VerifyTag(Env::Default(), data + "hf_ep2_pt/step_2"), "model/dp_rank_00_ep_rank_01_tp_rank_00_pp_rank_00.pt");
+  EXPECT_NE(ep2.find("MoE"), std::string::npos) << ep2;
+}
+
 // Reading the contents apart (each rank of a resume its files): VerifyTag
 // without checksums plus VerifyListedContent over every listed file reports
 // what VerifyTag with checksums reports, each problem once.
