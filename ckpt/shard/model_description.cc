@@ -312,13 +312,13 @@ ModelFormat Describer::HfLlamaAdapters(const std::vector<int64_t>& bounds, const
   for (const auto& other : {dim(".gate_up_proj.lora_A.weight", 1, 1), dim(".o_proj.lora_B.weight", 0, 1), dim(".down_proj.lora_B.weight", 0, 1)})
     if (!hidden) hidden = other;
   if (const auto gate_up = dim(".gate_up_proj.lora_B.weight", 0, tp); !ffn && gate_up) ffn = *gate_up / 2;
-  auto size = [&](const std::optional<int64_t>& seen, const std::optional<int64_t>& hint, const std::string& what) {
+  auto size = [&](const std::optional<int64_t>& seen, const std::optional<int64_t>& hint, const std::string& what, const char* flag) {
     if (seen || hint) return seen ? *seen : *hint;  // a hint the adapters contradict is refused below (HfCheckSizes)
-    throw FormatUnknown(why + "and neither its adapters nor a hint give " + what + ": give --model_config with the base model's HF config.json");
+    throw FormatUnknown(why + "and neither its adapters nor a hint give " + what + ": give --model_config with the base model's HF config.json" + flag);
   };
-  f.hidden = size(hidden, hints_.hidden, "the hidden size");
-  f.ffn = size(ffn, hints_.ffn, "the FFN width (intermediate_size)");
-  f.vocab_size = size(std::nullopt, hints_.vocab_size, "the vocabulary size (or give --vocab_size)");
+  f.hidden = size(hidden, hints_.hidden, "the hidden size", "");
+  f.ffn = size(ffn, hints_.ffn, "the FFN width (intermediate_size)", "");
+  f.vocab_size = size(std::nullopt, hints_.vocab_size, "the vocabulary size", ", or --vocab_size");
   // NxDT's HF Llama unties lm_head unless config.json ties it (tie_word_embeddings), which no hint gives.
   f.tied_output = false;
   notes_->push_back("lm_head untied (tie_word_embeddings false) assumed: an adapter-only tag holds no base weights to tell");
