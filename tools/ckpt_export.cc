@@ -5,7 +5,9 @@
 // block.
 // ckpt-export SRC OUT_DIR --format hf [--max_shard_size 10G] [--bin] writes its
 // weights as a Hugging Face model folder (tools/hf_export.h); --format
-// full_state as NxD's converter's OUT_DIR/checkpoint.pt.
+// full_state as NxD's converter's OUT_DIR/checkpoint.pt. With --lora_base
+// BASE (an HF folder or a tag), an adapter-only LoRA tag is merged into BASE
+// (tools/lora_base.h).
 // The output is written beside OUT under a temporary name, made durable and
 // only then renamed to OUT, so OUT is never partial; an existing OUT is
 // replaced only with --overwrite and only when it is such an export.
@@ -17,6 +19,8 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -31,7 +35,9 @@
 #include "ckpt/shard/source_registry.h"
 #include "tools/format_hints_cli.h"
 #include "tools/h5_state.h"
+#include "tools/all_sources.h"
 #include "tools/hf_export.h"
+#include "tools/lora_base.h"
 #include "ckpt/shard/reshard.h"
 
 namespace {
@@ -52,6 +58,22 @@ bool IsHfExport(ckpt::Env* env, const std::string& dir) {
   const auto m = env->MapFile(config);
   const auto j = ckpt::ParseJsonBounded(reinterpret_cast<const char*>(m->data()), reinterpret_cast<const char*>(m->data()) + m->size(), m->path());
   return j.is_object() && j.contains("shardkit_export");
+}
+
+// The base model --lora_base names (any source: an HF folder, a tag), read
+// for its weights; what an adapter-only tag cannot tell of the model (the
+// vocabulary, and the FFN width when no MLP is targeted) is taken from it
+// unless given.
+ckpt::OpenedSource OpenLoraBase(ckpt::Env* env, const std::string& path, const std::string& format, ckpt::FormatHints& hints,
+                                const std::function<void(const std::string&)>& log) {
+  if (format != "hf" && format != "full_state")
+    throw ckpt::Error("--lora_base merges LoRA adapters into a base for --format hf or full_state, not --format " + format);
+  ckpt::OpenedSource base = tools::AllSources().Open(env, path, {.hints = hints, .weights_only = true, .family = ckpt::ModelFamily::kHfLlama});
+  for (const auto& n : base.notes) log("note: the base " + path + ": " + n);
+  const ckpt::ModelFormat& f = base.state->layout().format;
+  if (!hints.vocab_size) hints.vocab_size = f.vocab_size;
+  if (!hints.ffn) hints.ffn = f.ffn;
+  return base;
 }
 
 }  // namespace
@@ -78,6 +100,11 @@ int main(int argc, char** argv) {
   app.add_flag("--overwrite", overwrite, "replace an existing export");
   app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
   app.add_flag("--json", json, "print the summary as JSON on stdout");
+  // Named after NxD's save_lora_base (LoraConfig), the key whose False left the base out of the tag.
+  std::string lora_base;
+  app.add_option("--lora_base", lora_base,
+                 "with --format hf or full_state: the base model (an HF folder or a tag) to merge an adapter-only LoRA tag "
+                 "(NxD's save_lora_base False) into");
   tools::FormatHintOptions hints;
   hints.AddTo(app);
   SHARDKIT_PARSE(app, argc, argv);
@@ -103,9 +130,17 @@ int main(int argc, char** argv) {
         if (hf ? !IsHfExport(env, out) : !tools::IsH5State(out))
           throw ckpt::Error(out + ": --overwrite replaces only what ckpt-export --format " + format + " wrote, and this is not that");
       }
-      const ckpt::OpenedSource opened = ckpt::SourceRegistry::Default().Open(env, tag, {.hints = hints.Hints(), .weights_only = model_only}, "tag");
+      ckpt::FormatHints given = hints.Hints();
+      ckpt::OpenedSource base_model;
+      if (!lora_base.empty()) base_model = OpenLoraBase(env, lora_base, format, given, log);
+      const ckpt::OpenedSource opened = ckpt::SourceRegistry::Default().Open(env, tag, {.hints = given, .weights_only = model_only}, "tag");
       const ckpt::LogicalState* state = opened.state.get();
       for (const auto& n : opened.notes) log("note: " + n);
+      std::unique_ptr<tools::LoraWithBase> joined;
+      if (base_model.state) {
+        ckpt::CheckRecordedFingerprints(*base_model.state, size_t{1} << 20, ckpt::StateField::kParam);
+        state = (joined = std::make_unique<tools::LoraWithBase>(*state, *base_model.state)).get();
+      }
       // Memory: what is resident now (the source's index), then blocks: one
       // read, one widened (float32), and what HDF5 and the writer buffer.
       const uint64_t base = ckpt::CurrentRss() + check.memory(), min_block = 1 << 20;
@@ -123,7 +158,7 @@ int main(int argc, char** argv) {
         if (const std::string why = ckpt::HfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
         if (const std::string why = ckpt::LoraHfUnsupported(state->layout().format); !why.empty() && format != "peft") throw ckpt::Error(tag + ": " + why);
         // As the HDF5 export and reshard do: a source must still hold what its manifest recorded.
-        ckpt::CheckRecordedFingerprints(*state, block, ckpt::StateField::kParam);
+        ckpt::CheckRecordedFingerprints(*opened.state, block, ckpt::StateField::kParam);
         env->CreateDirs(partial);
         const tools::HfExportOptions ho{.max_shard_size = shard_size, .chunk = block, .bin = bin, .full_state = format == "full_state"};
         const tools::HfExportSummary s = format == "peft" ? tools::WritePeftFolder(*state, partial, ho, env) : tools::WriteHfFolder(*state, partial, ho, env);

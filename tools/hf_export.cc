@@ -269,6 +269,13 @@ void WriteSafetensors(const ckpt::LogicalState& src, const std::vector<HfTensor>
   });
 }
 
+// The tag's lora_dropout: its lora_config, carried as a model-file buffer (ckpt/spec/lora.h).
+double LoraDropout(const ckpt::LogicalState& src) {
+  for (const ckpt::StateBuffer& b : src.buffers())
+    if (b.name == ckpt::kLoraConfigKey) return ckpt::LoraDropoutOfConfig(b.value, src.path());
+  throw Error(src.path() + ": holds LoRA adapters but no '" + ckpt::kLoraConfigKey + "' to take lora_dropout from");
+}
+
 }  // namespace
 
 HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env) {
@@ -348,8 +355,8 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
 
 HfExportSummary WritePeftFolder(const ckpt::LogicalState& src, const std::string& dir, const HfExportOptions& o, ckpt::Env* env) {
   const ckpt::ModelFormat& f = src.layout().format;
-  if (!f.lora.on() || f.lora.saved != ckpt::LoraSaved::kBaseAndAdapter)
-    throw Error(src.path() + ": --format peft writes the adapters of a tag holding base and adapters, and this tag " +
+  if (!f.lora.on() || f.lora.saved == ckpt::LoraSaved::kMerged)
+    throw Error(src.path() + ": --format peft writes the adapters of a tag holding them (with or without the base), and this tag " +
                 (f.lora.on() ? "has them merged" : "has no LoRA adapters"));
   if (const std::string why = ckpt::HfUnsupported(f); !why.empty()) throw Error(src.path() + ": " + why);
   // Each targeted HF weight's adapter pair (peft's LoraLayer names): lora_A whole (q, k and v
@@ -358,13 +365,13 @@ HfExportSummary WritePeftFolder(const ckpt::LogicalState& src, const std::string
   std::vector<std::string> targets;
   HfExportSummary sum{"peft LoRA adapter", 1, 0, 0};
   for (const HfTensor& t : ckpt::HfTensorsFor(f, DType::kFloat32)) {
-    const auto m = ckpt::LoraMergeOf(f, t.blocks.front().name);
+    const auto m = ckpt::LoraAdaptersOf(f, t.blocks.front().name);
     if (!m) continue;
     const std::string stem = "base_model.model." + t.name.substr(0, t.name.size() - std::string(".weight").size());
     const int64_t r = f.lora.rank;
     HfTensor a{stem + ".lora_A.weight", {r, t.width}, src.dtype(m->a, ckpt::StateField::kParam), {{m->a, 0, r}}, t.width, false};
     HfTensor b{stem + ".lora_B.weight", {t.shape[0], r}, src.dtype(m->b, ckpt::StateField::kParam), {}, r, false};
-    for (const RowBlock& blk : t.blocks) b.blocks.push_back({ckpt::LoraMergeOf(f, blk.name)->b, blk.row, blk.rows});
+    for (const RowBlock& blk : t.blocks) b.blocks.push_back({ckpt::LoraAdaptersOf(f, blk.name)->b, blk.row, blk.rows});
     adapters.push_back(std::move(a)), adapters.push_back(std::move(b));
     const std::string module = t.name.substr(0, t.name.rfind('.'));
     const std::string leaf = module.substr(module.rfind('.') + 1);
@@ -374,12 +381,16 @@ HfExportSummary WritePeftFolder(const ckpt::LogicalState& src, const std::string
   for (size_t i = 0; i < all.size(); ++i) all[i] = i, sum.bytes += adapters[i].bytes();
   sum.tensors = adapters.size();
   WriteSafetensors(src, adapters, all, dir + "/adapter_model.safetensors", o.chunk, env);
-  // peft's LoraConfig fields (what PeftModel.from_pretrained reads); dropout is training's, not the tag's.
+  // peft's LoraConfig fields (what PeftModel.from_pretrained reads), lora_dropout the tag's lora_config's.
+  // The folder depends on the adapters alone: the same whether the tag also held the base (its model
+  // is recorded as the adapters' and no source path is written), so the two saves export alike.
+  ckpt::ModelFormat held = f;
+  held.lora.saved = ckpt::LoraSaved::kAdapterOnly;
   const nlohmann::ordered_json config = {
       {"peft_type", "LORA"}, {"task_type", "CAUSAL_LM"}, {"base_model_name_or_path", nullptr}, {"r", f.lora.rank},
-      {"lora_alpha", f.lora.alpha}, {"use_rslora", f.lora.use_rslora}, {"target_modules", targets}, {"lora_dropout", 0.0},
+      {"lora_alpha", f.lora.alpha}, {"use_rslora", f.lora.use_rslora}, {"target_modules", targets}, {"lora_dropout", LoraDropout(src)},
       {"bias", "none"}, {"fan_in_fan_out", false}, {"modules_to_save", nullptr}, {"inference_mode", true},
-      {"shardkit_export", {{"source", src.path()}, {"step", src.step()}, {"model", f.ToJson()}}}};
+      {"shardkit_export", {{"step", src.step()}, {"model", held.ToJson()}}}};
   WriteText(env, dir + "/adapter_config.json", config.dump(2) + "\n");
   return sum;
 }

@@ -27,12 +27,14 @@ class Describer {
   ModelFormat Recorded();
   ModelFormat Megatron(const std::vector<int64_t>& bounds);
   ModelFormat HfLlama(const std::vector<int64_t>& bounds);
+  ModelFormat HfLlamaAdapters(const std::vector<int64_t>& bounds, const LoraFormat& lora);
 
  private:
   const Tensor* FindTensor(const std::string& suffix, int t = 0) const;
   void MegatronHeads(ModelFormat& f, const std::string& why);
   void MegatronVocabulary(ModelFormat& f, int64_t padded);
   void HfCheckSizes(const ModelFormat& f, const std::string& k_leaf, const std::string& why);
+  void HfHeads(ModelFormat& f, const std::vector<int64_t>& bounds, const std::string& k_leaf);
   void HfKvHeads(ModelFormat& f, const std::vector<int64_t>& bounds, const std::string& k_leaf);
   void HfKvReplication(ModelFormat& f, int layer, const Tensor& kv, int64_t n, int64_t k_row);
   void TakeForwardHints(ModelFormat& f, const std::string& eps_name, const std::string& flags);
@@ -284,13 +286,60 @@ ModelFormat Describer::HfLlama(const std::vector<int64_t>& bounds) {
   if (!k_leaf)
     throw Error(why + "and its model files hold no attention weights of NxDT's HF-style Llama (qkv_proj.weight_qkv, qkv_proj.weight_q/_k/_v, qkv_proj.weight or q_proj/k_proj/v_proj)");
   HfCheckSizes(f, *k_leaf, why);
+  HfHeads(f, bounds, *k_leaf);
+  return f;
+}
+
+// An adapter-only LoRA tag without a manifest (NxD's save_lora_base False):
+// what the base's weights would tell, from the adapters' shapes (lora.h:
+// qkv_proj's and gate_up_proj's lora_A whole [rank, hidden], o_proj's and
+// down_proj's lora_B whole [hidden, rank], down_proj's lora_A [rank, ffn / tp],
+// gate_up_proj's lora_B [2 ffn / tp, rank]), the job config or the hints;
+// refused naming the size none of them gives. The evidence shows qkv_proj's
+// lora_B also under its base's names (AdapterRowsAsBase), whose rows tell the
+// KV heads and their replication as the base's would.
+ModelFormat Describer::HfLlamaAdapters(const std::vector<int64_t>& bounds, const LoraFormat& lora) {
+  const int tp = e_.grid.tp;
+  const std::string why = e_.dir + " is an adapter-only LoRA tag (NxD's save_lora_base False: " + DescribeLora(lora) + ") with no base weights, ";
+  ModelFormat f;
+  f.family = ModelFamily::kHfLlama, f.layers = bounds.back(), f.make_vocab_size_divisible_by = 1;
+  TakeRecordedConfig();
+  auto dim = [&](const char* suffix, size_t d, int64_t times) -> std::optional<int64_t> {
+    const Tensor* x = FindTensor(suffix);
+    return x && x->shape().size() == 2 ? std::optional<int64_t>(x->shape()[d] * times) : std::nullopt;
+  };
+  std::optional<int64_t> hidden = dim(".qkv_proj.lora_A.weight", 1, 1), ffn = dim(".down_proj.lora_A.weight", 1, tp);
+  for (const auto& other : {dim(".gate_up_proj.lora_A.weight", 1, 1), dim(".o_proj.lora_B.weight", 0, 1), dim(".down_proj.lora_B.weight", 0, 1)})
+    if (!hidden) hidden = other;
+  if (const auto gate_up = dim(".gate_up_proj.lora_B.weight", 0, tp); !ffn && gate_up) ffn = *gate_up / 2;
+  auto size = [&](const std::optional<int64_t>& seen, const std::optional<int64_t>& hint, const std::string& what, const char* flag) {
+    if (seen || hint) return seen ? *seen : *hint;  // a hint the adapters contradict is refused below (HfCheckSizes)
+    throw FormatUnknown(why + "and neither its adapters nor a hint give " + what + ": give --model_config with the base model's HF config.json" + flag);
+  };
+  f.hidden = size(hidden, hints_.hidden, "the hidden size", "");
+  f.ffn = size(ffn, hints_.ffn, "the FFN width (intermediate_size)", "");
+  f.vocab_size = size(std::nullopt, hints_.vocab_size, "the vocabulary size", ", or --vocab_size");
+  // NxDT's HF Llama unties lm_head unless config.json ties it (tie_word_embeddings), which no hint gives.
+  f.tied_output = false;
+  notes_->push_back("lm_head untied (tie_word_embeddings false) assumed: an adapter-only tag holds no base weights to tell");
+  const auto k_leaf = HfAttentionOfNames(ModelNames(e_), f);
+  if (!k_leaf || !f.qkv_linear)
+    throw Error(why + "and no qkv_proj adapter of NxD's qkv_linear attention: the KV heads and their replication are read from "
+                      "qkv_proj's lora_B, and shardkit does not read an adapter-only tag without one");
+  HfCheckSizes(f, *k_leaf, why);
+  HfHeads(f, bounds, *k_leaf);
+  return f;
+}
+
+// Heads from a hint (HfCheckSizes asks for one), KV heads and their replication from the K rows, the forward hints.
+void Describer::HfHeads(ModelFormat& f, const std::vector<int64_t>& bounds, const std::string& k_leaf) {
+  const int tp = e_.grid.tp;
   f.heads = *hints_.heads;
   if (f.heads < 1 || f.hidden % f.heads) throw Error("--heads " + std::to_string(f.heads) + " does not divide the hidden size " + std::to_string(f.hidden));
   if (f.heads % tp) throw Error(e_.dir + ": tp " + std::to_string(tp) + " does not divide the " + std::to_string(f.heads) + " heads");
-  HfKvHeads(f, bounds, *k_leaf);
+  HfKvHeads(f, bounds, k_leaf);
   f.max_positions = hints_.max_positions.value_or(0);
   TakeForwardHints(f, "rms_norm_eps", "--model_config, or --rope_theta and --layernorm_epsilon,");
-  return f;
 }
 
 // A job config's attention flags must name these tensors (LlamaAttention.__init__'s choice); sizes
@@ -653,16 +702,55 @@ Dict BaseOf(const Dict& d) {
   return out;
 }
 
+// An adapter-only tag's model files with qkv_proj's lora_B also under its
+// base's names (lora.h: its rows are cut as the base's), for the HF-style
+// describer's KV inference; lora_config left out.
+Dict AdapterRowsAsBase(const Dict& d) {
+  static const std::string kQkvB = ".qkv_proj.lora_B.";
+  Dict out;
+  out.ordered = d.ordered;
+  for (const auto& [k, v] : d.items) {
+    if (!k.is_str() || k.as_str() == kLoraConfigKey) continue;
+    out.items.emplace_back(k, v);
+    if (const std::string& n = k.as_str(); n.find(kQkvB) != std::string::npos)
+      out.items.emplace_back(Value(n.substr(0, n.find(kQkvB)) + ".qkv_proj." + n.substr(n.find(kQkvB) + kQkvB.size())), v);
+  }
+  return out;
+}
+
+// An adapter-only tag (NxD's save_lora_base False): its stages from the
+// adapters' layers, its format recorded or learned from the adapters
+// (Describer::HfLlamaAdapters), its parameters the adapters alone.
+ModelDescription DescribeAdapterOnlyModel(const ModelEvidence& e, const FormatHints& hints, const LoraFormat& lora) {
+  ModelDescription d;
+  StageSplit split = StageSplitOfFiles(e);
+  d.stage_bounds = std::move(split.bounds), d.virtual_stages = split.virtual_stages;
+  if (e.recorded) {
+    d.format = DescribeRecordedModel(e, hints, &d.notes);
+    d.from_manifest = true;
+  } else {
+    std::map<std::pair<int, int>, Dict> shown;
+    for (int p = 0; p < e.grid.pp; ++p)
+      for (int t = 0; t < e.grid.tp; ++t) shown[{t, p}] = AdapterRowsAsBase(e.model(t, p));
+    ModelEvidence adapters = e;
+    adapters.model = [&shown](int t, int p) -> const Dict& { return shown.at({t, p}); };
+    d.format = Describer(adapters, hints, &d.notes).HfLlamaAdapters(d.stage_bounds, lora);
+  }
+  d.format.lora = lora;
+  if (const std::string why = d.format.CheckTensorParallel(e.grid.tp); !why.empty()) throw Error(e.dir + ": " + why);
+  d.params = LogicalParameters(d.format, e.grid.tp);
+  d.notes.push_back(DescribeLora(lora) + ", from the model files' '" + kLoraConfigKey + "'");
+  return d;
+}
+
 // A LoRA tag: the base model described from the base weights (those of the
 // merged mode are the base's names already), then the adapters added by the
-// LoRA table. An adapter-only tag holds no base to learn sizes from.
+// LoRA table; an adapter-only tag from its adapters.
 ModelDescription DescribeLoraModel(const ModelEvidence& e, const FormatHints& hints, const LoraFormat& lora) {
-  if (lora.saved == LoraSaved::kAdapterOnly && !e.recorded)
-    throw Error(e.dir + ": is an adapter-only LoRA tag (NxD's save_lora_base False: " + DescribeLora(lora) +
-                "); it holds no base weights to learn the model's sizes from, and shardkit does not read it without them yet");
   if (e.recorded && !(e.recorded->lora == lora))
     throw Error(e.dir + ": its model files' '" + kLoraConfigKey + "' (" + DescribeLora(lora) + ") is not what its manifest records" +
                 (e.recorded->lora.on() ? " (" + DescribeLora(e.recorded->lora) + ")" : " (no LoRA)"));
+  if (lora.saved == LoraSaved::kAdapterOnly) return DescribeAdapterOnlyModel(e, hints, lora);
   std::map<std::pair<int, int>, Dict> base;
   for (int p = 0; p < e.grid.pp; ++p)
     for (int t = 0; t < e.grid.tp; ++t) base[{t, p}] = BaseOf(e.model(t, p));

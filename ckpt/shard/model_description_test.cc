@@ -286,5 +286,59 @@ TEST(ModelDescription, ARecordedFormatIsTakenAndHintsMustAgree) {
   EXPECT_EQ(ErrorOf([&] { DescribeModel(e, hints); }), "--heads 8 contradicts tag/manifest.json, which records 4");
 }
 
+
+// An adapter-only LoRA tag (NxD's save_lora_base False) at tp 2: qkv_proj's adapters of a model of
+// hidden 16, 4 heads of 4, 2 KV heads (one per rank, none replicated), rank 4, two layers.
+std::vector<Value> AdapterOnlyFiles() {
+  std::vector<Value> files;
+  for (int t = 0; t < 2; ++t) {
+    Value d = Value::NewDict();
+    Value config = Value::NewDict();
+    auto& c = config.as_dict();
+    c.Set("lora_rank", 4), c.Set("r", 4), c.Set("lora_alpha", 8), c.Set("target_modules", Value::List({"qkv_proj"}));
+    c.Set("lora_dropout", 0.05), c.Set("bias", "none"), c.Set("use_rslora", false), c.Set("modules_to_save", Value());
+    c.Set("merge_lora", false), c.Set("save_lora_base", false);
+    for (int layer = 0; layer < 2; ++layer) {
+      const std::string m = "model.layers." + std::to_string(layer) + ".self_attn.qkv_proj.";
+      d.as_dict().Set(m + "lora_A.weight", Zeros({4, 16}));
+      d.as_dict().Set(m + "lora_B.weight_q", Zeros({8, 4}));
+      for (const char* kv : {"lora_B.weight_k", "lora_B.weight_v"}) {
+        Tensor x = Tensor::Zeros(DType::kFloat32, {4, 4});
+        reinterpret_cast<float*>(x.mutable_data())[0] = static_cast<float>(t + 1);  // each rank its own KV head
+        d.as_dict().Set(m + kv, Value(x));
+      }
+    }
+    d.as_dict().Set("lora_config", config);
+    files.push_back(d);
+  }
+  return files;
+}
+
+TEST(ModelDescription, AnAdapterOnlyTagsSizesComeFromItsAdaptersAndHints) {
+  const std::vector<Value> files = AdapterOnlyFiles();
+  ModelEvidence e;
+  e.dir = "tag";
+  e.grid.tp = 2, e.grid.pp = 1;
+  e.model = [&files](int t, int) -> const Dict& { return files[static_cast<size_t>(t)].as_dict(); };
+  e.path = [](const std::string& rel) { return "tag/" + rel; };
+  FormatHints hints;
+  hints.heads = 4, hints.vocab_size = 32;
+  // qkv_proj's adapters show no FFN width: refused naming it
+  EXPECT_NE(ErrorOf([&] { DescribeModel(e, hints); }).find("neither its adapters nor a hint give the FFN width"), std::string::npos);
+  hints.ffn = 24;
+  const ModelDescription d = DescribeModel(e, hints);
+  EXPECT_EQ(d.format.hidden, 16);  // lora_A's columns
+  EXPECT_EQ(d.format.kv_heads, 2);  // lora_B.weight_k's rows per rank, unreplicated
+  EXPECT_EQ(d.format.kv_size_multiplier, 1);
+  EXPECT_EQ(d.format.layers, 2);
+  EXPECT_TRUE(d.format.qkv_linear);
+  EXPECT_FALSE(d.format.fuse_qkv);
+  EXPECT_EQ(d.format.lora.saved, LoraSaved::kAdapterOnly);
+  EXPECT_EQ(d.params.size(), 2u * 4);  // lora_A and lora_B q, k, v per layer
+  hints.vocab_size.reset();
+  EXPECT_NE(ErrorOf([&] { DescribeModel(e, hints); }).find("the vocabulary size: give --model_config with the base model's HF config.json, or --vocab_size"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace ckpt

@@ -124,19 +124,23 @@ class Planner {
           size_t chunk, ckpt::FingerprintCollector* fp)
       : src_(src), fmt_(format), to_(to), bounds_(std::move(bounds)), virtual_stages_(virtual_stages), chunk_(chunk), fp_(fp) {
     rules_ = ckpt::LogicalParameters(fmt_, to.tp);
+    optimizer_rules_ = ckpt::OptimizerParameters(fmt_, to.tp);
     for (const auto& t : ckpt::LogicalTensors(src)) logical_numel_[t.name] = t.numel;
   }
 
   std::vector<PlannedFile> Plan() {
     std::vector<PlannedFile> out;
     int unit = 0;
-    std::vector<ckpt::StageParam> stage;
+    std::vector<ckpt::StageParam> stage, optimized;
     // Each model file, then the optim files of its place; the files walk stage by stage.
     to_.ForEachRankFile(ckpt::RankFileKind::kModel, [&](const ckpt::RankCoord& at) {
-      if (at.tp == 0) stage = ckpt::StageParameters(rules_, bounds_, at.pp, ckpt::TiedCopyNaming::kNxdt, virtual_stages_);
+      if (at.tp == 0) {
+        stage = ckpt::StageParameters(rules_, bounds_, at.pp, ckpt::TiedCopyNaming::kNxdt, virtual_stages_);
+        optimized = ckpt::StageParameters(optimizer_rules_, bounds_, at.pp, ckpt::TiedCopyNaming::kNxdt, virtual_stages_);
+      }
       out.push_back(ModelFile(stage, at.tp, at.pp, unit++));
       if (!src_.layout().has_optimizer) return;
-      to_.ForEachRankFile(ckpt::RankFileKind::kOptim, at, [&](const ckpt::RankCoord& o) { out.push_back(OptimFile(stage, o.tp, o.pp, o.dp, unit++)); });
+      to_.ForEachRankFile(ckpt::RankFileKind::kOptim, at, [&](const ckpt::RankCoord& o) { out.push_back(OptimFile(optimized, o.tp, o.pp, o.dp, unit++)); });
     });
     return out;
   }
@@ -241,7 +245,7 @@ class Planner {
   // Every file's chunks, reused: at most one per writing thread is alive, in use or free.
   std::shared_ptr<ckpt::StoragePool> chunks_ = ckpt::StoragePool::Create();
   ckpt::FingerprintCollector* fp_;
-  std::vector<ParamRule> rules_;
+  std::vector<ParamRule> rules_, optimizer_rules_;  // LogicalParameters, OptimizerParameters
   std::map<std::string, uint64_t> logical_numel_;
   std::map<std::tuple<std::string, StateField, std::vector<int64_t>>, std::pair<int, int>> first_holder_;
 };

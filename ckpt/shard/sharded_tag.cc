@@ -68,13 +68,14 @@ class ShardedTagBuilder {
       throw Error(dir() + ": is an expert-parallel MoE (Mixtral) tag (ep " + std::to_string(L.grid.ep) +
                   "); shardkit does not read its optimizer state yet (issue #38); --weights_only reads the model alone");
     CheckModelFiles();
-    // NxD saves the training's optimizer (base and adapters) whatever the model files hold.
-    if (L.has_optimizer && L.format.lora.on() && L.format.lora.saved != LoraSaved::kBaseAndAdapter)
+    // NxD saves the training's optimizer (base and adapters) whatever the model files hold: an
+    // adapter-only tag's lists the base as the training's does (OptimizerParameters).
+    if (L.has_optimizer && L.format.lora.on() && L.format.lora.saved == LoraSaved::kMerged)
       throw Error(dir() + ": is a LoRA tag saved with " + LoraSavedName(L.format.lora.saved) +
                   ": its optimizer files hold the state of the training's parameters (base and adapters), not of the ones its model "
                   "files hold, and shardkit does not re-lay those; --weights_only reads the model alone");
     if (L.has_optimizer)
-      ReadTagOptimizer(*files_, L, t_->params_, manifest_ ? manifest_->optimizer_grouping : std::nullopt, t_->index_, &t_->optimizer_);
+      ReadTagOptimizer(*files_, L, OptimizerParameters(L.format, L.grid.tp), manifest_ ? manifest_->optimizer_grouping : std::nullopt, t_->index_, &t_->optimizer_);
     LearnStep();
     t_->index_.CheckCovered(dir(), t_->params_);
     if (!opts_.trust_first_replica) t_->index_.CompareReplicas(dir(), L.format);

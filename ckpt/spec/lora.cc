@@ -118,6 +118,7 @@ LoraFormat LoraFormatOfConfig(const Value& config, const std::string& where) {
     throw Error(where + ": '" + kLoraConfigKey + "' 'bias' is not 'none': the HF-style Llama has no biases for LoRA to train");
   if (const Value* m = d.Find("modules_to_save"); m && !m->is_none())
     throw Error(where + ": '" + kLoraConfigKey + "' names modules_to_save, whose extra trainable modules shardkit does not lay out");
+  LoraDropoutOfConfig(config, where);  // carried as it is (in the model files), read by peft exports
   const bool base = EntryBool(d, "save_lora_base", where), merge = EntryBool(d, "merge_lora", where);
   // _get_lora_adapter_state_dict: merge_lora counts only with save_lora_base.
   l.saved = !base ? LoraSaved::kAdapterOnly : merge ? LoraSaved::kMerged : LoraSaved::kBaseAndAdapter;
@@ -193,15 +194,30 @@ std::string LoraProblem(const ModelFormat& f) {
 
 std::string LoraHfUnsupported(const ModelFormat& f) {
   if (!f.lora.on() || f.lora.saved != LoraSaved::kAdapterOnly) return "";
-  return "the tag holds LoRA adapters only (" + DescribeLora(f.lora) +
-         "): a Hugging Face model needs the base weights to merge them into, and the tag has none";
+  return "is an adapter-only LoRA tag (" + DescribeLora(f.lora) +
+         "): a Hugging Face model needs the base weights to merge the adapters into, which the tag does not hold; give them with "
+         "--lora_base (an HF folder or a tag of the base model), or write the adapters alone with --format peft";
 }
 
 std::optional<LoraMergeSource> LoraMergeOf(const ModelFormat& f, const std::string& name) {
-  if (!f.lora.on() || f.lora.saved != LoraSaved::kBaseAndAdapter) return std::nullopt;
+  if (f.lora.saved != LoraSaved::kBaseAndAdapter) return std::nullopt;
+  return LoraAdaptersOf(f, name);
+}
+
+std::optional<LoraMergeSource> LoraAdaptersOf(const ModelFormat& f, const std::string& name) {
+  if (!f.lora.on() || f.lora.saved == LoraSaved::kMerged) return std::nullopt;
   const auto [module, leaf] = ModuleAndLeaf(name);
   if (!Targeted(f.lora, module)) return std::nullopt;
   return LoraMergeSource{module + ".base_layer." + leaf, module + ".lora_A.weight", module + ".lora_B." + leaf};
+}
+
+double LoraDropoutOfConfig(const Value& config, const std::string& where) {
+  if (!config.is_dict()) throw Error(where + ": '" + kLoraConfigKey + "' is not a dict");
+  const Value* v = config.as_dict().Find("lora_dropout");
+  if (!v) return 0.0;
+  if (!(v->is_int() || v->is_float()) || !(v->as_float() >= 0 && v->as_float() < 1))
+    throw Error(where + ": '" + kLoraConfigKey + "' 'lora_dropout' is not a number from 0 up to 1");
+  return v->as_float();
 }
 
 std::vector<ParamRule> WithLora(const ModelFormat& f, std::vector<ParamRule> base) {

@@ -70,8 +70,9 @@ std::string DescribeLora(const LoraFormat& l);
 std::string LoraProblem(const ModelFormat& f);
 
 // Why a Hugging Face export of f cannot be written ("" when it can): an
-// adapter-only tag has no base to merge into; a tag holding base and
-// adapters exports merged (LoraMergeOf), the merged mode as it is.
+// adapter-only tag has no base to merge into (unless one is given apart:
+// ckpt-export --lora_base); a tag holding base and adapters exports merged
+// (LoraMergeOf), the merged mode as it is.
 std::string LoraHfUnsupported(const ModelFormat& f);
 
 // The logical tensors whose merge W + scale * B A (LoraLayer.merge,
@@ -87,6 +88,15 @@ struct LoraMergeSource {
 // its merge sources when f holds base and adapters and name's module is a
 // target; nullopt otherwise (the tensor is read as it is).
 std::optional<LoraMergeSource> LoraMergeOf(const ModelFormat& f, const std::string& name);
+// The same sources whenever f holds adapters (base and adapters, or
+// adapters only, whose `base` names a tensor the tag lacks: a peft export
+// or a merge into a base given apart reads it, LoraMergeOf does not).
+std::optional<LoraMergeSource> LoraAdaptersOf(const ModelFormat& f, const std::string& name);
+
+// lora_config's lora_dropout (LoraConfig; what peft's adapter_config.json
+// calls the same), validated: a number in [0, 1); 0 when the entry has none.
+// Throws ckpt::Error naming `where`.
+double LoraDropoutOfConfig(const Value& config, const std::string& where);
 
 // The family's table `base` (LogicalParameters without LoRA) as the tag
 // holds it under f.lora: targets renamed and their adapters after them

@@ -140,6 +140,43 @@ TEST(Lora, MergeSourcesOfATargetedBaseTensor) {
   EXPECT_NE(LoraHfUnsupported(Tiny({"qkv_proj"}, LoraSaved::kAdapterOnly)).find("needs the base weights"), std::string::npos);
 }
 
+TEST(Lora, AnAdapterOnlyTagNamesItsAdaptersButDoesNotMerge) {
+  const ModelFormat f = Tiny({"qkv_proj", "down_proj"}, LoraSaved::kAdapterOnly);
+  EXPECT_FALSE(LoraMergeOf(f, "model.layers.0.self_attn.qkv_proj.weight_q"));  // no base in the tag to merge into
+  const auto q = LoraAdaptersOf(f, "model.layers.0.self_attn.qkv_proj.weight_q");
+  ASSERT_TRUE(q.has_value());
+  EXPECT_EQ(q->b, "model.layers.0.self_attn.qkv_proj.lora_B.weight_q");
+  EXPECT_EQ(LoraAdaptersOf(f, "model.layers.1.mlp.down_proj.weight")->a, "model.layers.1.mlp.down_proj.lora_A.weight");
+  EXPECT_FALSE(LoraAdaptersOf(f, "model.layers.1.mlp.gate_up_proj.weight"));
+  EXPECT_FALSE(LoraAdaptersOf(Tiny({"qkv_proj"}, LoraSaved::kMerged), "model.layers.0.self_attn.qkv_proj.weight_q"));
+  EXPECT_EQ(LoraAdaptersOf(Tiny({"qkv_proj"}, LoraSaved::kBaseAndAdapter), "model.layers.0.self_attn.qkv_proj.weight_v")->b,
+            "model.layers.0.self_attn.qkv_proj.lora_B.weight_v");
+}
+
+// NxD saves the training's optimizer in every mode: an adapter-only tag's lists base and adapters, in module order.
+TEST(Lora, AnAdapterOnlyTagsOptimizerListsTheTraining) {
+  const ModelFormat only = Tiny({"qkv_proj"}, LoraSaved::kAdapterOnly), both = Tiny({"qkv_proj"}, LoraSaved::kBaseAndAdapter);
+  const auto model = LogicalParameters(only, 4), optimizer = OptimizerParameters(only, 4), trained = LogicalParameters(both, 4);
+  ASSERT_EQ(model.size(), 2u * 4);  // per layer: lora_A, lora_B q, k, v
+  ASSERT_EQ(optimizer.size(), trained.size());
+  for (size_t i = 0; i < trained.size(); ++i) EXPECT_EQ(optimizer[i].name, trained[i].name) << i;
+  EXPECT_EQ(OptimizerParameters(both, 4).size(), trained.size());
+  const ModelFormat merged = Tiny({"qkv_proj"}, LoraSaved::kMerged);
+  EXPECT_EQ(OptimizerParameters(merged, 4).size(), LogicalParameters(merged, 4).size());
+}
+
+TEST(Lora, ReadsLoraDropout) {
+  EXPECT_EQ(LoraDropoutOfConfig(ShippedConfig(), "f.pt"), 0.05);
+  Value c = ShippedConfig();
+  c.as_dict().Set("lora_dropout", 0);
+  EXPECT_EQ(LoraDropoutOfConfig(c, "f.pt"), 0.0);
+  for (Value bad : {Value(1.5), Value(-0.1), Value("0.1")}) {
+    c.as_dict().Set("lora_dropout", bad);
+    EXPECT_NE(ErrorOf([&] { LoraFormatOfConfig(c, "f.pt"); }).find("f.pt: 'lora_config' 'lora_dropout' is not a number from 0 up to 1"),
+              std::string::npos);
+  }
+}
+
 TEST(Lora, DescribesItself) {
   EXPECT_EQ(DescribeLora(Tiny({"qkv_proj", "o_proj"}, LoraSaved::kBaseAndAdapter).lora),
             "LoRA rank 16, alpha 32 (scale 2) on qkv_proj, o_proj; base and adapters");

@@ -203,6 +203,13 @@ ModelFormat ModelFormat::FromJson(const nlohmann::json& j, const std::string& wh
   return f;
 }
 
+std::vector<ParamRule> OptimizerParameters(const ModelFormat& f, int tp) {
+  if (!f.lora.on() || f.lora.saved != LoraSaved::kAdapterOnly) return LogicalParameters(f, tp);
+  ModelFormat trained = f;
+  trained.lora.saved = LoraSaved::kBaseAndAdapter;
+  return LogicalParameters(trained, tp);
+}
+
 std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp) {
   if (f.family == ModelFamily::kHfLlama) return WithLora(f, HfLlamaParameters(f, tp));
   const int64_t H = f.hidden, F = f.ffn, hd = f.head_dim(), V = f.PaddedVocab(tp);

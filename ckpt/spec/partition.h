@@ -188,6 +188,13 @@ HeadSplit KvReplicationOf(const ModelFormat& f);
 
 // Every logical parameter in module (state-dict) order, vocab padded for `tp`.
 std::vector<ParamRule> LogicalParameters(const ModelFormat& f, int tp = 1);
+// The parameters a tag's optimizer files list, in their order: f's
+// LogicalParameters, but the training's (base and adapters) for an
+// adapter-only LoRA tag: NxD saves the same optimizer file in every save
+// mode (trainer/checkpoint.py save_checkpoint saves optimizer.state_dict()
+// whatever _get_lora_adapter_state_dict left out), whose param_groups list
+// the frozen base and whose state holds the adapters'.
+std::vector<ParamRule> OptimizerParameters(const ModelFormat& f, int tp = 1);
 
 // The runs (ckpt/spec/shard_spec.h: `count` indices along the split dim from
 // local index `local` are logical indices from `logical`) of tp rank `rank`
