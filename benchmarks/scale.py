@@ -32,8 +32,19 @@ its time against two limits measured right after it on the same bytes:
 Then least-squares fits: time against bytes moved (read + written) per
 command, and peak RSS against the source's size; and, from them, the 405B
 tag's (405e9 parameters at 14 bytes: about 5.7 TB read and written) time and
-peak memory on this disk. A size whose files do not fit the free disk
-(source, HF folder, outputs, scratch) is skipped, and said so.
+peak memory on this disk.
+
+Disk: each job's output is deleted as soon as it is measured (and, for the
+optimizer tag, verified), before its dd and cp limits run; the HF folder once
+the last import from it is measured; each tag once its jobs are. A dry pass
+over the same steps, with estimated sizes, finds the most bytes alive at once
+(the scratch file included), and a size that does not fit the free disk is
+skipped, and said so. That peak is about 4.4 times the bf16 model for a
+weights size (the HF folder, the HF-style tag, the scratch file and dd's
+output at once: 7B (5.9e9 parameters) needs about 49 GiB, 1B 8.4 GiB) and 4
+times the optimizer tag (the tag, its .h5 export, the scratch file and dd's
+output: 1B needs about 61 GiB). --keep keeps the HF folders and tags (outputs are
+still deleted), and the need counts them.
 """
 import argparse
 import json
@@ -45,7 +56,7 @@ import tempfile
 import time
 
 from bench_util import settle
-from reshard import parse_size
+from reshard import BYTES_PER_PARAM, model_params, parse_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = "/usr/bin/python3"
@@ -96,8 +107,8 @@ def tree_bytes(root):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
 
 
-def params(hidden, ffn, layers):
-    kvw = hidden // HEADS * KV
+def params(hidden, ffn, layers, kv=KV):
+    kvw = hidden // HEADS * kv
     return 2 * VOCAB * hidden + layers * (2 * hidden * hidden + 2 * kvw * hidden + 3 * hidden * ffn + 2 * hidden) + hidden
 
 
@@ -152,6 +163,33 @@ class Bench:
         self.engine = ["--memory_budget", a.memory_budget] + (["--threads", str(a.threads)] if a.threads else [])
         self.scratch = os.path.join(work, "scratch")
         self.rows = []  # (size label, tag kind, command, source bytes, seconds, rss, read, written, dd s, cp s)
+        self.dry = None  # a dry pass's {path: estimated bytes} alive on disk, or None when running
+
+    def dry_peak(self, steps):
+        """The most bytes beyond what is on disk now that `steps()` (a size's) holds at once, from estimated sizes."""
+        self.dry = {self.scratch: os.path.getsize(self.scratch) if os.path.exists(self.scratch) else 0}
+        self.peak = now = sum(self.dry.values())
+        try:
+            steps()
+        finally:
+            self.dry = None
+        return self.peak - now
+
+    def made(self, path, nbytes):
+        """Dry pass: `path` now holds `nbytes`."""
+        self.dry[path] = nbytes
+        self.peak = max(self.peak, sum(self.dry.values()))
+
+    def remove(self, path, is_input=False):
+        """Deletes a file or folder; an input (HF folder, tag) stays with --keep."""
+        if is_input and self.a.keep:
+            return
+        if self.dry is not None:
+            self.dry.pop(path, None)
+        elif os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
 
     def scratch_file(self, nbytes):
         """A file of at least `nbytes` for dd to read."""
@@ -160,10 +198,26 @@ class Bench:
             subprocess.run(["dd", "if=/dev/urandom", f"of={self.scratch}", "bs=4M", f"count={-(-nbytes // (4 << 20))}", "oflag=direct"],
                            check=True, stderr=subprocess.DEVNULL)
 
-    def job(self, label, kind, command, argv, src, out):
+    def job(self, label, kind, command, argv, src, out, estimate, keep=False, check=None):
+        """Runs `command` from a cold cache and measures it, then its dd and cp limits. Its output
+        (`estimate` bytes in a dry pass) is deleted once measured and `check(out)` ran, unless `keep`."""
+        if self.dry is not None:
+            src_bytes = self.dry[src]
+            self.made(out, estimate)
+            if not keep:
+                self.remove(out)
+            self.made(self.scratch, max(self.dry[self.scratch], src_bytes))
+            for scratch, nbytes in (("dd.out", estimate), ("copy", src_bytes)):
+                self.made(scratch, nbytes)
+                self.remove(scratch)
+            return out
         settle(out)
         secs, rss, rd, wr = run([self.bin(command), *map(str, argv)])
         src_bytes, out_bytes = tree_bytes(src), tree_bytes(out)
+        if check:
+            check(out)
+        if not keep:
+            self.remove(out)
         self.scratch_file(src_bytes)
         dd = dd_limit(self.scratch, src_bytes, out_bytes, os.path.join(self.work, "dd.out"))
         cp = cp_limit(src, self.work)
@@ -176,41 +230,56 @@ class Bench:
 
     def weights(self, label):
         hidden, ffn, layers = SIZES[label]
+        # bf16 bytes: the HF folder, Megatron-style tag, outputs and exports; the HF-style tag holds its KV heads 4 times.
+        model, hf_tag = 2 * params(hidden, ffn, layers), 2 * params(hidden, ffn, layers, kv=KV * 4)
         d = os.path.join(self.work, label)
-        os.makedirs(d)
         hf = os.path.join(d, "hf_folder")
-        subprocess.run([PY, "-c", GEN_HF, hf, str(hidden), str(ffn), str(layers), str(HEADS), str(KV), str(VOCAB)], check=True)
+        if self.dry is None:
+            os.makedirs(d)
+            subprocess.run([PY, "-c", GEN_HF, hf, str(hidden), str(ffn), str(layers), str(HEADS), str(KV), str(VOCAB)], check=True)
+        else:
+            self.made(hf, model)
         hf_args = ["--format", "hf", "--model_source", "hf", "--fuse_qkv", "true", "--qkv_linear", "true", "--kv_size_multiplier", "4",
                    "--tp", 32, "--pp", 1, "--save_xser"]
         meg_args = ["--format", "hf", "--tp", 4, "--pp", 1, "--save_xser"]
-        for kind, args, reshard in [("hf", hf_args, ["--out_kv_size_multiplier", 1]), ("megatron", meg_args, [])]:
-            tag = self.job(label, kind, "ckpt-import", [hf, os.path.join(d, kind), *args, *self.engine], hf, os.path.join(d, kind))
-            out = self.job(label, kind, "ckpt-reshard", [tag, os.path.join(d, "out"), "--tp", 8, "--pp", 4, *reshard, *self.engine], tag,
-                           os.path.join(d, "out"))
-            shutil.rmtree(out)
-            out = self.job(label, kind, "ckpt-export", [tag, os.path.join(d, "export"), "--format", "hf", "--memory_budget",
-                                                        self.a.memory_budget], tag, os.path.join(d, "export"))
-            shutil.rmtree(out)
-        shutil.rmtree(d)
+        for kind, args, reshard, tag_bytes in [("hf", hf_args, ["--out_kv_size_multiplier", 1], hf_tag), ("megatron", meg_args, [], model)]:
+            tag = self.job(label, kind, "ckpt-import", [hf, os.path.join(d, kind), *args, *self.engine], hf, os.path.join(d, kind), tag_bytes,
+                           keep=True)
+            if kind == "megatron":
+                self.remove(hf, is_input=True)  # its last import is measured
+            self.job(label, kind, "ckpt-reshard", [tag, os.path.join(d, "out"), "--tp", 8, "--pp", 4, *reshard, *self.engine], tag,
+                     os.path.join(d, "out"), model)
+            self.job(label, kind, "ckpt-export", [tag, os.path.join(d, "export"), "--format", "hf", "--memory_budget", self.a.memory_budget],
+                     tag, os.path.join(d, "export"), model)
+            self.remove(tag, is_input=True)
+        self.remove(d, is_input=True)
 
     def optimizer(self, label):
         hidden, ffn, layers = SIZES[label]
+        optim = model_params(hidden, layers, 8) * BYTES_PER_PARAM  # the tag's and its exports' bytes
         d = os.path.join(self.work, label + "_optim")
-        os.makedirs(d)
         tag = os.path.join(d, "tag")
-        # reshard.py's generator: NxD's Megatron-style tag with ZeRO-1 AdamW state and fp32 masters, hidden from its table.
-        subprocess.run([PY, os.path.join(HERE, "reshard.py"), "--generate", tag, str(hidden), str(layers), "8", "1", "2"], check=True)
+        if self.dry is None:
+            os.makedirs(d)
+            # reshard.py's generator: NxD's Megatron-style tag with ZeRO-1 AdamW state and fp32 masters, hidden from its table.
+            subprocess.run([PY, os.path.join(HERE, "reshard.py"), "--generate", tag, str(hidden), str(layers), "8", "1", "2"], check=True)
+        else:
+            self.made(tag, optim)
         kind = "optimizer"
-        out = self.job(label, kind, "ckpt-reshard", [tag, os.path.join(d, "out"), "--tp", 8, "--pp", 4, "--dp", 1, "--zero1",
-                                                     *OPTIM_HINTS, *self.engine], tag, os.path.join(d, "out"))
-        v = subprocess.run([self.bin("ckpt-verify"), out, "--against", tag], capture_output=True, text=True)
-        print(f"      ckpt-verify --against: {'equal' if v.returncode == 0 else 'DIFFERS: ' + v.stdout[-500:] + v.stderr[-500:]}")
-        shutil.rmtree(out)
+
+        def verify(out):
+            v = subprocess.run([self.bin("ckpt-verify"), out, "--against", tag, *map(str, OPTIM_HINTS)], capture_output=True, text=True)
+            print(f"      ckpt-verify --against: {'equal' if v.returncode == 0 else 'DIFFERS: ' + v.stdout[-500:] + v.stderr[-500:]}")
+
+        self.job(label, kind, "ckpt-reshard", [tag, os.path.join(d, "out"), "--tp", 8, "--pp", 4, "--dp", 1, "--zero1", *OPTIM_HINTS,
+                                               *self.engine], tag, os.path.join(d, "out"), optim, check=verify)
         h5 = self.job(label, kind, "ckpt-export", [tag, os.path.join(d, "state.h5"), *OPTIM_HINTS, "--memory_budget", self.a.memory_budget], tag,
-                      os.path.join(d, "state.h5"))
-        out = self.job(label, kind, "ckpt-import", [h5, os.path.join(d, "out"), "--tp", 8, "--pp", 1, "--dp", 2, "--zero1", *self.engine], h5,
-                       os.path.join(d, "out"))
-        shutil.rmtree(d)
+                      os.path.join(d, "state.h5"), optim, keep=True)
+        self.remove(tag, is_input=True)
+        self.job(label, kind, "ckpt-import", [h5, os.path.join(d, "out"), "--tp", 8, "--pp", 1, "--dp", 2, "--zero1", *self.engine], h5,
+                 os.path.join(d, "out"), optim)
+        self.remove(h5, is_input=True)
+        self.remove(d, is_input=True)
 
     def report(self):
         print("\nfits (least squares over every job above):")
@@ -241,7 +310,7 @@ def main():
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--threads", type=int, default=0, help="--threads of the tools (default: theirs, every core)")
     ap.add_argument("--memory_budget", default="512M")
-    ap.add_argument("--keep", action="store_true", help="leave the work folder")
+    ap.add_argument("--keep", action="store_true", help="leave the work folder, its HF folders and tags (job outputs are deleted)")
     a = ap.parse_args()
     sizes = [s for s in a.sizes.split(",") if s]
     optim = [s for s in a.optimizer_sizes.split(",") if s]
@@ -256,8 +325,7 @@ def main():
     try:
         for label, kind in [(s, "weights") for s in sizes] + [(s, "optimizer") for s in optim]:
             p = params(*SIZES[label])
-            # Weights: HF folder, two tags, an output and an export at once, the dd scratch and copy: ~7x the bf16 model.
-            need = p * 2 * 7 if kind == "weights" else p * 14 * 4 + p * 14
+            need = b.dry_peak(lambda: b.weights(label) if kind == "weights" else b.optimizer(label))
             free = shutil.disk_usage(work).free
             if need > free:
                 print(f"skipped {label} ({kind}): needs about {need / 2**30:.0f} GiB of disk, {a.dir} has {free / 2**30:.0f} GiB free")

@@ -76,6 +76,22 @@ ckpt::OpenedSource OpenLoraBase(ckpt::Env* env, const std::string& path, const s
   return base;
 }
 
+// Throws ckpt::Error naming the tensor when `tag` records fingerprints its parameters no
+// longer match. From what the export read (`read`) when that covers each parameter once;
+// else (merged LoRA adapters, --bin's second pass, peft) from a pass of its own.
+void CheckWhatWasRead(const ckpt::LogicalState& tag, const ckpt::FingerprintCollector& read, size_t chunk) {
+  if (!tag.recorded_fingerprints()) return;
+  std::vector<ckpt::LogicalTensor> params = ckpt::LogicalTensors(tag);
+  std::erase_if(params, [](const ckpt::LogicalTensor& t) { return t.field != ckpt::StateField::kParam; });
+  ckpt::TensorFingerprints computed;
+  try {
+    computed = read.Finish(params);
+  } catch (const ckpt::Error&) {
+    return ckpt::CheckRecordedFingerprints(tag, chunk, ckpt::StateField::kParam);
+  }
+  ckpt::CheckRecordedFingerprints(tag, computed);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -157,11 +173,13 @@ int main(int argc, char** argv) {
       if (hf) {
         if (const std::string why = ckpt::HfUnsupported(state->layout().format); !why.empty()) throw ckpt::Error(tag + ": " + why);
         if (const std::string why = ckpt::LoraHfUnsupported(state->layout().format); !why.empty() && format != "peft") throw ckpt::Error(tag + ": " + why);
-        // As the HDF5 export and reshard do: a source must still hold what its manifest recorded.
-        ckpt::CheckRecordedFingerprints(*opened.state, block, ckpt::StateField::kParam);
         env->CreateDirs(partial);
-        const tools::HfExportOptions ho{.max_shard_size = shard_size, .chunk = block, .bin = bin, .full_state = format == "full_state"};
+        ckpt::FingerprintCollector read;
+        const tools::HfExportOptions ho{.max_shard_size = shard_size, .chunk = block, .bin = bin, .full_state = format == "full_state",
+                                        .fingerprints = state == opened.state.get() && state->recorded_fingerprints() ? &read : nullptr};
         const tools::HfExportSummary s = format == "peft" ? tools::WritePeftFolder(*state, partial, ho, env) : tools::WriteHfFolder(*state, partial, ho, env);
+        // As the HDF5 export and reshard do: a source must still hold what its manifest recorded, before the output is published.
+        CheckWhatWasRead(*opened.state, read, block);
         env->SyncDir(partial);
         check.Wait(log);
         const std::string old = dir + "/." + p.filename().string() + ".ckpt-export-old";

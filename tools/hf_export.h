@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "ckpt/util/env.h"
+#include "ckpt/shard/fingerprint.h"
 #include "ckpt/shard/logical_state.h"
 #include "ckpt/spec/model_family.h"
 
@@ -68,6 +69,12 @@ struct HfExportOptions {
   // (w1 (H, I)); ckpt-import refuses such a file by its shapes, which cannot
   // tell the two apart when I == H.
   bool full_state = false;
+  // When set, every logical byte read as it is (not merged with LoRA
+  // adapters) is summed into it as it passes, so the caller checks the
+  // source's recorded fingerprints from the pass that wrote, not from a pass
+  // of its own. A tensor read twice (--bin) or merged leaves it partial or
+  // doubled, which FingerprintCollector::Finish reports.
+  ckpt::FingerprintCollector* fingerprints = nullptr;
 };
 
 struct HfExportSummary {

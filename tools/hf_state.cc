@@ -251,8 +251,11 @@ void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, 
   const auto& ps = pieces_.at(name);
   const uint64_t width = static_cast<uint64_t>(ps.front().spec->width), end = begin + out.size() / es;
   std::memset(out.data(), 0, out.size());  // rows no piece holds: vocab padding
-  std::lock_guard<std::mutex> lock(mu_);
   for (const Piece& p : ps) {
+    // Only the transposed matrices held (transposed_) need the lock; a plain piece is read
+    // without it, so the writing threads fault in (read from disk) different pieces at once.
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    if (p.step != 1 || p.spec->transpose) lock.lock();
     if (p.step != 1) {
       ReadStepped(p, begin, out);
       continue;

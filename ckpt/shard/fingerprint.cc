@@ -161,8 +161,12 @@ std::vector<FingerprintMismatch> RecordedMismatches(const TensorFingerprints& re
 }
 
 void CheckRecordedFingerprints(const LogicalState& tag, size_t chunk, std::optional<StateField> only) {
+  if (tag.recorded_fingerprints()) CheckRecordedFingerprints(tag, ComputeFingerprints(tag, chunk, only));
+}
+
+void CheckRecordedFingerprints(const LogicalState& tag, const TensorFingerprints& computed) {
   if (!tag.recorded_fingerprints()) return;
-  const auto bad = RecordedMismatches(*tag.recorded_fingerprints(), ComputeFingerprints(tag, chunk, only));
+  const auto bad = RecordedMismatches(*tag.recorded_fingerprints(), computed);
   if (!bad.empty())
     throw Error(tag.path() + ": " + bad[0].tensor + " " + bad[0].field + " reads with fingerprint " + CrcHex(bad[0].computed.crc32) +
                 ", but its manifest records " + CrcHex(bad[0].recorded.crc32) + ": its data changed since it was written");

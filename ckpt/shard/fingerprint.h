@@ -80,5 +80,8 @@ std::vector<FingerprintMismatch> RecordedMismatches(const TensorFingerprints& re
 // Throws ckpt::Error naming the tensor when `tag` records fingerprints and its
 // data (the parameters, or every field) no longer match them.
 void CheckRecordedFingerprints(const LogicalState& tag, size_t chunk, std::optional<StateField> only = std::nullopt);
+// The same check of fingerprints computed elsewhere (from the pass that
+// exported the tag): throws when a field both hold differs.
+void CheckRecordedFingerprints(const LogicalState& tag, const TensorFingerprints& computed);
 
 }  // namespace ckpt
