@@ -33,22 +33,18 @@ std::vector<float> ExpertAligned(const MoeActivations& a, const Blocks& b, int64
   return aligned;
 }
 
-// After the first all-to-all, `received` is [ep, E/ep, C, H]; the local
-// experts' rows [E/ep, ep * C, H] (source rank by source rank), and back.
-std::vector<float> ByLocalExpert(const std::vector<float>& received, const Blocks& b) {
-  std::vector<float> rows(received.size());
+// After the first all-to-all the rows lie [ep, E/ep, C, H] (source rank
+// first); the local experts run on [E/ep, ep * C, H] (source rank by source
+// rank within each expert). Reorders `in` from the one to the other
+// (`by_expert`) or back.
+std::vector<float> Reordered(const std::vector<float>& in, const Blocks& b, bool by_expert) {
+  std::vector<float> out(in.size());
   const size_t slab = static_cast<size_t>(b.capacity * b.hidden);
   for (int src = 0; src < b.ranks; ++src)
-    for (int64_t le = 0; le < b.local_experts; ++le)
-      std::copy_n(&received[(src * b.local_experts + le) * slab], slab, &rows[(le * b.ranks + src) * slab]);
-  return rows;
-}
-std::vector<float> BySourceRank(const std::vector<float>& rows, const Blocks& b) {
-  std::vector<float> out(rows.size());
-  const size_t slab = static_cast<size_t>(b.capacity * b.hidden);
-  for (int src = 0; src < b.ranks; ++src)
-    for (int64_t le = 0; le < b.local_experts; ++le)
-      std::copy_n(&rows[(le * b.ranks + src) * slab], slab, &out[(src * b.local_experts + le) * slab]);
+    for (int64_t le = 0; le < b.local_experts; ++le) {
+      const size_t by_source = (src * b.local_experts + le) * slab, by_local = (le * b.ranks + src) * slab;
+      std::copy_n(&in[by_expert ? by_source : by_local], slab, &out[by_expert ? by_local : by_source]);
+    }
   return out;
 }
 
@@ -67,14 +63,14 @@ void ExpertParallelForward(float* out, MoeActivations* acts, ExpertExchangeCache
   MoeRoute(acts, x, w, s, o);  // dispatch with C of this rank's tokens, as NxD's forward_capacity_factor
   const std::vector<float> send = ExpertAligned(*acts, b, s.experts, [&](int64_t e, size_t j) { return x + acts->experts[e].tokens[j] * H; });
   cache->capacity = C;
-  cache->rows = ByLocalExpert(Exchange(send, b, ep), b);
+  cache->rows = Reordered(Exchange(send, b, ep), b, true);
   cache->local.assign(b.local_experts, {});
   std::vector<float> outputs(cache->rows.size());
   for (int64_t le = 0; le < b.local_experts; ++le) {
     ExpertMlpForward(&cache->local[le], &cache->rows[le * n * H], n, w.gate_up + le * H * 2 * I, w.down + le * I * H, H, I);
     std::copy(cache->local[le].out.begin(), cache->local[le].out.end(), &outputs[le * n * H]);
   }
-  const std::vector<float> returned = Exchange(BySourceRank(outputs, b), b, ep);  // [E, C, H]: my tokens' outputs
+  const std::vector<float> returned = Exchange(Reordered(outputs, b, false), b, ep);  // [E, C, H]: my tokens' outputs
   for (int64_t e = 0; e < s.experts; ++e) {
     MoeExpertBatch& mine = acts->experts[e];
     mine.out.assign(&returned[e * C * H], &returned[e * C * H] + mine.tokens.size() * H);
@@ -90,12 +86,12 @@ void ExpertParallelBackward(float* dx, const MoeGrads& g, const float* dout, con
   std::vector<float> dcombine(T * E, 0.0f);
   std::vector<std::vector<float>> dy(E);
   for (int64_t e = 0; e < E; ++e) MoeCombineBackward(&dy[e], &dcombine, e, dout, acts, s);
-  const std::vector<float> dy_rows = ByLocalExpert(Exchange(ExpertAligned(acts, b, E, [&](int64_t e, size_t j) { return &dy[e][j * H]; }), b, ep), b);
+  const std::vector<float> dy_rows = Reordered(Exchange(ExpertAligned(acts, b, E, [&](int64_t e, size_t j) { return &dy[e][j * H]; }), b, ep), b, true);
   std::vector<float> dx_rows(dy_rows.size());
   for (int64_t le = 0; le < b.local_experts; ++le)
     ExpertMlpBackward(&dx_rows[le * n * H], g.gate_up + le * H * 2 * I, g.down + le * I * H, &dy_rows[le * n * H], &cache.rows[le * n * H],
                       cache.local[le], n, w.gate_up + le * H * 2 * I, w.down + le * I * H, H, I);
-  const std::vector<float> returned = Exchange(BySourceRank(dx_rows, b), b, ep);  // [E, C, H]: my tokens' input gradients
+  const std::vector<float> returned = Exchange(Reordered(dx_rows, b, false), b, ep);  // [E, C, H]: my tokens' input gradients
   std::fill_n(dx, T * H, 0.0f);
   for (int64_t e = 0; e < E; ++e)
     for (size_t j = 0; j < acts.experts[e].tokens.size(); ++j) {
