@@ -9,7 +9,7 @@
   backward, and the forward again under activations_checkpoint_granularity 'full'), each (ep - 1) blocks of
   E / ep experts' C slots of hidden floats.
 - Checkpoints and resume at ep > 1 (NxD's dp_rank_XX_ep_rank_EE_ files) are not built and are refused by name, as
-  is an ep that does not divide dp.
+  are an ep that does not divide dp and ep > 1 on a dense model.
 """
 import json
 import math
@@ -17,6 +17,7 @@ import os
 import re
 import unittest
 
+import trainer_refuses  # HF_CONFIG, a dense Llama's config.json
 import train_moe  # its set-up and helpers (imported as a module: its tests run in their own file)
 from train_moe import CONFIGS
 from train_resume import losses
@@ -87,6 +88,9 @@ class TrainMoeEp(train_moe.TrainMoe):
              r"exp_manager\.resume_if_exists: \S*resume/checkpoints/\S+\.ckpt: resuming at distributed_strategy\.expert_model_parallel_size > 1"),
             (self.argv(CONFIGS[0], "from", NO_CKPT, "exp_manager.resume_from_checkpoint=x", devices=2) + [f"{EP}=2"], 2,
              re.escape("exp_manager.resume_from_checkpoint: resuming at distributed_strategy.expert_model_parallel_size > 1")),
+            (self.argv(CONFIGS[0], "dense", NO_CKPT, "name=hf_llama", "exp_manager.name=hf_llama", devices=2) +
+             [f"model.model_config={trainer_refuses.HF_CONFIG}", f"{EP}=2"], 2,
+             re.escape("distributed_strategy.expert_model_parallel_size: expert parallel degree 2 needs an MoE model")),
             (self.argv(CONFIGS[0], "ep3", NO_CKPT, devices=2) + [f"{EP}=3"], 2,
              re.escape("distributed_strategy.expert_model_parallel_size: 3 does not divide the data-parallel size 2")),
         ]
