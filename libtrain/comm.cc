@@ -149,6 +149,17 @@ void Comm::AllGather(const float* in, float* out, size_t block) {
   ckpt::CheckMpi(MPI_Allgather(in, static_cast<int>(block), MPI_FLOAT, out, static_cast<int>(block), MPI_FLOAT, Handle(comm_)), "allgather");
 }
 
+void Comm::AllToAll(const float* in, float* out, size_t block) {
+  if (size_ == 1) {
+    std::copy(in, in + block, out);
+    return;
+  }
+  if (block > kMaxCount) throw ckpt::Error("all-to-all block of " + std::to_string(block) + " floats is larger than MPI's count");
+  MutableStats().alltoall_floats += block * (size_ - 1);
+  Timed timed(block * size_);
+  ckpt::CheckMpi(MPI_Alltoall(in, static_cast<int>(block), MPI_FLOAT, out, static_cast<int>(block), MPI_FLOAT, Handle(comm_)), "alltoall");
+}
+
 void Comm::Send(const float* x, size_t n, int peer, int tag) {
   if (!comm_) throw ckpt::Error("internal: point-to-point send on a one-rank communicator");
   if (n > kMaxCount) throw ckpt::Error("a message of " + std::to_string(n) + " floats is larger than MPI's count");
@@ -206,6 +217,8 @@ ParallelComms MakeParallelComms(const ckpt::RankGrid& grid, const std::string& w
   pc.tp = world.Group(grid.Group(world.rank(), {ckpt::Axis::kTp}));
   pc.dp = world.Group(grid.Group(world.rank(), {ckpt::Axis::kDp}));
   pc.pp = world.Group(grid.Group(world.rank(), {ckpt::Axis::kPp}));
+  pc.ep = world.Group(grid.ExpertGroup(world.rank(), ckpt::ExpertAxis::kEp));
+  pc.expert_dp = world.Group(grid.ExpertGroup(world.rank(), ckpt::ExpertAxis::kExpertDp));
   return pc;
 }
 

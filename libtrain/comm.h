@@ -21,10 +21,11 @@ namespace train {
 // the traffic count: seconds inside collectives, seconds blocked in Recv
 // (waiting for a pipeline neighbour and the transfer), and the floats handed
 // over: a collective's input (all-reduce n, reduce-scatter size*block,
-// all-gather block) and each sent message.
+// all-gather block, all-to-all size*block) and each sent message; and the
+// floats all-to-alls sent to other ranks ((size - 1) * block each).
 struct CommStats {
   double collective_seconds = 0, recv_wait_seconds = 0;
-  uint64_t collective_floats = 0, sent_floats = 0;
+  uint64_t collective_floats = 0, sent_floats = 0, alltoall_floats = 0;
 };
 
 class Comm {
@@ -63,6 +64,9 @@ class Comm {
   void ReduceScatterSum(const float* in, float* out, size_t block);
   // Every rank's `block` floats from `in`, in rank order, into `out`.
   void AllGather(const float* in, float* out, size_t block);
+  // `in` holds size() blocks of `block` floats; block r goes to rank r, and
+  // out's block q is what rank q sent this rank (MPI_Alltoall).
+  void AllToAll(const float* in, float* out, size_t block);
   // Point to point (pipeline stages): Send copies `x` and returns at once
   // (MPI_Isend; so two neighbours sending to each other never deadlock);
   // Recv blocks until the message from `peer` with `tag` has arrived in x[n].
@@ -89,6 +93,11 @@ struct ParallelComms {
   ckpt::RankCoord coord;
   Comm* world = nullptr;
   std::unique_ptr<Comm> tp, dp, pp;
+  // Expert parallelism (grid.ep > 1): the ep group, which exchanges tokens,
+  // and the expert-data-parallel group, which sums expert gradients
+  // (ckpt::RankGrid::ExpertGroup); at ep 1 the ep group is this rank alone
+  // and the expert-dp group the dp group.
+  std::unique_ptr<Comm> ep, expert_dp;
 };
 // Checks that the world communicator has exactly grid.world_size() ranks
 // (throws ckpt::Error naming both, and `where`) and makes the groups.

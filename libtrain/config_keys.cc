@@ -98,7 +98,7 @@ const std::vector<KeyRule>& Table() {
        "distributed_strategy.pipeline_model_parallel_size"},
       {"distributed_strategy.context_parallel_size", U::kRefused, "context parallelism (the sequence split over ranks, ring attention)",
        {"1"}},
-      {"distributed_strategy.expert_model_parallel_size", U::kRefused, "expert parallelism (mixture of experts)", {"1"}},
+      {"distributed_strategy.expert_model_parallel_size", U::kRead, "", {}},
       {"distributed_strategy.token_shuffle_group_size", U::kRefused, "mixture-of-experts token shuffling", {"1"}},
       // data
       {"data.micro_batch_size", U::kRead, "", {}},

@@ -46,13 +46,14 @@ ckpt::ModelFormat ModelConfig::format(int tp) const {
 
 Model::~Model() = default;
 
-Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage& pp)
-    : c_(c), tp_(tp), pp_(pp), format_(c.format(tp.size)), logical_(ckpt::LogicalParameters(format_, tp.size)) {
+Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage& pp, const ExpertParallel& ep)
+    : c_(c), tp_(tp), pp_(pp), ep_(ep), format_(c.format(tp.size)), logical_(ckpt::LogicalParameters(format_, tp.size)) {
   if (c.hidden % c.heads) throw ckpt::Error("hidden_size must be divisible by num_attention_heads");
   if (c.heads % c.kv_heads) throw ckpt::Error("num_attention_heads must be divisible by num_kv_heads");
   if (c.learned_positions && c.max_positions < 1) throw ckpt::Error("learned position embeddings need max_position_embeddings");
   if (const std::string why = format_.CheckTensorParallel(tp.size); !why.empty()) throw ckpt::Error(why);
   if (format_.moe()) CheckMoe();
+  if (const std::string why = format_.CheckExpertParallel(ep.size); !why.empty()) throw ckpt::Error(why);
   if (c.vocab % tp.size)
     throw ckpt::Error("tensor parallel degree " + std::to_string(tp.size) + " does not divide the padded vocabulary (" +
                       std::to_string(c.vocab) + ")");
@@ -102,7 +103,11 @@ Model::Model(const ModelConfig& c, const TensorParallel& tp, const PipelineStage
   // Every parameter (and its gradient) is a view into one flat buffer, in module order.
   int64_t total = 0;
   std::vector<std::vector<int64_t>> shapes;
-  for (const auto& p : layout_) shapes.push_back(ckpt::LocalShape(p, format_, tp.size, tp.rank)), total += ckpt::ShapeNumel(shapes.back());
+  for (const auto& p : layout_) {
+    const bool expert = p.split == ckpt::SplitDim::kExperts;
+    shapes.push_back(expert ? ckpt::LocalShapeOf(p.spec, ExpertCoords()) : ckpt::LocalShape(p, format_, tp.size, tp.rank));
+    total += ckpt::ShapeNumel(shapes.back());
+  }
   const size_t bytes = static_cast<size_t>(total) * sizeof(float);
   flat_params_ = ckpt::Storage::Allocate(bytes), flat_grads_ = ckpt::Storage::Allocate(bytes);
   int64_t at = 0;
@@ -652,11 +657,22 @@ void Model::LayerForward(int l, LayerCache& lc, float* out) {
 
 void Model::CopyExpertBoxes(float* local, const std::vector<int64_t>& local_shape, const float* whole, const ckpt::ParamRule& p) const {
   const int64_t S1 = p.shape[1], S2 = p.shape[2], L1 = local_shape[1], L2 = local_shape[2];
-  for (const ckpt::Box& b : ckpt::BoxesOf(p.spec, ckpt::AxisCoords::Tp(tp_.size, tp_.rank)))
+  for (const ckpt::Box& b : ckpt::BoxesOf(p.spec, ExpertCoords()))
     for (int64_t e = 0; e < b.size[0]; ++e)
       for (int64_t i = 0; i < b.size[1]; ++i)
         std::copy_n(whole + ((b.offset[0] + e) * S1 + b.offset[1] + i) * S2 + b.offset[2], b.size[2],
                     local + ((b.local[0] + e) * L1 + b.local[1] + i) * L2 + b.local[2]);
+}
+
+ckpt::AxisCoords Model::ExpertCoords() const {
+  ckpt::AxisCoords at = ckpt::AxisCoords::Tp(tp_.size, tp_.rank);
+  at[ckpt::Axis::kEp] = {ep_.size, ep_.rank};
+  return at;
+}
+
+bool Model::IsExpertWeight(const std::string& name) const {
+  const auto at = index_.find(name);
+  return at != index_.end() && layout_[at->second].split == ckpt::SplitDim::kExperts;
 }
 
 // Both styles' MoE layers compute alike (NxDT's MixtralForCausalLM and NeuronSwitchMLP build NxD's
@@ -681,7 +697,8 @@ MoeOptions Model::MoeOptionsOf() const {
 void Model::MoeMlpForward(int l, LayerCache& lc, float* mlp_out) {
   const MoeWeights w{W(Name(Module::kRouter, l)), W(Name(Module::kExpertsIn, l)), W(Name(Module::kExpertsOut, l))};
   std::vector<float> whole(B_ * T_ * c_.hidden);
-  MoeForward(whole.data(), &lc.moe, lc.ln2.data(), w, MoeShapeOf(), MoeOptionsOf());
+  if (ep_.size > 1) ExpertParallelForward(whole.data(), &lc.moe, &lc.moe_ep, lc.ln2.data(), w, MoeShapeOf(), MoeOptionsOf(), ep_);
+  else MoeForward(whole.data(), &lc.moe, lc.ln2.data(), w, MoeShapeOf(), MoeOptionsOf());
   ReduceRows(whole.data(), mlp_out);
 }
 
@@ -693,7 +710,8 @@ void Model::MoeMlpBackward(int l, LayerCache& lc, const Activations& a, const fl
   // (reduce_dln, ReduceReplicaGrads); the auxiliary loss's part is added on one rank only.
   const bool aux_here = c_.router_aux_loss_coef != 0 && tp_.rank == 0;
   const std::vector<double> aux = aux_here ? MoeAuxAffinityGrad(a.moe_aux, c_.router_aux_loss_coef) : std::vector<double>{};
-  MoeBackward(dln2, g, dmlp_out, aux, lc.ln2.data(), w, lc.moe, MoeShapeOf(), MoeOptionsOf());
+  if (ep_.size > 1) ExpertParallelBackward(dln2, g, dmlp_out, aux, lc.ln2.data(), w, lc.moe, lc.moe_ep, MoeShapeOf(), MoeOptionsOf(), ep_);
+  else MoeBackward(dln2, g, dmlp_out, aux, lc.ln2.data(), w, lc.moe, MoeShapeOf(), MoeOptionsOf());
 }
 
 uint64_t Model::DropoutSite(int l, int site) const {
@@ -708,7 +726,7 @@ void Model::Drop(LayerCache& lc) {
     for (auto* v : {&lc.ln1, &lc.mean1, &lc.rstd1, &lc.proj, &lc.kvproj, &lc.q, &lc.k, &lc.v, &lc.att, &lc.y, &lc.x2,
                     &lc.ln2, &lc.mean2, &lc.rstd2, &lc.fc, &lc.act})
       release(*v);
-    lc.moe = {};
+    lc.moe = {}, lc.moe_ep = {};
   }
 }
 
@@ -725,6 +743,8 @@ size_t Model::Activations::bytes() const {
              m.expert_index.size() * sizeof(int64_t);
     for (const MoeExpertBatch& b : m.experts)
       bytes += b.tokens.size() * sizeof(int64_t) + (b.fc.size() + b.act.size() + b.out.size()) * sizeof(float);
+    bytes += lc.moe_ep.rows.size() * sizeof(float);
+    for (const MoeExpertBatch& b : lc.moe_ep.local) bytes += (b.fc.size() + b.act.size() + b.out.size()) * sizeof(float);
   }
   return bytes;
 }

@@ -49,6 +49,7 @@
 #include "ckpt/spec/partition.h"
 #include "ckpt/pt/tensor.h"
 #include "ckpt/pt/value.h"
+#include "libtrain/expert_exchange.h"
 #include "libtrain/moe_layer.h"
 
 namespace train {
@@ -159,6 +160,7 @@ class Model {
     std::vector<float> x2, ln2, mean2, rstd2;  // after the attention residual, its norm
     std::vector<float> fc, act;               // [N, 2F] (SwiGLU) or [N, F] (GeLU), and [N, F]
     MoeActivations moe;                       // an MoE layer's, in place of fc and act
+    ExpertExchangeCache moe_ep;               // and under expert parallelism, its local experts' rows
   };
   // One micro-batch's activations on this stage, from its forward to its backward.
   struct Activations {
@@ -174,7 +176,10 @@ class Model {
 
   // Throws ckpt::Error when tp does not divide the model (heads, KV heads,
   // FFN width, padded vocabulary).
-  explicit Model(const ModelConfig& c, const TensorParallel& tp = {}, const PipelineStage& pp = {});
+  // Under expert parallelism (ep.size > 1) this rank holds E / ep.size
+  // contiguous experts of each MoE layer (ckpt::ExpertSpec's ep cut) and its
+  // MoE layers exchange tokens with the ep group (libtrain/expert_exchange.h).
+  explicit Model(const ModelConfig& c, const TensorParallel& tp = {}, const PipelineStage& pp = {}, const ExpertParallel& ep = {});
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -224,6 +229,10 @@ class Model {
   void SumOverModel(double* x, size_t n) const;
   const TensorParallel& tensor_parallel() const { return tp_; }
   const PipelineStage& pipeline() const { return pp_; }
+  const ExpertParallel& expert_parallel() const { return ep_; }
+  // Whether `name` is an expert weight: this rank's experts only under
+  // expert parallelism, its gradient summed over the expert-data-parallel group.
+  bool IsExpertWeight(const std::string& name) const;
   // The floats of a hidden state passed between stages for B sequences of T
   // tokens: B * T * hidden, or this rank's sequence part of it.
   int64_t HiddenStateFloats(int64_t B, int64_t T) const;
@@ -293,7 +302,9 @@ class Model {
   void AttentionForward(int l, LayerCache& lc);
   // An MoE layer's MLP block on lc.ln2 into mlp_out [N, hidden], and its backward
   // from dmlp_out into dln2 (the auxiliary loss's part from a's routing).
-  // Copies this tp rank's boxes (ckpt::BoxesOf of p.spec) of the 3-D expert weight `whole` into `local`.
+  // This rank's place on the axes that cut an expert weight (tp and ep).
+  ckpt::AxisCoords ExpertCoords() const;
+  // Copies this rank's boxes (ckpt::BoxesOf of p.spec) of the 3-D expert weight `whole` into `local`.
   void CopyExpertBoxes(float* local, const std::vector<int64_t>& local_shape, const float* whole, const ckpt::ParamRule& p) const;
   // Throws ckpt::Error naming what this build does not do with MoE layers.
   void CheckMoe() const;
@@ -330,6 +341,7 @@ class Model {
   ModelConfig c_;
   TensorParallel tp_;
   PipelineStage pp_;
+  ExpertParallel ep_;
   // Each chunk's layers [first, end), chunk 0 first (one chunk without virtual stages).
   std::vector<std::pair<int, int>> chunk_layers_;
   bool FirstStage(int chunk) const { return pp_.first() && chunk == 0; }

@@ -78,7 +78,7 @@ void CombineWeights(MoeActivations* a, const MoeShape& s, const MoeOptions& o) {
 }
 
 // Step 4, the experts (experts.py Experts.forward, glu_mlp): per expert, its
-// tokens' [gate || up] = x @ gate_up[e], act = silu(gate) * up, out = act @ down[e].
+// tokens' rows, gathered in token order.
 void ExpertsForward(MoeActivations* a, const float* x, const MoeWeights& w, const MoeShape& s) {
   const int64_t H = s.hidden, I = s.intermediate;
   for (int64_t e = 0; e < s.experts; ++e) {
@@ -86,12 +86,7 @@ void ExpertsForward(MoeActivations* a, const float* x, const MoeWeights& w, cons
     const int64_t n = static_cast<int64_t>(b.tokens.size());
     Mat xe(n, H);
     for (int64_t r = 0; r < n; ++r) xe.row(r) = CMap(x + b.tokens[r] * H, 1, H);
-    b.fc.resize(n * 2 * I);
-    b.act.resize(n * I);
-    b.out.resize(n * H);
-    Map(b.fc.data(), n, 2 * I).noalias() = xe * CMap(w.gate_up + e * H * 2 * I, H, 2 * I);
-    SwiGluForward(b.act.data(), b.fc.data(), n, I);
-    Map(b.out.data(), n, H).noalias() = CMap(b.act.data(), n, I) * CMap(w.down + e * I * H, I, H);
+    ExpertMlpForward(&b, xe.data(), n, w.gate_up + e * H * 2 * I, w.down + e * I * H, H, I);
   }
 }
 
@@ -120,11 +115,28 @@ int64_t MoeExpertCapacity(const MoeShape& s, double capacity_factor) {
 
 void MoeForward(float* out, MoeActivations* acts, const float* x, const MoeWeights& w, const MoeShape& s,
                 const MoeOptions& o) {
+  MoeRoute(acts, x, w, s, o);
+  ExpertsForward(acts, x, w, s);
+  MoeCombine(out, *acts, s);
+}
+
+void MoeRoute(MoeActivations* acts, const float* x, const MoeWeights& w, const MoeShape& s, const MoeOptions& o) {
   CheckMoeSettings(s, o);
   Route(acts, x, w, s);
   Dispatch(acts, s, MoeExpertCapacity(s, o.capacity_factor));
   CombineWeights(acts, s, o);
-  ExpertsForward(acts, x, w, s);
+}
+
+void ExpertMlpForward(MoeExpertBatch* b, const float* xe, int64_t n, const float* gate_up, const float* down, int64_t H, int64_t I) {
+  b->fc.resize(n * 2 * I);
+  b->act.resize(n * I);
+  b->out.resize(n * H);
+  Map(b->fc.data(), n, 2 * I).noalias() = CMap(xe, n, H) * CMap(gate_up, H, 2 * I);
+  SwiGluForward(b->act.data(), b->fc.data(), n, I);
+  Map(b->out.data(), n, H).noalias() = CMap(b->act.data(), n, I) * CMap(down, I, H);
+}
+
+void MoeCombine(float* out, const MoeActivations& a, const MoeShape& s) {
   // Step 5, the combine (forward_capacity_factor's loop over k): out[t] =
   // sum over the token's choices, best first, of combine * expert output;
   // dropped choices add nothing.
@@ -132,10 +144,10 @@ void MoeForward(float* out, MoeActivations* acts, const float* x, const MoeWeigh
   std::fill_n(out, s.tokens * H, 0.0f);
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t k = 0; k < s.top_k; ++k) {
-      const int64_t e = acts->expert_index[t * s.top_k + k];
-      if (!acts->kept[t * E + e]) continue;
-      const float c = acts->combine[t * E + e];
-      const float* y = &acts->experts[e].out[RowOf(acts->experts[e], t) * H];
+      const int64_t e = a.expert_index[t * s.top_k + k];
+      if (!a.kept[t * E + e]) continue;
+      const float c = a.combine[t * E + e];
+      const float* y = &a.experts[e].out[RowOf(a.experts[e], t) * H];
       for (int64_t h = 0; h < H; ++h) out[t * H + h] += c * y[h];
     }
 }
@@ -202,24 +214,16 @@ namespace {
 // flows back through down, SwiGLU and gate_up into the weights and x.
 void ExpertsBackward(float* dx, std::vector<float>* dcombine, const MoeGrads& g, const float* dout, const float* x,
                      const MoeWeights& w, const MoeActivations& a, const MoeShape& s) {
-  const int64_t H = s.hidden, I = s.intermediate, E = s.experts;
-  for (int64_t e = 0; e < E; ++e) {
+  const int64_t H = s.hidden, I = s.intermediate;
+  std::vector<float> dy;
+  for (int64_t e = 0; e < s.experts; ++e) {
     const MoeExpertBatch& b = a.experts[e];
     const int64_t n = static_cast<int64_t>(b.tokens.size());
-    Mat xe(n, H), dy(n, H);
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t t = b.tokens[r];
-      xe.row(r) = CMap(x + t * H, 1, H);
-      dy.row(r) = CMap(dout + t * H, 1, H) * a.combine[t * E + e];
-      (*dcombine)[t * E + e] = (CMap(dout + t * H, 1, H).array() * CMap(&b.out[r * H], 1, H).array()).sum();
-    }
-    const CMap down(w.down + e * I * H, I, H), gate_up(w.gate_up + e * H * 2 * I, H, 2 * I);
-    Mat dact = dy * down.transpose();
-    Map(g.down + e * I * H, I, H).noalias() += CMap(b.act.data(), n, I).transpose() * dy;
-    Mat dfc(n, 2 * I);
-    SwiGluBackward(dfc.data(), dact.data(), b.fc.data(), n, I);
-    Map(g.gate_up + e * H * 2 * I, H, 2 * I).noalias() += xe.transpose() * dfc;
-    const Mat dxe = dfc * gate_up.transpose();
+    Mat xe(n, H), dxe(n, H);
+    for (int64_t r = 0; r < n; ++r) xe.row(r) = CMap(x + b.tokens[r] * H, 1, H);
+    MoeCombineBackward(&dy, dcombine, e, dout, a, s);
+    ExpertMlpBackward(dxe.data(), g.gate_up + e * H * 2 * I, g.down + e * I * H, dy.data(), xe.data(), b, n, w.gate_up + e * H * 2 * I,
+                      w.down + e * I * H, H, I);
     for (int64_t r = 0; r < n; ++r) Map(dx + b.tokens[r] * H, 1, H) += dxe.row(r);
   }
 }
@@ -242,12 +246,41 @@ void CombineWeightsBackward(std::vector<double>* daff, const std::vector<float>&
 }
 }  // namespace
 
+void MoeCombineBackward(std::vector<float>* dy, std::vector<float>* dcombine, int64_t e, const float* dout, const MoeActivations& a,
+                        const MoeShape& s) {
+  const int64_t H = s.hidden, E = s.experts;
+  const MoeExpertBatch& b = a.experts[e];
+  dy->resize(b.tokens.size() * H);
+  for (size_t r = 0; r < b.tokens.size(); ++r) {
+    const int64_t t = b.tokens[r];
+    Map(&(*dy)[r * H], 1, H) = CMap(dout + t * H, 1, H) * a.combine[t * E + e];
+    (*dcombine)[t * E + e] = (CMap(dout + t * H, 1, H).array() * CMap(&b.out[r * H], 1, H).array()).sum();
+  }
+}
+
+void ExpertMlpBackward(float* dxe, float* dgate_up, float* ddown, const float* dy, const float* xe, const MoeExpertBatch& b, int64_t n,
+                       const float* gate_up, const float* down, int64_t H, int64_t I) {
+  const CMap dy_rows(dy, n, H), down_w(down, I, H), gate_up_w(gate_up, H, 2 * I);
+  Mat dact = dy_rows * down_w.transpose();
+  Map(ddown, I, H).noalias() += CMap(b.act.data(), n, I).transpose() * dy_rows;
+  Mat dfc(n, 2 * I);
+  SwiGluBackward(dfc.data(), dact.data(), b.fc.data(), n, I);
+  Map(dgate_up, H, 2 * I).noalias() += CMap(xe, n, H).transpose() * dfc;
+  Map(dxe, n, H).noalias() = dfc * gate_up_w.transpose();
+}
+
 void MoeBackward(float* dx, const MoeGrads& g, const float* dout, const std::vector<double>& aux_affinity_grad, const float* x,
                  const MoeWeights& w, const MoeActivations& a, const MoeShape& s, const MoeOptions& o) {
   const int64_t T = s.tokens, E = s.experts, H = s.hidden;
   std::fill_n(dx, T * H, 0.0f);
   std::vector<float> dcombine(T * E, 0.0f);
   ExpertsBackward(dx, &dcombine, g, dout, x, w, a, s);
+  MoeRouteBackward(dx, g.router, dcombine, aux_affinity_grad, x, w, a, s, o);
+}
+
+void MoeRouteBackward(float* dx, float* drouter, const std::vector<float>& dcombine, const std::vector<double>& aux_affinity_grad,
+                      const float* x, const MoeWeights& w, const MoeActivations& a, const MoeShape& s, const MoeOptions& o) {
+  const int64_t T = s.tokens, E = s.experts, H = s.hidden;
   std::vector<double> daff(T * E, 0.0);
   CombineWeightsBackward(&daff, dcombine, a, s, o);
   if (!aux_affinity_grad.empty())
@@ -262,7 +295,7 @@ void MoeBackward(float* dx, const MoeGrads& g, const float* dout, const std::vec
       dlogits[t * E + e] = static_cast<float>(a.affinities[t * E + e] * (daff[t * E + e] - dot));
   }
   std::vector<float> dx_router(T * H);
-  LinearBackward(dx_router.data(), g.router, nullptr, dlogits.data(), x, w.router, T, H, E);
+  LinearBackward(dx_router.data(), drouter, nullptr, dlogits.data(), x, w.router, T, H, E);
   for (int64_t i = 0; i < T * H; ++i) dx[i] += dx_router[i];
 }
 

@@ -117,4 +117,31 @@ void MoeBackward(float* dx, const MoeGrads& g, const float* dout, const std::vec
 void MoeBackward(float* dx, const MoeGrads& g, const float* dout, float aux_coef, const float* x, const MoeWeights& w,
                  const MoeActivations& acts, const MoeShape& s, const MoeOptions& o);
 
+// MoeForward's and MoeBackward's steps, for an expert-parallel layer
+// (libtrain/expert_exchange.h) that runs the experts on other ranks' tokens:
+// MoeForward = MoeRoute, ExpertMlpForward of each expert on its tokens' rows,
+// MoeCombine; MoeBackward = MoeCombineBackward and ExpertMlpBackward of each
+// expert, then MoeRouteBackward.
+//
+// Routing, dispatch (capacity MoeExpertCapacity of s.tokens) and combine
+// weights: fills acts but the experts' fc, act and out (their tokens are set).
+void MoeRoute(MoeActivations* acts, const float* x, const MoeWeights& w, const MoeShape& s, const MoeOptions& o);
+// One expert's SwiGLU MLP on the n rows xe [n, H] (gate_up [H, 2I], down
+// [I, H]): sets b's fc, act and out, not its tokens.
+void ExpertMlpForward(MoeExpertBatch* b, const float* xe, int64_t n, const float* gate_up, const float* down, int64_t H, int64_t I);
+// Its backward from dy [n, H]: accumulates into dgate_up and ddown, writes dxe [n, H].
+void ExpertMlpBackward(float* dxe, float* dgate_up, float* ddown, const float* dy, const float* xe, const MoeExpertBatch& b, int64_t n,
+                       const float* gate_up, const float* down, int64_t H, int64_t I);
+// out[T, H] from each expert's out, row r that of its r-th token.
+void MoeCombine(float* out, const MoeActivations& acts, const MoeShape& s);
+// Backward of MoeCombine for expert e: dy [n_e, H] (combine * dout of its
+// tokens' rows) and dcombine[t, e] = dot(dout[t], out row) of its tokens.
+void MoeCombineBackward(std::vector<float>* dy, std::vector<float>* dcombine, int64_t e, const float* dout, const MoeActivations& a,
+                        const MoeShape& s);
+// Backward of the combine weights, the auxiliary loss (aux_affinity_grad as
+// MoeBackward's) and the router from dcombine [T, E]: adds into dx [T, H],
+// accumulates into drouter [E, H].
+void MoeRouteBackward(float* dx, float* drouter, const std::vector<float>& dcombine, const std::vector<double>& aux_affinity_grad,
+                      const float* x, const MoeWeights& w, const MoeActivations& a, const MoeShape& s, const MoeOptions& o);
+
 }  // namespace train

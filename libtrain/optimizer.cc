@@ -17,9 +17,12 @@
 
 namespace train {
 
-AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp) : c_(c), dp_(dp) {
+AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp, const ExpertGroups& experts) : c_(c), dp_(dp) {
   if (dp_) dp_size_ = dp_->size(), dp_rank_ = dp_->rank();
-  const int shards = c.zero1 ? dp_size_ : 1;
+  reduce_[0].comm = dp_, reduce_[0].size = dp_size_, reduce_[0].rank = dp_rank_;
+  // Expert parallelism: the experts' own group (NeuronEPZero1Optimizer: expert state over expert-dp).
+  const bool ep = experts.ep && experts.ep->size() > 1;
+  if (ep) ep_ = experts.ep, reduce_[1].comm = experts.expert_dp, reduce_[1].size = experts.expert_dp->size(), reduce_[1].rank = experts.expert_dp->rank();
   std::vector<std::string> names;
   std::map<std::string, const std::vector<int64_t>*> shapes;  // this rank's slices
   for (const auto& p : m.layout()) names.push_back(p.name), shapes[p.name] = &m.param(p.name).shape();
@@ -44,16 +47,20 @@ AdamW::AdamW(const Model& m, const AdamWConfig& c, Comm* dp) : c_(c), dp_(dp) {
     s.shape = *shapes.at(entry.name);
     s.rows = s.shape.empty() ? 1 : s.shape[0];
     s.row_elems = s.rows ? ckpt::ShapeNumel(s.shape) / s.rows : 0;
+    s.group = ep && m.IsExpertWeight(entry.name) ? 1 : 0;
+    ReduceGroup& rg = reduce_[s.group];
+    const int shards = c.zero1 ? rg.size : 1;
     s.shard_rows = ckpt::Zero1ShardRows(s.rows, shards);
-    s.own = shards > 1 ? dp_rank_ : 0;
+    s.own = shards > 1 ? rg.rank : 0;
     std::vector<int64_t> state_shape = s.shape;
     if (!state_shape.empty()) state_shape[0] = s.shard_rows;
     m_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, state_shape));
     v_.push_back(ckpt::Tensor::Zeros(ckpt::DType::kFloat32, state_shape));
     if (Sharded()) grad_shard_.emplace_back(static_cast<size_t>(s.shard_rows * s.row_elems));
-    // Where the parameter's chunk lies in a ZeRO-1 bucket segment.
-    if (offset_.empty()) offset_.push_back(0);
-    offset_.push_back(offset_.back() + static_cast<size_t>(s.shard_rows * s.row_elems));
+    // Where the parameter's chunk lies in its group's ZeRO-1 bucket segment.
+    offset_.push_back(rg.segment);
+    rg.segment += static_cast<size_t>(s.shard_rows * s.row_elems);
+    rg.ids.push_back(order_.size() - 1);
     slot_.push_back(std::move(s));
   }
   ResetMasterWeights(m);
@@ -97,13 +104,16 @@ void Scale(float* x, int64_t n, double by) {
 
 // Over the whole model: this rank's slices, copies counted once
 // (Model::CountsInNorm), summed over the tensor and pipeline ranks.
-double SumSquares(Model& m, bool grads) {
-  double total = 0;
+// Under expert parallelism `ep` adds the other ep ranks' experts.
+double SumSquares(Model& m, bool grads, Comm* ep) {
+  double total = 0, experts = 0;
   for (const auto& p : m.layout()) {
     const ckpt::Tensor& t = grads ? m.grad(p.name) : m.param(p.name);
     const int64_t rows = t.dim() ? t.shape()[0] : 1;
-    total += SumSquares(reinterpret_cast<const float*>(t.data()), t.numel() / rows * m.CountedRows(p.name));
+    (ep && m.IsExpertWeight(p.name) ? experts : total) += SumSquares(reinterpret_cast<const float*>(t.data()), t.numel() / rows * m.CountedRows(p.name));
   }
+  if (ep) ep->AllReduceSum(&experts, 1);
+  total += experts;
   m.SumOverModel(&total, 1);
   return total;
 }
@@ -115,27 +125,50 @@ std::span<float> AdamW::Gradient(Model& m, size_t i) {
   return {reinterpret_cast<float*>(g.mutable_data()), static_cast<size_t>(g.numel())};
 }
 
-double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
-  // One collective for all parameters: the model's flat gradient buffer, or with ZeRO-1 a bucket
-  // holding rank r's chunk of every parameter in segment r (at offset_[i]), so rank r receives the
-  // sums of its own chunks.
-  const size_t segment = offset_.empty() ? 0 : offset_.back();
-  if (dp_ && dp_size_ > 1 && !Sharded()) dp_->AllReduceSum(m.flat_grads(), m.flat_size());
-  if (Sharded()) {
-    bucket_.assign(segment * dp_size_, 0.0f);
-    for (size_t i = 0; i < order_.size(); ++i) {
-      const Slot& s = slot_[i];
-      const float* g = reinterpret_cast<const float*>(m.grad(order_[i]).data());
-      for (int r = 0; r < dp_size_; ++r) {
-        const auto [lo, hi] = s.Chunk(r);
-        std::copy(g + lo * s.row_elems, g + hi * s.row_elems, bucket_.data() + r * segment + offset_[i]);
-      }
-    }
-    std::vector<float> mine(segment);
-    dp_->ReduceScatterSum(bucket_.data(), mine.data(), segment);
-    for (size_t i = 0; i < order_.size(); ++i) std::copy_n(mine.data() + offset_[i], grad_shard_[i].size(), grad_shard_[i].data());
+void AdamW::AllReduceGroup(Model& m, const ReduceGroup& g) {
+  if (g.size < 2) return;
+  std::vector<float> bucket;
+  for (size_t i : g.ids) {
+    const ckpt::Tensor& t = m.grad(order_[i]);
+    bucket.insert(bucket.end(), reinterpret_cast<const float*>(t.data()), reinterpret_cast<const float*>(t.data()) + t.numel());
   }
-  double sum_squares = 0;
+  g.comm->AllReduceSum(bucket.data(), bucket.size());
+  size_t at = 0;
+  for (size_t i : g.ids) {
+    ckpt::Tensor& t = m.grad(order_[i]);
+    std::copy_n(bucket.data() + at, t.numel(), reinterpret_cast<float*>(t.mutable_data()));
+    at += static_cast<size_t>(t.numel());
+  }
+}
+
+void AdamW::ReduceScatterGroup(Model& m, const ReduceGroup& g) {
+  // A bucket holding rank r's chunk of each of the group's parameters in segment r (at offset_[i]),
+  // so rank r receives the sums of its own chunks.
+  std::vector<float> bucket(g.segment * g.size, 0.0f), mine(g.segment);
+  for (size_t i : g.ids) {
+    const Slot& s = slot_[i];
+    const float* grad = reinterpret_cast<const float*>(m.grad(order_[i]).data());
+    for (int r = 0; r < g.size; ++r) {
+      const auto [lo, hi] = s.Chunk(r);
+      std::copy(grad + lo * s.row_elems, grad + hi * s.row_elems, bucket.data() + r * g.segment + offset_[i]);
+    }
+  }
+  if (g.size > 1) g.comm->ReduceScatterSum(bucket.data(), mine.data(), g.segment);
+  else mine = bucket;
+  for (size_t i : g.ids) std::copy_n(mine.data() + offset_[i], grad_shard_[i].size(), grad_shard_[i].data());
+}
+
+double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
+  // One collective per group: the model's flat gradient buffer (no expert parallelism), each
+  // group's gradients, or with ZeRO-1 each group's bucket of chunks.
+  if (Sharded()) {
+    for (const ReduceGroup& g : reduce_) ReduceScatterGroup(m, g);
+  } else if (!ep_) {
+    if (dp_ && dp_size_ > 1) dp_->AllReduceSum(m.flat_grads(), m.flat_size());
+  } else {
+    for (const ReduceGroup& g : reduce_) AllReduceGroup(m, g);
+  }
+  double sum_squares = 0, expert_squares = 0;  // this rank's experts under expert parallelism
   for (size_t i = 0; i < order_.size(); ++i) {
     const std::span<float> g = Gradient(m, i);
     const int64_t n = static_cast<int64_t>(g.size());
@@ -144,8 +177,12 @@ double AdamW::ReduceAndClip(Model& m, double scale, double max_norm) {
     const Slot& s = slot_[i];
     const int64_t lo = Sharded() ? s.Chunk(s.own).first : 0;
     const int64_t counted = std::clamp<int64_t>(m.CountedRows(order_[i]) - lo, 0, s.row_elems ? n / s.row_elems : 0);
-    sum_squares += SumSquares(g.data(), counted * s.row_elems);
+    (s.group ? expert_squares : sum_squares) += SumSquares(g.data(), counted * s.row_elems);
   }
+  // ZeRO-1 shards partition every group over dp (expert chunks: one per ep and expert-dp rank);
+  // whole gradients are replicated over dp but each ep rank's experts are its own.
+  if (!Sharded() && ep_) ep_->AllReduceSum(&expert_squares, 1);
+  sum_squares += expert_squares;
   if (Sharded()) dp_->AllReduceSum(&sum_squares, 1);
   m.SumOverModel(&sum_squares, 1);
   const double norm = std::sqrt(sum_squares);
@@ -194,22 +231,24 @@ void AdamW::Step(Model& m, double lr) {
     });
   }
   if (!Sharded()) return MirrorTiedCopy(m);
-  // Every rank's updated rows back into the whole parameters: one all-gather of the segments.
-  const size_t segment = offset_.back();
-  std::vector<float> mine(segment, 0.0f), all(segment * dp_size_);
-  for (size_t i = 0; i < order_.size(); ++i) {
-    const Slot& s = slot_[i];
-    const auto [lo, hi] = s.Chunk(s.own);
-    const float* p = reinterpret_cast<const float*>(m.param(order_[i]).data());
-    std::copy(p + lo * s.row_elems, p + hi * s.row_elems, mine.data() + offset_[i]);
-  }
-  dp_->AllGather(mine.data(), all.data(), segment);
-  for (size_t i = 0; i < order_.size(); ++i) {
-    const Slot& s = slot_[i];
-    float* whole = reinterpret_cast<float*>(m.param(order_[i]).mutable_data());
-    for (int r = 0; r < dp_size_; ++r) {
-      const auto [lo, hi] = s.Chunk(r);
-      std::copy_n(all.data() + r * segment + offset_[i], (hi - lo) * s.row_elems, whole + lo * s.row_elems);
+  // Every rank's updated rows back into the whole parameters: one all-gather of each group's segments.
+  for (const ReduceGroup& g : reduce_) {
+    std::vector<float> mine(g.segment, 0.0f), all(g.segment * g.size);
+    for (size_t i : g.ids) {
+      const Slot& s = slot_[i];
+      const auto [lo, hi] = s.Chunk(s.own);
+      const float* p = reinterpret_cast<const float*>(m.param(order_[i]).data());
+      std::copy(p + lo * s.row_elems, p + hi * s.row_elems, mine.data() + offset_[i]);
+    }
+    if (g.size > 1) g.comm->AllGather(mine.data(), all.data(), g.segment);
+    else all = mine;
+    for (size_t i : g.ids) {
+      const Slot& s = slot_[i];
+      float* whole = reinterpret_cast<float*>(m.param(order_[i]).mutable_data());
+      for (int r = 0; r < g.size; ++r) {
+        const auto [lo, hi] = s.Chunk(r);
+        std::copy_n(all.data() + r * g.segment + offset_[i], (hi - lo) * s.row_elems, whole + lo * s.row_elems);
+      }
     }
   }
   MirrorTiedCopy(m);
@@ -363,7 +402,7 @@ bool AdamW::LoadStateDict(const ckpt::Value& sd) {
   return true;
 }
 
-double ParamNorm(Model& m) { return std::sqrt(SumSquares(m, false)); }
+double ParamNorm(Model& m, Comm* ep) { return std::sqrt(SumSquares(m, false, ep)); }
 
 double LrAt(const ScheduleConfig& s, double base, int64_t step) {
   const double w = static_cast<double>(s.warmup_steps);

@@ -44,11 +44,20 @@ struct AdamWConfig {
 
 class Comm;
 
+// Expert parallelism (ep->size() > 1): the expert weights' gradients are
+// summed over `expert_dp` instead of dp, their ZeRO-1 state cut over it
+// (NxD's NeuronEPZero1Optimizer), and the global norm adds the other ep
+// ranks' experts over `ep`. Both nullptr: no expert parallelism.
+struct ExpertGroups {
+  Comm* expert_dp = nullptr;
+  Comm* ep = nullptr;
+};
+
 class AdamW {
  public:
   // Master weights, if any, start as copies of the model's parameters.
   // `dp`: the data-parallel group (nullptr: one rank).
-  AdamW(const Model& m, const AdamWConfig& c, Comm* dp = nullptr);
+  AdamW(const Model& m, const AdamWConfig& c, Comm* dp = nullptr, const ExpertGroups& experts = {});
   // Sums the gradients over the data-parallel group (all-reduce, or
   // reduce-scatter into this rank's chunks with zero1), multiplies them by
   // `scale`, and clips them to the global L2 norm `max_norm` (no clipping when
@@ -92,6 +101,7 @@ class AdamW {
     std::vector<int64_t> shape;  // the parameter's
     int64_t rows = 1, row_elems = 1, shard_rows = 1;
     int own = 0;  // the chunk this rank's state covers
+    int group = 0;  // its ReduceGroup
     std::pair<int64_t, int64_t> Chunk(int k) const {
       const int64_t lo = std::min(rows, k * shard_rows);
       return {lo, std::min(rows, lo + shard_rows)};
@@ -121,14 +131,27 @@ class AdamW {
   std::vector<Slot> slot_;          // id -> where its state lies
   std::vector<ckpt::Tensor> m_, v_, master_;  // master_ empty without master_weights
   std::vector<std::vector<float>> grad_shard_;  // with Sharded(): this rank's reduced gradient rows
-  std::vector<size_t> offset_;   // id -> offset of its ZeRO-1 chunk in a bucket segment; last: the segment's size
-  std::vector<float> bucket_;
+  // The ranks a parameter's gradient is summed over: 0 the dp group (every
+  // parameter without expert parallelism), 1 the expert-dp group (the expert
+  // weights under it); ids: its parameters, segment: their chunks' floats.
+  struct ReduceGroup {
+    Comm* comm = nullptr;
+    int size = 1, rank = 0;
+    std::vector<size_t> ids;
+    size_t segment = 0;
+  };
+  ReduceGroup reduce_[2];
+  Comm* ep_ = nullptr;  // under expert parallelism, the ep group
+  void AllReduceGroup(Model& m, const ReduceGroup& g);
+  void ReduceScatterGroup(Model& m, const ReduceGroup& g);
+  std::vector<size_t> offset_;   // id -> offset of its ZeRO-1 chunk in its group's bucket segment
   int64_t step_ = 0;
 };
 
 // The L2 norm of the whole model's parameters (every rank's slices, each
-// tensor-parallel replica once).
-double ParamNorm(Model& m);
+// tensor-parallel replica once); under expert parallelism `ep` (the ep
+// group) adds the other ep ranks' experts.
+double ParamNorm(Model& m, Comm* ep = nullptr);
 
 struct ScheduleConfig {
   std::string name = "CosineAnnealing";  // or LinearAnnealingWithWarmUp

@@ -256,6 +256,19 @@ TrainConfig Parse(const std::string& text, const std::string& path, const std::v
   // NxDT's default; it decides the optimizer files' layout even with one data-parallel rank.
   c.optim.zero1 = r.Bool("distributed_strategy.zero1", true);
   c.grid = ckpt::RankGrid::ForWorld(world, tp, pp, c.optim.zero1, path + ": distributed_strategy", "trainer.devices * trainer.num_nodes");
+  // Expert parallelism lies inside dp (ckpt::RankGrid::ep).
+  const int64_t ep = r.Int("distributed_strategy.expert_model_parallel_size", 1, 1, ckpt::kMaxRanks);
+  if (c.grid.dp % ep)
+    r.Fail("distributed_strategy.expert_model_parallel_size", std::to_string(ep) + " does not divide the data-parallel size " +
+                                                                  std::to_string(c.grid.dp) + " (NxD lays expert parallelism inside data parallelism)");
+  c.grid.ep = static_cast<int>(ep);
+  // Not built yet: NxD's expert-parallel tag layout (dp_rank_XX_ep_rank_EE_ model files,
+  // NeuronEPZero1Optimizer's state), so no checkpoint is written or read at ep > 1.
+  if (ep > 1 && c.create_checkpoint_callback)
+    r.Fail("exp_manager.create_checkpoint_callback", "checkpoints at distributed_strategy.expert_model_parallel_size > 1 (NxD's "
+                                                     "dp_rank_XX_ep_rank_EE_ files) are not implemented yet; set it False");
+  if (ep > 1 && !c.resume_from_checkpoint.empty())
+    r.Fail("exp_manager.resume_from_checkpoint", "resuming at distributed_strategy.expert_model_parallel_size > 1 is not implemented yet");
   c.micro_batch_size = r.Int("data.micro_batch_size", 1, 1, 1 << 24);
   c.global_batch_size = r.Int("data.global_batch_size", 1, 1, 1 << 30);
   if (c.global_batch_size % (c.micro_batch_size * c.grid.dp))
@@ -466,6 +479,8 @@ TrainConfig Parse(const std::string& text, const std::string& path, const std::v
   m.vocab = unpadded.PaddedVocab(c.grid.tp);  // Megatron's padding: a multiple of divisible * tp
   if (const std::string why = m.format(c.grid.tp).CheckTensorParallel(c.grid.tp); !why.empty())
     r.Fail("distributed_strategy.tensor_model_parallel_size", why);
+  if (const std::string why = m.format(c.grid.tp).CheckExpertParallel(c.grid.ep); !why.empty())
+    r.Fail("distributed_strategy.expert_model_parallel_size", why);
 
   c.optim.lr = r.Number("model.optim.lr", 3e-4);
   c.optim.weight_decay = r.Number("model.optim.weight_decay", 0.01);

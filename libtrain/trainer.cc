@@ -384,10 +384,14 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     first.pp = 0, last.pp = c.grid.pp - 1;
     embedding_comm = pc.world->Group({c.grid.RankOf(first), c.grid.RankOf(last)});
   }
+  // Expert parallelism: the MoE layers exchange tokens over the ep group, expert gradients are summed over expert-dp.
+  Comm* ep_comm = c.grid.ep > 1 ? pc.ep.get() : nullptr;
+  ExpertParallel ep{c.grid.ep, pc.ep->rank(), [ep_comm](const float* in, float* out, size_t block) { ep_comm->AllToAll(in, out, block); }};
   Model model(c.model, TensorParallel{c.grid.tp, pc.coord.tp, c.sequence_parallel, c.grid.tp > 1 ? pc.tp.get() : nullptr, kv_comm.get()},
-              PipelineStage{c.grid.pp, pc.coord.pp, c.stage_bounds, c.grid.pp > 1 ? pc.pp.get() : nullptr, embedding_comm.get(), c.virtual_pipeline});
+              PipelineStage{c.grid.pp, pc.coord.pp, c.stage_bounds, c.grid.pp > 1 ? pc.pp.get() : nullptr, embedding_comm.get(), c.virtual_pipeline},
+              ep);
   model.InitWeights();
-  AdamW adamw(model, c.optim, pc.dp.get());
+  AdamW adamw(model, c.optim, pc.dp.get(), {pc.expert_dp.get(), ep_comm});
 
   // Resume.
   const std::string run_dir = c.RunDir(), ckpt_dir = c.CheckpointDir();
@@ -421,6 +425,9 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   }
   pc.world->Broadcast(&chosen, 0);
   std::optional<std::string> tag = chosen.empty() ? std::nullopt : std::optional(chosen);
+  if (tag && c.grid.ep > 1)
+    throw ConfigError(c.source + ": exp_manager.resume_if_exists: " + *tag +
+                      ": resuming at distributed_strategy.expert_model_parallel_size > 1 is not implemented yet");
   if (tag) {
     // A tag cut for other degrees is refused, or with resume_reshard resharded for this run by every
     // rank together (each writes its share of the files, rank 0 commits) and resumed from. Rank 0
@@ -482,7 +489,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   }
   // This rank's totals: step time, its communication, and time blocked saving (for timing.json).
   struct {
-    double step = 0, collective = 0, recv_wait = 0, save = 0, collective_floats = 0, sent_floats = 0, steps = 0;
+    double step = 0, collective = 0, recv_wait = 0, save = 0, collective_floats = 0, sent_floats = 0, steps = 0, alltoall_floats = 0;
   } timing;
   auto save = [&](int64_t global_step, int64_t sched_step, double lr) {
     if (!store) return;
@@ -572,13 +579,15 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     const double floats = static_cast<double>(comm1.collective_floats - comm0.collective_floats);
     const double sent = static_cast<double>(comm1.sent_floats - comm0.sent_floats);
     timing.step += secs, timing.collective += collective, timing.recv_wait += wait, ++timing.steps;
-    timing.collective_floats += floats, timing.sent_floats += sent;
+    const double alltoall = static_cast<double>(comm1.alltoall_floats - comm0.alltoall_floats);  // the MoE token exchange
+    timing.collective_floats += floats, timing.sent_floats += sent, timing.alltoall_floats += alltoall;
     const double tps = static_cast<double>(c.global_batch_size * T) / secs;
     nlohmann::ordered_json j = {{"step", step}, {"loss", loss}, {"lr", lr}, {"consumed_samples", consumed}, {"tokens_per_s", tps}};
     if (pc.world->size() > 1)  // rank 0's share of the step: in collectives, and blocked on the next pipeline stage
       j["comm_seconds"] = collective, j["recv_wait_seconds"] = wait, j["comm_bytes"] = 4 * (floats + sent);
+    if (ep_comm) j["alltoall_bytes"] = 4 * alltoall;  // rank 0's, sent to the other ep ranks
     if (c.log_gradient_norm) j["grad_norm"] = grad_norm;
-    if (c.log_parameter_norm) j["param_norm"] = ParamNorm(model);
+    if (c.log_parameter_norm) j["param_norm"] = ParamNorm(model, ep_comm);
     if (metrics) {
       const std::string line = j.dump() + "\n";
       metrics->Append({reinterpret_cast<const uint8_t*>(line.data()), line.size()});
@@ -602,9 +611,10 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   }
   result.end_step = step;
   // Every rank's totals, to rank 0: <run>/timing.json (benchmarks/train_parallel.py reads it).
-  constexpr int kFields = 7;
+  constexpr int kFields = 8;
   std::vector<double> all(kFields * pc.world->size(), 0.0);
-  const double mine[kFields] = {timing.steps, timing.step, timing.collective, timing.recv_wait, timing.save, timing.collective_floats, timing.sent_floats};
+  const double mine[kFields] = {timing.steps, timing.step, timing.collective, timing.recv_wait, timing.save, timing.collective_floats, timing.sent_floats,
+                                timing.alltoall_floats};
   std::copy(mine, mine + kFields, all.begin() + kFields * pc.world->rank());
   pc.world->AllReduceSum(all.data(), all.size());
   if (rank0) {
@@ -614,7 +624,7 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
       const ckpt::RankCoord at = c.grid.CoordOf(r);
       ranks.push_back({{"rank", r}, {"dp", at.dp}, {"tp", at.tp}, {"pp", at.pp}, {"steps", t[0]}, {"step_seconds", t[1]},
                        {"collective_seconds", t[2]}, {"recv_wait_seconds", t[3]}, {"save_seconds", t[4]},
-                       {"collective_bytes", 4 * t[5]}, {"sent_bytes", 4 * t[6]}});
+                       {"collective_bytes", 4 * t[5]}, {"sent_bytes", 4 * t[6]}, {"alltoall_bytes", 4 * t[7]}});
     }
     const std::string text = nlohmann::ordered_json{{"grid", c.grid.ToString()}, {"ranks", ranks}}.dump(2) + "\n";
     ckpt::WriteFileAtomically(env, run_dir + "/timing.json",

@@ -6,8 +6,8 @@
 // ranks are consecutive, then data-parallel, then pipeline stages. Expert
 // parallelism (NxD's `ep`, rank files dp_rank_XX_ep_rank_EE_...) is named so a
 // shard spec can split along it (Mixtral's expert weights); the rank grid
-// (ckpt/spec/rank_grid.h) places it inside dp (RankGrid::ep, no ep groups
-// yet) and does not lay ranks out on virtual pipeline stages.
+// (ckpt/spec/rank_grid.h) places it inside dp (RankGrid::ep, its groups
+// RankGrid::ExpertGroup) and does not lay ranks out on virtual pipeline stages.
 #pragma once
 
 #include <array>

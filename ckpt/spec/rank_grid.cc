@@ -45,6 +45,17 @@ std::vector<int> RankGrid::Group(int rank, std::initializer_list<Axis> axes) con
   return g;
 }
 
+std::vector<int> RankGrid::ExpertGroup(int rank, ExpertAxis axis) const {
+  const RankCoord mine = CoordOf(rank);
+  std::vector<int> g;
+  for (int q : Group(rank, {Axis::kDp})) {
+    const RankCoord theirs = CoordOf(q);
+    const bool same = axis == ExpertAxis::kEp ? theirs.dp / ep == mine.dp / ep : EpOf(theirs) == EpOf(mine);
+    if (same) g.push_back(q);
+  }
+  return g;
+}
+
 RankGrid RankGrid::ForWorld(int64_t world, int64_t tp, int64_t pp, bool zero1, const std::string& where, const std::string& world_what) {
   for (const auto& [name, v] : {std::pair{world_what, world}, {"tensor_model_parallel_size", tp}, {"pipeline_model_parallel_size", pp}})
     if (v < 1 || v > kMaxRanks)

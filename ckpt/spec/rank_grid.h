@@ -45,6 +45,8 @@ inline constexpr Axis kGridAxes[] = {Axis::kTp, Axis::kDp, Axis::kPp};
 // by dp rank 0) and optim/ (one per dp rank under ZeRO-1, else dp 0's alone).
 enum class RankFileKind { kModel, kOptim };
 
+enum class ExpertAxis { kEp, kExpertDp };
+
 struct RankGrid {
   int tp = 1, pp = 1, dp = 1;
   // ZeRO-1: one optim file per dp rank; otherwise dp rank 0 only.
@@ -74,6 +76,14 @@ struct RankGrid {
   // (parallel_layers/parallel_state.py initialize_model_parallel; Megatron
   // core's RankGenerator.get_ranks does the same for any set of axes).
   std::vector<int> Group(int rank, std::initializer_list<Axis> axes) const;
+
+  // The rank groups expert parallelism makes inside dp (NxD's
+  // parallel_state.py initialize_model_parallel: the expert-model-parallel
+  // and expert-data-parallel groups), by EpOf's rule: kEp, the ranks of
+  // rank's tp, pp and expert-dp rank (dp / ep), ep rank ascending (they
+  // exchange tokens); kExpertDp, those of its tp, pp and ep rank, expert-dp
+  // rank ascending (they hold the same experts). At ep 1: {rank}, and the dp group.
+  std::vector<int> ExpertGroup(int rank, ExpertAxis axis) const;
 
   // The grid of `world` ranks at tensor degree tp and pipeline degree pp:
   // dp = world / (tp * pp). Throws ckpt::Error naming `where` when a degree is

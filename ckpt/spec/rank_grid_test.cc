@@ -23,6 +23,19 @@ TEST(RankGrid, GroupsAreNxDParallelStateGroups) {
   EXPECT_EQ(g.CoordOf(6), (RankCoord{.dp = 1, .tp = 0, .pp = 1}));
 }
 
+// Expert parallelism inside dp: tp 2, dp 4, ep 2 (8 ranks; dp rank d at
+// ranks 2d, 2d + 1). The ep groups are consecutive dp ranks {0, 1}, {2, 3}
+// (same dp / ep); the expert-dp groups dp ranks {0, 2}, {1, 3} (same dp % ep).
+TEST(RankGrid, ExpertGroupsLieInsideDp) {
+  const RankGrid g{.tp = 2, .pp = 1, .dp = 4, .ep = 2};
+  EXPECT_EQ(g.ExpertGroup(5, ExpertAxis::kEp), (std::vector<int>{5, 7}));        // dp 2 and 3, tp 1
+  EXPECT_EQ(g.ExpertGroup(5, ExpertAxis::kExpertDp), (std::vector<int>{1, 5}));  // dp 0 and 2, tp 1
+  EXPECT_EQ(g.ExpertGroup(2, ExpertAxis::kEp), (std::vector<int>{0, 2}));
+  const RankGrid one{.tp = 2, .pp = 1, .dp = 2};
+  EXPECT_EQ(one.ExpertGroup(3, ExpertAxis::kEp), (std::vector<int>{3}));
+  EXPECT_EQ(one.ExpertGroup(3, ExpertAxis::kExpertDp), one.Group(3, {Axis::kDp}));
+}
+
 TEST(RankGrid, CoordinatesAreABijection) {
   const RankGrid g{.tp = 4, .pp = 3, .dp = 2};
   std::set<std::tuple<int, int, int>> seen;
