@@ -266,7 +266,9 @@ void Describer::MegatronVocabulary(ModelFormat& f, int64_t padded) {
 
 ModelFormat Describer::HfLlama(const std::vector<int64_t>& bounds) {
   const int tp = e_.grid.tp;
-  const std::string why = e_.dir + " has no manifest recording its model format (NxD writes none), ";
+  // A Mixtral tag says so (what is asked for next may be a Llama's hint; the MoE is no longer what stops it).
+  const std::string why = e_.dir + (FirstMoeName(ModelNames(e_)) ? " holds an MoE (Mixtral) model but" : "") +
+                          " has no manifest recording its model format (NxD writes none), ";
   ModelFormat f;
   f.family = ModelFamily::kHfLlama;
   const Tensor* norm = FindTensor(ParamName(f, Module::kFinalNorm));
