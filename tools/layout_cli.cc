@@ -38,6 +38,7 @@ namespace {
 
 nlohmann::ordered_json GridJson(const ckpt::RankGrid& g, const std::vector<int64_t>& bounds, int virtual_stages) {
   nlohmann::ordered_json j = {{"tp", g.tp}, {"pp", g.pp}, {"dp", g.dp}, {"zero1", g.zero1}, {"pipeline_cuts", ckpt::CutsOf(bounds)}};
+  if (g.ep > 1) j["ep"] = g.ep;
   if (virtual_stages > 1) j["virtual_pipeline_size"] = virtual_stages;
   return j;
 }
@@ -63,7 +64,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   CLI::App app{h5 ? "Write a ckpt-export HDF5 file as a checkpoint tag in any tensor, pipeline and data parallel layout"
                   : "Re-lay a checkpoint for other tensor, pipeline and data parallel degrees, optimizer state included"};
   ckpt::ReshardArgs a;
-  int dp = 0;
+  int dp = 0, ep = 0;
   bool zero1 = false, no_zero1 = false, json = false, no_verify = false, save_xser = false, no_save_xser = false;
   std::string budget = "512M", cuts;
   FormatHintOptions hints;
@@ -78,6 +79,8 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   app.add_option("--tp", a.tp, "target tensor-parallel degree")->required()->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
   app.add_option("--pp", a.pp, "target pipeline-parallel degree")->required()->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
   app.add_option("--dp", dp, "target data-parallel degree (default: the source's)")->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
+  app.add_option("--ep", ep, "target expert-parallel degree of an MoE (Mixtral) model, inside dp as NxD lays it out (default: the source's)")
+      ->check(CLI::Range(int64_t{1}, ckpt::kMaxRanks));
   app.add_flag("--zero1", zero1, "write ZeRO-1 optimizer files, one per dp rank");
   app.add_flag("--no-zero1", no_zero1, "write one plain optimizer file per stage");
   app.add_option("--pipeline_cuts", cuts, "first layer of stages 1..pp-1 (default: NxD's even split, remainder last)");
@@ -142,6 +145,7 @@ int LayoutMain(int argc, char** argv, LayoutSource source) {
   }
   if (save_xser || no_save_xser) a.save_xser = save_xser;
   if (dp) a.dp = dp;
+  if (ep) a.ep = ep;
   if (out_kv) a.out_kv_size_multiplier = out_kv;
   if (!out_backend.empty()) a.out_hw_backend = ckpt::ParseBackend(out_backend);
   import.hints.make_vocab_size_divisible_by = divisible;

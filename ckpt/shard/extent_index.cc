@@ -26,6 +26,15 @@ bool SameBytes(const Tensor& a, const Tensor& b) {
 
 namespace {
 
+// A rank by its ExtentIndex::HolderId: "tp rank 1", or "ep rank 1, tp rank 0" past ep rank 0.
+std::string RankString(int id, int tp) {
+  return id < tp ? "tp rank " + std::to_string(id) : "ep rank " + std::to_string(id / tp) + ", tp rank " + std::to_string(id % tp);
+}
+std::string HoldersString(int holder, int rank, int tp) {
+  if (holder < tp && rank < tp) return "tp ranks " + std::to_string(holder) + " and " + std::to_string(rank);
+  return RankString(holder, tp) + " and " + RankString(rank, tp);
+}
+
 using Entry = ExtentIndex::Entry;
 
 std::vector<int64_t> EndOf(const SourceBox& b) {
@@ -229,7 +238,7 @@ void ExtentIndex::AddBoxes(const ParamRule& rule, const AxisCoords& at, StateFie
   auto& idx = index_[{rule.name, field}];
   if (!idx.typed) idx.dtype = dtype, idx.typed = true, idx.shape = rule.shape;
   if (dtype != idx.dtype) throw Error(where + " is " + std::string(DTypeName(dtype)) + " but other ranks hold " + std::string(DTypeName(idx.dtype)));
-  const int rank = at[Axis::kTp].index;
+  const int rank = HolderId(at);
   const size_t es = ElementSize(dtype);
   for (const Box& box : LocalBoxes(rule, at)) {
     // Replicas (norms on every tp rank, KV heads NxD repeats) are read from
@@ -245,7 +254,7 @@ void ExtentIndex::AddBoxes(const ParamRule& rule, const AxisCoords& at, StateFie
       b.data += first * static_cast<int64_t>(es);
     }
     if (holder == rank) idx.boxes.push_back(std::move(b));
-    else replicas_.push_back({rule.name, field, std::move(b), holder, rank});
+    else replicas_.push_back({rule.name, field, std::move(b), holder, rank, at[Axis::kTp].size});
   }
 }
 
@@ -300,10 +309,9 @@ void ExtentIndex::CompareReplicas(const std::string& dir, const ModelFormat& f) 
                                                           : "";
         std::vector<int64_t> last = EndOf(r.box);
         for (auto& x : last) --x;
-        throw Error(dir + ": '" + r.name + "' (" + FieldName(r.field) + "): tp ranks " + std::to_string(r.holder) + " and " +
-                    std::to_string(r.rank) + " hold different copies of logical elements " + std::to_string(FlatIndex(r.box.offset, e.shape)) +
+        throw Error(dir + ": '" + r.name + "' (" + FieldName(r.field) + "): " + HoldersString(r.holder, r.rank, r.tp) + " hold different copies of logical elements " + std::to_string(FlatIndex(r.box.offset, e.shape)) +
                     ".." + std::to_string(FlatIndex(last, e.shape)) + ", which both replicate" + rule +
-                    " (NxD keeps replicas equal); --trust_first_replica reads tp rank " + std::to_string(r.holder) + "'s");
+                    " (NxD keeps replicas equal); --trust_first_replica reads " + RankString(r.holder, r.tp) + "'s");
       }
       done += take;
       AdvanceInBox(r.box.offset, r.box.size, p, static_cast<int64_t>(take));

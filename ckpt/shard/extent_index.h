@@ -59,9 +59,14 @@ class ExtentIndex {
   void AddBoxes(const ParamRule& rule, const AxisCoords& at, StateField field, const Tensor& x, const MappedFile* file, int64_t row_lo,
                 int64_t row_hi, Holders& owner, DType dtype, const std::string& where);
   // AddBoxes for tp rank `t` of `tp` (every other axis of size 1); `rows`,
-  // the local tensor's dim 0, bounds row_hi.
+  // the local tensor's dim 0, bounds row_hi. (The optimizer reader's; the
+  // model reader asks AddBoxes with every axis.)
   void AddRuns(const ParamRule& rule, const ModelFormat& format, int tp, StateField field, int t, const Tensor& x, const MappedFile* file,
                int64_t row_lo, int64_t row_hi, int64_t rows, Holders& owner, DType dtype, const std::string& where);
+  // The number a rank at `at` has in Holders: its tp index, plus its ep
+  // index times the tp size (replicas over ep, the non-expert tensors of an
+  // expert-parallel tag, are compared as replicas over tp are).
+  static int HolderId(const AxisCoords& at) { return at[Axis::kEp].index * at[Axis::kTp].size + at[Axis::kTp].index; }
   // Requires each tensor's boxes disjoint and covering its logical elements
   // (`params`' shapes) without a gap, and builds the lookup Read uses; throws
   // naming `dir` and the first elements not held (or held twice).
@@ -100,7 +105,8 @@ class ExtentIndex {
     std::string name;
     StateField field;
     SourceBox box;
-    int holder, rank;
+    int holder, rank;  // HolderId of the first holder and of this copy
+    int tp;            // the tp size, which HolderId folds in
   };
   std::map<Key, Entry> index_;
   std::vector<Replica> replicas_;

@@ -83,14 +83,18 @@ std::vector<std::string> ModelNames(const ModelEvidence& e) {
 // the tensor, so a partial MoE layer is told before any Llama inference asks
 // for its MLP.
 void RequireMoeModule(const ModelEvidence& e, const std::vector<std::string>& names, const std::string& first) {
+  ModelFormat named;
+  named.family = *FamilyOfName(first), named.experts = 2 * e.grid.ep;  // names only: an MoE layer every layer
   for (const std::string& n : names)
     if (FirstMoeName({n})) {
       const std::string leaf = n.substr(n.find('.', n.find(".layers.") + 8) + 1);
       const auto known = MoeLeaves(*FamilyOfName(n));
-      if (std::find(known.begin(), known.end(), leaf) == known.end()) throw Error(e.dir + ": " + MoeRefusal(n));
+      const auto spmd = SpmdRankTensors(named, static_cast<int>(LayerOfName(n)), e.grid.ep);  // checked with the model files
+      if (std::find(known.begin(), known.end(), leaf) == known.end() &&
+          std::none_of(spmd.begin(), spmd.end(), [&](const SpmdRankTensor& s) { return s.name == n; }))
+        throw Error(e.dir + ": " + MoeRefusal(n));
     }
-  ModelFormat named;
-  named.family = *FamilyOfName(first), named.experts = 1;
+  named.experts = 1;
   const int l = LayerOfName(first);
   for (const Module m : {Module::kRouter, Module::kExpertsIn, Module::kExpertsOut})
     if (const std::string want = ParamName(named, m, l); std::find(names.begin(), names.end(), want) == names.end())
@@ -264,7 +268,9 @@ void Describer::MegatronVocabulary(ModelFormat& f, int64_t padded) {
 
 ModelFormat Describer::HfLlama(const std::vector<int64_t>& bounds) {
   const int tp = e_.grid.tp;
-  const std::string why = e_.dir + " has no manifest recording its model format (NxD writes none), ";
+  // A Mixtral tag says so (what is asked for next may be a Llama's hint; the MoE is no longer what stops it).
+  const std::string why = e_.dir + (FirstMoeName(ModelNames(e_)) ? " holds an MoE (Mixtral) model but" : "") +
+                          " has no manifest recording its model format (NxD writes none), ";
   ModelFormat f;
   f.family = ModelFamily::kHfLlama;
   const Tensor* norm = FindTensor(ParamName(f, Module::kFinalNorm));
@@ -589,11 +595,13 @@ void Describer::Moe(ModelFormat& f) {
   const auto &rs = router->shape(), &is = in->shape(), &os = out->shape();
   const std::string kind = e_.dir + ": " + MoeModelOf(router_name) + ": ";
   const int tp = e_.grid.tp;
-  if (rs.size() != 2 || rs[1] != f.hidden || is.size() != 3 || os.size() != 3 || is[0] != rs[0] || os[0] != rs[0] || is[1] != f.hidden ||
+  const int ep = e_.grid.ep;  // each ep rank holds experts / ep whole experts
+  if (rs.size() != 2 || rs[1] != f.hidden || is.size() != 3 || os.size() != 3 || is[0] * ep != rs[0] || os[0] * ep != rs[0] || is[1] != f.hidden ||
       is[2] * tp != 2 * f.ffn || os[1] * tp != f.ffn || os[2] != f.hidden)
     throw Error(kind + "'" + router_name + "' " + ShapeString(rs) + ", '" + in_name + "' " + ShapeString(is) + " and '" + out_name + "' " +
-                ShapeString(os) + " are not a router (experts, hidden " + std::to_string(f.hidden) + ") and whole experts' (experts, hidden, 2 x ffn " +
-                std::to_string(f.ffn) + " / tp " + std::to_string(tp) + ") and (experts, ffn / tp, hidden)");
+                ShapeString(os) + " are not a router (experts, hidden " + std::to_string(f.hidden) + ") and experts' (experts / ep " +
+                std::to_string(ep) + ", hidden, 2 x ffn " + std::to_string(f.ffn) + " / tp " + std::to_string(tp) +
+                ") and (experts / ep, ffn / tp, hidden)");
   f.experts = rs[0];
   TakeRecordedMoeConfig();
   if (hints_.experts && *hints_.experts != f.experts)
@@ -777,15 +785,17 @@ ModelDescription DescribeModel(const ModelEvidence& e, const FormatHints& hints)
   d.stage_bounds = std::move(split.bounds), d.virtual_stages = split.virtual_stages;
   const int tp = e.grid.tp;
   // A Mixtral tag (NxDT's layer 0 is always an MoE layer) is refused for what it is, not for lacking a Llama's MLP,
-  // unless the engine reads its experts: either style at ep 1 and any tp (the engine cuts expert boxes; issue #38's
-  // mixtral_reshard, mixtral_ep1).
+  // unless the engine reads its experts: HF-style at any tp and ep, Megatron-style at ep 1 and any tp (the engine
+  // cuts expert boxes; issue #38's mixtral_reshard, mixtral_ep1 and mixtral_ep).
   const auto moe = FirstMoeName(ModelNames(e));
-  const bool readable = e.grid.ep == 1;
+  const bool megatron = (moe && FamilyOfName(*moe) == ModelFamily::kMegatron) ||
+                        (e.recorded && e.recorded->moe() && e.recorded->family == ModelFamily::kMegatron);
+  const bool readable = !megatron || e.grid.ep == 1;
   if (moe && !readable) throw Error(e.dir + ": " + MoeRefusal(*moe));
   else if (moe && !e.recorded) RequireMoeModule(e, ModelNames(e), *moe);
   if (e.recorded && e.recorded->moe() && !readable)
     throw Error(e.dir + ": its manifest records an MoE (Mixtral) model at tp " + std::to_string(tp) + ", ep " + std::to_string(e.grid.ep) +
-                "; shardkit reads MoE tags at ep 1 only yet");
+                "; shardkit reads Megatron-style MoE tags at ep 1 only yet");
   if (e.recorded) {
     d.format = DescribeRecordedModel(e, hints, &d.notes);
     d.from_manifest = true;
@@ -795,6 +805,7 @@ ModelDescription DescribeModel(const ModelEvidence& e, const FormatHints& hints)
     d.format = DescribeMegatronModel(e, d.stage_bounds, hints, &d.notes);
   }
   if (const std::string why = d.format.CheckTensorParallel(tp); !why.empty()) throw Error(e.dir + ": " + why);
+  if (const std::string why = d.format.CheckExpertParallel(e.grid.ep); !why.empty()) throw Error(e.dir + ": " + why);
   d.params = LogicalParameters(d.format, tp);
   // GPT's tied output copy: NxDT's language_model.output_layer.weight on the last stage, or
   // Megatron-LM's word_embeddings.weight there (pp > 1) and nothing at pp = 1.

@@ -116,6 +116,7 @@ struct PlannedFile {
   ckpt::FileToWrite file;
   uint64_t bytes = 0;  // tensor bytes
   int unit = -1;       // rank files are spread over the processes; -1: rank 0
+  int ep = -1;         // an expert-parallel model file's ep rank (xser: its expert weights are marked)
 };
 
 class Planner {
@@ -138,7 +139,7 @@ class Planner {
         stage = ckpt::StageParameters(rules_, bounds_, at.pp, ckpt::TiedCopyNaming::kNxdt, virtual_stages_);
         optimized = ckpt::StageParameters(optimizer_rules_, bounds_, at.pp, ckpt::TiedCopyNaming::kNxdt, virtual_stages_);
       }
-      out.push_back(ModelFile(stage, at.tp, at.pp, unit++));
+      out.push_back(ModelFile(stage, at, unit++));
       if (!src_.layout().has_optimizer) return;
       to_.ForEachRankFile(ckpt::RankFileKind::kOptim, at, [&](const ckpt::RankCoord& o) { out.push_back(OptimFile(optimized, o.tp, o.pp, o.dp, unit++)); });
     });
@@ -146,48 +147,68 @@ class Planner {
   }
 
  private:
-  std::shared_ptr<TargetSlice> Slice(const ckpt::StageParam& sp, StateField f, int t, int p, int64_t row_lo, int64_t rows) {
+  // The target rank at tp rank t, ep rank e (every other axis 1).
+  ckpt::AxisCoords At(int t, int e) const {
+    ckpt::AxisCoords at = ckpt::AxisCoords::Tp(to_.tp, t);
+    at[ckpt::Axis::kEp] = {to_.ep, e};
+    return at;
+  }
+
+  std::shared_ptr<TargetSlice> Slice(const ckpt::StageParam& sp, StateField f, const ckpt::AxisCoords& at, int p, int64_t row_lo, int64_t rows) {
     const ParamRule& rule = *sp.rule;
     auto s = std::make_shared<TargetSlice>();
     s->src = &src_;
     s->name = rule.name;
     s->field = f;
-    s->boxes = ckpt::LocalBoxes(rule, ckpt::AxisCoords::Tp(to_.tp, t));
-    s->local = ckpt::LocalShape(rule, fmt_, to_.tp, t);
+    s->boxes = ckpt::LocalBoxes(rule, at);
+    s->local = ckpt::LocalShape(rule, at);
     s->global = rule.shape;
     s->row_lo = row_lo;
     s->rows = rows < 0 ? s->local[0] : rows;
     s->es = ckpt::ElementSize(src_.dtype(rule.name, f));
     s->fp = fp_;
     s->logical_numel = logical_numel_.at(rule.name);
-    // A box's first holder (stage, tp rank) sums it; every ZeRO-1 shard of
-    // that holder sums its part.
+    // A box's first holder (stage, tp and ep rank) sums it; every ZeRO-1
+    // shard of that holder sums its part.
+    const std::pair<int, int> me{p, ckpt::ExtentIndex::HolderId(at)};
     for (const ckpt::Box& box : s->boxes) {
       if (sp.tied_copy()) {  // GPT's tied output copy: the embedding's holder sums it
         s->primary.push_back(false);
         continue;
       }
-      const auto holder = first_holder_.try_emplace({rule.name, f, box.offset}, p, t).first->second;
-      s->primary.push_back(holder == std::make_pair(p, t));
+      const auto holder = first_holder_.try_emplace({rule.name, f, box.offset}, me).first->second;
+      s->primary.push_back(holder == me);
     }
     return s;
   }
 
-  PlannedFile ModelFile(const std::vector<ckpt::StageParam>& stage, int t, int p, int unit) {
+  PlannedFile ModelFile(const std::vector<ckpt::StageParam>& stage, const ckpt::RankCoord& c, int unit) {
     PlannedFile pf;
+    const int p = c.pp;
+    const ckpt::AxisCoords at = At(c.tp, c.ep.value_or(0));
     Value model = Value::NewDict(src_.model_dict_ordered());
     auto& d = model.as_dict();
     AddBuffersAfter("", d, p);
     for (const auto& sp : stage) {
-      auto s = Slice(sp, StateField::kParam, t, p, 0, -1);
+      auto s = Slice(sp, StateField::kParam, at, p, 0, -1);
       pf.bytes += static_cast<uint64_t>(ckpt::ShapeNumel(s->local)) * s->es;
       d.Set(sp.name, SliceTensor(s, src_.dtype(sp.rule->name, StateField::kParam)));
+      AddSpmdRanksAfter(sp.name, d);
       AddBuffersAfter(sp.name, d, p);
     }
     // LoRA's lora_config holds a float (lora_dropout), which torch 1.13's weights_only loader refuses.
-    pf.file = {ckpt::RankFilePath(ckpt::RankFileKind::kModel, {0, t, p}), model, {.weights_only = !fmt_.lora.on(), .stream_chunk = chunk_, .stream_buffers = chunks_}};
+    pf.file = {ckpt::RankFilePath(ckpt::RankFileKind::kModel, c), model, {.weights_only = !fmt_.lora.on(), .stream_chunk = chunk_, .stream_buffers = chunks_}};
     pf.unit = unit;
+    if (c.ep) pf.ep = *c.ep;
     return pf;
+  }
+
+  // At ep > 1, an MoE layer's SPMDRank tensors follow its router, made for the
+  // target's ep (ckpt/spec/model_family.h SpmdRankTensors), as NxD's ExpertMLPsV2 registers them.
+  void AddSpmdRanksAfter(const std::string& key, ckpt::Dict& d) const {
+    const int layer = ckpt::LayerOfName(key);
+    if (layer < 0 || key != ckpt::ParamName(fmt_, ckpt::Module::kRouter, layer)) return;
+    for (const auto& t : ckpt::SpmdRankTensors(fmt_, layer, to_.ep)) d.Set(t.name, Value(ckpt::Tensor::Zeros(ckpt::DType::kInt32, t.shape)));
   }
 
   // Stage p's buffers that followed `key` in the source (and those that followed them), in place.
@@ -214,7 +235,7 @@ class Planner {
         of.params.emplace_back();
         continue;
       }
-      const auto local = ckpt::LocalShape(*sp.rule, fmt_, to_.tp, t);
+      const auto local = ckpt::LocalShape(*sp.rule, At(t, 0));
       const int64_t shard = to_.zero1 ? ckpt::Zero1ShardRows(local[0], to_.dp) : local[0];
       ckpt::ParamState ps;
       ps.step = src_.Step(sp.rule->name);
@@ -222,7 +243,7 @@ class Planner {
       if (sp.tied_copy() && ps.step.is_tensor()) ps.step = Value(ps.step.as_tensor().Clone());
       ps.shape = local;
       auto tensor = [&](StateField f) {
-        auto s = Slice(sp, f, t, p, d * shard, shard);
+        auto s = Slice(sp, f, At(t, 0), p, d * shard, shard);
         pf.bytes += static_cast<uint64_t>(shard * (ckpt::ShapeNumel(local) / local[0])) * s->es;
         return SliceTensor(s, src_.dtype(sp.rule->name, f));
       };
@@ -277,6 +298,22 @@ ckpt::ModelFormat TargetFormat(const ckpt::ModelFormat& from, const ReshardArgs&
   if (a.out_kv_size_multiplier) to.kv_size_multiplier = *a.out_kv_size_multiplier;
   if (a.out_hw_backend) to.hw_backend = *a.out_hw_backend;
   return LoraKeepsItsNames(from, to);
+}
+
+// The target's ep (the source's unless --ep), inside dp (RankGrid::ep). An
+// expert-parallel target is written weights only: NxD's NeuronEPZero1Optimizer
+// state (ckpt/spec/ep_zero1_state.h) is not written yet.
+int TargetEp(const ReshardArgs& a, const ckpt::TagDescription& L, int& dp, std::vector<std::string>& notes) {
+  const int ep = a.ep.value_or(L.grid.ep);
+  if (ep < 1 || ep > ckpt::kMaxRanks) throw Error("--ep " + std::to_string(ep) + " is not from 1 to " + std::to_string(ckpt::kMaxRanks));
+  if (ep > 1 && L.has_optimizer)
+    throw Error("--ep " + std::to_string(ep) + ": an expert-parallel MoE tag's optimizer state (NxD's NeuronEPZero1Optimizer) is not written yet "
+                "(issue #38); pass --weights_only");
+  if (dp % ep == 0) return ep;
+  if (a.dp) throw Error("--ep " + std::to_string(ep) + " does not divide --dp " + std::to_string(dp) + " (NxD lays expert parallelism inside data parallelism)");
+  notes.push_back("dp " + std::to_string(dp) + " -> " + std::to_string(ep) + ": the ep size must divide dp (NxD lays expert parallelism inside it)");
+  dp = ep;
+  return ep;
 }
 
 std::string StagesString(const std::vector<int64_t>& b, int virtual_stages) {
@@ -354,15 +391,17 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   to.dp = a.dp.value_or(L.grid.dp);
   to.zero1 = a.zero1.value_or(L.grid.zero1);
   if (to.zero1 && to.dp < 1) throw Error("--dp must be at least 1");
+  to.ep = TargetEp(a, L, to.dp, sum.notes);
   if (int64_t{to.tp} * to.pp * to.dp > ckpt::kMaxRanks) throw Error("the target grid has more than " + std::to_string(ckpt::kMaxRanks) + " ranks");
   // The plan holds an entry per tensor per rank file; a grid past any real job's (tp 64, pp 32,
   // dp 32 with ZeRO-1 is 65,536 files) is refused before planning grows without bound.
-  if (const int64_t files = int64_t{to.tp} * to.pp * (to.zero1 ? to.dp : 1); files > kMaxRankFiles)
+  if (const int64_t files = int64_t{to.tp} * to.pp * ((to.zero1 ? to.dp : 1) + to.ep - 1); files > kMaxRankFiles)
     throw Error("the target grid tp=" + std::to_string(to.tp) + " pp=" + std::to_string(to.pp) + " dp=" + std::to_string(to.dp) +
                 (to.zero1 ? " with ZeRO-1" : "") + " needs " + std::to_string(files) + " rank files; one pass writes at most " +
                 std::to_string(kMaxRankFiles));
   const ckpt::ModelFormat to_format = TargetFormat(L.format, a);
   if (const std::string why = to_format.CheckTensorParallel(to.tp); !why.empty()) throw Error("--tp " + std::to_string(to.tp) + ": " + why);
+  if (const std::string why = to_format.CheckExpertParallel(to.ep); !why.empty()) throw Error("--ep " + std::to_string(to.ep) + ": " + why);
   if (ckpt::BackendMatters(to_format, to.tp) && to_format.hw_backend == ckpt::HwBackend::kUnknown)
     throw Error("--tp " + std::to_string(to.tp) + " with kv_size_multiplier " + std::to_string(to_format.kv_size_multiplier) +
                 " lays KV heads out by the backend, which the source's data cannot tell; give --out_hw_backend trn1 or trn2");
@@ -439,7 +478,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   Planner planner(*src, to_format, to, sum.to_bounds, sum.to_virtual_stages, sum.stream_chunk, &fingerprints);
   std::vector<PlannedFile> plan = planner.Plan();
   for (const char* f : {ckpt::kSchedulerFile, ckpt::kUserContentFile})
-    if (auto v = src->TagFile(f)) plan.push_back({{f, std::move(*v), {}}, 0, -1});
+    if (auto v = src->TagFile(f)) plan.push_back({{f, std::move(*v), {}}, 0, -1, -1});
 
   if (a.group->rank() == 0) {
     log(std::string(a.tool == "reshard" ? "resharding " : "writing ") + sum.src_tag + ": " + L.grid.ToString() + ", stages " + StagesString(L.stage_bounds, L.virtual_stages) + " -> " +
@@ -486,7 +525,8 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
         mine.push_back(f.file), tensor_bytes.push_back(f.bytes);
         continue;
       }
-      for (auto& part : ckpt::XserFiles(f.file)) {
+      const auto expert = [&](const std::string& key) { return ckpt::IsExpertWeight(to_format, key); };
+      for (auto& part : f.ep < 0 ? ckpt::XserFiles(f.file) : ckpt::XserFiles(f.file, expert, f.ep > 0)) {
         tensor_bytes.push_back(part.value.is_tensor() ? part.value.as_tensor().nbytes() : 0);
         mine.push_back(std::move(part));
       }

@@ -37,6 +37,9 @@ struct ReshardArgs {
   std::string checkpoint_dir;  // a folder to create the tag in, named as the trainer names tags
   int tp = 0, pp = 0;
   std::optional<int> dp;       // default: the source's
+  // Expert parallelism of an MoE model (RankGrid::ep); default: the source's.
+  // Weights only at ep > 1 (NxD's expert-parallel ZeRO-1 state is not written).
+  std::optional<int> ep;
   std::optional<bool> zero1;   // default: the source's
   std::vector<int64_t> pipeline_cuts;  // the first layer of stages 1.. of all pp * virtual stages
   // NxD's virtual_pipeline_size for the target (ckpt/spec/partition.h: pp rank

@@ -105,24 +105,35 @@ class ShardedTagBuilder {
     t_->format_notes_ = std::move(d.notes);
   }
 
-  // Every model file holds exactly its stage's parameters, shaped by the rules.
+  // Every model file holds exactly its stage's parameters, shaped by the
+  // rules. Under expert parallelism each ep rank's files hold its experts and
+  // a copy of every other tensor, compared as replicas (ExtentIndex::HolderId).
   void CheckModelFiles() {
     const TagDescription& L = t_->layout_;
     ExtentIndex::Holders owner;
-    for (int p = 0; p < L.grid.pp; ++p) {
-      const auto stage = StageParameters(t_->params_, L.stage_bounds, p, L.tied_naming, L.virtual_stages);
-      for (int t = 0; t < L.grid.tp; ++t) CheckModelFile(stage, t, p, owner);
-    }
+    for (int e = 0; e < L.grid.ep; ++e)
+      for (int p = 0; p < L.grid.pp; ++p) {
+        const auto stage = StageParameters(t_->params_, L.stage_bounds, p, L.tied_naming, L.virtual_stages);
+        for (int t = 0; t < L.grid.tp; ++t) CheckModelFile(stage, t, p, e, owner);
+      }
   }
 
-  void CheckModelFile(const std::vector<StageParam>& stage, int t, int p, ExtentIndex::Holders& owner) {
+  void CheckModelFile(const std::vector<StageParam>& stage, int t, int p, int e, ExtentIndex::Holders& owner) {
     const TagDescription& L = t_->layout_;
-    const std::string rel = RankFilePath(RankFileKind::kModel, {0, t, p}), where = files_->Path(rel);
+    RankCoord c{0, t, p};
+    if (L.grid.ep > 1) c.ep = e;
+    const std::string rel = RankFilePath(RankFileKind::kModel, c), where = files_->Path(rel);
+    AxisCoords at = AxisCoords::Tp(L.grid.tp, t);
+    at[Axis::kEp] = {L.grid.ep, e};
     std::map<std::string, size_t> place;  // the stage's parameters, by name: NxD loads by name, so any key order
     for (size_t i = 0; i < stage.size(); ++i) place[stage[i].name] = i;
+    std::map<std::string, std::vector<int64_t>> spmd;  // the SPMDRank tensors of the stage's MoE layers (ep > 1)
+    for (int64_t l = 0; l < L.format.layers; ++l)
+      if (RankHoldsLayer(L.stage_bounds, L.virtual_stages, p, l))
+        for (const auto& s : SpmdRankTensors(L.format, static_cast<int>(l), L.grid.ep)) spmd[s.name] = s.shape;
     std::vector<bool> seen(stage.size());
     std::string prev;
-    for (const auto& [k, v] : files_->Model(t, p).items) {
+    for (const auto& [k, v] : files_->Model(t, p, e).items) {
       if (!k.is_str()) throw Error(where + ": holds a key that is not a string");
       const std::string& name = k.as_str();
       if (auto it = place.find(name); it != place.end()) {
@@ -130,14 +141,14 @@ class ShardedTagBuilder {
         seen[it->second] = true;
         const StageParam& sp = stage[it->second];
         const Tensor& x = IndexableTensor(v, where + ": '" + name + "'");
-        const auto want = LocalShape(*sp.rule, L.format, L.grid.tp, t);
+        const auto want = LocalShape(*sp.rule, at);
         if (x.shape() != want)
           throw Error(where + ": '" + name + "' has shape " + ShapeString(x.shape()) + " but " + L.format.Describe() + " at tp " +
-                      std::to_string(L.grid.tp) + " gives tp rank " + std::to_string(t) + " " + ShapeString(want));
+                      std::to_string(L.grid.tp) + (L.grid.ep > 1 ? ", ep " + std::to_string(L.grid.ep) : "") + " gives tp rank " +
+                      std::to_string(t) + (L.grid.ep > 1 ? ", ep rank " + std::to_string(e) : "") + " " + ShapeString(want));
         if (!sp.tied_copy()) {
-          t_->index_.AddRuns(*sp.rule, L.format, L.grid.tp, StateField::kParam, t, x, files_->FileOf(x, rel), 0, want[0], want[0], owner,
-                             x.dtype(), where + ": '" + name + "'");
-        } else if (const Value* e = files_->Model(t, 0).Find(sp.rule->name); !e || !e->is_tensor() || !SameBytes(x, e->as_tensor())) {
+          t_->index_.AddBoxes(*sp.rule, at, StateField::kParam, x, files_->FileOf(x, rel), 0, want[0], owner, x.dtype(), where + ": '" + name + "'");
+        } else if (const Value* emb = files_->Model(t, 0, e).Find(sp.rule->name); !emb || !emb->is_tensor() || !SameBytes(x, emb->as_tensor())) {
           // A tied copy is read from the embedding; one that differs would be lost silently.
           throw Error(where + ": '" + name + "' is GPT's tied output layer (share_embeddings_and_output_weights), but it differs from " +
                       files_->Path(RankFilePath(RankFileKind::kModel, {0, t, 0})) + "'s '" + sp.rule->name + "'");
@@ -148,15 +159,30 @@ class ShardedTagBuilder {
       if (name == kLoraConfigKey && L.format.lora.on()) {
         // LoRA's metadata (validated when the model was described): carried into every
         // stage's file, at its front (NxD saves it last; its loads go by name).
-        if (t == 0 && p == 0) t_->buffers_.push_back({name, "", kEveryStageLayer, v});
+        if (t == 0 && p == 0 && e == 0) t_->buffers_.push_back({name, "", kEveryStageLayer, v});
+        continue;
+      }
+      if (auto it = spmd.find(name); it != spmd.end()) {
+        CheckSpmdRank(where + ": '" + name + "'", v, it->second);
         continue;
       }
       CheckOtherEntry(where, name, p);
-      if (t == 0) t_->buffers_.push_back({name, prev, LayerOfName(name), v});
+      if (t == 0 && e == 0) t_->buffers_.push_back({name, prev, LayerOfName(name), v});
       prev = name;
     }
     for (size_t i = 0; i < stage.size(); ++i)
       if (!seen[i]) throw Error(where + ": has no '" + stage[i].name + "'");
+  }
+
+  // An SPMDRank tensor (SpmdRankTensors) is dropped, the writer making it for
+  // its own ep: so it must be what NxD's training saves, int32 zeros of its
+  // shape; other values (inference's create_spmd_ranks) are refused, not lost.
+  static void CheckSpmdRank(const std::string& where, const Value& v, const std::vector<int64_t>& shape) {
+    const Tensor& x = IndexableTensor(v, where);
+    const Tensor c = x.Contiguous();
+    if (x.dtype() != DType::kInt32 || x.shape() != shape || !std::all_of(c.data(), c.data() + c.nbytes(), [](uint8_t b) { return b == 0; }))
+      throw Error(where + " is " + std::string(DTypeName(x.dtype())) + " " + ShapeString(x.shape()) + ", not NxD's SPMDRank as training saves it (int32 zeros " +
+                  ShapeString(shape) + ", parallel_layers/layers.py SPMDRank), which the target ep's files are given anew");
   }
 
   // A model-file entry that is no parameter of its stage: a buffer (a layer's

@@ -49,7 +49,7 @@ std::vector<std::string> TagFiles::ListRankFiles(const std::string& sub, std::se
     if (IsTempPath(n)) continue;
     entries.insert(sub + "/" + n);
     try {
-      if (ParseRankFileName(n)) out.push_back(n);
+      if (ParseAnyRankFileName(n)) out.push_back(n);
     } catch (const Error& e) {
       throw Error(Path(sub) + "/" + e.what());
     }
@@ -61,37 +61,44 @@ void TagFiles::Discover(const TagReadOptions& opts, std::optional<Manifest>& man
   if (!in_memory_ && !env_->IsDirectory(dir_)) throw Error(dir_ + ": not a folder");
   if (!in_memory_ && !env_->IsDirectory(Path("model"))) throw Error(dir_ + ": holds no model/ folder; not a checkpoint tag");
   if (!opts.weights_only) RefuseLostExpertOptimizer();
-  std::set<std::pair<int, int>> model;
-  int tp = 0, pp = 0;
+  std::set<std::tuple<int, int, int>> model;  // (ep, tp, pp)
+  int tp = 0, pp = 0, ep = 0;
   // One container per tag, as NxD's loader reads it: a mix, or a tensor folder without its X.pt, is refused.
   std::set<std::string> entries;
   const auto model_files = ListRankFiles("model", entries);
   const auto optim_files = ListRankFiles("optim", entries);
   if (const auto bad = XserContainerProblems(entries); !bad.empty()) throw Error(Path(bad[0].entry) + ": " + bad[0].what);
   xser_ = std::any_of(model_files.begin(), model_files.end(), [&](const std::string& n) { return entries.count("model/" + XserTensorDir(n)); });
+  std::vector<RankCoord> coords;
+  std::string an_ep_file;
   for (const auto& n : model_files) {
-    auto r = ParseRankFileName(n);
+    auto r = ParseAnyRankFileName(n);
     if (r->dp != 0) throw Error(Path("model/" + n) + ": model files come from dp rank 0 only");
-    model.insert({r->tp, r->pp});
-    tp = std::max(tp, r->tp + 1), pp = std::max(pp, r->pp + 1);
+    if (r->ep && an_ep_file.empty()) an_ep_file = n;
+    coords.push_back(*r);
+    model.insert({r->ep.value_or(0), r->tp, r->pp});
+    tp = std::max(tp, r->tp + 1), pp = std::max(pp, r->pp + 1), ep = std::max(ep, r->ep.value_or(0) + 1);
   }
   if (model.empty()) throw Error(Path("model") + ": holds no rank files (dp_rank_00_tp_rank_XX_pp_rank_XX.pt)");
+  if (const std::string why = EpNamingProblem(coords); !why.empty()) throw Error(Path("model/" + an_ep_file) + ": " + why);
   if (!in_memory_ && env_->Exists(Path(kManifestFile))) {
     manifest = Manifest::Load(env_, Path(kManifestFile));
-    if (manifest->grid.tp != tp || manifest->grid.pp != pp)
+    if (manifest->grid.tp != tp || manifest->grid.pp != pp || manifest->grid.ep != ep)
       throw Error(Path(kManifestFile) + ": records tp=" + std::to_string(manifest->grid.tp) + " pp=" + std::to_string(manifest->grid.pp) +
-                  " but model/ holds files up to tp rank " + std::to_string(tp - 1) + ", pp rank " + std::to_string(pp - 1));
+                  " ep=" + std::to_string(manifest->grid.ep) + " but model/ holds files up to tp rank " + std::to_string(tp - 1) + ", pp rank " +
+                  std::to_string(pp - 1) + ", ep rank " + std::to_string(ep - 1));
   }
-  RankGrid{.tp = tp, .pp = pp}.ForEachRankFile(RankFileKind::kModel, [&](const RankCoord& c) {
-    if (!model.count({c.tp, c.pp}))
+  RankGrid{.tp = tp, .pp = pp, .ep = ep}.ForEachRankFile(RankFileKind::kModel, [&](const RankCoord& c) {
+    if (!model.count({c.ep.value_or(0), c.tp, c.pp}))
       throw Error(Path(RankFilePath(RankFileKind::kModel, c)) + ": missing; the tag holds other ranks' model files (tp " + std::to_string(tp) +
-                  ", pp " + std::to_string(pp) + ")");
+                  ", pp " + std::to_string(pp) + (ep > 1 ? ", ep " + std::to_string(ep) : "") + ")");
   });
-  L.grid.tp = tp, L.grid.pp = pp;
+  L.grid.tp = tp, L.grid.pp = pp, L.grid.ep = ep;
   L.has_optimizer = !optim_files.empty() && !opts.weights_only;
   *optimizer_skipped = !optim_files.empty() && opts.weights_only;
   if (!L.has_optimizer) {
-    L.grid.dp = manifest ? manifest->grid.dp : 1;
+    // ep lies inside dp (RankGrid::ep): a job at ep E had at least E dp ranks.
+    L.grid.dp = std::max(manifest ? manifest->grid.dp : 1, ep);
     return;
   }
   CheckOptimizerFiles(optim_files, manifest, L);
@@ -116,8 +123,15 @@ void TagFiles::CheckOptimizerFiles(const std::vector<std::string>& names, const 
   const int tp = L.grid.tp, pp = L.grid.pp;
   std::set<std::tuple<int, int, int>> optim;
   int dp = 0;
-  for (const auto& n : names)
-    if (auto r = ParseRankFileName(n)) optim.insert({r->dp, r->tp, r->pp}), dp = std::max(dp, r->dp + 1);
+  for (const auto& n : names) {
+    std::optional<RankCoord> r;
+    try {
+      r = ParseRankFileName(n);  // NxD's expert-parallel ZeRO-1 files carry no ep rank; ep-named ones are NxDT's lossy save
+    } catch (const Error& e) {
+      throw Error(Path("optim") + "/" + e.what());
+    }
+    if (r) optim.insert({r->dp, r->tp, r->pp}), dp = std::max(dp, r->dp + 1);
+  }
   RankGrid{.tp = tp, .pp = pp, .dp = dp, .zero1 = true}.ForEachRankFile(RankFileKind::kOptim, [&](const RankCoord& c) {
     if (!optim.count({c.dp, c.tp, c.pp}))
       throw Error(Path(RankFilePath(RankFileKind::kOptim, c)) + ": missing; the tag holds optimizer files for " + std::to_string(dp) +
@@ -232,11 +246,11 @@ const MappedFile* TagFiles::FileOf(const Tensor& x, const std::string& rel) cons
 }
 
 void TagFiles::LoadModelFiles(const RankGrid& g) {
-  tp_ = g.tp;
-  model_.resize(static_cast<size_t>(g.tp) * g.pp);
+  tp_ = g.tp, pp_ = g.pp;
+  model_.resize(static_cast<size_t>(g.tp) * g.pp * g.ep);
   g.ForEachRankFile(RankFileKind::kModel, [&](const RankCoord& c) {
     const std::string rel = RankFilePath(RankFileKind::kModel, c);
-    Value& v = model_[static_cast<size_t>(c.pp) * tp_ + c.tp];
+    Value& v = model_[(static_cast<size_t>(c.ep.value_or(0)) * pp_ + c.pp) * tp_ + c.tp];
     v = Load(rel);
     if (!v.is_dict()) throw Error(Path(rel) + " is a " + v.kind_name() + ", not a dict");
   });

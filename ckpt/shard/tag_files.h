@@ -43,10 +43,10 @@ class TagFiles {
   void Discover(const TagReadOptions& opts, std::optional<Manifest>& manifest, TagDescription& layout, bool* optimizer_skipped);
   // Reads every rank file of an xser tag ahead, by 8 threads (see the .cc).
   void Preload(const TagDescription& layout);
-  // Loads model/ of every (tp, pp) rank; each must hold a dict.
+  // Loads model/ of every (ep, tp, pp) rank; each must hold a dict.
   void LoadModelFiles(const RankGrid& grid);
-  // Tp rank t's model file of stage p (after LoadModelFiles).
-  const Dict& Model(int t, int p) const { return model_[static_cast<size_t>(p) * tp_ + t].as_dict(); }
+  // Tp rank t's model file of stage p and ep rank e (after LoadModelFiles).
+  const Dict& Model(int t, int p, int e = 0) const { return model_[(static_cast<size_t>(e) * pp_ + p) * tp_ + t].as_dict(); }
 
   // `rel` (model/<rank file>, user_content.pt, ...) as messages name it; on
   // disk, checked to lie inside the tag.
@@ -81,8 +81,8 @@ class TagFiles {
   std::vector<std::shared_ptr<const MappedFile>> files_;
   std::vector<Value> held_;  // xser rank files: their tensors keep the tensor files mapped
   std::map<std::string, const MappedFile*> file_of_;
-  std::vector<Value> model_;  // by (pp, tp)
-  int tp_ = 1;
+  std::vector<Value> model_;  // by (ep, pp, tp)
+  int tp_ = 1, pp_ = 1;
   bool xser_ = false;
   uint64_t bytes_ = 0;
   std::optional<Value> user_content_;

@@ -64,10 +64,29 @@ TEST(TagFiles, NxdtsLossyExpertParallelSaveIsRefusedFirst) {
   const std::string lost = Discover(rels, &L, false, true);
   EXPECT_TRUE(lost.starts_with("tag (as optim): NxDT saved an expert-parallel (ep=2) dp > 1 ZeRO-1 optimizer of an MoE model")) << lost;
   EXPECT_NE(lost.find("optim/ holds ep rank 0's files alone"), std::string::npos) << lost;
-  for (const std::string& other : {Discover(rels, &L, true, true), Discover(rels, &L, false, false)}) {
-    EXPECT_EQ(other.find("NxDT saved"), std::string::npos) << other;
-    EXPECT_NE(other.find("an expert-parallel rank file (_ep_rank_) of an MoE (Mixtral) tag"), std::string::npos) << other;
-  }
+  // --weights_only reads the expert-parallel model files (issue #38 item 2); a plain optimizer file named by ep rank is refused.
+  EXPECT_EQ(Discover(rels, &L, true, true), "");
+  EXPECT_EQ(std::tuple(L.grid.tp, L.grid.ep, L.grid.dp, L.has_optimizer), std::tuple(1, 2, 2, false));
+  const std::string other = Discover(rels, &L, false, false);
+  EXPECT_EQ(other.find("NxDT saved"), std::string::npos) << other;
+  EXPECT_TRUE(other.starts_with("tag (as optim)/dp_rank_00_ep_rank_00_tp_rank_00_pp_rank_00.pt: an expert-parallel rank file (_ep_rank_) of an MoE "
+                                "(Mixtral) tag")) << other;
+}
+
+// NxD's expert-parallel model files (trainer/checkpoint.py _get_path(ep=True)): every ep rank's, each named by it.
+TEST(TagFiles, ExpertParallelModelFilesGiveEp) {
+  auto ep_file = [](int e, int t) { return "model/dp_rank_00_ep_rank_0" + std::to_string(e) + "_tp_rank_0" + std::to_string(t) + "_pp_rank_00.pt"; };
+  TagDescription L;
+  EXPECT_EQ(Discover({ep_file(0, 0), ep_file(0, 1), ep_file(1, 0), ep_file(1, 1)}, &L), "");
+  EXPECT_EQ(std::tuple(L.grid.tp, L.grid.pp, L.grid.ep, L.grid.dp), std::tuple(2, 1, 2, 2));
+  EXPECT_EQ(Discover({ep_file(0, 0), ep_file(0, 1), ep_file(1, 0)}, &L),
+            "tag (as model/dp_rank_00_ep_rank_01_tp_rank_01_pp_rank_00.pt): missing; the tag holds other ranks' model files (tp 2, pp 1, ep 2)");
+  const std::string mixed = Discover({"model/dp_rank_00_tp_rank_00_pp_rank_00.pt", ep_file(0, 1)}, &L);
+  EXPECT_TRUE(mixed.starts_with("tag (as model/dp_rank_00_ep_rank_00_tp_rank_01_pp_rank_00.pt): an expert-parallel rank file (_ep_rank_) beside "
+                                "model files without an ep rank")) << mixed;
+  const std::string alone = Discover({ep_file(0, 0)}, &L);
+  EXPECT_TRUE(alone.starts_with("tag (as model/dp_rank_00_ep_rank_00_tp_rank_00_pp_rank_00.pt): an expert-parallel rank file (_ep_rank_) of ep "
+                                "rank 0 alone")) << alone;
 }
 
 TEST(TagFiles, OptimizerFilesGiveDpAndZero1) {

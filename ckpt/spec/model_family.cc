@@ -351,6 +351,17 @@ bool IsMoeLayer(const ModelFormat& f, int64_t layer) {
   return f.experts > 1 && (layer + 1) % f.moe_frequency == 0;
 }
 
+std::vector<SpmdRankTensor> SpmdRankTensors(const ModelFormat& f, int layer, int ep) {
+  if (ep <= 1 || !IsMoeLayer(f, layer)) return {};
+  const std::string in = ParamName(f, Module::kExpertsIn, layer), prefix = in.substr(0, in.rfind("mlp_op.")) + "spmd_rank.";
+  return {{prefix + "rank", {1}}, {prefix + "local_expert_indices", {1, f.experts / ep}}};
+}
+
+bool IsExpertWeight(const ModelFormat& f, const std::string& name) {
+  const int layer = LayerOfName(name);
+  return IsMoeLayer(f, layer) && (name == ParamName(f, Module::kExpertsIn, layer) || name == ParamName(f, Module::kExpertsOut, layer));
+}
+
 namespace {
 // A layer's name past "<layer prefix>." (ParamName of layer 0 less its prefix).
 std::string LeafOf(const ModelFormat& f, Module m) {
@@ -402,8 +413,9 @@ std::string MoeRefusal(const std::string& moe_name) {
   if (FirstUnheldMoeName({moe_name}))
     return what + ", a part of NxD's MoE layer (shared experts, router or expert biases, spmd ranks) shardkit's Mixtral family does not hold, "
                   "so it refuses rather than drop it";
-  return what + "; shardkit reads MoE tags of either style at ep 1 (any tp) yet; expert-parallel (ep > 1) tags and their optimizer "
-                "state are not read yet (issue #38), so it refuses rather than treat the experts as a dense Llama's";
+  return what + "; shardkit reads HF-style MoE tags at any tp and ep and Megatron-style ones at ep 1 (any tp) yet; "
+                "Megatron-style expert-parallel (ep > 1) tags and the optimizer state of expert-parallel ones are not read yet (issue #38), "
+                "so it refuses rather than treat the experts as a dense Llama's";
 }
 
 std::string MoeFileProblem(const std::vector<std::string>& names) {

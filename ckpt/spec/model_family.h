@@ -60,6 +60,24 @@ std::string ParamName(const ModelFormat& f, Module m, int layer = -1);
 // ParallelTransformerLayer.__init__, `num_moe_experts > 1 and layer_number %
 // moe_frequency == 0` on the 1-based layer_number.
 bool IsMoeLayer(const ModelFormat& f, int64_t layer);
+// NxD's SPMDRank of an MoE layer at ep > 1 (parallel_layers/layers.py
+// SPMDRank, which ExpertMLPsV2 builds with enable_spmd_rank; expert
+// parallelism requires it): int32 parameters outside the optimizer, `rank`
+// (1,) and `local_expert_indices` (1, experts / ep), zeros as __init__ and
+// initialize_expert_indices make them (only inference's create_spmd_ranks
+// fills them; training never sets them). Their names and shapes in layer
+// `layer`, in state-dict order (right after the router); none at ep 1 or in a
+// dense layer. A reader checks them (zeros of these shapes) and drops them; a
+// writer makes them for its own ep, so they follow the target ep.
+struct SpmdRankTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+std::vector<SpmdRankTensor> SpmdRankTensors(const ModelFormat& f, int layer, int ep);
+// Whether `name` is an expert weight of f (gate_up_proj or down_proj of an MoE
+// layer): what NxD marks expert_model_parallel at ep > 1, so an xser ep rank
+// above 0 writes those tensor files alone (ckpt/pt/xser.h SplitForXser).
+bool IsExpertWeight(const ModelFormat& f, const std::string& name);
 // The names of the MoE tensors in a layer's state dict, past
 // "<layer prefix>." ("mlp.router.linear_router.weight", ...), of each family;
 // what a reader looks for to tell a Mixtral tag from a Llama one.

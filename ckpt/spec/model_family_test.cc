@@ -231,6 +231,28 @@ TEST(ModelFamily, MoeLayersFollowEachStylesFrequencyRule) {
   EXPECT_FALSE(IsMoeLayer(Tiny(1, HwBackend::kUnknown), 0));
 }
 
+// NxD's SPMDRank at ep > 1 (parallel_layers/layers.py): `rank` (1,) and
+// `local_expert_indices` (1, experts / ep) in each MoE layer, after the router;
+// none at ep 1 or in a dense layer. Expert weights are the 3-D ones alone.
+TEST(ModelFamily, SpmdRankTensorsFollowTheEpOfEachMoeLayer) {
+  ModelFormat f = TinyMixtral();  // 4 experts, HF-style, MoE layers 0 and 2
+  const auto at2 = SpmdRankTensors(f, 0, 2);
+  ASSERT_EQ(at2.size(), 2u);
+  EXPECT_EQ(at2[0].name, "model.layers.0.mlp.expert_mlps.spmd_rank.rank");
+  EXPECT_EQ(at2[0].shape, (std::vector<int64_t>{1}));
+  EXPECT_EQ(at2[1].name, "model.layers.0.mlp.expert_mlps.spmd_rank.local_expert_indices");
+  EXPECT_EQ(at2[1].shape, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(SpmdRankTensors(f, 2, 4)[1].shape, (std::vector<int64_t>{1, 1}));
+  EXPECT_TRUE(SpmdRankTensors(f, 0, 1).empty());
+  EXPECT_TRUE(SpmdRankTensors(f, 1, 2).empty());  // a dense layer
+  EXPECT_TRUE(IsExpertWeight(f, "model.layers.2.mlp.expert_mlps.mlp_op.gate_up_proj.weight"));
+  EXPECT_TRUE(IsExpertWeight(f, "model.layers.0.mlp.expert_mlps.mlp_op.down_proj.weight"));
+  EXPECT_FALSE(IsExpertWeight(f, "model.layers.0.mlp.router.linear_router.weight"));
+  EXPECT_FALSE(IsExpertWeight(f, "model.layers.1.mlp.down_proj.weight"));
+  f.family = ModelFamily::kMegatron;  // MoE layers 1 and 3
+  EXPECT_EQ(SpmdRankTensors(f, 1, 2)[0].name, "language_model.encoder.layers.1.mlp.moe.expert_mlps.spmd_rank.rank");
+}
+
 TEST(ModelFamily, MixtralTableHoldsRouterAndThreeDimensionalExperts) {
   const ModelFormat f = TinyMixtral();
   const auto ps = LogicalParameters(f, 2);

@@ -337,6 +337,8 @@ std::vector<int64_t> LocalShape(const ParamRule& p, const ModelFormat&, int tp, 
   return LocalShapeOf(SpecOf(p), AxisCoords::Tp(tp, rank));
 }
 
+std::vector<int64_t> LocalShape(const ParamRule& p, const AxisCoords& at) { return LocalShapeOf(SpecOf(p), at); }
+
 std::vector<int64_t> StageBounds(int64_t layers, int pp, const std::vector<int64_t>& cuts) {
   if (pp < 1 || pp > kMaxRanks) throw Error("pipeline parallel degree " + std::to_string(pp) + " is out of range");
   if (pp > layers)

@@ -207,6 +207,8 @@ std::vector<Run> LocalRuns(const ParamRule& p, const ModelFormat& f, int tp, int
 std::vector<Box> LocalBoxes(const ParamRule& p, const AxisCoords& at);
 // The local shape of tp rank `rank`'s slice (LocalShapeOf of p.spec).
 std::vector<int64_t> LocalShape(const ParamRule& p, const ModelFormat& f, int tp, int rank);
+// The local shape of the rank at `at` (every axis: an expert weight's ep too).
+std::vector<int64_t> LocalShape(const ParamRule& p, const AxisCoords& at);
 
 // With fewer KV groups than tp ranks (kv_heads < tp), the KV group tp rank
 // `rank` holds, and the tp ranks [first, first + count) holding it with it.

@@ -1,5 +1,6 @@
 #include "ckpt/spec/tag_paths.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -42,6 +43,15 @@ std::optional<RankCoord> ParseRankFileName(const std::string& name) {
     throw Error(name + ": an expert-parallel rank file (_ep_rank_) of an MoE (Mixtral) tag; shardkit does not read expert-parallel MoE "
                 "checkpoints yet");
   return c;
+}
+
+std::string EpNamingProblem(const std::vector<RankCoord>& coords) {
+  const bool any = std::any_of(coords.begin(), coords.end(), [](const RankCoord& c) { return c.ep.has_value(); });
+  const bool all = std::all_of(coords.begin(), coords.end(), [](const RankCoord& c) { return c.ep.has_value(); });
+  const bool above_0 = std::any_of(coords.begin(), coords.end(), [](const RankCoord& c) { return c.ep.value_or(0) > 0; });
+  if (!any || (all && above_0)) return "";
+  return std::string("an expert-parallel rank file (_ep_rank_) ") + (all ? "of ep rank 0 alone" : "beside model files without an ep rank") +
+         "; NxD names the ep rank in every model file of an MoE (Mixtral) tag at ep size > 1, and only there (trainer/checkpoint.py _get_path)";
 }
 
 std::string FormatTagName(const TagName& t) {

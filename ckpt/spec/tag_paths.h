@@ -44,6 +44,13 @@ std::optional<RankCoord> ParseRankFileName(const std::string& name);
 // coordinate with `ep` set.
 std::optional<RankCoord> ParseAnyRankFileName(const std::string& name);
 
+// Why model files named `coords` (ParseAnyRankFileName of each) are not an
+// NxD tag's: an ep rank named in some and not others, or ep rank 0 alone (NxD
+// names the ep rank in every model file, and only at ep size > 1:
+// trainer/checkpoint.py _get_path). "" when they are; the caller names the
+// first file with an ep rank.
+std::string EpNamingProblem(const std::vector<RankCoord>& coords);
+
 // A tag the store set aside rather than delete: <tag>.damaged[-N] (it failed
 // verification) or <tag>.superseded[-N] (a later save took its name). Kept on
 // disk, never a candidate for resume, retention or --gc.

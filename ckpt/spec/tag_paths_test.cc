@@ -51,6 +51,16 @@ TEST(TagPaths, ExpertParallelGridListsOneModelFilePerEpRank) {
   EXPECT_EQ(g.ModelFiles().front(), "model/dp_rank_00_tp_rank_00_pp_rank_00.pt");
 }
 
+// NxD names the ep rank in every model file, and only at ep size > 1 (trainer/checkpoint.py _get_path).
+TEST(TagPaths, EpRanksAreNamedInEveryModelFileOrNone) {
+  RankCoord e0{0, 0, 0}, e1{0, 1, 0};
+  e0.ep = 0, e1.ep = 1;
+  EXPECT_EQ(EpNamingProblem({e0, e1}), "");
+  EXPECT_EQ(EpNamingProblem({RankCoord{0, 0, 0}, RankCoord{0, 1, 0}}), "");
+  EXPECT_TRUE(EpNamingProblem({RankCoord{0, 0, 0}, e1}).starts_with("an expert-parallel rank file (_ep_rank_) beside model files without an ep rank"));
+  EXPECT_TRUE(EpNamingProblem({e0}).starts_with("an expert-parallel rank file (_ep_rank_) of ep rank 0 alone"));
+}
+
 TEST(TagPaths, TagNamesFollowNxdt) {
   TagName t{"megatron_llama", 5, 5120, false};
   EXPECT_EQ(FormatTagName(t), "megatron_llama--step=5-consumed_samples=5120.0.ckpt");

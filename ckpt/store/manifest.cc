@@ -85,6 +85,7 @@ nlohmann::ordered_json Manifest::ToJson() const {
                               {"consumed_samples", consumed_samples},
                               {"grid", {{"tp", grid.tp}, {"pp", grid.pp}, {"dp", grid.dp}, {"zero1", grid.zero1}}},
                               {"world_size", world_size}};
+  if (grid.ep > 1) j["grid"]["ep"] = grid.ep;  // expert parallelism (RankGrid::ep); absent at ep 1
   if (model) j["model"] = model->ToJson();
   if (optimizer_grouping) j["optimizer_grouping"] = GroupingRuleName(*optimizer_grouping);
   j["files"] = files_json;
@@ -187,6 +188,9 @@ Manifest Manifest::FromJson(const nlohmann::json& j, const std::string& source) 
     const std::string at = source + " grid";
     m.grid = RankGrid{static_cast<int>(BoundedInt(g, "tp", 1, kMaxRanks, at)), static_cast<int>(BoundedInt(g, "pp", 1, kMaxRanks, at)),
                       static_cast<int>(BoundedInt(g, "dp", 1, kMaxRanks, at)), g.at("zero1").get<bool>()};
+    if (g.contains("ep")) m.grid.ep = static_cast<int>(BoundedInt(g, "ep", 1, kMaxRanks, at));
+    if (m.grid.dp % m.grid.ep)  // ep lies inside dp (RankGrid::ep)
+      throw Error(source + ": malformed manifest: grid ep=" + std::to_string(m.grid.ep) + " does not divide dp=" + std::to_string(m.grid.dp));
     const int64_t ranks = int64_t{m.grid.tp} * m.grid.pp * m.grid.dp;
     if (ranks > kMaxRanks)
       throw Error(source + ": malformed manifest: grid tp=" + std::to_string(m.grid.tp) + " pp=" + std::to_string(m.grid.pp) +

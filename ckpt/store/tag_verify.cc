@@ -43,10 +43,14 @@ bool IsOwnBookkeeping(const std::string& rel) {
 }
 
 // The grid implied by the rank files present (NxD tags have no manifest).
-// Names that cannot be taken for a rank (expert-parallel ones) are problems.
+// Model files may name an ep rank (an expert-parallel MoE tag: the tag reader
+// checks they all do); optimizer files that do (NxDT's lossy expert-parallel
+// save, ckpt/spec/ep_zero1_state.h) are problems.
 std::optional<RankGrid> InferGrid(const std::vector<std::string>& files, const std::function<void(std::string, std::string)>& problem) {
   RankGrid g{0, 0, 0, false};
   bool any = false;
+  std::vector<RankCoord> model;
+  std::string an_ep_file;
   for (const auto& f : files) {
     for (const char* sub : {"model/", "optim/"}) {
       if (f.rfind(sub, 0) != 0) continue;
@@ -54,7 +58,7 @@ std::optional<RankGrid> InferGrid(const std::vector<std::string>& files, const s
       if (name.find('/') != std::string::npos) continue;  // xser tensors
       std::optional<RankCoord> rc;
       try {
-        rc = ParseRankFileName(name);
+        rc = sub[0] == 'm' ? ParseAnyRankFileName(name) : ParseRankFileName(name);
       } catch (const Error& e) {
         problem(f, e.what());
       }
@@ -62,10 +66,17 @@ std::optional<RankGrid> InferGrid(const std::vector<std::string>& files, const s
       any = true;
       g.tp = std::max(g.tp, rc->tp + 1);
       g.pp = std::max(g.pp, rc->pp + 1);
+      if (rc->ep) g.ep = std::max(g.ep, *rc->ep + 1);
+      if (rc->ep && an_ep_file.empty()) an_ep_file = f;
+      if (sub[0] == 'm') model.push_back(*rc);
       if (sub[0] == 'o') g.dp = std::max(g.dp, rc->dp + 1);
     }
   }
   if (!any) return std::nullopt;
+  if (const std::string why = EpNamingProblem(model); !why.empty()) {
+    problem(an_ep_file, why);
+    return std::nullopt;
+  }
   g.dp = std::max(g.dp, 1);
   g.zero1 = g.dp > 1;
   return g;

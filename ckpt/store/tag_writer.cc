@@ -114,9 +114,10 @@ void WaitForBegin(Env* env, const std::string& tag_dir, const std::string& save_
   if (!ok) throw Error(tag_dir + ": rank 0 did not begin save " + save_id + " within " + std::to_string(timeout.count()) + " ms");
 }
 
-std::vector<FileToWrite> XserFiles(const FileToWrite& file) {
+std::vector<FileToWrite> XserFiles(const FileToWrite& file, const std::function<bool(const std::string&)>& expert, bool experts_only) {
   std::vector<FileToWrite> out;
-  for (auto& part : SplitForXser(file.relpath, file.value)) {
+  for (auto& part : SplitForXser(file.relpath, file.value, expert)) {
+    if (experts_only && part.value.is_tensor() && !part.expert) continue;
     SaveOptions opts = file.options;
     opts.weights_only &= part.value.is_tensor();
     out.push_back({std::move(part.path), std::move(part.value), opts});

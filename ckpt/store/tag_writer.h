@@ -44,7 +44,11 @@ struct FileToWrite {
 // `file` as NxD's xser writes it (SplitForXser: X.pt, X.pt.tensors/tensor_<tid>.pt,
 // X.pt.info.pt), each part with `file`'s options, except that only the tensor
 // files keep weights_only: X.pt holds TensorReference objects, info.pt torch dtypes.
-std::vector<FileToWrite> XserFiles(const FileToWrite& file);
+// Under expert parallelism, `expert` marks the top-level keys that are expert
+// weights (SplitForXser), and with `experts_only` (an ep rank above 0's file)
+// only their tensor files are written, as NxD's _xser_save_data does.
+std::vector<FileToWrite> XserFiles(const FileToWrite& file, const std::function<bool(const std::string& key)>& expert = {},
+                                   bool experts_only = false);
 // The part of XserFiles(file) that data-parallel rank `bin` of `bins` ranks
 // holding the same `file` writes, as NxD's _xser_save_data deals them: the
 // tensor files of its bin (XserBins), and on bin 0 X.pt and X.pt.info.pt too.

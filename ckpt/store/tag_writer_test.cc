@@ -121,6 +121,23 @@ TEST(TagWriter, XserPartsAreTheTensorsThenTheReferenceFileAndItsInfo) {
   EXPECT_EQ(written, std::multiset<std::string>(names.begin(), names.end()));
 }
 
+// NxD's _xser_save_data under expert parallelism: an ep rank above 0 writes the
+// expert tensors' files alone (its X.pt and info.pt too); info.pt marks them.
+TEST(TagWriter, AnEpRankAboveZeroWritesItsExpertTensorsAlone) {
+  Value m = Value::NewDict();
+  m.as_dict().Set("norm", Value(Arange({4})));
+  m.as_dict().Set("experts", Value(Arange({2, 3})));
+  const auto expert = [](const std::string& key) { return key == "experts"; };
+  std::vector<std::string> names;
+  for (const auto& p : XserFiles({"model/x.pt", m, {}}, expert, true)) names.push_back(p.relpath);
+  EXPECT_EQ(names, (std::vector<std::string>{"model/x.pt.tensors/tensor_1.pt", "model/x.pt", "model/x.pt.info.pt"}));
+  const auto rank0 = XserFiles({"model/x.pt", m, {}}, expert, false);
+  ASSERT_EQ(rank0.size(), 4u);
+  const Dict& info = rank0[3].value.as_dict();
+  EXPECT_FALSE(info.items.at(0).second.as_dict().At("expert_model_parallel").as_bool());
+  EXPECT_TRUE(info.items.at(1).second.as_dict().At("expert_model_parallel").as_bool());
+}
+
 TEST(TagWriter, EveryUnitIsWrittenByExactlyOneRank) {
   for (int world : {1, 2, 3, 8})
     for (int unit = 0; unit < 17; ++unit) {

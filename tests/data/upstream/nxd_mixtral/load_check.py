@@ -5,7 +5,7 @@ optimizer state, as NxDT does.  Dev-time tool: needs the upstream sources and
 environment of generate.py (see README.md).  Any tag path works, so a tag
 shardkit wrote can be checked the same way.
 
-  load_check.py <checkpoint_dir>/<tag> [--ep N] [--dp N] [--full FULL_STATE.pt]
+  load_check.py <checkpoint_dir>/<tag> [--ep N] [--dp N] [--full FULL_STATE.pt] [--weights_only]
 
 Topology: tp from the model/ file names, ep from their ep_rank_EE (1 if none),
 dp from the highest optim/dp_rank_XX; --ep / --dp override.  The model is
@@ -16,7 +16,9 @@ ranks).  Printed per rank: each loaded tensor (dtype, shape, sha256 prefix,
 via ../nxd_tags/load_check.py's describe).  With --full, the loaded model
 parameters and ZeRO-1 moments of all ranks are gathered with generate.py's
 gather_full_state (NxD's partition functions) and must equal the full state
-bit for bit.  Exit status non-zero on any failure or difference.
+bit for bit.  With --weights_only (a tag without optim/, as shardkit's
+--weights_only writes it), load_checkpoint gets optimizer=None and --full
+compares the model alone.  Exit status non-zero on any failure or difference.
 """
 
 import argparse
@@ -42,9 +44,11 @@ def infer_ep(tag_path):
     return max(eps) + 1 if eps else 1
 
 
-def compare(full, got, out):
-    """Loaded (gathered) against the full state, per section."""
+def compare(full, got, out, weights_only=False):
+    """Loaded (gathered) against the full state, per section (the model alone with weights_only)."""
     model = [n for n, want in full["model"].items() if not torch.equal(got["model"][n], want)]
+    if weights_only:
+        full = dict(full, optimizer={})
     moments = [f"{n}.{k}" for n, st in full["optimizer"].items() for k in ("exp_avg", "exp_avg_sq")
                if not torch.equal(got["optimizer"][n][k], st[k])]
     total = 2 * len(full["optimizer"])
@@ -74,6 +78,7 @@ def main():
     ap.add_argument("--ep", type=int)
     ap.add_argument("--dp", type=int)
     ap.add_argument("--full", help="a gathered full state (hf_epE_full_state.pt) the tag must equal")
+    ap.add_argument("--weights_only", action="store_true", help="no optimizer files: load and compare the model alone")
     ap.add_argument("--moe-frequency", type=int, default=1, help="the model's, as the generators' option")
     ap.add_argument("--style", choices=["hf", "megatron"], default="hf",
                     help="the model to load into: NxDT's HF MixtralForCausalLM or its Megatron GPTModel "
@@ -102,17 +107,19 @@ def main():
                     p.fill_(float("nan"))  # whatever is not loaded shows
         optim = {}
         try:
-            nxd.load_checkpoint(ckpt_dir, tag, model=model, optimizer=optim, strict=(ep == 1))
+            nxd.load_checkpoint(ckpt_dir, tag, model=model, optimizer=None if args.weights_only else optim, strict=(ep == 1))
         except Exception as e:  # noqa: BLE001
             errors[rank] = f"{type(e).__name__}: {generate._relative(str(e)).replace(HERE + '/', '')}"
             raise
         model.lrs = []
+        if args.weights_only:  # no optimizer state: gather_full_state gathers none
+            return model, types.SimpleNamespace(state_dict=lambda: {"base_state": {}, "shape_info": {}}), None, []
         return model, types.SimpleNamespace(state_dict=lambda: optim), None, groups
 
     shown = os.path.relpath(tag_path, HERE) if tag_path.startswith(HERE) else tag_path
     print(f"# load_check {shown}")
     print(f"# NxD load_checkpoint(model=NxDT {'MixtralForCausalLM' if args.style == 'hf' else 'Megatron GPTModel'}, "
-          f"optimizer={{}}) tp={tp} ep={ep} dp={dp} xser={xser}")
+          f"optimizer={'None' if args.weights_only else '{}'}) tp={tp} ep={ep} dp={dp} xser={xser}")
     try:
         res = SIM.run_threaded(load)
     except BaseException as e:  # noqa: BLE001
@@ -140,7 +147,7 @@ def main():
             print(f"# full-state check: the ranks' states do not assemble: {e}")
             status = 1
         else:
-            if not compare(torch.load(args.full), got, sys.stdout):
+            if not compare(torch.load(args.full), got, sys.stdout, args.weights_only):
                 status = 1
     print(f"# result: {'OK' if status == 0 else 'FAILED'}")
     return status
