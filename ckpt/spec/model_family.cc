@@ -357,6 +357,16 @@ std::vector<SpmdRankTensor> SpmdRankTensors(const ModelFormat& f, int layer, int
   return {{prefix + "rank", {1}}, {prefix + "local_expert_indices", {1, f.experts / ep}}};
 }
 
+bool IsSpmdRankName(const std::string& name) {
+  const auto family = FamilyOfName(name);
+  const int layer = LayerOfName(name);
+  if (!family || layer < 0) return false;
+  ModelFormat every;  // an MoE layer at every layer, ep 2: the names alone
+  every.family = *family, every.experts = 2, every.moe_frequency = 1;
+  const auto spmd = SpmdRankTensors(every, layer, 2);
+  return std::any_of(spmd.begin(), spmd.end(), [&](const SpmdRankTensor& s) { return s.name == name; });
+}
+
 bool IsExpertWeight(const ModelFormat& f, const std::string& name) {
   const int layer = LayerOfName(name);
   return IsMoeLayer(f, layer) && (name == ParamName(f, Module::kExpertsIn, layer) || name == ParamName(f, Module::kExpertsOut, layer));

@@ -74,6 +74,9 @@ struct SpmdRankTensor {
   std::vector<int64_t> shape;
 };
 std::vector<SpmdRankTensor> SpmdRankTensors(const ModelFormat& f, int layer, int ep);
+// Whether `name` is an SPMDRank tensor's (spmd_rank.rank, spmd_rank.local_expert_indices)
+// in an MoE layer of either style, as SpmdRankTensors names them at ep > 1.
+bool IsSpmdRankName(const std::string& name);
 // Whether `name` is an expert weight of f (gate_up_proj or down_proj of an MoE
 // layer): what NxD marks expert_model_parallel at ep > 1, so an xser ep rank
 // above 0 writes those tensor files alone (ckpt/pt/xser.h SplitForXser).
