@@ -63,15 +63,18 @@ TEST(TagVerify, NxdtsLossyExpertParallelSaveIsDamagedByDesign) {
 }
 
 // NxD's ep 1 Mixtral tags of either style hold the parts the family reads (ckpt/shard reads them at any tp):
-// their bytes vouch for them. Expert-parallel files are still told naming MoE.
+// their bytes vouch for them. Of NxD's ep 2 tag the model files are read too (their SPMDRank tensors
+// are NxD's), while its NeuronEPZero1Optimizer files are told as not read yet, naming MoE.
 TEST(TagVerify, Ep1MoeTagsOfEitherStyleAreOk) {
   const std::string data = std::string(SHARDKIT_TEST_DATA) + "/upstream/nxd_mixtral/";
   for (const char* tag : {"hf_ep1_pt", "hf_ep1_xser", "megatron_ep1_pt", "megatron_ep1_xser", "megatron_freq2_ep1_pt"}) {
     const TagReport r = VerifyTag(Env::Default(), data + tag + "/step_2");
     EXPECT_TRUE(r.ok()) << tag << ": " << (r.ok() ? "" : r.problems[0].file + ": " + r.problems[0].what);
   }
-  const std::string ep2 = ProblemsOf(VerifyTag(Env::Default(), data + "hf_ep2_pt/step_2"), "model/dp_rank_00_ep_rank_01_tp_rank_00_pp_rank_00.pt");
-  EXPECT_NE(ep2.find("MoE"), std::string::npos) << ep2;
+  const TagReport ep2 = VerifyTag(Env::Default(), data + "hf_ep2_pt/step_2");
+  EXPECT_EQ(ProblemsOf(ep2, "model/dp_rank_00_ep_rank_01_tp_rank_00_pp_rank_00.pt"), "");
+  const std::string optim = ProblemsOf(ep2, "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt");
+  EXPECT_NE(optim.find("expert-parallel (ep 2) MoE (Mixtral) tag, NxD's NeuronEPZero1Optimizer, is not read yet"), std::string::npos) << optim;
 }
 
 // Reading the contents apart (each rank of a resume its files): VerifyTag
