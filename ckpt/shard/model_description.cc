@@ -83,18 +83,13 @@ std::vector<std::string> ModelNames(const ModelEvidence& e) {
 // the tensor, so a partial MoE layer is told before any Llama inference asks
 // for its MLP.
 void RequireMoeModule(const ModelEvidence& e, const std::vector<std::string>& names, const std::string& first) {
-  ModelFormat named;
-  named.family = *FamilyOfName(first), named.experts = 2 * e.grid.ep;  // names only: an MoE layer every layer
+  // SPMDRank tensors of an ep > 1 tag are NxD's; their values are checked with the model files.
+  std::vector<std::string> parts;
   for (const std::string& n : names)
-    if (FirstMoeName({n})) {
-      const std::string leaf = n.substr(n.find('.', n.find(".layers.") + 8) + 1);
-      const auto known = MoeLeaves(*FamilyOfName(n));
-      const auto spmd = SpmdRankTensors(named, static_cast<int>(LayerOfName(n)), e.grid.ep);  // checked with the model files
-      if (std::find(known.begin(), known.end(), leaf) == known.end() &&
-          std::none_of(spmd.begin(), spmd.end(), [&](const SpmdRankTensor& s) { return s.name == n; }))
-        throw Error(e.dir + ": " + MoeRefusal(n));
-    }
-  named.experts = 1;
+    if (!(e.grid.ep > 1 && IsSpmdRankName(n))) parts.push_back(n);
+  if (const auto unheld = FirstUnheldMoeName(parts)) throw Error(e.dir + ": " + MoeRefusal(*unheld));
+  ModelFormat named;  // names only
+  named.family = *FamilyOfName(first), named.experts = 1;
   const int l = LayerOfName(first);
   for (const Module m : {Module::kRouter, Module::kExpertsIn, Module::kExpertsOut})
     if (const std::string want = ParamName(named, m, l); std::find(names.begin(), names.end(), want) == names.end())
