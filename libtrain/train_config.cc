@@ -481,11 +481,6 @@ TrainConfig Parse(const std::string& text, const std::string& path, const std::v
     r.Fail("distributed_strategy.tensor_model_parallel_size", why);
   if (const std::string why = m.format(c.grid.tp).CheckExpertParallel(c.grid.ep); !why.empty())
     r.Fail("distributed_strategy.expert_model_parallel_size", why);
-  // Expert parallelism was checked against one process for the HF-style Mixtral, with and without
-  // pipeline stages (tests/interop/train_moe_ep.py, train_moe_ep_pp.py); the Megatron style is
-  // refused until it is.
-  if (c.grid.ep > 1 && m.family == ckpt::ModelFamily::kMegatron)
-    r.Fail("distributed_strategy.expert_model_parallel_size", "expert parallelism for the Megatron-style Mixtral is not built yet");
 
   c.optim.lr = r.Number("model.optim.lr", 3e-4);
   c.optim.weight_decay = r.Number("model.optim.weight_decay", 0.01);

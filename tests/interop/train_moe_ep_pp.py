@@ -1,10 +1,14 @@
-"""shardkit-train with expert parallelism beside pipeline stages (issue #39).
+"""shardkit-train with expert parallelism beside pipeline stages and for the Megatron-style Mixtral (issue #39).
 
 - Pipeline stages: the HF Mixtral at tp 1 pp 2 dp 2 ep 2 (4 ranks) trains the model one process trains (losses and
   gradient norms within 1e-5, from float32 summation order alone: the dp all-reduce adds the micro-batches' gradients
   in another order, each expert's gradient sums its rows grouped by source rank). Each stage's ep and expert-dp groups
   are RankGrid::ExpertGroup's (ckpt/spec/rank_grid.h: inside its tp and pp place); its token exchange carries the
   analytic count of its own MoE layers only.
+- The Megatron-style Mixtral (NxDT's NeuronSwitchMLP, models/megatron/transformer.py, on NxD's RouterTopK and
+  ExpertMLPs as the HF style builds them) at tp 1 dp 2 ep 2 and tp 2 dp 2 ep 2, with token dropping, and its dropless
+  twin at moe frequency 2 (1-based layer_number % frequency == 0: of 2 layers, layer 1 alone is MoE) at tp 1 dp 2 ep 2:
+  one process's losses and gradient norms within 1e-5; each rank's exchange is the analytic count of its MoE layers.
 Checkpoints stay off here (saving and resuming at ep > 1 is its own work).
 """
 import json
@@ -18,6 +22,7 @@ from indexed_dataset_interop import megatron_write
 from train_resume import losses
 import train_moe  # its tiny HF Mixtral and set-up helpers (modules: their tests run in their own files)
 import train_moe_ep  # its analytic all-to-all count
+import train_moe_megatron
 
 NO_CKPT = "exp_manager.create_checkpoint_callback=False"
 EP, TP, PP = (f"distributed_strategy.{k}_model_parallel_size" for k in ("expert", "tensor", "pipeline"))
@@ -39,6 +44,9 @@ class TrainMoeEpPp(TempDirTest):
 
     def hf(self, config, run_dir, *overrides, devices=4):
         return train_moe.TrainMoe.argv(self, config, run_dir, *overrides, devices=devices, steps=3)
+
+    def megatron(self, config, run_dir, *overrides, devices=4):
+        return train_moe_megatron.TrainMoeMegatron.argv(self, config, run_dir, *overrides, devices=devices, steps=3)
 
     def run_layouts(self, argv, prefix, layouts):
         """Trains `argv(run_dir, *extra)` on one rank and on each layout {name: (ranks, extra)} into prefix + name;
@@ -69,6 +77,24 @@ class TrainMoeEpPp(TempDirTest):
                 self.assertEqual(set(got.values()), {per_stage})
                 with open(os.path.join(self.dir, f"{config}_pp2_dp2_ep2", "timing.json")) as f:
                     self.assertEqual([r["alltoall_bytes"] for r in json.load(f)["ranks"]], [3 * per_stage] * 4)
+
+
+    def test_megatron_style_at_ep2_trains_the_one_process_model(self):
+        # TINY: 4 experts, top 2, hidden 16, 2 layers; 8 sequences of 32 tokens per step, 4 micro-batches per dp rank.
+        # Token dropping: capacity_factor 1.0 of 4 experts, top 2, so an expert takes 16 of a micro-batch's 32 tokens.
+        dropping, dropless = train_moe_megatron.CONFIGS
+        cases = {dropping: (["model.moe.capacity_factor=1.0"], 2, 16, {"dp2_ep2": (2, [f"{TP}=1", f"{EP}=2"]),
+                                                                        "tp2_dp2_ep2": (4, [f"{TP}=2", f"{EP}=2"])}),
+                 dropless: (["model.moe.frequency=2"], 1, 32, {"dp2_ep2": (2, [f"{TP}=1", f"{EP}=2"])})}
+        fp32 = [*FP32, "model.optim.lr=0.01", "model.moe.output_router_logits=True"]
+        for config, (extra, moe_layers, capacity, layouts) in cases.items():
+            with self.subTest(config):
+                runs = self.run_layouts(lambda run, *more: self.megatron(config, run, *fp32, *extra, *more), f"{config}_", layouts)
+                # Per MoE layer and micro-batch six exchanges (full recompute) of (ep - 1) blocks of E / ep experts' C rows of H.
+                want = moe_layers * 4 * 6 * 1 * 2 * capacity * 16 * 4
+                for name in layouts:
+                    self.assert_same(runs[name], runs["one"], f"{config} {name}")
+                    self.assertEqual(set(losses(os.path.join(self.dir, config + "_" + name), "alltoall_bytes").values()), {want})
 
 
 if __name__ == "__main__":

@@ -68,14 +68,6 @@ class TrainMoeMegatron(TempDirTest):
         (tag,) = glob.glob(os.path.join(self.dir, run_dir, "checkpoints", f"*--step={step}-*.ckpt"))
         return torch.load(os.path.join(tag, "model", RANK_FILE.format(tp_rank)), map_location="cpu")
 
-    def test_expert_parallelism_is_refused_by_name(self):
-        p = self.train(self.argv(CONFIGS[0], "ep2", "exp_manager.create_checkpoint_callback=False",
-                                 "distributed_strategy.tensor_model_parallel_size=1",
-                                 "distributed_strategy.expert_model_parallel_size=2", devices=2), 2)
-        self.assertEqual(p.returncode, 2, p.stderr)
-        self.assertIn("distributed_strategy.expert_model_parallel_size: expert parallelism for the Megatron-style Mixtral "
-                      "is not built yet", p.stderr)
-
     def test_nxdt_megatron_mixtral_configs_write_nxds_tensors(self):
         full = torch.load(os.path.join(NXD, "megatron_ep1_full_state.pt"), map_location="cpu")["model"]
         nxd = [torch.load(os.path.join(NXD, "megatron_ep1_pt", "step_2", "model", RANK_FILE.format(t)), map_location="cpu")
