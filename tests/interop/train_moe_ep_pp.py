@@ -7,9 +7,10 @@ precision (issue #39).
   stage's ep and expert-dp groups are RankGrid::ExpertGroup's (ckpt/spec/rank_grid.h: inside its tp and pp place);
   its token exchange carries the analytic count of its own MoE layers only.
 - The Megatron-style Mixtral (NxDT's NeuronSwitchMLP, models/megatron/transformer.py, on NxD's RouterTopK and
-  ExpertMLPs as the HF style builds them) at tp 1 dp 2 ep 2 and tp 2 dp 2 ep 2, with token dropping, and its dropless
-  twin at moe frequency 2 (1-based layer_number % frequency == 0: of 2 layers, layer 1 alone is MoE) at tp 1 dp 2 ep 2:
-  one process's losses and gradient norms within 1e-5; each rank's exchange is the analytic count of its MoE layers.
+  ExpertMLPs as the HF style builds them) at tp 1 dp 2 ep 2, tp 2 dp 2 ep 2 and pp 2 dp 2 ep 2 with token dropping,
+  and its dropless twin at moe frequency 2 (1-based layer_number % frequency == 0: of 2 layers, layer 1 alone is MoE)
+  at tp 1 dp 2 ep 2: one process's losses and gradient norms within 1e-5; each rank's exchange is the analytic count
+  of its MoE layers.
 - Mixed precision as NxDT's Mixtral configs set it (precision.type mixed_precision with zero1: bfloat16 parameters,
   float32 master weights; xla_downcast_bf16 '1', fp32_grad_acc True): at ep 2 against one process at the same
   precision. Step 1 runs the same bfloat16 weights in float32, so its loss and gradient norm agree within 1e-5 as in
@@ -95,17 +96,21 @@ class TrainMoeEpPp(TempDirTest):
         # TINY: 4 experts, top 2, hidden 16, 2 layers; 8 sequences of 32 tokens per step, 4 micro-batches per dp rank.
         # Token dropping: capacity_factor 1.0 of 4 experts, top 2, so an expert takes 16 of a micro-batch's 32 tokens.
         dropping, dropless = train_moe_megatron.CONFIGS
-        cases = {dropping: (["model.moe.capacity_factor=1.0"], 2, 16, {"dp2_ep2": (2, [f"{TP}=1", f"{EP}=2"]),
-                                                                        "tp2_dp2_ep2": (4, [f"{TP}=2", f"{EP}=2"])}),
-                 dropless: (["model.moe.frequency=2"], 1, 32, {"dp2_ep2": (2, [f"{TP}=1", f"{EP}=2"])})}
+        dp2, tp2, pp2 = ([f"{TP}=1", f"{EP}=2"], [f"{TP}=2", f"{EP}=2"], [f"{TP}=1", f"{PP}=2", f"{EP}=2"])
+        # {config: (overrides, capacity, {layout: (ranks, overrides, rank 0's MoE layers)})}
+        cases = {dropping: (["model.moe.capacity_factor=1.0"], 16, {"dp2_ep2": (2, dp2, 2), "tp2_dp2_ep2": (4, tp2, 2),
+                                                                    "pp2_dp2_ep2": (4, pp2, 1)}),
+                 dropless: (["model.moe.frequency=2"], 32, {"dp2_ep2": (2, dp2, 1)})}
         fp32 = [*FP32, "model.optim.lr=0.01", "model.moe.output_router_logits=True"]
-        for config, (extra, moe_layers, capacity, layouts) in cases.items():
+        for config, (extra, capacity, layouts) in cases.items():
             with self.subTest(config):
-                runs = self.run_layouts(lambda run, *more: self.megatron(config, run, *fp32, *extra, *more), f"{config}_", layouts)
-                # Per MoE layer and micro-batch six exchanges (full recompute) of (ep - 1) blocks of E / ep experts' C rows of H.
-                want = moe_layers * 4 * 6 * 1 * 2 * capacity * 16 * 4
-                for name in layouts:
+                runs = self.run_layouts(lambda run, *more: self.megatron(config, run, *fp32, *extra, *more), f"{config}_",
+                                        {name: (ranks, more) for name, (ranks, more, _) in layouts.items()})
+                for name, (_, _, moe_layers) in layouts.items():
                     self.assert_same(runs[name], runs["one"], f"{config} {name}")
+                    # Per MoE layer and micro-batch six exchanges (full recompute) of (ep - 1) blocks of E / ep experts'
+                    # C rows of H floats.
+                    want = moe_layers * 4 * 6 * (1 * 2 * capacity * 16) * 4
                     self.assertEqual(set(losses(os.path.join(self.dir, config + "_" + name), "alltoall_bytes").values()), {want})
 
     def test_mixed_precision_at_ep2_trains_the_one_process_model(self):
