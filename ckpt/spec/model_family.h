@@ -98,8 +98,9 @@ std::optional<std::string> FirstUnheldMoeName(const std::vector<std::string>& na
 // the family (MoeRefusal), or an MoE layer lacking its router or an expert
 // weight. What ckpt-verify tells of a model file's MoE on its own.
 std::string MoeFileProblem(const std::vector<std::string>& names);
-// Why a reader refuses a tag whose model files hold MoE tensor `moe_name`
-// (FirstMoeName): which MoE it is and what shardkit does not do with it yet.
+// What a reader tells of a tag whose model files hold MoE tensor `moe_name`
+// (FirstMoeName): which MoE it is, and why it refuses a part outside the
+// family (FirstUnheldMoeName), else what shardkit reads of it and what not yet.
 std::string MoeRefusal(const std::string& moe_name);
 // "an MoE (Mixtral) model, HF-style (NxDT modeling_mixtral.py)" (or its
 // Megatron-style twin) for an MoE name of either style: how messages name it.
