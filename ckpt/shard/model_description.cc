@@ -779,18 +779,10 @@ ModelDescription DescribeModel(const ModelEvidence& e, const FormatHints& hints)
   StageSplit split = StageSplitOfFiles(e);
   d.stage_bounds = std::move(split.bounds), d.virtual_stages = split.virtual_stages;
   const int tp = e.grid.tp;
-  // A Mixtral tag (NxDT's layer 0 is always an MoE layer) is refused for what it is, not for lacking a Llama's MLP,
-  // unless the engine reads its experts: HF-style at any tp and ep, Megatron-style at ep 1 and any tp (the engine
-  // cuts expert boxes; issue #38's mixtral_reshard, mixtral_ep1 and mixtral_ep).
-  const auto moe = FirstMoeName(ModelNames(e));
-  const bool megatron = (moe && FamilyOfName(*moe) == ModelFamily::kMegatron) ||
-                        (e.recorded && e.recorded->moe() && e.recorded->family == ModelFamily::kMegatron);
-  const bool readable = !megatron || e.grid.ep == 1;
-  if (moe && !readable) throw Error(e.dir + ": " + MoeRefusal(*moe));
-  else if (moe && !e.recorded) RequireMoeModule(e, ModelNames(e), *moe);
-  if (e.recorded && e.recorded->moe() && !readable)
-    throw Error(e.dir + ": its manifest records an MoE (Mixtral) model at tp " + std::to_string(tp) + ", ep " + std::to_string(e.grid.ep) +
-                "; shardkit reads Megatron-style MoE tags at ep 1 only yet");
+  // A Mixtral tag (NxDT's layer 0 is always an MoE layer) is read at any tp and ep in either style (the engine cuts
+  // expert boxes; issue #38's mixtral_reshard, mixtral_ep1, mixtral_ep, mixtral_megatron_ep); an MoE part the family
+  // does not hold is refused for what it is, not for lacking a Llama's MLP.
+  if (const auto moe = FirstMoeName(ModelNames(e)); moe && !e.recorded) RequireMoeModule(e, ModelNames(e), *moe);
   if (e.recorded) {
     d.format = DescribeRecordedModel(e, hints, &d.notes);
     d.from_manifest = true;

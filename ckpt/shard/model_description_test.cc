@@ -207,30 +207,34 @@ TEST(ModelDescription, MoePartsTheTableDoesNotHoldAreRefused) {
   EXPECT_NE(ErrorOf([&] { DescribeModel(split, hints); }).find("do not divide"), std::string::npos);
 }
 
-// NxDT's NeuronSwitchMLP at tp 2, ep 1 (each rank's experts cut on dim 2 / dim 1): described, as the HF style is;
-// the same files named at ep 2 are refused naming MoE.
-TEST(ModelDescription, MegatronMoeIsDescribedAtAnyTpAndEp1) {
-  MegatronFiles m(2, 1);
-  for (Value& file : m.files) {
-    Value d = Value::NewDict();
-    for (const auto& [k, v] : file.as_dict().items)
-      if (k.as_str().find(".mlp.") == std::string::npos) d.as_dict().Set(k.as_str(), v);
-    const std::string moe = "language_model.encoder.layers.0.mlp.moe.";
-    d.as_dict().Set(moe + "router.linear_router.weight", Zeros({4, 8}));
-    d.as_dict().Set(moe + "expert_mlps.mlp_op.gate_up_proj.weight", Zeros({4, 8, 2 * 16 / 2}));
-    d.as_dict().Set(moe + "expert_mlps.mlp_op.down_proj.weight", Zeros({4, 16 / 2, 8}));
-    file = d;
+// NxDT's NeuronSwitchMLP at tp 2 (each rank's experts cut on dim 2 / dim 1): described, as the HF style is, at
+// ep 1 and at ep 2, where ep rank 0's files hold experts / ep of them (NxD's get_experts_for_expert_parallel_rank).
+TEST(ModelDescription, MegatronMoeIsDescribedAtAnyTpAndEp) {
+  for (const int ep : {1, 2}) {
+    MegatronFiles m(2, 1);
+    for (Value& file : m.files) {
+      Value d = Value::NewDict();
+      for (const auto& [k, v] : file.as_dict().items)
+        if (k.as_str().find(".mlp.") == std::string::npos) d.as_dict().Set(k.as_str(), v);
+      const std::string moe = "language_model.encoder.layers.0.mlp.moe.";
+      d.as_dict().Set(moe + "router.linear_router.weight", Zeros({4, 8}));
+      d.as_dict().Set(moe + "expert_mlps.mlp_op.gate_up_proj.weight", Zeros({4 / ep, 8, 2 * 16 / 2}));
+      d.as_dict().Set(moe + "expert_mlps.mlp_op.down_proj.weight", Zeros({4 / ep, 16 / 2, 8}));
+      file = d;
+    }
+    FormatHints hints;
+    hints.heads = 4, hints.moe_top_k = 2;
+    ModelEvidence e = m.Evidence();
+    e.grid.ep = ep;
+    const ModelDescription d = DescribeModel(e, hints);
+    EXPECT_EQ(FamilyLabel(d.format), "megatron_mixtral");
+    EXPECT_EQ(std::tuple(d.format.hidden, d.format.ffn, d.format.experts, d.format.moe_frequency), std::tuple(8, 16, 4, 1)) << "ep " << ep;
+    if (ep == 1) {  // the same files named at ep 3: 3 does not divide the 4 experts
+      e.grid.ep = 3;
+      const std::string ep3 = ErrorOf([&] { DescribeModel(e, hints); });
+      EXPECT_NE(ep3.find("are not a router (experts, hidden 8) and experts' (experts / ep 3"), std::string::npos) << ep3;
+    }
   }
-  FormatHints hints;
-  hints.heads = 4, hints.moe_top_k = 2;
-  ModelEvidence e = m.Evidence();
-  const ModelDescription d = DescribeModel(e, hints);
-  EXPECT_EQ(FamilyLabel(d.format), "megatron_mixtral");
-  EXPECT_EQ(std::tuple(d.format.hidden, d.format.ffn, d.format.experts, d.format.moe_frequency), std::tuple(8, 16, 4, 1));
-  e.grid.ep = 2;
-  const std::string ep2 = ErrorOf([&] { DescribeModel(e, hints); });
-  EXPECT_NE(ep2.find("MoE (Mixtral) model, Megatron-style"), std::string::npos) << ep2;
-  EXPECT_NE(ep2.find("expert-parallel (ep > 1) tags"), std::string::npos) << ep2;
 }
 
 TEST(ModelDescription, MegatronSizesComeFromShapesAndHeadsFromAHint) {

@@ -239,17 +239,26 @@ bool ConfigFlag(const nlohmann::json& c, const char* key, const std::string& cpa
   return c[key].get<bool>();
 }
 
-// LlamaConfig's fields (transformers' defaults for what it leaves out);
-// MixtralConfig has the same.
-void ReadLlamaFields(const nlohmann::json& c, const std::string& cpath, ModelFormat& f) {
+// transformers' defaults for what a config.json leaves out, where LlamaConfig
+// (configuration_llama.py) and MixtralConfig (configuration_mixtral.py, at the
+// 4.52.4 NxDT's requirements.txt pins) differ.
+struct HfDefaults {
+  double rope_theta, norm_eps;
+  int64_t max_positions;
+};
+constexpr HfDefaults kLlamaDefaults{10000.0, 1e-6, 2048};
+constexpr HfDefaults kMixtralDefaults{1e6, 1e-5, 4096 * 32};
+
+// LlamaConfig's fields, which MixtralConfig shares (with `d` for what it leaves out).
+void ReadLlamaFields(const nlohmann::json& c, const std::string& cpath, const HfDefaults& d, ModelFormat& f) {
   f.hidden = ConfigInt(c, "hidden_size", cpath), f.ffn = ConfigInt(c, "intermediate_size", cpath);
   f.heads = ConfigInt(c, "num_attention_heads", cpath), f.kv_heads = ConfigInt(c, "num_key_value_heads", cpath, f.heads);
   f.layers = ConfigInt(c, "num_hidden_layers", cpath), f.vocab_size = ConfigInt(c, "vocab_size", cpath);
   f.tied_output = ConfigFlag(c, "tie_word_embeddings", cpath, false);
   if (ConfigFlag(c, "attention_bias", cpath, false) || ConfigFlag(c, "mlp_bias", cpath, false))
     throw Error(cpath + ": a Llama with biases, which NxDT's Llama has not");
-  f.rope_theta = ConfigNumber(c, "rope_theta", cpath, 10000.0), f.norm_eps = ConfigNumber(c, "rms_norm_eps", cpath, 1e-6);
-  f.max_positions = ConfigInt(c, "max_position_embeddings", cpath, 2048);  // transformers' LlamaConfig defaults
+  f.rope_theta = ConfigNumber(c, "rope_theta", cpath, d.rope_theta), f.norm_eps = ConfigNumber(c, "rms_norm_eps", cpath, d.norm_eps);
+  f.max_positions = ConfigInt(c, "max_position_embeddings", cpath, d.max_positions);
   if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
     throw Error(cpath + ": rope_scaling is set; the training core's rope has no scaling, so this model would compute otherwise");
 }
@@ -258,22 +267,29 @@ void ReadLlamaFields(const nlohmann::json& c, const std::string& cpath, ModelFor
 // MixtralForCausalLM's config past Llama's keys (transformers'
 // configuration_mixtral.py MixtralConfig; its defaults for what is left out):
 // num_local_experts (8) and num_experts_per_tok (2); every layer is MoE
-// (MixtralDecoderLayer always builds block_sparse_moe). NxDT's attention
-// masks by config.sliding_window (hf_models/modeling_mixtral.py
-// CoreAttention), but a model format carries no window, so a window shorter
-// than the positions is refused: an export would describe another model.
+// (MixtralDecoderLayer always builds block_sparse_moe). What both the
+// import and the trainer (FormatOfHfMixtralConfig) read.
 void ReadMixtralConfig(const nlohmann::json& c, const std::string& cpath, ModelFormat& f) {
   f.experts = ConfigInt(c, "num_local_experts", cpath, 8);
   f.moe_top_k = ConfigInt(c, "num_experts_per_tok", cpath, 2);
   f.moe_frequency = 1;
   if (f.moe_top_k > f.experts)
     throw Error(cpath + ": 'num_experts_per_tok' " + std::to_string(f.moe_top_k) + " exceeds 'num_local_experts' " + std::to_string(f.experts));
+  const std::string act = c.value("hidden_act", std::string("silu"));
+  if (act != "silu") throw Error(cpath + ": 'hidden_act' is '" + act + "': NxD's experts here are SwiGLU (silu), so this model would compute otherwise");
+  if (c.contains("router_jitter_noise") && !(c["router_jitter_noise"].is_number() && c["router_jitter_noise"].get<double>() == 0))
+    throw Error(cpath + ": router_jitter_noise is set; NxD's RouterTopK adds no jitter, so this model would compute otherwise");
+}
+
+// NxDT's attention masks by config.sliding_window (hf_models/modeling_mixtral.py
+// CoreAttention), but a model format carries no window, so the import refuses a
+// window shorter than the positions: an export would describe another model.
+// (The trainer checks the window against its sequence length instead.)
+void RequireNoSlidingWindow(const nlohmann::json& c, const std::string& cpath, const ModelFormat& f) {
   if (c.contains("sliding_window") && !c["sliding_window"].is_null() &&
       (!c["sliding_window"].is_number_integer() || c["sliding_window"].get<int64_t>() < f.max_positions))
     throw Error(cpath + ": 'sliding_window' is " + c["sliding_window"].dump() + ", shorter than the " + std::to_string(f.max_positions) +
                 " positions, and the model format carries no sliding window: a model written from it would attend to every earlier position");
-  const std::string act = c.value("hidden_act", std::string("silu"));
-  if (act != "silu") throw Error(cpath + ": 'hidden_act' is '" + act + "': NxD's experts here are SwiGLU (silu), so this model would compute otherwise");
 }
 
 ModelFormat Checked(ModelFormat f, const std::string& cpath) {
@@ -286,9 +302,11 @@ ModelFormat Checked(ModelFormat f, const std::string& cpath) {
 ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath) {
   const std::string arch = ArchitectureOf(c, cpath);
   ModelFormat f;
-  if (arch == "LlamaForCausalLM" || arch == "MixtralForCausalLM") {
-    ReadLlamaFields(c, cpath, f);
-    if (arch == "MixtralForCausalLM") ReadMixtralConfig(c, cpath, f);
+  if (arch == "LlamaForCausalLM") {
+    ReadLlamaFields(c, cpath, kLlamaDefaults, f);
+  } else if (arch == "MixtralForCausalLM") {
+    f = FormatOfHfMixtralConfig(c, cpath);
+    RequireNoSlidingWindow(c, cpath, f);
   } else if (arch == "GPT2LMHeadModel") {
     f.hidden = ConfigInt(c, "n_embd", cpath), f.heads = ConfigInt(c, "n_head", cpath), f.kv_heads = f.heads;
     f.ffn = ConfigInt(c, "n_inner", cpath, 4 * f.hidden), f.layers = ConfigInt(c, "n_layer", cpath);
@@ -309,10 +327,8 @@ ModelFormat FormatOfHfMixtralConfig(const nlohmann::json& c, const std::string& 
   const std::string arch = ArchitectureOf(c, cpath);
   if (arch != "MixtralForCausalLM") throw Error(cpath + ": architecture '" + arch + "' is not MixtralForCausalLM");
   ModelFormat f;
-  ReadLlamaFields(c, cpath, f);
-  f.experts = ConfigInt(c, "num_local_experts", cpath, 8), f.moe_top_k = ConfigInt(c, "num_experts_per_tok", cpath, 2);
-  if (c.contains("router_jitter_noise") && !(c["router_jitter_noise"].is_number() && c["router_jitter_noise"].get<double>() == 0))
-    throw Error(cpath + ": router_jitter_noise is set; NxD's RouterTopK adds no jitter, so this model would compute otherwise");
+  ReadLlamaFields(c, cpath, kMixtralDefaults, f);
+  ReadMixtralConfig(c, cpath, f);
   return Checked(f, cpath);
 }
 
@@ -423,9 +439,8 @@ std::string MoeRefusal(const std::string& moe_name) {
   if (FirstUnheldMoeName({moe_name}))
     return what + ", a part of NxD's MoE layer (shared experts, router or expert biases, spmd ranks) shardkit's Mixtral family does not hold, "
                   "so it refuses rather than drop it";
-  return what + "; shardkit reads HF-style MoE tags at any tp and ep and Megatron-style ones at ep 1 (any tp) yet; "
-                "Megatron-style expert-parallel (ep > 1) tags and the optimizer state of expert-parallel ones are not read yet (issue #38), "
-                "so it refuses rather than treat the experts as a dense Llama's";
+  return what + "; shardkit reads MoE tags of either style at any tp and ep; the optimizer state of expert-parallel ones is not read yet "
+                "(issue #38)";
 }
 
 std::string MoeFileProblem(const std::vector<std::string>& names) {

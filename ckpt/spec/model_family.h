@@ -28,10 +28,13 @@ namespace ckpt {
 // `cpath` and the key.
 ModelFormat FormatOfHfConfig(const nlohmann::json& c, const std::string& cpath);
 // The same for a MixtralForCausalLM config.json (transformers'
-// MixtralConfig: LlamaConfig's fields, num_local_experts (default 8) and
-// num_experts_per_tok (2) as experts and moe_top_k; router_jitter_noise must
-// be 0, as NxD's RouterTopK adds none). What NxDT's HF Mixtral reads
-// (lightning_modules/model/hf_models/mixtral_model.py _get_model).
+// MixtralConfig: LlamaConfig's fields with its own defaults (rope_theta 1e6,
+// rms_norm_eps 1e-5, max_position_embeddings 131072), num_local_experts
+// (default 8) and num_experts_per_tok (2) as experts and moe_top_k;
+// hidden_act must be silu and router_jitter_noise 0, as NxD's experts and
+// RouterTopK compute). What NxDT's HF Mixtral reads
+// (lightning_modules/model/hf_models/mixtral_model.py _get_model);
+// FormatOfHfConfig adds the import's sliding_window refusal.
 ModelFormat FormatOfHfMixtralConfig(const nlohmann::json& c, const std::string& cpath);
 
 // The modules a decoder is built from, and the names of their weights in
@@ -98,8 +101,9 @@ std::optional<std::string> FirstUnheldMoeName(const std::vector<std::string>& na
 // the family (MoeRefusal), or an MoE layer lacking its router or an expert
 // weight. What ckpt-verify tells of a model file's MoE on its own.
 std::string MoeFileProblem(const std::vector<std::string>& names);
-// Why a reader refuses a tag whose model files hold MoE tensor `moe_name`
-// (FirstMoeName): which MoE it is and what shardkit does not do with it yet.
+// What a reader tells of a tag whose model files hold MoE tensor `moe_name`
+// (FirstMoeName): which MoE it is, and why it refuses a part outside the
+// family (FirstUnheldMoeName), else what shardkit reads of it and what not yet.
 std::string MoeRefusal(const std::string& moe_name);
 // "an MoE (Mixtral) model, HF-style (NxDT modeling_mixtral.py)" (or its
 // Megatron-style twin) for an MoE name of either style: how messages name it.

@@ -416,6 +416,33 @@ TEST(ModelFamily, MixtralHfConfigGivesExpertsAndRefusesWhatNxdtDoesNotCompute) {
   EXPECT_NE(ErrorOf([&] { FormatOfHfConfig(c, "config.json"); }).find("'hidden_act'"), std::string::npos);
 }
 
+// What a config.json leaves out takes its architecture's transformers defaults
+// (MixtralConfig's differ from LlamaConfig's), and one reader owns the Mixtral
+// fields: FormatOfHfConfig (the import) and FormatOfHfMixtralConfig (the trainer)
+// read and refuse them alike, the import also refusing a sliding window.
+TEST(ModelFamily, MixtralConfigDefaultsAreMixtralsAndOneReaderOwnsItsFields) {
+  nlohmann::json c = {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", 16}, {"intermediate_size", 32},
+                      {"num_attention_heads", 4}, {"num_hidden_layers", 2}, {"vocab_size", 64}, {"num_local_experts", 4}};
+  for (const ModelFormat& f : {FormatOfHfConfig(c, "c.json"), FormatOfHfMixtralConfig(c, "c.json")}) {
+    EXPECT_EQ(std::tuple(f.rope_theta, f.norm_eps, f.max_positions), std::tuple(1e6, 1e-5, int64_t{131072}));
+    EXPECT_EQ(std::tuple(f.experts, f.moe_top_k, f.moe_frequency, f.kv_heads), std::tuple(4, 2, 1, 4));
+  }
+  nlohmann::json llama = c;
+  llama["architectures"] = {"LlamaForCausalLM"};
+  const ModelFormat l = FormatOfHfConfig(llama, "c.json");
+  EXPECT_EQ(std::tuple(l.rope_theta, l.norm_eps, l.max_positions, l.experts), std::tuple(10000.0, 1e-6, int64_t{2048}, 0));
+  for (const auto& [key, value, why] : {std::tuple("router_jitter_noise", nlohmann::json(0.1), "router_jitter_noise is set"),
+                                        std::tuple("hidden_act", nlohmann::json("gelu"), "'hidden_act' is 'gelu'")}) {
+    nlohmann::json bad = c;
+    bad[key] = value;
+    EXPECT_NE(ErrorOf([&] { FormatOfHfConfig(bad, "c.json"); }).find(why), std::string::npos) << key;
+    EXPECT_NE(ErrorOf([&] { FormatOfHfMixtralConfig(bad, "c.json"); }).find(why), std::string::npos) << key;
+  }
+  c["sliding_window"] = 4096;  // the import refuses what a model format cannot carry; the trainer checks it against its sequence
+  EXPECT_NE(ErrorOf([&] { FormatOfHfConfig(c, "c.json"); }).find("'sliding_window' is 4096"), std::string::npos);
+  EXPECT_EQ(FormatOfHfMixtralConfig(c, "c.json").experts, 4);
+}
+
 // Either style's MoE module names a Mixtral tag; a dense Llama's names do not.
 TEST(ModelFamily, MoeNamesAreToldFromDenseOnes) {
   EXPECT_EQ(FirstMoeName({"model.embed_tokens.weight", "model.layers.0.mlp.gate_up_proj.weight"}), std::nullopt);
