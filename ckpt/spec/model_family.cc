@@ -424,7 +424,7 @@ std::string MoeRefusal(const std::string& moe_name) {
     return what + ", a part of NxD's MoE layer (shared experts, router or expert biases, spmd ranks) shardkit's Mixtral family does not hold, "
                   "so it refuses rather than drop it";
   return what + "; shardkit reads HF-style MoE tags at any tp and ep and Megatron-style ones at ep 1 (any tp) yet; "
-                "Megatron-style expert-parallel (ep > 1) tags and the optimizer state of expert-parallel ones are not read yet (issue #38), "
+                "Megatron-style expert-parallel (ep > 1) tags are not read yet (issue #38), "
                 "so it refuses rather than treat the experts as a dense Llama's";
 }
 
