@@ -258,11 +258,6 @@ void ExtentIndex::AddBoxes(const ParamRule& rule, const AxisCoords& at, StateFie
   }
 }
 
-void ExtentIndex::AddRuns(const ParamRule& rule, const ModelFormat&, int tp, StateField field, int t, const Tensor& x, const MappedFile* file,
-                          int64_t row_lo, int64_t row_hi, int64_t rows, Holders& owner, DType dtype, const std::string& where) {
-  AddBoxes(rule, AxisCoords::Tp(tp, t), field, x, file, row_lo, std::min(row_hi, rows), owner, dtype, where);
-}
-
 void ExtentIndex::CheckCovered(const std::string& dir, const std::vector<ParamRule>& params) {
   for (auto& [key, idx] : index_) {
     const std::string& name = key.name;  // a structured binding cannot be captured before C++20's P1091 (clang 16)

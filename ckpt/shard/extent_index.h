@@ -58,11 +58,6 @@ class ExtentIndex {
   // Throws naming `where` when `dtype` differs from what other ranks hold.
   void AddBoxes(const ParamRule& rule, const AxisCoords& at, StateField field, const Tensor& x, const MappedFile* file, int64_t row_lo,
                 int64_t row_hi, Holders& owner, DType dtype, const std::string& where);
-  // AddBoxes for tp rank `t` of `tp` (every other axis of size 1); `rows`,
-  // the local tensor's dim 0, bounds row_hi. (The optimizer reader's; the
-  // model reader asks AddBoxes with every axis.)
-  void AddRuns(const ParamRule& rule, const ModelFormat& format, int tp, StateField field, int t, const Tensor& x, const MappedFile* file,
-               int64_t row_lo, int64_t row_hi, int64_t rows, Holders& owner, DType dtype, const std::string& where);
   // The number a rank at `at` has in Holders: its tp index, plus its ep
   // index times the tp size (replicas over ep, the non-expert tensors of an
   // expert-parallel tag, are compared as replicas over tp are).

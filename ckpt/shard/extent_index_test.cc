@@ -56,7 +56,7 @@ TEST(ExtentIndex, RowAndColumnSplitsReadBackAsTheLogicalTensor) {
     std::vector<Tensor> locals;
     for (int t = 0; t < 2; ++t) locals.push_back(Local(r, f, 2, t));
     for (int t = 0; t < 2; ++t)
-      idx.AddRuns(r, f, 2, StateField::kParam, t, locals[t], nullptr, 0, locals[t].shape()[0], locals[t].shape()[0], owner, DType::kFloat32, "w");
+      idx.AddBoxes(r, AxisCoords::Tp(2, t), StateField::kParam, locals[t], nullptr, 0, locals[t].shape()[0], owner, DType::kFloat32, "w");
     idx.CheckCovered("tag", {r});
     const auto all = ReadAll(idx, "w", 0, 24);
     for (int i = 0; i < 24; ++i) ASSERT_EQ(all[i], static_cast<float>(i)) << "element " << i;
@@ -70,7 +70,7 @@ TEST(ExtentIndex, AMissingRankIsAGapNamedByItsElements) {
   ExtentIndex idx;
   ExtentIndex::Holders owner;
   const Tensor x = Local(r, f, 2, 1);  // rows 2..3 only
-  idx.AddRuns(r, f, 2, StateField::kParam, 1, x, nullptr, 0, 2, 2, owner, DType::kFloat32, "w");
+  idx.AddBoxes(r, AxisCoords::Tp(2, 1), StateField::kParam, x, nullptr, 0, 2, owner, DType::kFloat32, "w");
   EXPECT_EQ(ErrorOf([&] { idx.CheckCovered("tag", {r}); }), "tag: w (param): the rank files do not cover elements 0..6 of it");
 }
 
@@ -80,8 +80,8 @@ TEST(ExtentIndex, ReplicasMustEqualTheirFirstHolder) {
   ExtentIndex idx;
   ExtentIndex::Holders owner;
   Tensor a = Local(r, f, 2, 0), b = Local(r, f, 2, 1);
-  idx.AddRuns(r, f, 2, StateField::kParam, 0, a, nullptr, 0, 1, 1, owner, DType::kFloat32, "norm");
-  idx.AddRuns(r, f, 2, StateField::kParam, 1, b, nullptr, 0, 1, 1, owner, DType::kFloat32, "norm");
+  idx.AddBoxes(r, AxisCoords::Tp(2, 0), StateField::kParam, a, nullptr, 0, 1, owner, DType::kFloat32, "norm");
+  idx.AddBoxes(r, AxisCoords::Tp(2, 1), StateField::kParam, b, nullptr, 0, 1, owner, DType::kFloat32, "norm");
   idx.CheckCovered("tag", {r});
   EXPECT_EQ(ErrorOf([&] { idx.CompareReplicas("tag", f); }), "");
   reinterpret_cast<float*>(b.mutable_data())[2] = 9;
@@ -96,8 +96,8 @@ TEST(ExtentIndex, ADtypeOtherRanksDoNotHoldIsRefused) {
   ExtentIndex idx;
   ExtentIndex::Holders owner;
   const Tensor x = Local(r, f, 2, 0);
-  idx.AddRuns(r, f, 2, StateField::kParam, 0, x, nullptr, 0, 1, 1, owner, DType::kFloat32, "w0");
-  EXPECT_EQ(ErrorOf([&] { idx.AddRuns(r, f, 2, StateField::kParam, 1, x, nullptr, 0, 1, 1, owner, DType::kBFloat16, "w1"); }),
+  idx.AddBoxes(r, AxisCoords::Tp(2, 0), StateField::kParam, x, nullptr, 0, 1, owner, DType::kFloat32, "w0");
+  EXPECT_EQ(ErrorOf([&] { idx.AddBoxes(r, AxisCoords::Tp(2, 1), StateField::kParam, x, nullptr, 0, 1, owner, DType::kBFloat16, "w1"); }),
             "w1 is bfloat16 but other ranks hold float32");
   DType d;
   ASSERT_TRUE(idx.FindDType("w", StateField::kParam, &d));
@@ -133,7 +133,7 @@ TEST(ExtentIndex, AColumnSplitIsABoxPerRankWhateverItsRows) {
       for (int d = 0; d < 2; ++d) {
         const int64_t half = rows / 2;
         const Tensor shard = locals[t].Narrow0(d * half, (d + 1) * half);
-        idx.AddRuns(r, f, 2, StateField::kParam, t, shard, nullptr, d * half, (d + 1) * half, rows, owner, DType::kFloat32, "w");
+        idx.AddBoxes(r, AxisCoords::Tp(2, t), StateField::kParam, shard, nullptr, d * half, std::min<int64_t>((d + 1) * half, rows), owner, DType::kFloat32, "w");
       }
     idx.CheckCovered("tag", {r});
     EXPECT_EQ(idx.BoxCount("w", StateField::kParam), 4u) << rows << " rows";

@@ -21,6 +21,7 @@
 
 #include "ckpt/util/error.h"
 #include "ckpt/shard/fingerprint.h"
+#include "ckpt/spec/ep_zero1_state.h"
 #include "ckpt/spec/tag_paths.h"
 #include "ckpt/spec/optimizer_state.h"
 #include "ckpt/util/output_guard.h"
@@ -140,7 +141,8 @@ class Planner {
         optimized = ckpt::StageParameters(optimizer_rules_, bounds_, at.pp, ckpt::TiedCopyNaming::kNxdt, virtual_stages_);
       }
       out.push_back(ModelFile(stage, at, unit++));
-      if (!src_.layout().has_optimizer) return;
+      // NeuronEPZero1Optimizer's files are named by dp rank alone: written once per tp and pp place.
+      if (!src_.layout().has_optimizer || at.ep.value_or(0) > 0) return;
       to_.ForEachRankFile(ckpt::RankFileKind::kOptim, at, [&](const ckpt::RankCoord& o) { out.push_back(OptimFile(optimized, o.tp, o.pp, o.dp, unit++)); });
     });
     return out;
@@ -226,35 +228,58 @@ class Planner {
     for (const auto& sp : stage) names.push_back(sp.name);
     const ckpt::GroupingRule rule = src_.layout().grouping;  // carried through
     const ckpt::Grouping g = ckpt::FamilyGrouping(fmt_, ckpt::GroupedNames(names, ckpt::SameStageTiedCopy(stage), rule), rule);
-    ckpt::OptimizerFile of;
-    of.zero1 = to_.zero1;
-    of.param_groups = ckpt::ParamGroupsFor(src_.ParamGroups(), g);
-    for (const auto& slot : g.order) {
-      const ckpt::StageParam& sp = stage[std::find(names.begin(), names.end(), slot.name) - names.begin()];
-      if (!src_.Has(sp.rule->name, StateField::kExpAvg) && fmt_.lora.on()) {  // LoRA's frozen base: no state
-        of.params.emplace_back();
-        continue;
-      }
-      const auto local = ckpt::LocalShape(*sp.rule, At(t, 0));
-      const int64_t shard = to_.zero1 ? ckpt::Zero1ShardRows(local[0], to_.dp) : local[0];
-      ckpt::ParamState ps;
-      ps.step = src_.Step(sp.rule->name);
-      // GPT's tied copy: a step of its own, as every parameter's state has (not the embedding's, shared).
-      if (sp.tied_copy() && ps.step.is_tensor()) ps.step = Value(ps.step.as_tensor().Clone());
-      ps.shape = local;
-      auto tensor = [&](StateField f) {
-        auto s = Slice(sp, f, At(t, 0), p, d * shard, shard);
-        pf.bytes += static_cast<uint64_t>(shard * (ckpt::ShapeNumel(local) / local[0])) * s->es;
-        return SliceTensor(s, src_.dtype(sp.rule->name, f));
-      };
-      ps.exp_avg = tensor(StateField::kExpAvg);
-      ps.exp_avg_sq = tensor(StateField::kExpAvgSq);
-      if (src_.layout().master_weights) ps.master = tensor(StateField::kMaster);
-      of.params.push_back(std::move(ps));
+    auto param = [&](const std::string& name) -> const ckpt::StageParam& { return stage[std::find(names.begin(), names.end(), name) - names.begin()]; };
+    Value file;
+    if (to_.ep > 1) {
+      file = EpOptimFile(g, param, t, p, d, pf).ToValue();
+    } else {
+      ckpt::OptimizerFile of;
+      of.zero1 = to_.zero1;
+      of.param_groups = ckpt::ParamGroupsFor(src_.ParamGroups(), g);
+      for (const auto& slot : g.order) of.params.push_back(State(param(slot.name), At(t, 0), p, d, to_.zero1 ? to_.dp : 1, pf));
+      file = of.ToValue();
     }
-    pf.file = {ckpt::RankFilePath(ckpt::RankFileKind::kOptim, {d, t, p}), of.ToValue(), {.weights_only = false, .stream_chunk = chunk_, .stream_buffers = chunks_}};
+    pf.file = {ckpt::RankFilePath(ckpt::RankFileKind::kOptim, {d, t, p}), file, {.weights_only = false, .stream_chunk = chunk_, .stream_buffers = chunks_}};
     pf.unit = unit;
     return pf;
+  }
+
+  // NxD's NeuronEPZero1Optimizer file of dp rank d (ckpt/spec/ep_zero1_state.h
+  // EpZero1Entries: which shard of whose experts it holds).
+  ckpt::EpZero1File EpOptimFile(const ckpt::Grouping& g, const std::function<const ckpt::StageParam&(const std::string&)>& param, int t, int p,
+                                int d, PlannedFile& pf) {
+    const ckpt::EpGroupings parts = ckpt::SplitGroupingByExperts(g, [&](const std::string& n) { return ckpt::IsExpertWeight(fmt_, n); });
+    ckpt::EpZero1File ef;
+    ef.non_expert.zero1 = ef.expert.zero1 = true;
+    ef.non_expert.param_groups = ckpt::ParamGroupsFor(src_.ParamGroups(), parts.non_expert);
+    ef.expert.param_groups = ckpt::ParamGroupsFor(src_.ParamGroups(), parts.expert);
+    for (const ckpt::EpZero1Entry& e : ckpt::EpZero1Entries(parts, to_, d)) {
+      ckpt::AxisCoords at = At(t, e.shard.ep_rank);
+      (e.expert ? ef.expert : ef.non_expert).params.push_back(State(param(e.name), at, p, e.shard.shard, e.shard.shards, pf));
+    }
+    return ef;
+  }
+
+  // A parameter's state in an optimizer file: chunk `shard` of `shards` of
+  // dim 0 of its local tensor at `at` (ZeRO-1), or the whole (shards 1).
+  ckpt::ParamState State(const ckpt::StageParam& sp, const ckpt::AxisCoords& at, int p, int shard, int shards, PlannedFile& pf) {
+    ckpt::ParamState ps;
+    if (!src_.Has(sp.rule->name, StateField::kExpAvg) && fmt_.lora.on()) return ps;  // LoRA's frozen base: no state
+    const auto local = ckpt::LocalShape(*sp.rule, at);
+    const int64_t rows = to_.zero1 ? ckpt::Zero1ShardRows(local[0], shards) : local[0];
+    ps.step = src_.Step(sp.rule->name);
+    // GPT's tied copy: a step of its own, as every parameter's state has (not the embedding's, shared).
+    if (sp.tied_copy() && ps.step.is_tensor()) ps.step = Value(ps.step.as_tensor().Clone());
+    ps.shape = local;
+    auto tensor = [&](StateField f) {
+      auto s = Slice(sp, f, at, p, shard * rows, rows);
+      pf.bytes += static_cast<uint64_t>(rows * (ckpt::ShapeNumel(local) / local[0])) * s->es;
+      return SliceTensor(s, src_.dtype(sp.rule->name, f));
+    };
+    ps.exp_avg = tensor(StateField::kExpAvg);
+    ps.exp_avg_sq = tensor(StateField::kExpAvgSq);
+    if (src_.layout().master_weights) ps.master = tensor(StateField::kMaster);
+    return ps;
   }
 
   const ckpt::LogicalState& src_;
@@ -301,14 +326,17 @@ ckpt::ModelFormat TargetFormat(const ckpt::ModelFormat& from, const ReshardArgs&
 }
 
 // The target's ep (the source's unless --ep), inside dp (RankGrid::ep). An
-// expert-parallel target is written weights only: NxD's NeuronEPZero1Optimizer
-// state (ckpt/spec/ep_zero1_state.h) is not written yet.
-int TargetEp(const ReshardArgs& a, const ckpt::TagDescription& L, int& dp, std::vector<std::string>& notes) {
+// expert-parallel target's optimizer is NxD's NeuronEPZero1Optimizer
+// (ckpt/spec/ep_zero1_state.h): ZeRO-1, without master weights.
+int TargetEp(const ReshardArgs& a, const ckpt::TagDescription& L, bool zero1, int& dp, std::vector<std::string>& notes) {
   const int ep = a.ep.value_or(L.grid.ep);
   if (ep < 1 || ep > ckpt::kMaxRanks) throw Error("--ep " + std::to_string(ep) + " is not from 1 to " + std::to_string(ckpt::kMaxRanks));
-  if (ep > 1 && L.has_optimizer)
-    throw Error("--ep " + std::to_string(ep) + ": an expert-parallel MoE tag's optimizer state (NxD's NeuronEPZero1Optimizer) is not written yet "
-                "(issue #38); pass --weights_only");
+  if (ep > 1 && L.has_optimizer && !zero1)
+    throw Error("--ep " + std::to_string(ep) + ": NxD saves an expert-parallel MoE optimizer as NeuronEPZero1Optimizer (ZeRO-1) state; shardkit "
+                "writes no plain optimizer files at ep > 1; keep --zero1 or pass --weights_only");
+  if (ep > 1 && L.has_optimizer && L.master_weights)
+    throw Error("--ep " + std::to_string(ep) + ": the source holds fp32 master weights, which NxD's NeuronEPZero1Optimizer state dict has no "
+                "place for (it saves none); pass --weights_only, or keep ep 1");
   if (dp % ep == 0) return ep;
   if (a.dp) throw Error("--ep " + std::to_string(ep) + " does not divide --dp " + std::to_string(dp) + " (NxD lays expert parallelism inside data parallelism)");
   notes.push_back("dp " + std::to_string(dp) + " -> " + std::to_string(ep) + ": the ep size must divide dp (NxD lays expert parallelism inside it)");
@@ -391,7 +419,7 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   to.dp = a.dp.value_or(L.grid.dp);
   to.zero1 = a.zero1.value_or(L.grid.zero1);
   if (to.zero1 && to.dp < 1) throw Error("--dp must be at least 1");
-  to.ep = TargetEp(a, L, to.dp, sum.notes);
+  to.ep = TargetEp(a, L, to.zero1, to.dp, sum.notes);
   if (int64_t{to.tp} * to.pp * to.dp > ckpt::kMaxRanks) throw Error("the target grid has more than " + std::to_string(ckpt::kMaxRanks) + " ranks");
   // The plan holds an entry per tensor per rank file; a grid past any real job's (tp 64, pp 32,
   // dp 32 with ZeRO-1 is 65,536 files) is refused before planning grows without bound.

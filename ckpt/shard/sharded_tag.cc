@@ -61,12 +61,6 @@ class ShardedTagBuilder {
     files_->LoadModelFiles(L.grid);
     t_->ordered_ = files_->Model(0, 0).ordered;
     Describe();
-    // At ep 1 NxD's NeuronZero1Optimizer shards an expert weight over dp like any parameter (dim 0 of
-    // the local tensor), which ReadTagOptimizer indexes; NeuronEPZero1Optimizer's state
-    // (ckpt/spec/ep_zero1_state.h, ep > 1) is not read yet.
-    if (L.has_optimizer && L.format.moe() && L.grid.ep > 1)
-      throw Error(dir() + ": is an expert-parallel MoE (Mixtral) tag (ep " + std::to_string(L.grid.ep) +
-                  "); shardkit does not read its optimizer state yet (issue #38); --weights_only reads the model alone");
     CheckModelFiles();
     // NxD saves the training's optimizer (base and adapters) whatever the model files hold: an
     // adapter-only tag's lists the base as the training's does (OptimizerParameters).

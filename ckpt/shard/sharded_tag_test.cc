@@ -33,6 +33,31 @@ void ExpectFakesValues(const LogicalState& tag) {
   }
 }
 
+// NxD's ep 2 Mixtral tags (tests/data/upstream/nxd_mixtral hf_ep2_*: tp 2, dp 2, ep 2,
+// NeuronEPZero1Optimizer): every moment read through the index equals the gathered full
+// state bit for bit (non-expert ones from dp chunks, experts from each ep rank's file); no masters.
+TEST(ShardedTag, ReadsNxdsExpertParallelOptimizerAsTheFullState) {
+  const std::string data = std::string(SHARDKIT_TEST_DATA) + "/upstream/nxd_mixtral/";
+  const Value full = LoadPt(data + "hf_ep2_full_state.pt").as_dict().At("optimizer");
+  FormatHints hints;
+  hints.heads = 4, hints.moe_top_k = 2, hints.rope_theta = 1e6, hints.norm_eps = 1e-5;
+  for (const char* name : {"hf_ep2_pt", "hf_ep2_xser"}) {
+    const auto tag = ShardedTag::Open(Env::Default(), data + name + "/step_2", hints);
+    EXPECT_EQ(tag->layout().grid.ep, 2);
+    EXPECT_FALSE(tag->layout().master_weights);
+    int checked = 0;
+    for (const auto& [k, v] : full.as_dict().items)
+      for (auto [field, key] : {std::pair{StateField::kExpAvg, "exp_avg"}, {StateField::kExpAvgSq, "exp_avg_sq"}}) {
+        const Tensor want = v.as_dict().At(key).as_tensor().Contiguous();
+        std::vector<uint8_t> got(want.nbytes());
+        tag->Read(k.as_str(), field, 0, got, nullptr);
+        EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size()), 0) << name << " " << k.as_str() << " " << key;
+        ++checked;
+      }
+    EXPECT_EQ(checked, 2 * 21);
+  }
+}
+
 TEST(ShardedTag, ReadsTheLogicalTensorsOfAnyLayout) {
   TempDir dir("sharded_tag");
   const FakeState src(dir / "src", SmallLlama());

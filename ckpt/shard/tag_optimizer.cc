@@ -4,6 +4,7 @@
 #include <cstring>
 #include <set>
 
+#include "ckpt/spec/ep_zero1_state.h"
 #include "ckpt/spec/lora.h"
 #include "ckpt/spec/optimizer_groups.h"
 #include "ckpt/spec/optimizer_state.h"
@@ -17,6 +18,22 @@ namespace {
 std::vector<size_t> NonEmpty(std::vector<size_t> sizes) {
   sizes.erase(std::remove(sizes.begin(), sizes.end(), size_t{0}), sizes.end());
   return sizes;
+}
+
+// NeuronEPZero1Optimizer syncs both inner optimizers' param_groups from its
+// own before each step (_sync_param_groups), so the expert groups' hyperparameters
+// are the non-expert ones', which the reader keeps; a file where they differ would lose some.
+void CheckSameHyperparameters(const EpZero1File& file, const std::string& where) {
+  const auto& a = file.non_expert.param_groups.as_seq().items;
+  const auto& b = file.expert.param_groups.as_seq().items;
+  for (size_t g = 0; g < a.size() && g < b.size(); ++g)
+    for (const auto& [k, v] : a[g].as_dict().items)
+      if (k.is_str() && k.as_str() != "params" && (!b[g].as_dict().Find(k.as_str()) || !DeepEqual(v, *b[g].as_dict().Find(k.as_str()))))
+        throw Error(where + ": the expert optimizer's param group " + std::to_string(g) + " has another '" + k.as_str() +
+                    "' than the non-expert one's, where NeuronEPZero1Optimizer keeps them equal (shardkit would lose one)");
+  if (a.size() != b.size())
+    throw Error(where + ": the non-expert and expert optimizers have " + std::to_string(a.size()) + " and " + std::to_string(b.size()) +
+                " param groups, where NeuronEPZero1Optimizer filters the same groups for each");
 }
 
 // A pipeline stage's parameters, as its optimizer files list them.
@@ -60,11 +77,17 @@ class OptimizerReader {
 
  private:
   void ReadFile(const OptimizerStage& stage, int t, int d);
+  void ReadEpFile(const OptimizerStage& stage, const OptimizerFileRead& f, const Value& v);
+  void IndexMoments(const ParamRule& rule, const AxisCoords& at, int64_t lo, int64_t shards, const ParamState& ps, const OptimizerFileRead& f,
+                    const std::string& at_text);
+  // The parts a grouping's ids are numbered in: itself, or (NeuronEPZero1Optimizer) its non-expert and expert parts.
+  std::vector<Grouping> Parts(const Grouping& g, bool by_experts) const;
   void CheckSharedIds(const OptimizerStage& stage, const OptimizerFileRead& f) const;
   // Indexes id's state; returns the key it claimed in the file's state, or nullopt for a tied copy without state.
   std::optional<int64_t> ReadParam(const OptimizerStage& stage, const OptimizerFileRead& f, size_t id);
   void CheckTiedCopyMoments(const OptimizerFileRead& f, const ParamRule& rule, const Dict& entry, const std::string& at) const;
   Grouping Ids(const Value& groups, const OptimizerStage& stage, const std::string& where, std::vector<int64_t>* file_ids);
+  Grouping Choose(const std::vector<std::vector<size_t>>& sizes, bool by_experts, const OptimizerStage& stage, const std::string& where);
 
   TagFiles& files_;
   TagDescription& L_;
@@ -82,6 +105,7 @@ void OptimizerReader::ReadFile(const OptimizerStage& stage, int t, int d) {
   f.rel = RankFilePath(RankFileKind::kOptim, {d, t, stage.p}), f.where = files_.Path(f.rel);
   const std::string& where = f.where;
   const Value v = files_.Load(f.rel);
+  if (L_.grid.ep > 1) return ReadEpFile(stage, f, v);
   const OptimizerFileView file(v, where);
   f.zero1 = file.zero1();
   if (f.zero1 != L_.grid.zero1)
@@ -169,8 +193,8 @@ std::optional<int64_t> OptimizerReader::ReadParam(const OptimizerStage& stage, c
     if (!val) throw Error(fat + " is missing");
     const Tensor& x = IndexableTensor(*val, fat);
     if (x.shape() != want) throw Error(fat + " has shape " + ShapeString(x.shape()) + ", not " + ShapeString(want));
-    index_.AddRuns(rule, L_.format, L_.grid.tp, field, f.t, x, files_.FileOf(x, f.rel), f.d * shard, (f.d + 1) * shard, rows, owner_,
-                   x.dtype(), fat);
+    index_.AddBoxes(rule, AxisCoords::Tp(L_.grid.tp, f.t), field, x, files_.FileOf(x, f.rel), f.d * shard, std::min((f.d + 1) * shard, rows),
+                    owner_, x.dtype(), fat);
   }
   return key;
 }
@@ -197,7 +221,18 @@ void OptimizerReader::CheckTiedCopyMoments(const OptimizerFileRead& f, const Par
 // does). The first file decides among the rules that fit (NxDT's default
 // first); every other file must fit the same rule.
 Grouping OptimizerReader::Ids(const Value& groups, const OptimizerStage& stage, const std::string& where, std::vector<int64_t>* file_ids) {
-  const std::vector<size_t> sizes = NonEmpty(ParamGroupSizes(groups, where + ": param_groups", file_ids));
+  return Choose({NonEmpty(ParamGroupSizes(groups, where + ": param_groups", file_ids))}, false, stage, where);
+}
+
+std::vector<Grouping> OptimizerReader::Parts(const Grouping& g, bool by_experts) const {
+  if (!by_experts) return {g};
+  EpGroupings split = SplitGroupingByExperts(g, [&](const std::string& n) { return IsExpertWeight(L_.format, n); });
+  return {std::move(split.non_expert), std::move(split.expert)};
+}
+
+// The grouping whose parts (Parts) hold groups of `sizes` (empty groups left out).
+Grouping OptimizerReader::Choose(const std::vector<std::vector<size_t>>& sizes, bool by_experts, const OptimizerStage& stage,
+                                 const std::string& where) {
   const ModelFormat& f = L_.format;
   std::vector<GroupingRule> rules{GroupingRule::kNxdt, GroupingRule::kNxdtLayerNormDecay};
   if (f.family != ModelFamily::kHfLlama) rules.push_back(GroupingRule::kNameSplit);
@@ -207,17 +242,69 @@ Grouping OptimizerReader::Ids(const Value& groups, const OptimizerStage& stage, 
   for (GroupingRule r : rules) {
     if (!first_ && r != L_.grouping) continue;
     Grouping g = FamilyGrouping(f, GroupedNames(stage.names, stage.same_stage_copy, r), r);
-    if (NonEmpty(g.GroupSizes()) == sizes) {
+    std::vector<std::vector<size_t>> have;
+    for (const Grouping& part : Parts(g, by_experts)) have.push_back(NonEmpty(part.GroupSizes()));
+    if (have == sizes) {
       if (first_) L_.grouping = r;
       return g;
     }
     tried += (tried.empty() ? "" : "; ") + g.id + ": " + g.description;
   }
   std::string got;
-  for (size_t s : sizes) got += (got.empty() ? "" : ", ") + std::to_string(s);
-  throw Error(where + ": its param_groups hold groups of sizes [" + got + "] over the stage's " + std::to_string(stage.names.size()) +
-              " parameters, which " + (first_ ? "fit no grouping shardkit knows (" : "do not fit the grouping of the first optimizer file (") +
-              tried + ")");
+  for (const auto& part : sizes) {
+    if (!got.empty()) got += "] and [";
+    for (size_t i = 0; i < part.size(); ++i) got += (i ? ", " : "") + std::to_string(part[i]);
+  }
+  throw Error(where + ": its param_groups hold groups of sizes [" + got + "]" + (by_experts ? " (non-expert and expert optimizer)" : "") +
+              " over the stage's " + std::to_string(stage.names.size()) + " parameters, which " +
+              (first_ ? "fit no grouping shardkit knows (" : "do not fit the grouping of the first optimizer file (") + tried + ")");
+}
+
+// NxD's NeuronEPZero1Optimizer file of dp rank f.d (ckpt/spec/ep_zero1_state.h):
+// its non-expert entries are shard d of dp of the tensor every ep rank holds,
+// its expert entries shard d / ep of dp / ep (the expert-dp group) of ep rank
+// d % ep's experts (NxD optimizer/zero_redundancy_optimizer.py
+// NeuronEPZero1Optimizer: the ep optimizer shards over
+// get_expert_data_parallel_replica_groups; parallel_layers/parallel_state.py
+// initialize_model_parallel lays ranks [PP, DP_exp, EP, TP]). It holds no
+// master weights, so the tag has none.
+void OptimizerReader::ReadEpFile(const OptimizerStage& stage, const OptimizerFileRead& f, const Value& v) {
+  if (!L_.grid.zero1 || !IsEpZero1File(v))
+    throw Error(f.where + ": is not NxD's NeuronEPZero1Optimizer state dict (ep_param_group_offset and its ZeRO-1 parts), which shardkit reads "
+                          "as the optimizer state of an expert-parallel (ep " + std::to_string(L_.grid.ep) + ") tag");
+  const EpZero1File file = ParseEpZero1File(v, f.where);
+  std::vector<std::vector<size_t>> sizes;
+  for (const OptimizerFile* part : {&file.non_expert, &file.expert}) sizes.push_back(NonEmpty(ParamGroupSizes(part->param_groups, f.where)));
+  const std::vector<Grouping> parts = Parts(Choose(sizes, true, stage, f.where), true);
+  if (first_) out_->param_groups = file.non_expert.param_groups, L_.master_weights = false, first_ = false;
+  CheckSameHyperparameters(file, f.where);
+  size_t next[2] = {0, 0};  // the next id of each part: EpZero1Entries lists each part's ids in order
+  for (const EpZero1Entry& e : EpZero1Entries({parts[0], parts[1]}, L_.grid, f.d)) {
+    const ParamState& ps = (e.expert ? file.expert : file.non_expert).params[next[e.expert]++];
+    const StageParam& sp = stage.Param(e.name);
+    const std::string at = f.where + ": base_state " + std::to_string(e.key) + " (" + e.name + ")";
+    if (sp.tied_copy()) throw Error(at + ": a tied copy under expert parallelism, which shardkit does not read");
+    AxisCoords coords = AxisCoords::Tp(L_.grid.tp, f.t);
+    coords[Axis::kEp] = {L_.grid.ep, e.shard.ep_rank};
+    if (!out_->steps.count(sp.rule->name)) out_->steps[sp.rule->name] = ps.step;
+    IndexMoments(*sp.rule, coords, e.shard.shard, e.shard.shards, ps, f, at);
+  }
+}
+
+// Indexes a ZeRO-1 entry's moments: chunk `shard` of `shards` of the local tensor at `at`.
+void OptimizerReader::IndexMoments(const ParamRule& rule, const AxisCoords& at, int64_t shard, int64_t shards, const ParamState& ps,
+                                   const OptimizerFileRead& f, const std::string& at_text) {
+  const auto local = LocalShape(rule, at);
+  if (ps.shape != local) throw Error(at_text + ": shape_info is " + ShapeString(ps.shape) + ", not its local shape " + ShapeString(local));
+  auto want = local;
+  want[0] = Zero1ShardRows(local[0], static_cast<int>(shards));
+  for (const auto& [field, val] : {std::pair{StateField::kExpAvg, &ps.exp_avg}, std::pair{StateField::kExpAvgSq, &ps.exp_avg_sq}}) {
+    const std::string fat = at_text + " " + FieldName(field);
+    const Tensor& x = IndexableTensor(*val, fat);
+    if (x.shape() != want) throw Error(fat + " has shape " + ShapeString(x.shape()) + ", not " + ShapeString(want) + " (chunk " +
+                                       std::to_string(shard) + " of " + std::to_string(shards) + " of dim 0)");
+    index_.AddBoxes(rule, at, field, x, files_.FileOf(x, f.rel), shard * want[0], std::min((shard + 1) * want[0], local[0]), owner_, x.dtype(), fat);
+  }
 }
 
 }  // namespace

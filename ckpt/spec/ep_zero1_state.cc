@@ -192,6 +192,19 @@ std::vector<EpZero1Entry> EpZero1Entries(const EpGroupings& g, const RankGrid& g
   return out;
 }
 
+std::string EpZero1ShardProblem(const Value& file, int dp, int ep, const std::string& where) {
+  if (ep < 1 || dp % ep != 0) return where + ": a grid of dp " + std::to_string(dp) + " and ep " + std::to_string(ep) + ", where NxD lays ep inside dp";
+  if (!IsEpZero1File(file)) return Zero1ShardProblem(file, dp, where);  // an xser info.pt; a plain ZeRO-1 file the reader refuses
+  EpZero1File parts;
+  try {
+    parts = ParseEpZero1File(file, where);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  if (std::string why = Zero1ShardProblem(parts.non_expert.ToValue(), dp, where + " (non-expert optimizer)"); !why.empty()) return why;
+  return Zero1ShardProblem(parts.expert.ToValue(), dp / ep, where + " (expert optimizer, over expert-dp)");
+}
+
 std::optional<std::string> EpNamedOptimFile(const std::vector<std::string>& optim_names) {
   std::optional<std::string> first;
   for (const std::string& n : optim_names) {

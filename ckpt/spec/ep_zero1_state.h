@@ -84,6 +84,14 @@ struct EpZero1Entry {
 // `g.non_expert`, then the expert ids of `g.expert` past _get_offset.
 std::vector<EpZero1Entry> EpZero1Entries(const EpGroupings& g, const RankGrid& grid, int dp_rank);
 
+// The problem of `file`, dp rank's optim file of an expert-parallel tag of
+// dp `dp` and ep `ep`, or "": a combined state dict (IsEpZero1File) that
+// ParseEpZero1File refuses, or a ZeRO-1 shard whose rows are not its chunk
+// (Zero1ShardProblem) of dp (non-expert) or dp / ep (expert) chunks. Any
+// other file is Zero1ShardProblem's over dp (an xser info.pt has none; the
+// tag reader refuses an optim file of another form). Messages name `where`.
+std::string EpZero1ShardProblem(const Value& file, int dp, int ep, const std::string& where);
+
 // NxDT's lossy save of an expert-parallel ZeRO-1 optimizer. NxDT
 // nlp_overrides.py NLPCheckpointIO.save_checkpoint passes zero1_optimizer
 // from cfg.wrap_with_zero, which no NxDT config sets, so NxD

@@ -169,6 +169,32 @@ TEST(EpZero1File, RefusesWhatStateDictDoesNotWrite) {
             std::string::npos);
 }
 
+// ckpt-verify's check of an ep tag's optim files: NxD's own pass; the expert
+// shards are checked over expert-dp (dp / ep chunks: whole at ep 2, dp 2), not
+// over dp, and a moment of other rows is told as the expert optimizer's.
+TEST(EpZero1ShardProblem, ChecksExpertShardsOverExpertDp) {
+  for (const Style& s : kStyles)
+    for (int d = 0; d < kDp; ++d)
+      for (int t = 0; t < kTp; ++t) EXPECT_EQ(EpZero1ShardProblem(OptimFile(TagOf(std::string(s.name) + "_ep2_pt"), d, t), kDp, 2, "f"), "") << s.name;
+  const Value good = OptimFile(TagOf("hf_ep2_pt"), 0, 0);
+  Value cut = Value::NewDict();
+  cut.as_dict().items = good.as_dict().items;
+  Value base = Value::NewDict();
+  base.as_dict().items = cut.as_dict().At("base_state").as_dict().items;
+  Value entry = Value::NewDict();
+  entry.as_dict().items = base.as_dict().items.back().second.as_dict().items;  // key 20: layer 1's down_proj, (2, 16, 16)
+  entry.as_dict().Set("exp_avg", Value(Tensor::Zeros(DType::kFloat64, {3, 16, 16})));  // not the expert-dp chunk
+  base.as_dict().items.back().second = entry;
+  cut.as_dict().Set("base_state", base);
+  EXPECT_EQ(EpZero1ShardProblem(cut, kDp, 2, "f"),
+            "f (expert optimizer, over expert-dp): parameter id 3 exp_avg holds 3 of its 2 rows (shape_info [2, 16, 16]), not the 2 of a dp=1 "
+            "ZeRO-1 shard (rows padded to a multiple of 1, one chunk per dp rank): the shards do not cover the parameter");
+  Value no_offset = Value::NewDict();
+  no_offset.as_dict().items = good.as_dict().items;
+  no_offset.as_dict().Erase("ep_param_id_offset");
+  EXPECT_EQ(EpZero1ShardProblem(no_offset, kDp, 2, "f"), "f: missing key 'ep_param_id_offset' of NxD's NeuronEPZero1Optimizer state dict");
+}
+
 // A rank's local tensor of `full` (row-major, element bytes), cut by the spec's boxes.
 std::vector<uint8_t> LocalOf(const ShardSpec& spec, const AxisCoords& at, const Tensor& full) {
   const Tensor x = full.Contiguous();

@@ -439,8 +439,8 @@ std::string MoeRefusal(const std::string& moe_name) {
   if (FirstUnheldMoeName({moe_name}))
     return what + ", a part of NxD's MoE layer (shared experts, router or expert biases, spmd ranks) shardkit's Mixtral family does not hold, "
                   "so it refuses rather than drop it";
-  return what + "; shardkit reads MoE tags of either style at any tp and ep; the optimizer state of expert-parallel ones is not read yet "
-                "(issue #38)";
+  return what + "; shardkit reads MoE tags of either style at any tp and ep, with their ZeRO-1 optimizer state (NxD's "
+                "NeuronEPZero1Optimizer at ep > 1)";
 }
 
 std::string MoeFileProblem(const std::vector<std::string>& names) {

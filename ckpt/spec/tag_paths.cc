@@ -40,8 +40,8 @@ std::optional<RankCoord> ParseAnyRankFileName(const std::string& name) {
 std::optional<RankCoord> ParseRankFileName(const std::string& name) {
   auto c = ParseAnyRankFileName(name);
   if (c && c->ep)
-    throw Error(name + ": an expert-parallel rank file (_ep_rank_) of an MoE (Mixtral) tag; shardkit does not read expert-parallel MoE "
-                "checkpoints yet");
+    throw Error(name + ": an expert-parallel rank file (_ep_rank_) of an MoE (Mixtral) tag where none is read: shardkit reads an "
+                "expert-parallel tag's model files so named and its optimizer as NxD's NeuronEPZero1Optimizer files, named by dp rank alone");
   return c;
 }
 

@@ -64,7 +64,7 @@ TEST(TagVerify, NxdtsLossyExpertParallelSaveIsDamagedByDesign) {
 
 // NxD's ep 1 Mixtral tags of either style hold the parts the family reads (ckpt/shard reads them at any tp):
 // their bytes vouch for them. Of NxD's ep 2 tag the model files are read too (their SPMDRank tensors
-// are NxD's), while its NeuronEPZero1Optimizer files are told as not read yet, naming MoE.
+// are NxD's), and its NeuronEPZero1Optimizer files, checked over dp and expert-dp.
 TEST(TagVerify, Ep1MoeTagsOfEitherStyleAreOk) {
   const std::string data = std::string(SHARDKIT_TEST_DATA) + "/upstream/nxd_mixtral/";
   for (const char* tag : {"hf_ep1_pt", "hf_ep1_xser", "megatron_ep1_pt", "megatron_ep1_xser", "megatron_freq2_ep1_pt"}) {
@@ -73,8 +73,7 @@ TEST(TagVerify, Ep1MoeTagsOfEitherStyleAreOk) {
   }
   const TagReport ep2 = VerifyTag(Env::Default(), data + "hf_ep2_pt/step_2");
   EXPECT_EQ(ProblemsOf(ep2, "model/dp_rank_00_ep_rank_01_tp_rank_00_pp_rank_00.pt"), "");
-  const std::string optim = ProblemsOf(ep2, "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt");
-  EXPECT_NE(optim.find("expert-parallel (ep 2) MoE (Mixtral) tag, NxD's NeuronEPZero1Optimizer, is not read yet"), std::string::npos) << optim;
+  EXPECT_EQ(ProblemsOf(ep2, "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"), "");
 }
 
 // Reading the contents apart (each rank of a resume its files): VerifyTag

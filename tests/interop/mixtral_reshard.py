@@ -6,10 +6,10 @@ README). Issue #38, item 2/4, first step.
     (hf_ep1_full_state.pt), bit for bit, and nothing else;
   - tp 1 -> tp 2: every model file equals the NxD tag's file of that rank, tensor by
     tensor, and ckpt-verify --against --weights_only says the two tags hold the same model;
-  - what stays unsupported is refused (exit 2, nothing written) naming MoE: the
-    optimizer state of an ep 2 tag (without --weights_only). (The optimizer state at
-    ep 1 and the Megatron-style Mixtral at ep 1 are read since: tests/interop/mixtral_ep1.py;
-    HF-style ep 2 weights: mixtral_ep.py; Megatron-style ep 2 weights: mixtral_megatron_ep.py.)
+  (What it once refused is read since: the optimizer state at ep 1 and the Megatron-style
+    Mixtral, tests/interop/mixtral_ep1.py; ep 2 weights, mixtral_ep.py and
+    mixtral_megatron_ep.py; the ep 2 optimizer state of either style, mixtral_ep_optim.py.
+    What stays refused: mixtral_ep.py and mixtral_tags.py.)
 
 The truth is the full state the upstream run gathered, not anything computed here."""
 import json
@@ -65,19 +65,6 @@ class MixtralReshard(TempDirTest):
 
     def test_ep1_xser_round_trip(self):
         self.round_trip("hf_ep1_xser")
-
-    def expect_refused(self, args, out):
-        p = run(*args, check=False)
-        self.assertEqual(p.returncode, 2, f"{args}: {p.stdout} {p.stderr}")
-        self.assertIn("MoE", p.stderr, p.stderr)
-        self.assertFalse(os.path.exists(out), out)
-
-    def test_what_stays_unread_is_refused_naming_moe(self):
-        for rel, more in ((TAGS["hf_ep2_pt"][0], []), (TAGS["hf_ep2_xser"][0], [])):
-            with self.subTest(tag=rel):
-                src = copy_tag(rel, os.path.join(self.dir, rel.replace(os.sep, "_")))
-                out = src + "_out"
-                self.expect_refused([RESHARD, src, out, "--tp", "1", "--pp", "1", *more, *hints()], out)
 
 
 if __name__ == "__main__":

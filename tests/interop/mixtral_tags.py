@@ -11,7 +11,7 @@ xser, ZeRO-1, with the gathered full state of each run; see its README). Issue #
     folder, as NxD's _xser_load_data does, and its info.pt marks the experts alone;
   - every transforming command refuses an MoE tag (exit 2, nothing written) naming
     MoE (at ep 1: until --heads and --moe_top_k tell what no tensor does), and
-    ckpt-verify does not say ok on an expert-parallel one (an ep 1 one it reads:
+    ckpt-verify does not say ok on NxDT's lossy expert-parallel save (an ep 1 one it reads:
     tests/interop/mixtral_ep1.py);
   - ckpt-inspect names the family, the experts and ep.
   (ckpt-import --format hf of MixtralForCausalLM: tests/interop/mixtral_hf.py, mixtral_ep1.py.)
@@ -155,7 +155,8 @@ class MixtralTags(TempDirTest):
                 self.expect_refused([VERIFY, tag, "--against", tag])
 
     def test_verify_does_not_say_ok_at_ep_2(self):
-        for name in (n for n in TAGS if TAGS[n][1] > 1):
+        # NxDT's lossy ep 2 saves (NxD's own ep 2 tags verify: tests/interop/mixtral_ep_optim.py).
+        for name in (n for n in TAGS if TAGS[n][1] > 1 and n.startswith("nxdt_")):
             with self.subTest(tag=name):
                 p = run(VERIFY, self.copy(name), check=False)
                 self.assertNotEqual(p.returncode, 0, p.stdout)
