@@ -155,6 +155,16 @@ Value EpZero1File::ToValue() const {
   return out;
 }
 
+std::string EpZero1ShardProblem(const Value& file, int dp, int ep, const std::string& where) {
+  try {
+    const EpZero1File f = ParseEpZero1File(file, where);
+    if (std::string why = Zero1ShardProblem(f.non_expert.ToValue(), dp, where + " (non-expert optimizer)"); !why.empty()) return why;
+    return Zero1ShardProblem(f.expert.ToValue(), dp / ep, where + " (expert optimizer)");
+  } catch (const Error& e) {
+    return e.what();
+  }
+}
+
 EpGroupings SplitGroupingByExperts(const Grouping& all, const std::function<bool(const std::string&)>& expert) {
   EpGroupings out{all, all};
   out.non_expert.order.clear(), out.expert.order.clear();

@@ -50,6 +50,12 @@ bool IsEpZero1File(const Value& file);
 // step, exp_avg and exp_avg_sq or without its shape_info.
 EpZero1File ParseEpZero1File(const Value& file, const std::string& where);
 
+// Zero1ShardProblem (ckpt/spec/optimizer_state.h) of each part of a combined
+// state dict: the non-expert optimizer's shards over dp, the expert one's over
+// dp / ep (its expert-dp group). "" when both fit, else the first problem (or
+// ParseEpZero1File's), naming `where`.
+std::string EpZero1ShardProblem(const Value& file, int dp, int ep, const std::string& where);
+
 // The groupings of the two inner optimizers: `all` (the grouping NxDT gives
 // the stage's parameters, ckpt/spec/optimizer_groups.h) with each group
 // filtered by `expert` and by its negation, empty groups kept

@@ -93,8 +93,11 @@ bool IsDirectlyLoaded(const std::string& rel) {
 // writes. An optimizer file's ZeRO-1 shards are checked against its
 // shape_info and `zero1_dp` (0: not checked). `moe_described`: the manifest
 // records an MoE model (its writer, the trainer, reads it back), or VerifyOptions::moe_left_to_reader.
-// `ep`: the expert-parallel size the model files' names tell. Returns the problem, or "".
-std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string& rel, bool crc, int zero1_dp, bool moe_described, int ep = 1) {
+// `ep`: the expert-parallel size the model files' names tell. `zero1_ep`: the ep size a manifest
+// records, whose writer (the trainer) reads its NeuronEPZero1Optimizer files back: each part's
+// shards are checked (EpZero1ShardProblem). Returns the problem, or "".
+std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string& rel, bool crc, int zero1_dp, bool moe_described, int ep = 1,
+                        int zero1_ep = 1) {
   Value v;
   try {
     LoadOptions opts;
@@ -115,6 +118,11 @@ std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string&
       if (k.is_str() && !(at && at->ep && IsSpmdRankName(k.as_str()))) keys.push_back(k.as_str());
     if (std::string why = MoeFileProblem(keys); !why.empty()) return why;
   }
+  if (zero1_dp > 0 && zero1_ep > 1 && rel.starts_with("optim/") && IsEpZero1File(v)) {
+    std::string why = EpZero1ShardProblem(v, zero1_dp, zero1_ep, rel);
+    if (why.starts_with(rel + ": ")) why.erase(0, rel.size() + 2);  // the report names the file
+    return why;
+  }
   // NxD's NeuronEPZero1Optimizer (ep > 1) cuts expert state over expert-dp (ckpt/spec/ep_zero1_state.h),
   // which no reader of shardkit's takes yet: not vouched for, and told so rather than as damage.
   if (ep > 1 && rel.starts_with("optim/"))
@@ -131,12 +139,12 @@ std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string&
 // The problem of a listed file whose size matches the manifest: its CRC-32
 // differs, or it does not load; or "".
 std::string ContentProblem(Env* env, const std::string& tag_dir, const std::string& rel, const FileDigest& want, int zero1_dp,
-                           bool moe_described) {
+                           bool moe_described, int zero1_ep) {
   const FileDigest got = DigestFile(env, tag_dir + "/" + rel);
   if (got.crc32 != want.crc32) return "checksum " + CrcHex(got.crc32) + " differs from the manifest's " + CrcHex(want.crc32);
   // Bytes that match a manifest rewritten to match them (a truncated file
   // and its recomputed record) must still load.
-  return IsDirectlyLoaded(rel) ? LoadProblem(env, tag_dir, rel, false, zero1_dp, moe_described) : "";
+  return IsDirectlyLoaded(rel) ? LoadProblem(env, tag_dir, rel, false, zero1_dp, moe_described, 1, zero1_ep) : "";
 }
 
 // Where training stands, as `rel` (user_content.pt, scheduler.pt) records it: a step, sample count
@@ -245,7 +253,7 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
           if (size != want.size) {
             what = "size " + std::to_string(size) + " differs from the manifest's " + std::to_string(want.size);
           } else if (opts.checksums) {
-            what = ContentProblem(env, tag_dir, rel, want, zero1_dp, opts.moe_left_to_reader || (m.model && m.model->moe()));
+            what = ContentProblem(env, tag_dir, rel, want, zero1_dp, opts.moe_left_to_reader || (m.model && m.model->moe()), m.grid.ep);
             bytes = size;
           }
         } catch (const Error& e) {
@@ -353,7 +361,7 @@ std::vector<TagProblem> VerifyListedContent(Env* env, const std::string& tag_dir
     std::string what;
     try {
       if (env->FileSize(path) != want->second.size) return;
-      what = ContentProblem(env, tag_dir, rel, want->second, m.grid.dp, m.model && m.model->moe());
+      what = ContentProblem(env, tag_dir, rel, want->second, m.grid.dp, m.model && m.model->moe(), m.grid.ep);
     } catch (const Error& e) {
       what = e.what();
     }
