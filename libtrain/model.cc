@@ -350,6 +350,7 @@ ckpt::Value Model::CheckpointDict() const {
   ckpt::Value d = ckpt::Value::NewDict();
   for (const auto& p : layout_) {
     d.as_dict().Set(p.name, ckpt::Value(params_.at(p.name)));
+    ckpt::SetSpmdRanksAfter(format(), ep_.size, p.name, d.as_dict());  // NxD's int32 SPMDRank at ep > 1
     if (auto b = buffer_after_.find(p.name); b != buffer_after_.end()) d.as_dict().Set(b->second, ckpt::Value(rotary_buffer_));
   }
   return d;

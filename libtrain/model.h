@@ -265,7 +265,9 @@ class Model {
   ckpt::Value StateDict() const;
   // What a checkpoint's model file holds: StateDict plus the family's
   // buffers, in NxDT's module order (the Megatron family's rotary inv_freq in
-  // every layer: ckpt::RotaryBufferName), the keys and tids of NxDT's own tags.
+  // every layer: ckpt::RotaryBufferName), the keys and tids of NxDT's own tags;
+  // under expert parallelism each MoE layer's SPMDRank tensors too
+  // (ckpt::SetSpmdRanksAfter), which LoadStateDict passes over.
   ckpt::Value CheckpointDict() const;
   ckpt::Value GradDict() const;
   // The dtype a checkpoint stores the parameters in: bfloat16 with

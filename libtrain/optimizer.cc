@@ -11,6 +11,7 @@
 #include "ckpt/util/error.h"
 #include "ckpt/spec/optimizer_groups.h"
 #include "ckpt/spec/optimizer_state.h"
+#include "ckpt/spec/ep_zero1_state.h"
 #include "ckpt/spec/partition.h"
 #include "ckpt/spec/model_family.h"
 #include "libtrain/comm.h"
@@ -254,10 +255,13 @@ void AdamW::Step(Model& m, double lr) {
   MirrorTiedCopy(m);
 }
 
-ckpt::Value AdamW::StateDict(double lr) const {
+ckpt::OptimizerFile AdamW::FileOfIds(const std::function<bool(size_t)>& in, double lr) const {
   ckpt::OptimizerFile f;
   f.zero1 = c_.zero1;
+  std::vector<int64_t> file_id(order_.size(), -1);  // ours -> the file's, numbered from 0 in id order
   for (size_t i = 0; i < order_.size(); ++i) {
+    if (!in(i)) continue;
+    file_id[i] = static_cast<int64_t>(f.params.size());
     ckpt::Tensor step = ckpt::Tensor::Zeros(ckpt::DType::kFloat32, {});
     reinterpret_cast<float*>(step.mutable_data())[0] = static_cast<float>(step_);
     ckpt::ParamState ps{ckpt::Value(step), ckpt::Value(m_[i]), ckpt::Value(v_[i]), std::nullopt, slot_[i].shape};
@@ -266,30 +270,81 @@ ckpt::Value AdamW::StateDict(double lr) const {
   }
   f.param_groups = ckpt::Value::List();
   // Every group of the grouping, empty ones too: NeMo's rule has already
-  // dropped its empty groups, and NxDT's HF-style models keep theirs.
+  // dropped its empty groups, and NxDT's HF-style models keep theirs (as
+  // NeuronEPZero1Optimizer's recursive_filter keeps a part's empty groups).
   for (int g = 0; g < static_cast<int>(group_decays_.size()); ++g) {
     ckpt::Value ids = ckpt::Value::List();
     for (size_t i = 0; i < order_.size(); ++i)
-      if (group_[i] == g) ids.as_seq().items.push_back(ckpt::Value(static_cast<int64_t>(i)));
-    ckpt::Value pg = ckpt::Value::NewDict();
-    auto& d = pg.as_dict();
-    // NeMo's groups carry is_expert, after the no-decay group's weight_decay, as its dict literals
-    // order them (utils.py get_params_for_weight_decay_optimization); no MoE here.
-    if (Megatron() && !group_decays_[g]) d.Set("weight_decay", ckpt::Value(0.0));
-    if (Megatron()) d.Set("is_expert", ckpt::Value(false));
-    d.Set("lr", ckpt::Value(lr));
-    // A list, as NxD's saves have it (torch_xla's container rewrite turns AdamW's tuple into one).
-    d.Set("betas", ckpt::Value::List({ckpt::Value(c_.beta1), ckpt::Value(c_.beta2)}));
-    d.Set("eps", ckpt::Value(c_.eps));
-    d.Set("weight_decay", ckpt::Value(group_decays_[g] ? c_.weight_decay : 0.0));
-    d.Set("amsgrad", ckpt::Value(false));
-    d.Set("maximize", ckpt::Value(false));
-    d.Set("foreach", ckpt::Value());
-    d.Set("capturable", ckpt::Value(false));
-    d.Set("params", ids);
-    f.param_groups.as_seq().items.push_back(pg);
+      if (group_[i] == g && file_id[i] >= 0) ids.as_seq().items.push_back(ckpt::Value(file_id[i]));
+    f.param_groups.as_seq().items.push_back(GroupDict(g, ids, lr));
   }
-  return f.ToValue();
+  return f;
+}
+
+ckpt::Value AdamW::GroupDict(int g, const ckpt::Value& ids, double lr) const {
+  ckpt::Value pg = ckpt::Value::NewDict();
+  auto& d = pg.as_dict();
+  // NeMo's groups carry is_expert, after the no-decay group's weight_decay, as its dict literals
+  // order them (utils.py get_params_for_weight_decay_optimization; False for every group, experts
+  // included: tests/data/upstream/nxd_mixtral's Megatron-style tags).
+  if (Megatron() && !group_decays_[g]) d.Set("weight_decay", ckpt::Value(0.0));
+  if (Megatron()) d.Set("is_expert", ckpt::Value(false));
+  d.Set("lr", ckpt::Value(lr));
+  // A list, as NxD's saves have it (torch_xla's container rewrite turns AdamW's tuple into one).
+  d.Set("betas", ckpt::Value::List({ckpt::Value(c_.beta1), ckpt::Value(c_.beta2)}));
+  d.Set("eps", ckpt::Value(c_.eps));
+  d.Set("weight_decay", ckpt::Value(group_decays_[g] ? c_.weight_decay : 0.0));
+  d.Set("amsgrad", ckpt::Value(false));
+  d.Set("maximize", ckpt::Value(false));
+  d.Set("foreach", ckpt::Value());
+  d.Set("capturable", ckpt::Value(false));
+  d.Set("params", ids);
+  return pg;
+}
+
+ckpt::Value AdamW::StateDict(double lr) const {
+  if (!ep_) return FileOfIds([](size_t) { return true; }, lr).ToValue();
+  // NxD's NeuronEPZero1Optimizer: the non-expert optimizer's file and the expert one's, combined.
+  return ckpt::EpZero1File{FileOfIds([&](size_t i) { return slot_[i].group == 0; }, lr),
+                           FileOfIds([&](size_t i) { return slot_[i].group == 1; }, lr)}
+      .ToValue();
+}
+
+ckpt::OptimizerFile AdamW::Combined(const ckpt::EpZero1File& file) const {
+  std::vector<size_t> ours[2];  // our ids of the non-expert and of the expert optimizer, in id order
+  for (size_t i = 0; i < order_.size(); ++i) ours[slot_[i].group].push_back(i);
+  const ckpt::OptimizerFile* parts[2] = {&file.non_expert, &file.expert};
+  ckpt::OptimizerFile f;
+  f.zero1 = true;
+  f.params.resize(order_.size());
+  std::vector<std::vector<int64_t>> groups(group_decays_.size());
+  for (int p = 0; p < 2; ++p) {
+    const char* part = p ? "expert" : "non-expert";
+    if (parts[p]->params.size() != ours[p].size())
+      throw ckpt::Error(std::string("optimizer state's ") + part + " optimizer holds " + std::to_string(parts[p]->params.size()) +
+                        " parameters, this run's " + std::to_string(ours[p].size()));
+    for (size_t k = 0; k < ours[p].size(); ++k) f.params[ours[p][k]] = parts[p]->params[k];
+    const auto& pgs = parts[p]->param_groups.as_seq().items;
+    if (pgs.size() != groups.size())
+      throw ckpt::Error(std::string("optimizer state's ") + part + " optimizer has " + std::to_string(pgs.size()) + " param_groups, this run " +
+                        std::to_string(groups.size()));
+    for (size_t g = 0; g < pgs.size(); ++g)
+      for (const auto& id : pgs[g].as_dict().At("params").as_seq().items) {
+        const int64_t k = ckpt::AsInteger(id, "optimizer 'param_groups' id");
+        if (k < 0 || k >= static_cast<int64_t>(ours[p].size()))
+          throw ckpt::Error(std::string("optimizer state's ") + part + " param_groups list id " + std::to_string(k) + ", past its parameters");
+        groups[g].push_back(static_cast<int64_t>(ours[p][k]));
+      }
+  }
+  // The groups as one optimizer would number them (FileIds then checks them against this run's).
+  f.param_groups = ckpt::Value::List();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::sort(groups[g].begin(), groups[g].end());
+    ckpt::Value ids = ckpt::Value::List();
+    for (int64_t i : groups[g]) ids.as_seq().items.push_back(ckpt::Value(i));
+    f.param_groups.as_seq().items.push_back(GroupDict(static_cast<int>(g), ids, 0.0));
+  }
+  return f;
 }
 
 std::vector<size_t> AdamW::FileIds(const ckpt::Value& groups, bool zero1) {
@@ -365,6 +420,14 @@ std::vector<size_t> AdamW::FileIds(const ckpt::Value& groups, bool zero1) {
 }
 
 bool AdamW::LoadStateDict(const ckpt::Value& sd) {
+  if (ckpt::IsEpZero1File(sd) != (ep_ != nullptr))
+    throw ckpt::Error(ep_ ? "optimizer state is not NxD's NeuronEPZero1Optimizer's, which a run with expert parallelism reads"
+                          : "optimizer state is NxD's NeuronEPZero1Optimizer's (expert parallelism), which a run without it does not read");
+  if (!ep_) return LoadFile(sd);
+  return LoadFile(Combined(ckpt::ParseEpZero1File(sd, "optimizer state")).ToValue());
+}
+
+bool AdamW::LoadFile(const ckpt::Value& sd) {
   const ckpt::OptimizerFileView file(sd, "optimizer state");
   const bool zero1 = file.zero1();
   const ckpt::Dict& state = file.Moments();

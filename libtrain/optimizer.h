@@ -20,12 +20,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "ckpt/pt/value.h"
+#include "ckpt/spec/ep_zero1_state.h"
 #include "libtrain/model.h"
 
 namespace train {
@@ -74,11 +76,15 @@ class AdamW {
 
   // torch.optim.AdamW.state_dict(): {"state": {id: {step, exp_avg,
   // exp_avg_sq}}, "param_groups": [...]}, or the ZeRO-1 layout with zero1;
-  // `lr` is recorded in the groups.
+  // `lr` is recorded in the groups. Under expert parallelism (zero1 only),
+  // NxD's NeuronEPZero1Optimizer layout (ckpt/spec/ep_zero1_state.h): the
+  // non-expert parameters' ZeRO-1 file and the experts', combined.
   ckpt::Value StateDict(double lr) const;
   // Whether StateDict holds fp32 master weights (ZeRO-1 with master_weights_in_ckpt).
-  bool SavesMasterWeights() const { return c_.zero1 && c_.master_weights_in_ckpt && !master_.empty(); }
-  // Reads either layout. Returns true when it held master weights and they
+  // Never under expert parallelism: NeuronEPZero1Optimizer's state dict has no place for them.
+  bool SavesMasterWeights() const { return c_.zero1 && c_.master_weights_in_ckpt && !master_.empty() && !ep_; }
+  // Reads either layout (NeuronEPZero1Optimizer's under expert parallelism,
+  // and only then). Returns true when it held master weights and they
   // were taken; without them the master weights stay as they are (copies of
   // the bfloat16 parameters, as NxD resumes). Throws ckpt::Error naming what
   // does not fit the model, including param_groups that number the
@@ -114,6 +120,14 @@ class AdamW {
   // The file's optimizer id of each of ours: the same ids, or those of the
   // name split. Throws ckpt::Error when the file's groups fit neither.
   std::vector<size_t> FileIds(const ckpt::Value& param_groups, bool zero1);
+  // The ids `in` picks as one optimizer's file, numbered from 0 in id order,
+  // every group of the grouping listed; a group's dict (GroupDict) lists `ids`.
+  ckpt::OptimizerFile FileOfIds(const std::function<bool(size_t)>& in, double lr) const;
+  ckpt::Value GroupDict(int g, const ckpt::Value& ids, double lr) const;
+  // A NeuronEPZero1Optimizer file's two parts as one ZeRO-1 file in this
+  // run's ids (LoadFile reads it); throws when the parts do not fit this run.
+  ckpt::OptimizerFile Combined(const ckpt::EpZero1File& file) const;
+  bool LoadFile(const ckpt::Value& sd);
 
   AdamWConfig c_;
   Comm* dp_ = nullptr;

@@ -262,13 +262,11 @@ TrainConfig Parse(const std::string& text, const std::string& path, const std::v
     r.Fail("distributed_strategy.expert_model_parallel_size", std::to_string(ep) + " does not divide the data-parallel size " +
                                                                   std::to_string(c.grid.dp) + " (NxD lays expert parallelism inside data parallelism)");
   c.grid.ep = static_cast<int>(ep);
-  // Not built yet: NxD's expert-parallel tag layout (dp_rank_XX_ep_rank_EE_ model files,
-  // NeuronEPZero1Optimizer's state), so no checkpoint is written or read at ep > 1.
-  if (ep > 1 && c.create_checkpoint_callback)
-    r.Fail("exp_manager.create_checkpoint_callback", "checkpoints at distributed_strategy.expert_model_parallel_size > 1 (NxD's "
-                                                     "dp_rank_XX_ep_rank_EE_ files) are not implemented yet; set it False");
-  if (ep > 1 && !c.resume_from_checkpoint.empty())
-    r.Fail("exp_manager.resume_from_checkpoint", "resuming at distributed_strategy.expert_model_parallel_size > 1 is not implemented yet");
+  // At ep > 1 a tag holds NxD's NeuronEPZero1Optimizer state (ckpt/spec/ep_zero1_state.h), which is ZeRO-1's.
+  if (ep > 1 && !c.optim.zero1 && c.create_checkpoint_callback)
+    r.Fail("distributed_strategy.zero1", "checkpoints at distributed_strategy.expert_model_parallel_size > 1 need ZeRO-1 (NxD's "
+                                         "NeuronEPZero1Optimizer); without it NxD's save loses the optimizer state; set it True or "
+                                         "exp_manager.create_checkpoint_callback False");
   c.micro_batch_size = r.Int("data.micro_batch_size", 1, 1, 1 << 24);
   c.global_batch_size = r.Int("data.global_batch_size", 1, 1, 1 << 30);
   if (c.global_batch_size % (c.micro_batch_size * c.grid.dp))

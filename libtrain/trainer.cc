@@ -104,7 +104,8 @@ std::string MismatchOf(const ckpt::TagDescription& L, const TrainConfig& c) {
   // Optimizer files must be cut as this run cuts them: in dp ZeRO-1 shards, or whole (plain, or
   // ZeRO-1 over one rank, whose one shard is the whole state).
   auto shards = [](const ckpt::RankGrid& g) { return g.zero1 ? g.dp : 1; };
-  if (was.tp != run.tp || was.pp != run.pp || (L.has_optimizer && shards(was) != shards(run)))
+  // The expert-parallel size too: it names the model files and lays the optimizer's out.
+  if (was.tp != run.tp || was.pp != run.pp || was.ep != run.ep || (L.has_optimizer && shards(was) != shards(run)))
     return "written at " + was.ToString() + ", but this run is " + run.ToString();
   // Same degrees, but other tensors or another head placement: loading it as it is would mix heads up.
   const ckpt::ModelFormat want = c.model.format(run.tp);
@@ -218,8 +219,11 @@ std::vector<std::string> FilesToCheck(const ckpt::Manifest& m, bool as_is, const
     const std::optional<ckpt::RankCoord> of = RankFileCoord(rel);
     const ckpt::RankFileKind kind = rel.starts_with("model/") ? ckpt::RankFileKind::kModel : ckpt::RankFileKind::kOptim;
     const std::string file = of ? ckpt::RankFilePath(kind, *of) : "";
-    const bool loaded = of && of->tp < c.grid.tp && of->pp < c.grid.pp && of->dp < c.grid.dp &&
-                        !(kind == ckpt::RankFileKind::kOptim && c.weight_init_only) && c.grid.FileOf(kind, *of) == file;
+    // A model file named by ep rank e is loaded by dp rank e (of ep rank e, RankGrid::EpOf).
+    std::optional<ckpt::RankCoord> loader = of;
+    if (of && of->ep) loader->dp = *of->ep, loader->ep.reset();
+    const bool loaded = of && loader->tp < c.grid.tp && loader->pp < c.grid.pp && loader->dp < c.grid.dp &&
+                        !(kind == ckpt::RankFileKind::kOptim && c.weight_init_only) && c.grid.FileOf(kind, *loader) == file;
     const bool mine = loaded && c.grid.FileOf(kind, at) == file;
     if (mine || (!loaded && rank == 0)) out.push_back(rel);
   }
@@ -284,12 +288,19 @@ ckpt::TensorFilter BinnedForXser(const ckpt::Value& live, std::optional<ckpt::DT
 
 // What a rank writes of one of its (tp, pp) files: nothing, all of it, or its
 // bin of the tensors. A file the dp ranks hold alike (`replicated`: the model;
-// the optimizer without ZeRO-1) comes from dp rank 0, or as xser at dp > 1
-// from every dp rank, each its bin, as NxD's save_checkpoint deals them.
+// the optimizer without ZeRO-1) comes from the first of the ranks that hold it,
+// or as xser from every one of them, each its bin, as NxD's save_checkpoint
+// deals them. Those ranks are the expert-data-parallel group (the dp group at
+// ep 1): NxD saves the model with groups=get_expert_data_parallel_replica_groups().
 enum class FileShare { kNone, kWhole, kBin };
+struct Replicas {
+  int size = 1, index = 0;  // how many ranks hold the file alike, and this rank's place among them
+};
+Replicas ReplicasOf(const TrainConfig& c, int dp_rank) { return {c.grid.dp / c.grid.ep, dp_rank / c.grid.ep}; }
 FileShare ShareOf(const TrainConfig& c, int dp_rank, bool replicated) {
-  if (replicated && c.save_xser && c.grid.dp > 1) return FileShare::kBin;
-  return !replicated || dp_rank == 0 ? FileShare::kWhole : FileShare::kNone;
+  const Replicas r = ReplicasOf(c, dp_rank);
+  if (replicated && c.save_xser && r.size > 1) return FileShare::kBin;
+  return !replicated || r.index == 0 ? FileShare::kWhole : FileShare::kNone;
 }
 
 // An id every rank shares for a multi-rank save: rank 0's, broadcast.
@@ -425,9 +436,6 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
   }
   pc.world->Broadcast(&chosen, 0);
   std::optional<std::string> tag = chosen.empty() ? std::nullopt : std::optional(chosen);
-  if (tag && c.grid.ep > 1)
-    throw ConfigError(c.source + ": exp_manager.resume_if_exists: " + *tag +
-                      ": resuming at distributed_strategy.expert_model_parallel_size > 1 is not implemented yet");
   if (tag) {
     // A tag cut for other degrees is refused, or with resume_reshard resharded for this run by every
     // rank together (each writes its share of the files, rank 0 commits) and resumed from. Rank 0
@@ -439,6 +447,10 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
         const ckpt::ResumePlan plan = ckpt::PlanResume(env, *tag, c.resume_reshard, reshard.dst,
                                                        [&](const std::string& dir) { return LayoutMismatch(env, dir, c); },
                                                        ReshardAdvice(reshard, c));
+        // The reshard engine writes no NeuronEPZero1Optimizer state yet (ckpt/shard/reshard.cc), so a tag is resharded for ep 1 only.
+        if (plan.kind != ckpt::ResumePlan::Kind::kAsIs && c.grid.ep > 1)
+          throw ckpt::Error(*tag + ": cannot resume: it is laid out for another parallel layout, and resume_reshard does not write tags "
+                                   "at distributed_strategy.expert_model_parallel_size > 1 yet; resume it at its own layout");
         if (plan.kind != ckpt::ResumePlan::Kind::kAsIs && c.virtual_pipeline > 1)
           throw ckpt::Error(*tag + ": cannot resume: it is laid out for another pipeline, and resume_reshard does not write interleaved "
                                    "(virtual) pipeline stages; resume it at its own layout, or without " + c.virtual_pipeline_key);
@@ -481,7 +493,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     // Snapshot buffers, faulted in before the first step: for what this rank copies (save's `add`).
     auto reserve = [&](const ckpt::Value& live, std::optional<ckpt::DType> floats_to, bool replicated) {
       const FileShare share = ShareOf(c, pc.coord.dp, replicated);
-      if (share == FileShare::kBin) pool->Reserve(live, floats_to, BinnedForXser(live, floats_to, c.grid.dp, pc.coord.dp));
+      const Replicas r = ReplicasOf(c, pc.coord.dp);
+      if (share == FileShare::kBin) pool->Reserve(live, floats_to, BinnedForXser(live, floats_to, r.size, r.index));
       else if (share == FileShare::kWhole) pool->Reserve(live, floats_to);
     };
     reserve(model.CheckpointDict(), model.checkpoint_dtype(), true);
@@ -512,18 +525,25 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
     snap.tag = {c.name, global_step, static_cast<double>(consumed), false};
     snap.grid = c.grid;
     // This rank's share of its model and optimizer files (ShareOf); the tag's own files from rank 0.
+    // Under expert parallelism an xser model file marks the expert weights, and an ep rank above 0
+    // writes only their tensor files (ckpt::XserFiles), as NxD's _xser_save_data does.
+    const auto expert = [&](const std::string& key) { return ckpt::IsExpertWeight(model.format(), key); };
     auto add = [&](const std::string& rel, const ckpt::Value& live, std::optional<ckpt::DType> floats_to, bool weights_only, bool replicated) {
       const FileShare share = ShareOf(c, pc.coord.dp, replicated);
+      const bool ep_model = replicated && c.grid.ep > 1;  // the model file at ep > 1 (the optimizer is ZeRO-1 there)
+      const std::function<bool(const std::string&)> marks = ep_model ? std::function<bool(const std::string&)>(expert) : nullptr;
+      const bool experts_only = ep_model && c.grid.EpOf(pc.coord) > 0;
       if (share == FileShare::kBin) {
-        const ckpt::TensorFilter mine = BinnedForXser(live, floats_to, c.grid.dp, pc.coord.dp);
+        const Replicas r = ReplicasOf(c, pc.coord.dp);
+        const ckpt::TensorFilter mine = BinnedForXser(live, floats_to, r.size, r.index);
         ckpt::FileToWrite f{rel, ckpt::CopyForSnapshot(live, pool.get(), floats_to, mine), {.weights_only = weights_only}};
-        for (auto& part : ckpt::XserFilesOfBin(f, c.grid.dp, pc.coord.dp)) snap.files.push_back(std::move(part));
+        for (auto& part : ckpt::XserFilesOfBin(f, r.size, r.index, marks, experts_only)) snap.files.push_back(std::move(part));
         return;
       }
       if (share == FileShare::kNone) return;
       ckpt::FileToWrite f{rel, ckpt::CopyForSnapshot(live, pool.get(), floats_to), {.weights_only = weights_only}};
       if (!c.save_xser) snap.files.push_back(std::move(f));
-      else for (auto& part : ckpt::XserFiles(f)) snap.files.push_back(std::move(part));
+      else for (auto& part : ckpt::XserFiles(f, marks, experts_only)) snap.files.push_back(std::move(part));
     };
     add(c.grid.FileOf(ckpt::RankFileKind::kModel, pc.coord), model.CheckpointDict(), model.checkpoint_dtype(), true, true);
     add(c.grid.FileOf(ckpt::RankFileKind::kOptim, pc.coord), adamw.StateDict(lr), std::nullopt, false, !c.grid.zero1);

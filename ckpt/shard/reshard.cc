@@ -195,7 +195,7 @@ class Planner {
       auto s = Slice(sp, StateField::kParam, at, p, 0, -1);
       pf.bytes += static_cast<uint64_t>(ckpt::ShapeNumel(s->local)) * s->es;
       d.Set(sp.name, SliceTensor(s, src_.dtype(sp.rule->name, StateField::kParam)));
-      AddSpmdRanksAfter(sp.name, d);
+      ckpt::SetSpmdRanksAfter(fmt_, to_.ep, sp.name, d);  // at ep > 1, as NxD's ExpertMLPsV2 registers them
       AddBuffersAfter(sp.name, d, p);
     }
     // LoRA's lora_config holds a float (lora_dropout), which torch 1.13's weights_only loader refuses.
@@ -203,14 +203,6 @@ class Planner {
     pf.unit = unit;
     if (c.ep) pf.ep = *c.ep;
     return pf;
-  }
-
-  // At ep > 1, an MoE layer's SPMDRank tensors follow its router, made for the
-  // target's ep (ckpt/spec/model_family.h SpmdRankTensors), as NxD's ExpertMLPsV2 registers them.
-  void AddSpmdRanksAfter(const std::string& key, ckpt::Dict& d) const {
-    const int layer = ckpt::LayerOfName(key);
-    if (layer < 0 || key != ckpt::ParamName(fmt_, ckpt::Module::kRouter, layer)) return;
-    for (const auto& t : ckpt::SpmdRankTensors(fmt_, layer, to_.ep)) d.Set(t.name, Value(ckpt::Tensor::Zeros(ckpt::DType::kInt32, t.shape)));
   }
 
   // Stage p's buffers that followed `key` in the source (and those that followed them), in place.

@@ -109,6 +109,16 @@ TEST(EpZero1File, SplitsIntoTheTwoInnerOptimizers) {
   EXPECT_EQ(ParamGroupSizes(m.expert.param_groups, "g"), (std::vector<size_t>{4}));
 }
 
+// NxD's own files fit each part's sharding (non-expert over dp 2, experts over expert-dp 1); the
+// same file read as from a job whose expert-dp were 2 (dp 4, ep 2) is told, naming the expert part.
+TEST(EpZero1ShardProblem, ChecksEachPartOverItsOwnGroup) {
+  const Value v = OptimFile(TagOf("hf_ep2_pt"), 1, 0);
+  EXPECT_EQ(EpZero1ShardProblem(v, 2, 2, "f"), "");
+  const std::string why = EpZero1ShardProblem(v, 4, 2, "f");
+  EXPECT_NE(why.find("f (non-expert optimizer)"), std::string::npos) << why;  // dp 4: the non-expert shards first
+  EXPECT_NE(EpZero1ShardProblem(v, 2, 1, "f").find("f (expert optimizer"), std::string::npos);
+}
+
 // The entries follow NxDT's grouping of each style split by _is_ep_param, and each file's
 // shape_info is the local shape of its parameter at its tp rank and ep rank.
 TEST(EpZero1Entries, NameEachEntrysParameterEpRankAndShard) {

@@ -373,6 +373,12 @@ std::vector<SpmdRankTensor> SpmdRankTensors(const ModelFormat& f, int layer, int
   return {{prefix + "rank", {1}}, {prefix + "local_expert_indices", {1, f.experts / ep}}};
 }
 
+void SetSpmdRanksAfter(const ModelFormat& f, int ep, const std::string& key, Dict& d) {
+  const int layer = LayerOfName(key);
+  if (layer < 0 || key != ParamName(f, Module::kRouter, layer)) return;
+  for (const auto& t : SpmdRankTensors(f, layer, ep)) d.Set(t.name, Value(Tensor::Zeros(DType::kInt32, t.shape)));
+}
+
 bool IsSpmdRankName(const std::string& name) {
   const auto family = FamilyOfName(name);
   const int layer = LayerOfName(name);

@@ -17,6 +17,7 @@
 #include "ckpt/pt/dtype.h"
 #include "ckpt/spec/optimizer_groups.h"
 #include "ckpt/pt/tensor.h"
+#include "ckpt/pt/value.h"
 #include "ckpt/spec/partition.h"
 
 namespace ckpt {
@@ -77,6 +78,10 @@ struct SpmdRankTensor {
   std::vector<int64_t> shape;
 };
 std::vector<SpmdRankTensor> SpmdRankTensors(const ModelFormat& f, int layer, int ep);
+// A writer's step (the reshard engine's, the trainer's): when `key` is an MoE
+// layer's router, sets that layer's SpmdRankTensors for `ep` into `d` (int32
+// zeros), so they follow the router as in NxD's state dict; else nothing.
+void SetSpmdRanksAfter(const ModelFormat& f, int ep, const std::string& key, Dict& d);
 // Whether `name` is an SPMDRank tensor's (spmd_rank.rank, spmd_rank.local_expert_indices)
 // in an MoE layer of either style, as SpmdRankTensors names them at ep > 1.
 bool IsSpmdRankName(const std::string& name);

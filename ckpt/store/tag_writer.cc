@@ -114,27 +114,39 @@ void WaitForBegin(Env* env, const std::string& tag_dir, const std::string& save_
   if (!ok) throw Error(tag_dir + ": rank 0 did not begin save " + save_id + " within " + std::to_string(timeout.count()) + " ms");
 }
 
-std::vector<FileToWrite> XserFiles(const FileToWrite& file, const std::function<bool(const std::string&)>& expert, bool experts_only) {
+namespace {
+// Each part of `file`'s xser form (SplitForXser), with `file`'s options but
+// weights_only for its tensor files alone: X.pt holds TensorReference objects,
+// info.pt torch dtypes. `keep` picks the parts by index.
+std::vector<FileToWrite> XserParts(const FileToWrite& file, const std::function<bool(const std::string&)>& expert,
+                                   const std::function<bool(size_t, const XserPart&)>& keep) {
+  std::vector<XserPart> parts = SplitForXser(file.relpath, file.value, expert);
   std::vector<FileToWrite> out;
-  for (auto& part : SplitForXser(file.relpath, file.value, expert)) {
-    if (experts_only && part.value.is_tensor() && !part.expert) continue;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    XserPart& part = parts[i];
+    if (!keep(i, part)) continue;
     SaveOptions opts = file.options;
     opts.weights_only &= part.value.is_tensor();
     out.push_back({std::move(part.path), std::move(part.value), opts});
   }
   return out;
 }
+}  // namespace
 
-std::vector<FileToWrite> XserFilesOfBin(const FileToWrite& file, int bins, int bin) {
-  std::vector<FileToWrite> parts = XserFiles(file);
-  const size_t tensors = parts.size() - 2;  // the tensor files in tid order, then X.pt and its info.pt
-  std::vector<uint64_t> bytes;
-  for (size_t i = 0; i < tensors; ++i) bytes.push_back(parts[i].value.as_tensor().nbytes());
+std::vector<FileToWrite> XserFiles(const FileToWrite& file, const std::function<bool(const std::string&)>& expert, bool experts_only) {
+  return XserParts(file, expert, [&](size_t, const XserPart& part) { return !(experts_only && part.value.is_tensor() && !part.expert); });
+}
+
+std::vector<FileToWrite> XserFilesOfBin(const FileToWrite& file, int bins, int bin, const std::function<bool(const std::string&)>& expert,
+                                        bool experts_only) {
+  std::vector<uint64_t> bytes;  // the tensor files come first, in tid order, then X.pt and its info.pt
+  for (const XserPart& part : SplitForXser(file.relpath, file.value, expert))
+    if (part.value.is_tensor()) bytes.push_back(part.value.as_tensor().nbytes());
   const std::vector<int> of = XserBins(bytes, bins);
-  std::vector<FileToWrite> mine;
-  for (size_t i = 0; i < parts.size(); ++i)
-    if (i < tensors ? of[i] == bin : bin == 0) mine.push_back(std::move(parts[i]));
-  return mine;
+  return XserParts(file, expert, [&](size_t i, const XserPart& part) {
+    if (i >= bytes.size()) return bin == 0;
+    return of[i] == bin && !(experts_only && !part.expert);
+  });
 }
 
 std::map<std::string, FileDigest> WriteRankFiles(Env* env, const std::string& tag_dir, int rank,

@@ -49,11 +49,16 @@ struct FileToWrite {
 // only their tensor files are written, as NxD's _xser_save_data does.
 std::vector<FileToWrite> XserFiles(const FileToWrite& file, const std::function<bool(const std::string& key)>& expert = {},
                                    bool experts_only = false);
-// The part of XserFiles(file) that data-parallel rank `bin` of `bins` ranks
-// holding the same `file` writes, as NxD's _xser_save_data deals them: the
-// tensor files of its bin (XserBins), and on bin 0 X.pt and X.pt.info.pt too.
-// `file`'s tensors outside the bin may be snapshot placeholders (CopyForSnapshot's).
-std::vector<FileToWrite> XserFilesOfBin(const FileToWrite& file, int bins, int bin);
+// The part of XserFiles(file, expert, experts_only) that data-parallel rank
+// `bin` of `bins` ranks holding the same `file` writes, as NxD's
+// _xser_save_data deals them: the tensor files of its bin (XserBins over all
+// of the file's tensors, experts_only or not), and on bin 0 X.pt and
+// X.pt.info.pt too. Under expert parallelism the ranks holding the same file
+// are an expert-data-parallel group (NxD's save_checkpoint passes
+// get_expert_data_parallel_replica_groups()). `file`'s tensors outside the
+// bin may be snapshot placeholders (CopyForSnapshot's).
+std::vector<FileToWrite> XserFilesOfBin(const FileToWrite& file, int bins, int bin,
+                                        const std::function<bool(const std::string& key)>& expert = {}, bool experts_only = false);
 
 inline constexpr const char* kRankRecordDir = ".shardkit";
 std::string RankRecordPath(const std::string& tag_dir, int rank);

@@ -138,6 +138,36 @@ TEST(TagWriter, AnEpRankAboveZeroWritesItsExpertTensorsAlone) {
   EXPECT_TRUE(info.items.at(1).second.as_dict().At("expert_model_parallel").as_bool());
 }
 
+// The same dealt over an expert-data-parallel group (NxD's model save at ep > 1):
+// the bins are cut over all of the file's tensors, and an ep rank above 0 keeps
+// only the expert tensors of its bin; the reference file and info.pt (marks
+// included) come from bin 0.
+TEST(TagWriter, AnEpRankAboveZerosBinsKeepTheirExpertTensorsAlone) {
+  Value m = Value::NewDict();
+  m.as_dict().Set("norm", Value(Arange({4})));
+  m.as_dict().Set("experts", Value(Arange({2, 3})));
+  m.as_dict().Set("more_experts", Value(Arange({5})));
+  const auto expert = [](const std::string& key) { return key != "norm"; };
+  std::multiset<std::string> ep0, ep1;
+  for (int bin = 0; bin < 2; ++bin) {
+    for (const auto& p : XserFilesOfBin({"model/x.pt", m, {}}, 2, bin, expert, false)) ep0.insert(p.relpath);
+    for (const auto& p : XserFilesOfBin({"model/x.pt", m, {}}, 2, bin, expert, true)) {
+      ep1.insert(p.relpath);
+      if (p.relpath.ends_with("info.pt")) {
+        EXPECT_TRUE(p.value.as_dict().items.at(2).second.as_dict().At("expert_model_parallel").as_bool());
+      }
+    }
+  }
+  EXPECT_EQ(ep0, (std::multiset<std::string>{"model/x.pt.tensors/tensor_0.pt", "model/x.pt.tensors/tensor_1.pt",
+                                             "model/x.pt.tensors/tensor_2.pt", "model/x.pt", "model/x.pt.info.pt"}));
+  EXPECT_EQ(ep1, (std::multiset<std::string>{"model/x.pt.tensors/tensor_1.pt", "model/x.pt.tensors/tensor_2.pt", "model/x.pt",
+                                             "model/x.pt.info.pt"}));
+  // XserBins over the three tensors (16, 24 and 20 bytes): tensors 0 and 1 in bin 0, tensor 2 in bin 1.
+  std::vector<std::string> bin0;
+  for (const auto& p : XserFilesOfBin({"model/x.pt", m, {}}, 2, 0, expert, true)) bin0.push_back(p.relpath);
+  EXPECT_EQ(bin0, (std::vector<std::string>{"model/x.pt.tensors/tensor_1.pt", "model/x.pt", "model/x.pt.info.pt"}));
+}
+
 TEST(TagWriter, EveryUnitIsWrittenByExactlyOneRank) {
   for (int world : {1, 2, 3, 8})
     for (int unit = 0; unit < 17; ++unit) {
