@@ -49,6 +49,10 @@ class MappedFile {
   // Hints that [p, p+n) will be read soon: a real mapping starts reading it
   // into the page cache in the background.
   virtual void Prefetch(const uint8_t* /*p*/, size_t /*n*/) const {}
+  // Whether the bytes are a mapping of path() (read from the disk on demand)
+  // rather than memory of this process: a reader copying many ranges reads
+  // those with pread instead (ckpt/util/open_file_cache.h).
+  virtual bool mapped() const { return false; }
 
   // An in-memory file (tests, fuzzing).
   static std::shared_ptr<const MappedFile> FromBuffer(std::string name, std::string contents);

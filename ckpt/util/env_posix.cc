@@ -163,6 +163,7 @@ class PosixMappedFile final : public MappedFile {
   const uint8_t* data() const override { return data_; }
   uint64_t size() const override { return size_; }
   const std::string& path() const override { return path_; }
+  bool mapped() const override { return size_ > 0; }
   void DropPages(const uint8_t* p, size_t n) const override {
     // A fault maps more than the page it needs: the cached pages around it
     // (fault-around, 64 KiB) or its whole large folio (up to 2 MiB on ext4
