@@ -120,6 +120,7 @@ std::map<std::string, SafetensorsEntry> ParseSafetensors(std::span<const uint8_t
 std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& src, const HfImportOptions& o) {
   std::unique_ptr<HfState> s(new HfState());
   s->dir_ = src;
+  s->reads_ = std::make_unique<ckpt::OpenFileCache>(env);
   const bool one_file = env->Exists(src) && !env->IsDirectory(src);
   // One weights file is read with the config.json given for it; a folder's files all lie inside it.
   const std::string dir = one_file ? std::filesystem::path(src).parent_path().string() : src;
@@ -171,7 +172,8 @@ std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& src, c
     ckpt::RequireInside(dir, path);
     if (safetensors) {
       auto m = env->MapFile(path);
-      for (auto& [k, e] : ParseSafetensors({m->data(), m->size()}, path)) take(k, name, Source{m->data() + e.begin, m.get(), std::move(e.shape), e.dtype});
+      for (auto& [k, e] : ParseSafetensors({m->data(), m->size()}, path))
+        take(k, name, Source{m->data() + e.begin, m.get(), std::move(e.shape), e.dtype, true, e.begin});
       s->files_.push_back(std::move(m));
     } else {
       ckpt::Value sd = ckpt::LoadPt(path, {}, env);
@@ -263,12 +265,18 @@ void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, 
     const uint64_t lo = std::max(begin, static_cast<uint64_t>(p.row) * width),
                    hi = std::min(end, static_cast<uint64_t>(p.row + p.rows) * width);
     if (lo >= hi) continue;
-    const uint8_t* m = Matrix(*p.spec);
-    const uint8_t* from = m + (static_cast<uint64_t>(p.from) * width + (lo - static_cast<uint64_t>(p.row) * width)) * es;
-    std::memcpy(out.data() + (lo - begin) * es, from, (hi - lo) * es);
+    const uint64_t at = (static_cast<uint64_t>(p.from) * width + (lo - static_cast<uint64_t>(p.row) * width)) * es;
+    const std::span<uint8_t> to = out.subspan((lo - begin) * es, (hi - lo) * es);
+    const Source& src = sources_.at(p.spec->name);
+    if (src.read_at && !p.spec->transpose) {
+      reads_->ReadAt(src.file->path(), src.offset + at, to);
+      continue;
+    }
+    const uint8_t* from = Matrix(*p.spec) + at;
+    std::memcpy(to.data(), from, to.size());
     // The mapped input's pages are released once the chunk is written, so memory holds chunks,
     // not the model (a transposed GPT-2 matrix is this state's own copy).
-    if (const Source& src = sources_.at(p.spec->name); touched && !p.spec->transpose && src.file) touched->Add(src.file, from, (hi - lo) * es);
+    if (touched && !p.spec->transpose && src.file) touched->Add(src.file, from, to.size());
   }
 }
 

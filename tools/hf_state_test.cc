@@ -6,8 +6,9 @@
 #include <chrono>
 #include <fstream>
 
-#include "ckpt/util/error.h"
+#include "ckpt/testing/fault_env.h"
 #include "ckpt/testing/test_util.h"
+#include "ckpt/util/error.h"
 
 namespace tools {
 namespace {
@@ -66,6 +67,46 @@ TEST(HfState, AnIndexNamingManyMissingShardsFailsAtTheFirst) {
   // weight_map is read in key order: w0 first.
   EXPECT_NE(e.find(d / "shard-0.safetensors: missing (named by " + d / "model.safetensors.index.json for tensor 'w0')"), std::string::npos) << e;
   EXPECT_LT(SecondsSince(t0), 10.0);  // about a quarter second; finding each shard among all took 53 s
+}
+
+// A Llama folder whose float32 tensors hold 0, 1, 2, ... in file order: its
+// plain pieces are read with pread (Env::NewRandomAccessFile), so an injected
+// read failure reaches the caller naming the file.
+TEST(HfState, PlainPiecesAreReadWithPreadThroughTheEnv) {
+  TempDir d("hf_pread");
+  const nlohmann::json c = {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 16}, {"intermediate_size", 24}, {"num_attention_heads", 4},
+                            {"num_key_value_heads", 2}, {"num_hidden_layers", 2}, {"vocab_size", 32}};
+  std::ofstream(d / "config.json") << c.dump();
+  const auto specs = ckpt::HfTensorsFor(FormatOfHfConfig(c, "config.json"), ckpt::DType::kFloat32);
+  nlohmann::json h = nlohmann::json::object();
+  uint64_t at = 0;
+  for (const auto& s : specs) {
+    h[s.name] = {{"dtype", "F32"}, {"shape", s.shape}, {"data_offsets", {at, at + s.bytes()}}};
+    at += s.bytes();
+  }
+  const std::string text = h.dump();
+  std::vector<float> body(at / 4);
+  for (size_t i = 0; i < body.size(); ++i) body[i] = static_cast<float>(i);
+  const std::string path = d / "model.safetensors";
+  {
+    std::ofstream f(path, std::ios::binary);
+    const uint64_t n = text.size();
+    f.write(reinterpret_cast<const char*>(&n), 8).write(text.data(), static_cast<std::streamsize>(n));
+    f.write(reinterpret_cast<const char*>(body.data()), static_cast<std::streamsize>(at));
+  }
+  ckpt::FaultEnv env(ckpt::Env::Default());
+  const auto s = HfState::Open(&env, d.path(), {});
+  ASSERT_EQ(specs.front().name, "model.embed_tokens.weight");  // first in the file: elements 0 .. 32 * 16
+  const std::string emb = specs.front().blocks.front().name;
+  std::vector<float> got(32 * 16);
+  s->Read(emb, ckpt::StateField::kParam, 0, {reinterpret_cast<uint8_t*>(got.data()), got.size() * 4}, nullptr);
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], static_cast<float>(i)) << emb << " element " << i;
+  // Mapped once at Open (its header), opened for reads at the first Read.
+  const std::vector<std::string> reads = env.reads();
+  EXPECT_EQ(std::count(reads.begin(), reads.end(), path), 2) << "files read: " << reads.size();
+  env.FailReadAt(1);
+  const std::string e = ErrorOf([&] { s->Read(emb, ckpt::StateField::kParam, 0, {reinterpret_cast<uint8_t*>(got.data()), 64}, nullptr); });
+  EXPECT_NE(e.find(path + ": read failed"), std::string::npos) << e;
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "ckpt/shard/logical_state.h"
+#include "ckpt/util/open_file_cache.h"
 
 namespace ckpt {
 
@@ -78,6 +79,9 @@ class ExtentIndex {
   // As LogicalState::Read: elements the index does not hold read as zero.
   // Thread-safe once CheckCovered has built the lookup.
   void Read(const std::string& name, StateField f, uint64_t begin, std::span<uint8_t> out, Touched* touched) const;
+  // Read (and CompareReplicas) then read the bytes of mapped files
+  // (MappedFile::mapped) with pread through `env`, not out of the mapping.
+  void ReadThrough(Env* env) { reads_ = std::make_shared<OpenFileCache>(env); }
 
   struct Entry {
     DType dtype = DType::kFloat32;
@@ -91,6 +95,7 @@ class ExtentIndex {
   };
 
  private:
+  std::shared_ptr<OpenFileCache> reads_;  // ReadThrough's; null: copies out of the mappings
   struct Key {
     std::string name;
     StateField field;

@@ -45,6 +45,7 @@ class ShardedTagBuilder {
   ShardedTagBuilder(Env* env, const std::string& dir, const FormatHints& hints, const TagReadOptions& opts) : hints_(hints), opts_(opts) {
     t_ = std::unique_ptr<ShardedTag>(new ShardedTag());
     t_->files_ = std::make_unique<TagFiles>(env, dir);
+    t_->index_.ReadThrough(env);
     t_->dir_ = dir;
     files_ = t_->files_.get();
   }

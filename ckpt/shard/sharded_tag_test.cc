@@ -4,10 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "ckpt/pt/pt_file.h"
 #include "ckpt/shard/fake_state.h"
+#include "ckpt/testing/fault_env.h"
 #include "ckpt/testing/test_util.h"
 
 namespace ckpt {
@@ -120,6 +122,30 @@ TEST(ShardedTag, AMissingRankFileIsRefusedNamingIt) {
   std::filesystem::remove(dir / ("out/" + gone));
   const std::string err = ErrorOf([&] { ShardedTag::Open(Env::Default(), dir / "out"); });
   EXPECT_NE(err.find(RankFileName({0, 1, 1})), std::string::npos) << err;
+}
+
+// Rank files large enough to be mapped (over 64 KiB) are read with pread
+// (ExtentIndex::ReadThrough), not out of the mapping: the same elements, an
+// open of each file for reads besides its mapping, and a failed read reaching
+// the caller naming the file.
+TEST(ShardedTag, MappedRankFilesAreReadWithPreadThroughTheEnv) {
+  TempDir dir("sharded_tag");
+  ModelFormat f = SmallLlama();
+  f.hidden = 256, f.ffn = 512, f.vocab_size = 512, f.layers = 1;
+  ReshardArgs a;
+  a.tp = 2, a.pp = 1;
+  WriteFake(FakeState(dir / "src", f), dir / "out", a);
+  FaultEnv env(Env::Default());
+  const auto tag = ShardedTag::Open(&env, dir / "out");
+  ExpectFakesValues(*tag);
+  const std::string rank0 = dir / ("out/model/" + RankFileName({0, 0, 0}));
+  const std::vector<std::string> reads = env.reads();
+  EXPECT_EQ(std::count(reads.begin(), reads.end(), rank0), 2) << "files read: " << reads.size();
+  env.FailReadAt(1);
+  std::vector<uint8_t> got(4 * 256);
+  const std::string err = ErrorOf([&] { tag->Read(tag->params().front().name, StateField::kParam, 0, got, nullptr); });
+  EXPECT_NE(err.find(": read failed: Input/output error (injected)"), std::string::npos) << err;
+  EXPECT_NE(err.find(dir / "out/model/"), std::string::npos) << err;
 }
 
 TEST(ShardedTag, ReplicasThatDifferAreRefusedUnlessTheFirstIsTrusted) {

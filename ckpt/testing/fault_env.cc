@@ -53,6 +53,25 @@ class FaultFile final : public WritableFile {
   std::unique_ptr<WritableFile> base_;
 };
 
+class FaultRandomAccessFile final : public RandomAccessFile {
+ public:
+  FaultRandomAccessFile(FaultEnv* env, std::unique_ptr<RandomAccessFile> base) : env_(env), base_(std::move(base)) {}
+  void ReadAt(uint64_t offset, std::span<uint8_t> out) const override {
+    if (++env_->reads_at_ == env_->fail_read_at_) throw Error(path() + ": read failed: Input/output error (injected)");
+    base_->ReadAt(offset, out);
+  }
+  const std::string& path() const override { return base_->path(); }
+
+ private:
+  FaultEnv* env_;
+  std::unique_ptr<RandomAccessFile> base_;
+};
+
+std::unique_ptr<RandomAccessFile> FaultEnv::NewRandomAccessFile(const std::string& path) {
+  LogRead(path);
+  return std::make_unique<FaultRandomAccessFile>(this, base_->NewRandomAccessFile(path));
+}
+
 std::unique_ptr<WritableFile> FaultEnv::NewWritableFile(const std::string& path) {
   Op();
   return std::make_unique<FaultFile>(this, path, base_->NewWritableFile(path));

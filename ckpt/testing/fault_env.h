@@ -32,6 +32,8 @@ class FaultEnv : public Env {
   // Counted from the call: the Nth mutating operation (append, sync, rename,
   // remove, create) kills the process.
   void CrashAt(int64_t n) { crash_at_ = ops_ + n; }
+  // Counted from the call: the Nth RandomAccessFile::ReadAt fails with EIO.
+  void FailReadAt(int64_t n) { fail_read_at_ = reads_at_ + n; }
 
   struct Event {
     enum Kind { kSyncFile, kRename, kSyncDir, kCreateDirs, kSyncFileSystem } kind;
@@ -42,7 +44,7 @@ class FaultEnv : public Env {
     return events_;
   }
 
-  // Every folder listed and file mapped, in order.
+  // Every folder listed and file mapped or opened for reading, in order.
   std::vector<std::string> reads() const {
     std::lock_guard<std::mutex> l(mu_);
     return reads_;
@@ -57,6 +59,7 @@ class FaultEnv : public Env {
     LogRead(path);
     return base_->MapFile(path);
   }
+  std::unique_ptr<RandomAccessFile> NewRandomAccessFile(const std::string& path) override;
   uint64_t ReadInPieces(const std::string& path, std::span<uint8_t> buf,
                         const std::function<void(std::span<const uint8_t>)>& piece) override {
     LogRead(path);
@@ -83,6 +86,7 @@ class FaultEnv : public Env {
 
  private:
   friend class FaultFile;
+  friend class FaultRandomAccessFile;
   void Op();
   void Sync(const std::string& what, Event::Kind kind);
   void Log(Event e) {
@@ -98,8 +102,8 @@ class FaultEnv : public Env {
   std::vector<std::string> reads_;
 
   Env* base_;
-  std::atomic<int64_t> written_{0}, ops_{0}, syncs_{0}, renames_{0};
-  int64_t enospc_after_ = -1, short_at_ = -1, fail_sync_at_ = -1, fail_rename_at_ = -1, crash_at_ = -1;
+  std::atomic<int64_t> written_{0}, ops_{0}, syncs_{0}, renames_{0}, reads_at_{0};
+  int64_t enospc_after_ = -1, short_at_ = -1, fail_sync_at_ = -1, fail_rename_at_ = -1, crash_at_ = -1, fail_read_at_ = -1;
 };
 
 }  // namespace ckpt

@@ -49,9 +49,26 @@ class MappedFile {
   // Hints that [p, p+n) will be read soon: a real mapping starts reading it
   // into the page cache in the background.
   virtual void Prefetch(const uint8_t* /*p*/, size_t /*n*/) const {}
+  // Whether the bytes are a mapping of path() (read from the disk on demand)
+  // rather than memory of this process: a reader copying many ranges reads
+  // those with pread instead (ckpt/util/open_file_cache.h).
+  virtual bool mapped() const { return false; }
 
   // An in-memory file (tests, fuzzing).
   static std::shared_ptr<const MappedFile> FromBuffer(std::string name, std::string contents);
+};
+
+// A file read at any offset with pread, from any thread at once: a copy
+// straight into the caller's memory, with no mapping (OpenFileCache,
+// ckpt/util/open_file_cache.h, keeps many open).
+class RandomAccessFile {
+ public:
+  virtual ~RandomAccessFile() = default;
+  // Reads [offset, offset + out.size()) into `out`. Throws ckpt::Error
+  // naming the file when the read fails or the file ends first.
+  virtual void ReadAt(uint64_t offset, std::span<uint8_t> out) const = 0;
+  // The name used in error messages.
+  virtual const std::string& path() const = 0;
 };
 
 // An advisory lock held until destroyed (or until the process ends, however
@@ -75,6 +92,9 @@ class Env {
   // the bytes already there.
   virtual std::unique_ptr<WritableFile> NewAppendableFile(const std::string& path) = 0;
   virtual std::shared_ptr<const MappedFile> MapFile(const std::string& path) = 0;
+  // Opens `path`, a regular file, for RandomAccessFile::ReadAt; its
+  // descriptor stays open until the object is destroyed.
+  virtual std::unique_ptr<RandomAccessFile> NewRandomAccessFile(const std::string& path) = 0;
   // Reads `path` once from start to end, at most buf.size() bytes at a time
   // into `buf`, calling `piece` with each piece read; returns the bytes read.
   // For one pass over a file (its checksum): the POSIX Env reads with pread,

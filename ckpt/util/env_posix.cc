@@ -1,4 +1,4 @@
-// The POSIX Env: buffered appends, mmap for reads (pread for small files),
+// The POSIX Env: buffered appends, mmap for reads (pread for small files and random access),
 // fsync for durability.
 #include <fcntl.h>
 #include <sys/file.h>
@@ -163,6 +163,7 @@ class PosixMappedFile final : public MappedFile {
   const uint8_t* data() const override { return data_; }
   uint64_t size() const override { return size_; }
   const std::string& path() const override { return path_; }
+  bool mapped() const override { return size_ > 0; }
   void DropPages(const uint8_t* p, size_t n) const override {
     // A fault maps more than the page it needs: the cached pages around it
     // (fault-around, 64 KiB) or its whole large folio (up to 2 MiB on ext4
@@ -210,10 +211,10 @@ class ReadWholeFile final : public MappedFile {
   std::atomic<uint64_t>* held_;  // the Env's count of bytes held this way
 };
 
-// Reads [0, n) of `fd` into `out`; false when the file ended first.
-bool ReadFully(int fd, uint8_t* out, uint64_t n, const std::string& path) {
+// Reads [offset, offset + n) of `fd` into `out`; false when the file ended first.
+bool ReadFully(int fd, uint8_t* out, uint64_t n, uint64_t offset, const std::string& path) {
   for (uint64_t at = 0; at < n;) {
-    const ssize_t got = ::pread(fd, out + at, n - at, static_cast<off_t>(at));
+    const ssize_t got = ::pread(fd, out + at, n - at, static_cast<off_t>(offset + at));
     if (got < 0 && errno == EINTR) continue;
     if (got < 0) ThrowErrno(path, "read failed");
     if (got == 0) return false;
@@ -221,6 +222,22 @@ bool ReadFully(int fd, uint8_t* out, uint64_t n, const std::string& path) {
   }
   return true;
 }
+
+class PosixRandomAccessFile final : public RandomAccessFile {
+ public:
+  PosixRandomAccessFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  ~PosixRandomAccessFile() override { ::close(fd_); }
+  void ReadAt(uint64_t offset, std::span<uint8_t> out) const override {
+    if (!ReadFully(fd_, out.data(), out.size(), offset, path_))
+      throw Error(path_ + ": ends before byte " + std::to_string(offset + out.size()) + " (a read of " + std::to_string(out.size()) +
+                  " bytes at offset " + std::to_string(offset) + ")");
+  }
+  const std::string& path() const override { return path_; }
+
+ private:
+  std::string path_;
+  int fd_;
+};
 
 class BufferFile final : public MappedFile {
  public:
@@ -309,6 +326,11 @@ class PosixEnv final : public Env {
     return std::make_shared<PosixMappedFile>(path, static_cast<const uint8_t*>(p), size);
   }
 
+  std::unique_ptr<RandomAccessFile> NewRandomAccessFile(const std::string& path) override {
+    uint64_t size = 0;
+    return std::make_unique<PosixRandomAccessFile>(path, OpenRegularFile(path, &size));
+  }
+
   uint64_t ReadInPieces(const std::string& path, std::span<uint8_t> buf,
                         const std::function<void(std::span<const uint8_t>)>& piece) override {
     uint64_t size = 0, at = 0;
@@ -346,7 +368,7 @@ class PosixEnv final : public Env {
     auto f = std::make_shared<ReadWholeFile>(path, size, &read_whole_);
     bool whole = false;
     try {
-      whole = ReadFully(fd, f->mutable_data(), size, path);
+      whole = ReadFully(fd, f->mutable_data(), size, 0, path);
     } catch (...) {
       ::close(fd);
       throw;
