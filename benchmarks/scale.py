@@ -66,19 +66,27 @@ SIZES = {"0.1B": (1024, 2816, 4), "1B": (2048, 5632, 20), "7B": (4096, 11008, 32
 OPTIM_HINTS = ["--heads", 16, "--kv_heads", 16, "--vocab_size", 32000, "--make_vocab_size_divisible_by", 128]
 BYTES_405B = 405e9 * 14  # bf16 weight, fp32 master, exp_avg, exp_avg_sq
 
-# Writes a Hugging Face Llama folder of random bf16 values, a tensor in memory at a time (numpy: no torch here).
+# Writes a Hugging Face Llama folder of random bf16 values, a tensor in memory at a time (numpy: no torch here);
+# with EXPERTS and TOP_K after the sizes, a MixtralForCausalLM folder (every layer's MLP HF's block_sparse_moe).
 GEN_HF = r'''
 import json, os, sys
 import numpy as np
-out, H, F, L, heads, kv, V = sys.argv[1], *map(int, sys.argv[2:])
+out, H, F, L, heads, kv, V, *moe = sys.argv[1], *map(int, sys.argv[2:])
+E, top_k = moe or (0, 0)
 hd = H // heads
 shapes = {"model.embed_tokens.weight": (V, H)}
 for i in range(L):
     p = f"model.layers.{i}."
     shapes.update({p + "input_layernorm.weight": (H,), p + "self_attn.q_proj.weight": (H, H), p + "self_attn.k_proj.weight": (kv * hd, H),
                    p + "self_attn.v_proj.weight": (kv * hd, H), p + "self_attn.o_proj.weight": (H, H),
-                   p + "post_attention_layernorm.weight": (H,), p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
-                   p + "mlp.down_proj.weight": (H, F)})
+                   p + "post_attention_layernorm.weight": (H,)})
+    if E:
+        shapes[p + "block_sparse_moe.gate.weight"] = (E, H)
+        for e in range(E):
+            x = f"{p}block_sparse_moe.experts.{e}."
+            shapes.update({x + "w1.weight": (F, H), x + "w2.weight": (H, F), x + "w3.weight": (F, H)})
+    else:
+        shapes.update({p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H), p + "mlp.down_proj.weight": (H, F)})
 shapes.update({"model.norm.weight": (H,), "lm_head.weight": (V, H)})
 header, at = {}, 0
 for k, s in shapes.items():
@@ -94,10 +102,13 @@ with open(os.path.join(out, "model.safetensors"), "wb") as f:
         x = (rng.standard_normal(s, dtype=np.float32) * 0.02).view(np.uint32)
         f.write((x >> 16).astype(np.uint16).tobytes())  # bf16: the top half of float32
         del x
+config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": F,
+          "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": L, "vocab_size": V,
+          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
+if E:
+    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=E, num_experts_per_tok=top_k)
 with open(os.path.join(out, "config.json"), "w") as f:
-    json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": F,
-               "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": L, "vocab_size": V,
-               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}, f)
+    json.dump(config, f)
 '''
 
 
@@ -249,7 +260,7 @@ class Bench:
                 self.remove(hf, is_input=True)  # its last import is measured
             self.job(label, kind, "ckpt-reshard", [tag, os.path.join(d, "out"), "--tp", 8, "--pp", 4, *reshard, *self.engine], tag,
                      os.path.join(d, "out"), model)
-            self.job(label, kind, "ckpt-export", [tag, os.path.join(d, "export"), "--format", "hf", "--memory_budget", self.a.memory_budget],
+            self.job(label, kind, "ckpt-export", [tag, os.path.join(d, "export"), "--format", "hf", *self.engine],
                      tag, os.path.join(d, "export"), model)
             self.remove(tag, is_input=True)
         self.remove(d, is_input=True)

@@ -3,8 +3,9 @@
 // writes a checkpoint tag (or a folder's newest complete tag) as one
 // layout-free HDF5 file (tools/h5_state.h), streaming: memory holds one
 // block.
-// ckpt-export SRC OUT_DIR --format hf [--max_shard_size 10G] [--bin] writes its
-// weights as a Hugging Face model folder (tools/hf_export.h); --format
+// ckpt-export SRC OUT_DIR --format hf [--max_shard_size 10G] [--bin] [--threads N]
+// writes its weights as a Hugging Face model folder (tools/hf_export.h), N
+// threads reading the next chunks while one writes; --format
 // full_state as NxD's converter's OUT_DIR/checkpoint.pt. With --lora_base
 // BASE (an HF folder or a tag), an adapter-only LoRA tag is merged into BASE
 // (tools/lora_base.h).
@@ -22,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <iostream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "tools/common/cli.h"
@@ -39,6 +41,7 @@
 #include "tools/hf_export.h"
 #include "tools/lora_base.h"
 #include "ckpt/shard/reshard.h"
+#include "ckpt/shard/stream_budget.h"
 
 namespace {
 
@@ -112,7 +115,11 @@ int main(int argc, char** argv) {
   app.add_option("--max_shard_size", max_shard, "with --format hf: bytes per weights file (default 10G)");
   bool bin = false;
   app.add_flag("--bin", bin, "with --format hf: also write torch's pytorch_model*.bin (default: model*.safetensors only, as transformers saves)");
-  app.add_option("--memory_budget", budget, "peak memory to stay within (default 256M; one logical tensor more for GPT-2's transposes)");
+  app.add_option("--memory_budget", budget,
+                 "peak memory to stay within (default 256M; one logical matrix more for GPT-2's and Mixtral's transposes)");
+  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  app.add_option("--threads", threads, "with --format hf or peft: threads reading the next chunks while one writes (default: every core)")
+      ->check(CLI::Range(1, 1024));
   app.add_flag("--overwrite", overwrite, "replace an existing export");
   app.add_flag("--no_verify", no_verify, "skip checking the source's checksums first");
   app.add_flag("--json", json, "print the summary as JSON on stdout");
@@ -157,13 +164,17 @@ int main(int argc, char** argv) {
         ckpt::CheckRecordedFingerprints(*base_model.state, size_t{1} << 20, ckpt::StateField::kParam);
         state = (joined = std::make_unique<tools::LoraWithBase>(*state, *base_model.state)).get();
       }
-      // Memory: what is resident now (the source's index), then blocks: one
-      // read, one widened (float32), and what HDF5 and the writer buffer.
+      // Memory: what is resident now (the source's index), then for HF, the
+      // threads filling chunks and the one writing, shared out as ckpt-reshard's
+      // writing threads are; for HDF5, blocks: one read, one widened (float32),
+      // and what HDF5 and the writer buffer.
       const uint64_t base = ckpt::CurrentRss() + check.memory(), min_block = 1 << 20;
-      if (memory_budget < base + 4 * min_block)
+      if (!hf && memory_budget < base + 4 * min_block)
         throw ckpt::Error("--memory_budget " + ckpt::HumanBytes(memory_budget) + " is too small: the process already holds " +
                           ckpt::HumanBytes(base) + "; give at least " + ckpt::HumanBytes(base + 4 * min_block));
-      const size_t block = static_cast<size_t>(std::clamp<uint64_t>((memory_budget - base) / 4 / 4096 * 4096, min_block, uint64_t{64} << 20));
+      const size_t block = static_cast<size_t>(
+          hf ? ckpt::StreamChunk(memory_budget, base, threads + 1)
+             : std::clamp<uint64_t>((memory_budget - base) / 4 / 4096 * 4096, min_block, uint64_t{64} << 20));
       check.Start();
 
       const std::filesystem::path p(out);
@@ -175,7 +186,7 @@ int main(int argc, char** argv) {
         if (const std::string why = ckpt::LoraHfUnsupported(state->layout().format); !why.empty() && format != "peft") throw ckpt::Error(tag + ": " + why);
         env->CreateDirs(partial);
         ckpt::FingerprintCollector read;
-        const tools::HfExportOptions ho{.max_shard_size = shard_size, .chunk = block, .bin = bin, .full_state = format == "full_state",
+        const tools::HfExportOptions ho{.max_shard_size = shard_size, .chunk = block, .threads = threads, .bin = bin, .full_state = format == "full_state",
                                         .fingerprints = state == opened.state.get() && state->recorded_fingerprints() ? &read : nullptr};
         const tools::HfExportSummary s = format == "peft" ? tools::WritePeftFolder(*state, partial, ho, env) : tools::WriteHfFolder(*state, partial, ho, env);
         // As the HDF5 export and reshard do: a source must still hold what its manifest recorded, before the output is published.

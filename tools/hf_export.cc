@@ -1,11 +1,15 @@
 #include "tools/hf_export.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "ckpt/spec/lora.h"
@@ -107,12 +111,40 @@ class LoraMerge {
   std::vector<float> a_;
 };
 
-// Produces an HfTensor's bytes in order, a chunk at a time. A transposed one
-// reads its whole logical matrix at the first chunk and frees it after the
-// last. A LoRA target's blocks are merged (LoraMerge).
+// Lets transposed tensors hold their whole matrices one at a time, in file
+// order: turn k waits until turn k - 1 is done. In order, not first come:
+// pieces are claimed in file order, so the matrix whose turn it is has all
+// its pieces claimed and finishes, where a later one taking the turn first
+// could wait for pieces the full ring keeps unclaimed.
+class WholeTurns {
+ public:
+  void Wait(int turn) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return turn_ == turn; });
+  }
+  void Done() {
+    {
+      std::lock_guard lock(mu_);
+      ++turn_;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int turn_ = 0;
+};
+
+// Produces an HfTensor's bytes, a chunk at a time, from any number of
+// threads. A transposed one reads its whole logical matrix at the first chunk
+// asked for and frees it once every byte was produced; with `turns`, it
+// holds that matrix in its turn `turn` (WholeTurns), so the producers sharing
+// them hold one such matrix at a time. A LoRA target's blocks are merged (LoraMerge).
 class Producer {
  public:
-  Producer(const ckpt::LogicalState& src, HfTensor t, ckpt::FingerprintCollector* fp) : src_(src), t_(std::move(t)), fp_(fp) {
+  Producer(const ckpt::LogicalState& src, HfTensor t, ckpt::FingerprintCollector* fp, WholeTurns* turns = nullptr, int turn = 0)
+      : src_(src), t_(std::move(t)), fp_(fp), turns_(turns), turn_(turn) {
     for (const RowBlock& b : t_.blocks) {
       auto m = ckpt::LoraMergeOf(src.layout().format, b.name);
       merges_.push_back(m ? std::make_unique<LoraMerge>(src, std::move(*m), t_.width, t_.dtype) : nullptr);
@@ -126,21 +158,35 @@ class Producer {
     } else {
       std::lock_guard<std::mutex> lock(mu_);
       const int64_t rows = static_cast<int64_t>(t_.numel()) / t_.width;  // of the concatenated matrix
-      if (whole_.empty()) {
-        whole_.resize(t_.bytes());
-        Gather(0, whole_);
-      }
+      if (whole_.empty()) Hold();
       // out element e of the [width, rows] transpose is whole_[(e % rows) * width + e / rows].
       const uint64_t e0 = offset / es, n = out.size() / es;
       for (uint64_t i = 0; i < n; ++i) {
         const uint64_t e = e0 + i, r = e % static_cast<uint64_t>(rows), c = e / static_cast<uint64_t>(rows);
         std::memcpy(out.data() + i * es, whole_.data() + (r * static_cast<uint64_t>(t_.width) + c) * es, es);
       }
-      if (offset + out.size() >= t_.bytes()) std::vector<uint8_t>().swap(whole_);
+      if ((produced_ += out.size()) >= t_.bytes()) Release();
     }
   }
 
  private:
+  // The whole matrix of a transposed tensor, read in its turn.
+  void Hold() {
+    if (turns_) turns_->Wait(turn_);
+    try {
+      whole_.resize(t_.bytes());
+      Gather(0, whole_);
+    } catch (...) {
+      Release();
+      throw;
+    }
+  }
+  void Release() {
+    std::vector<uint8_t>().swap(whole_);
+    produced_ = 0;
+    if (turns_) turns_->Done();
+  }
+
   // Elements [e, e + out.size()/es) of the concatenated blocks. A block of
   // step > 1 is read a row at a time (its rows are apart in the logical tensor).
   void Gather(uint64_t e, std::span<uint8_t> out) const {
@@ -173,8 +219,11 @@ class Producer {
   HfTensor t_;
   std::vector<std::unique_ptr<LoraMerge>> merges_;  // per block, null when it is read as it is
   ckpt::FingerprintCollector* fp_;                   // HfExportOptions::fingerprints
+  WholeTurns* turns_;                                // null: no turns to take
+  int turn_;
   std::mutex mu_;
   std::vector<uint8_t> whole_;
+  uint64_t produced_ = 0;  // of whole_'s transpose
 };
 
 const char* SafetensorsDtype(DType d) {
@@ -238,10 +287,103 @@ std::string MixtralRoutingProblem(const ckpt::LogicalState& src) {
   return "";
 }
 
+// A piece of a safetensors file's data: tensors[tensor]'s bytes [offset, offset + size).
+struct Piece {
+  size_t tensor;
+  uint64_t offset;
+  size_t size;
+};
+
+// The pieces of `which`'s tensors in file order, the first at file offset
+// `at`: at most `size` bytes each, and (when `size` is more than a page) each
+// ending on a page boundary of the file (the header leaves the first
+// mid-page), so that from page-aligned memory the writer sends them with
+// O_DIRECT (ckpt/util/env_posix.cc), not through the page cache, whose copy
+// was a sixth of an export's CPU.
+std::vector<Piece> PiecesOf(const std::vector<HfTensor>& tensors, const std::vector<size_t>& which, size_t size, uint64_t at) {
+  constexpr size_t kPage = 4096;
+  std::vector<Piece> pieces;
+  for (size_t i : which)
+    for (uint64_t off = 0, bytes = tensors[i].bytes(); off < bytes;) {
+      const size_t room = size > kPage ? size - static_cast<size_t>(at % kPage) : size;
+      const size_t m = static_cast<size_t>(std::min<uint64_t>(room, bytes - off));
+      pieces.push_back({i, off, m});
+      off += m, at += m;
+    }
+  return pieces;
+}
+
+// Fills `pieces` on `threads` threads into a ring of threads + 1 page-aligned
+// buffers of `size` bytes and calls write() with each, in order, on this
+// thread: piece p is filled once piece p - (threads + 1) was written, so the
+// source is read (and re-laid) while the disk writes, and memory holds the
+// ring. The first exception (fill's or write's) stops both and is rethrown.
+void FillAndWrite(const std::vector<Piece>& pieces, size_t size, int threads, const std::function<void(const Piece&, std::span<uint8_t>)>& fill,
+                  const std::function<void(std::span<const uint8_t>)>& write) {
+  const size_t ring = static_cast<size_t>(std::max(threads, 1)) + 1, n = pieces.size();
+  std::vector<std::shared_ptr<ckpt::Storage>> buffers;
+  for (size_t b = 0; b < std::min(ring, n); ++b) buffers.push_back(ckpt::Storage::Allocate(size, /*zero=*/false));  // on pages
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t next = 0, written = 0;                  // the next piece to fill; pieces written
+  std::vector<size_t> holds(ring, SIZE_MAX);     // per buffer: the piece filled in it
+  std::exception_ptr failed;
+  bool stop = false;
+  auto work = [&] {
+    for (;;) {
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return stop || next == n || next < written + ring; });
+      if (stop || next == n) return;
+      const size_t p = next++;
+      lock.unlock();
+      try {
+        fill(pieces[p], {buffers[p % ring]->mutable_data(), pieces[p].size});
+      } catch (...) {
+        lock.lock();
+        if (!failed) failed = std::current_exception();
+        stop = true;
+        cv.notify_all();
+        return;
+      }
+      lock.lock();
+      holds[p % ring] = p;
+      cv.notify_all();
+    }
+  };
+  std::vector<std::thread> workers;
+  auto join = [&] {
+    {
+      std::lock_guard lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    for (std::thread& t : workers) t.join();
+  };
+  try {
+    for (int t = 0; t < std::max(threads, 1) && static_cast<size_t>(t) < n; ++t) workers.emplace_back(work);
+    for (size_t p = 0; p < n; ++p) {
+      {
+        std::unique_lock lock(mu);
+        cv.wait(lock, [&] { return failed || holds[p % ring] == p; });
+        if (failed) break;
+      }
+      write({buffers[p % ring]->data(), pieces[p].size});
+      std::lock_guard lock(mu);
+      ++written;
+      cv.notify_all();
+    }
+  } catch (...) {
+    join();
+    throw;
+  }
+  join();
+  if (failed) std::rethrow_exception(failed);
+}
+
 // safetensors: u64 header length, the JSON header (8-byte aligned), then
-// tensors[i] for i in `which`, produced a chunk at a time.
+// tensors[i] for i in `which`, produced on o.threads threads while written.
 void WriteSafetensors(const ckpt::LogicalState& src, const std::vector<HfTensor>& tensors, const std::vector<size_t>& which,
-                      const std::string& path, size_t chunk, ckpt::FingerprintCollector* fp, ckpt::Env* env) {
+                      const std::string& path, const HfExportOptions& o, ckpt::Env* env) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   uint64_t at = 0;
   for (size_t i : which) {
@@ -252,28 +394,20 @@ void WriteSafetensors(const ckpt::LogicalState& src, const std::vector<HfTensor>
   header["__metadata__"] = {{"format", "pt"}};
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
+  const size_t size = static_cast<size_t>(std::min<uint64_t>(o.chunk, std::max<uint64_t>(at, 1)));
+  const std::vector<Piece> pieces = PiecesOf(tensors, which, size, 8 + text.size());
+  WholeTurns turns;  // one transposed matrix held at a time, whatever the threads
+  std::map<size_t, std::unique_ptr<Producer>> producers;
+  int transposed = 0;
+  for (size_t i : which) producers[i] = std::make_unique<Producer>(src, tensors[i], o.fingerprints, &turns, tensors[i].transpose ? transposed++ : 0);
   ckpt::WriteFileAtomically(env, path, [&](ckpt::WritableFile& file) {
     uint8_t len[8];
     for (int b = 0; b < 8; ++b) len[b] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * b));
     file.Append({len, 8});
     file.Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
-    // Page-aligned memory, and appends that end on page boundaries of the file (the header
-    // leaves it mid-page): the writer then sends them with O_DIRECT (ckpt/util/env_posix.cc),
-    // not through the page cache, whose copy was a sixth of an export's CPU.
-    constexpr size_t kPage = 4096;
-    const size_t size = static_cast<size_t>(std::min<uint64_t>(chunk, std::max<uint64_t>(at, 1)));
-    const std::shared_ptr<ckpt::Storage> buf = ckpt::Storage::Allocate(size, /*zero=*/false);  // on pages
-    for (size_t i : which) {
-      Producer produce(src, tensors[i], fp);
-      const uint64_t bytes = tensors[i].bytes();
-      for (uint64_t off = 0; off < bytes;) {
-        const size_t room = size > kPage ? size - static_cast<size_t>(file.Size() % kPage) : size;
-        const size_t m = static_cast<size_t>(std::min<uint64_t>(room, bytes - off));
-        produce(off, {buf->mutable_data(), m});
-        file.Append({buf->data(), m});
-        off += m;
-      }
-    }
+    FillAndWrite(
+        pieces, size, o.threads, [&](const Piece& p, std::span<uint8_t> out) { (*producers.at(p.tensor))(p.offset, out); },
+        [&](std::span<const uint8_t> bytes) { file.Append(bytes); });
   });
 }
 
@@ -327,7 +461,7 @@ HfExportSummary WriteHfFolder(const ckpt::LogicalState& src, const std::string& 
       break;
     }
     if (o.bin) ckpt::SavePt(dir + "/" + bin, sd, {.weights_only = true, .stream_chunk = o.chunk}, env);
-    WriteSafetensors(src, tensors, shards[k], dir + "/" + st, o.chunk, o.fingerprints, env);
+    WriteSafetensors(src, tensors, shards[k], dir + "/" + st, o, env);
   }
   if (n > 1 && !o.full_state) {
     if (o.bin)
@@ -388,7 +522,7 @@ HfExportSummary WritePeftFolder(const ckpt::LogicalState& src, const std::string
   std::vector<size_t> all(adapters.size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i, sum.bytes += adapters[i].bytes();
   sum.tensors = adapters.size();
-  WriteSafetensors(src, adapters, all, dir + "/adapter_model.safetensors", o.chunk, o.fingerprints, env);
+  WriteSafetensors(src, adapters, all, dir + "/adapter_model.safetensors", o, env);
   // peft's LoraConfig fields (what PeftModel.from_pretrained reads), lora_dropout the tag's lora_config's.
   // The folder depends on the adapters alone: the same whether the tag also held the base (its model
   // is recorded as the adapters' and no source path is written), so the two saves export alike.

@@ -36,8 +36,9 @@
 //     refused naming the key; without a job config the routing is not known.
 //   - Vocab padding rows are dropped; a tied output layer is HF's tie
 //     (tie_word_embeddings, no lm_head tensor).
-// Memory: Llama tensors stream a chunk at a time; GPT-2's transposed ones
-// hold one logical tensor.
+// Memory: Llama tensors stream a chunk at a time (threads + 1 chunks in
+// flight, HfExportOptions::threads); GPT-2's and Mixtral's transposed ones
+// hold one logical matrix more, one at a time whatever the threads.
 #pragma once
 
 #include <cstdint>
@@ -57,6 +58,10 @@ using ckpt::HfTensorSpec;
 struct HfExportOptions {
   uint64_t max_shard_size = uint64_t{10} << 30;  // bytes per weights file
   size_t chunk = size_t{16} << 20;               // streaming granularity
+  // Threads reading (and re-laying) the safetensors files' next chunks while
+  // this one writes the current one, into a ring of threads + 1 chunks
+  // (ckpt/shard/stream_budget.h sizes the chunk for threads + 1 streams).
+  int threads = 1;
   // Also write torch's pytorch_model*.bin beside model*.safetensors (which
   // transformers prefers, and which alone is written by default).
   bool bin = false;

@@ -1,4 +1,6 @@
 #include "ckpt/shard/reshard.h"
+
+#include "ckpt/shard/stream_budget.h"
 #include "ckpt/spec/lora.h"
 
 #include "ckpt/spec/model_family.h"
@@ -480,18 +482,11 @@ ReshardSummary WriteInLayout(const ckpt::LogicalState& source, const std::string
   }
   ckpt::CheckOutputs({{sum.dst_tag, a.dst.empty() ? "--checkpoint_dir" : "DST", true}}, {{sum.src_tag, "SRC"}});
 
-  // Memory: each writing thread holds one chunk of output (kept in the
-  // planner's pool for the next file, never more chunks than threads) and the
-  // source pages it was copied from (plus up to a large folio mapped past each
-  // end of what it read), those released after every chunk.
+  // Memory: each writing thread is a stream (ckpt/shard/stream_budget.h): one
+  // chunk of output (kept in the planner's pool for the next file, never more
+  // chunks than threads) and the source pages it was copied from.
   const uint64_t base = CurrentRss() + src->ReadMemory() + (a.source_check ? a.source_check->memory() : 0);
-  const uint64_t min_chunk = 256 << 10, slack = 4 << 20, min_thread = 2 * min_chunk + slack;
-  const uint64_t usable = a.memory_budget > base ? a.memory_budget - base : 0;
-  if (usable < uint64_t(a.threads) * min_thread)
-    throw Error("--memory_budget " + ckpt::HumanBytes(a.memory_budget) + " is smaller than one slice: the process already holds " +
-                ckpt::HumanBytes(base) + " (the source's index and read caches) and each of " + std::to_string(a.threads) + " writing thread(s) needs " +
-                ckpt::HumanBytes(min_thread) + " at least; give at least " + ckpt::HumanBytes(base + uint64_t(a.threads) * min_thread));
-  sum.stream_chunk = std::clamp<uint64_t>((usable / a.threads - slack) / 2 / 4096 * 4096, min_chunk, uint64_t{64} << 20);
+  sum.stream_chunk = ckpt::StreamChunk(a.memory_budget, base, a.threads);
   if (a.source_check) a.source_check->Start();
 
   ckpt::FingerprintCollector fingerprints;
