@@ -461,8 +461,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
         // At ep > 1 the engine writes NxD's NeuronEPZero1Optimizer state, which has no place for fp32 master weights
         // (ckpt/shard/reshard.cc TargetEp); a tag holding them is refused here, before every rank starts the reshard.
         if (plan.kind == ckpt::ResumePlan::Kind::kReshard && c.grid.ep > 1 && !c.weight_init_only && HoldsMasterWeights(env, *tag))
-          throw ckpt::Error(*tag + ": cannot resume_reshard it at distributed_strategy.expert_model_parallel_size " + std::to_string(c.grid.ep) +
-                            ": it holds fp32 master weights, which NxD's NeuronEPZero1Optimizer state has no place for; resume it at ep 1, "
+          throw ckpt::Error(*tag + ": cannot resume_reshard it at distributed_strategy.expert_model_parallel_size " +
+                            std::to_string(c.grid.ep) + ": it holds fp32 master weights, which NxD's NeuronEPZero1Optimizer state has no place for; resume it at ep 1, "
                             "or with model.weight_init_only");
         if (plan.kind != ckpt::ResumePlan::Kind::kAsIs && c.virtual_pipeline > 1)
           throw ckpt::Error(*tag + ": cannot resume: it is laid out for another pipeline, and resume_reshard does not write interleaved "
