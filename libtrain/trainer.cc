@@ -49,7 +49,8 @@ std::vector<std::string> DamagedNames(const std::vector<ckpt::DamagedTag>& damag
 std::string ReshardTarget(const std::string& tag, const TrainConfig& c) {
   const ckpt::RankGrid& run = c.grid;
   return std::filesystem::absolute(c.CheckpointDir()).lexically_normal().string() + "-tp" + std::to_string(run.tp) + "pp" +
-         std::to_string(run.pp) + "dp" + std::to_string(run.dp) + "/" + std::filesystem::path(tag).filename().string();
+         std::to_string(run.pp) + "dp" + std::to_string(run.dp) + (run.ep > 1 ? "ep" + std::to_string(run.ep) : "") + "/" +
+         std::filesystem::path(tag).filename().string();
 }
 
 // What this run's config says of the model format, for a tag whose manifest
@@ -67,7 +68,7 @@ ckpt::ReshardArgs ReshardFor(const std::string& tag, const TrainConfig& c) {
   ckpt::ReshardArgs a;
   a.src = std::filesystem::absolute(tag).lexically_normal().string();
   a.dst = ReshardTarget(tag, c);
-  a.tp = c.grid.tp, a.pp = c.grid.pp, a.dp = c.grid.dp, a.zero1 = c.grid.zero1;
+  a.tp = c.grid.tp, a.pp = c.grid.pp, a.dp = c.grid.dp, a.ep = c.grid.ep, a.zero1 = c.grid.zero1;
   a.pipeline_cuts = c.pipeline_cuts;
   a.hints = HintsOf(c);
   a.tool = "resume-reshard";
@@ -91,8 +92,10 @@ std::string ReshardAdvice(const ckpt::ReshardArgs& a, const TrainConfig& c) {
     family = " --out_model_family hf_llama --out_kv_size_multiplier " + std::to_string(c.model.kv_size_multiplier) + " --out_hw_backend " +
              ckpt::BackendName(c.model.hw_backend) + " --out_fuse_qkv " + (c.model.fuse_qkv ? "true" : "false") + " --out_qkv_linear " +
              (c.model.qkv_linear ? "true" : "false");
+  // An MoE tag's ep always: ckpt-reshard's default is the source's.
+  const std::string ep = c.model.format(c.grid.tp).experts > 0 ? " --ep " + std::to_string(*a.ep) : "";
   return "Reshard it with: ckpt-reshard " + a.src + " " + a.dst + " --tp " + std::to_string(a.tp) + " --pp " + std::to_string(a.pp) +
-         " --dp " + std::to_string(*a.dp) + (*a.zero1 ? " --zero1" : " --no-zero1") + cuts + family +
+         " --dp " + std::to_string(*a.dp) + ep + (*a.zero1 ? " --zero1" : " --no-zero1") + cuts + family +
          " and resume from it with exp_manager.resume_from_checkpoint=" + a.dst + " (or set exp_manager.resume_reshard: True)";
 }
 
@@ -185,6 +188,14 @@ std::string LayoutMismatch(ckpt::Env* env, const std::string& tag, const TrainCo
   }
   const auto t = ckpt::ShardedTag::Open(env, tag, HintsOf(c), {.weights_only = c.weight_init_only});
   return MismatchOf(t->layout(), c);
+}
+
+// Whether `tag`'s manifest says its optimizer files hold fp32 master weights (false without a manifest:
+// the reshard engine then finds out from the files).
+bool HoldsMasterWeights(ckpt::Env* env, const std::string& tag) {
+  if (!env->Exists(tag + "/" + ckpt::kManifestFile)) return false;
+  const std::optional<ckpt::RecordedLayout> layout = ckpt::Manifest::Load(env, tag + "/" + ckpt::kManifestFile).layout;
+  return layout && layout->master_weights;
 }
 
 // The rank whose files `rel` (a path in a tag) belongs to: model/ or optim/
@@ -447,10 +458,12 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
         const ckpt::ResumePlan plan = ckpt::PlanResume(env, *tag, c.resume_reshard, reshard.dst,
                                                        [&](const std::string& dir) { return LayoutMismatch(env, dir, c); },
                                                        ReshardAdvice(reshard, c));
-        // The reshard engine writes no NeuronEPZero1Optimizer state yet (ckpt/shard/reshard.cc), so a tag is resharded for ep 1 only.
-        if (plan.kind != ckpt::ResumePlan::Kind::kAsIs && c.grid.ep > 1)
-          throw ckpt::Error(*tag + ": cannot resume: it is laid out for another parallel layout, and resume_reshard does not write tags "
-                                   "at distributed_strategy.expert_model_parallel_size > 1 yet; resume it at its own layout");
+        // At ep > 1 the engine writes NxD's NeuronEPZero1Optimizer state, which has no place for fp32 master weights
+        // (ckpt/shard/reshard.cc TargetEp); a tag holding them is refused here, before every rank starts the reshard.
+        if (plan.kind == ckpt::ResumePlan::Kind::kReshard && c.grid.ep > 1 && !c.weight_init_only && HoldsMasterWeights(env, *tag))
+          throw ckpt::Error(*tag + ": cannot resume_reshard it at distributed_strategy.expert_model_parallel_size " +
+                            std::to_string(c.grid.ep) + ": it holds fp32 master weights, which NxD's NeuronEPZero1Optimizer state has no place for; resume it at ep 1, "
+                            "or with model.weight_init_only");
         if (plan.kind != ckpt::ResumePlan::Kind::kAsIs && c.virtual_pipeline > 1)
           throw ckpt::Error(*tag + ": cannot resume: it is laid out for another pipeline, and resume_reshard does not write interleaved "
                                    "(virtual) pipeline stages; resume it at its own layout, or without " + c.virtual_pipeline_key);
