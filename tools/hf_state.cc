@@ -230,21 +230,45 @@ const ckpt::Value& HfState::Step(const std::string& name) const {
   throw Error(dir_ + ": a Hugging Face folder holds no optimizer state (asked for " + name + "'s step)");
 }
 
-const uint8_t* HfState::Matrix(const HfTensorSpec& spec) const {
+namespace {
+
+// dst[r * stride + c] = tile[c * n + r] for r < n, c < cols: a tile of source rows (each n
+// elements) written as columns, in 32 x 32 blocks so both sides stay in cache.
+template <typename T>
+void TransposeTile(const uint8_t* tile, uint64_t cols, uint64_t n, uint8_t* dst, uint64_t stride) {
+  constexpr uint64_t kBlock = 32;
+  const T* t = reinterpret_cast<const T*>(tile);
+  for (uint64_t r0 = 0; r0 < n; r0 += kBlock)
+    for (uint64_t c0 = 0; c0 < cols; c0 += kBlock)
+      for (uint64_t r = r0; r < std::min(n, r0 + kBlock); ++r)
+        for (uint64_t c = c0; c < std::min(cols, c0 + kBlock); ++c) std::memcpy(dst + (r * stride + c) * sizeof(T), t + c * n + r, sizeof(T));
+}
+
+}  // namespace
+
+void HfState::ReadTransposedBlock(const HfTensorSpec& spec, uint64_t r0, uint64_t n, uint64_t c0, uint64_t c1, uint8_t* dst, uint64_t stride) const {
+  // The matrix is the transpose of the source [width, rows]: its rows [r0, r0 + n) at columns [c0, c1)
+  // are source rows c0..c1, elements [r0, r0 + n) of each, read a tile at a time (at most kTileBytes).
+  constexpr uint64_t kTileBytes = 1 << 20;
   const Source& src = sources_.at(spec.name);
-  if (!spec.transpose) return src.data;
-  // GPT-2's Conv1D [in, out] (a Mixtral expert's w1, w2, w3) is the transpose of the concatenated [rows, width].
-  for (const Transposed& t : transposed_)
-    if (t.name == spec.name) return t.bytes.data();
-  Transposed& t = transposed_[transposed_next_];
-  transposed_next_ = 1 - transposed_next_;
   const size_t es = ckpt::ElementSize(dtype_);
-  const uint64_t width = static_cast<uint64_t>(spec.width), rows = spec.numel() / width;
-  t.bytes.resize(spec.bytes());
-  for (uint64_t r = 0; r < rows; ++r)
-    for (uint64_t c = 0; c < width; ++c) std::memcpy(t.bytes.data() + (r * width + c) * es, src.data + (c * rows + r) * es, es);
-  t.name = spec.name;
-  return t.bytes.data();
+  const uint64_t rows = spec.numel() / static_cast<uint64_t>(spec.width), per_tile = std::max<uint64_t>(1, kTileBytes / (n * es));
+  std::vector<uint8_t> tile(std::min(per_tile, c1 - c0) * n * es);
+  for (uint64_t c = c0; c < c1; c += per_tile) {
+    const uint64_t cols = std::min(per_tile, c1 - c);
+    for (uint64_t i = 0; i < cols; ++i) {
+      const uint64_t at = ((c + i) * rows + r0) * es;
+      const std::span<uint8_t> to(tile.data() + i * n * es, n * es);
+      if (src.read_at) reads_->ReadAt(src.file->path(), src.offset + at, to);
+      else std::memcpy(to.data(), src.data + at, to.size());
+    }
+    uint8_t* d = dst + (c - c0) * es;
+    switch (es) {
+      case 2: TransposeTile<uint16_t>(tile.data(), cols, n, d, stride); break;
+      case 4: TransposeTile<uint32_t>(tile.data(), cols, n, d, stride); break;
+      default: TransposeTile<uint64_t>(tile.data(), cols, n, d, stride); break;
+    }
+  }
 }
 
 void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, std::span<uint8_t> out, ckpt::Touched* touched) const {
@@ -254,45 +278,42 @@ void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, 
   const uint64_t width = static_cast<uint64_t>(ps.front().spec->width), end = begin + out.size() / es;
   std::memset(out.data(), 0, out.size());  // rows no piece holds: vocab padding
   for (const Piece& p : ps) {
-    // Only the transposed matrices held (transposed_) need the lock; a plain piece is read
-    // without it, so the writing threads fault in (read from disk) different pieces at once.
-    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
-    if (p.step != 1 || p.spec->transpose) lock.lock();
-    if (p.step != 1) {
-      ReadStepped(p, begin, out);
+    if (p.spec->transpose) {
+      ReadTransposed(p, begin, out);
       continue;
     }
+    if (p.step != 1) throw Error(dir_ + ": tensor '" + p.spec->name + "' maps to every " + std::to_string(p.step) + "th row untransposed, which no model family has");
     const uint64_t lo = std::max(begin, static_cast<uint64_t>(p.row) * width),
                    hi = std::min(end, static_cast<uint64_t>(p.row + p.rows) * width);
     if (lo >= hi) continue;
     const uint64_t at = (static_cast<uint64_t>(p.from) * width + (lo - static_cast<uint64_t>(p.row) * width)) * es;
     const std::span<uint8_t> to = out.subspan((lo - begin) * es, (hi - lo) * es);
     const Source& src = sources_.at(p.spec->name);
-    if (src.read_at && !p.spec->transpose) {
+    if (src.read_at) {
       reads_->ReadAt(src.file->path(), src.offset + at, to);
       continue;
     }
-    const uint8_t* from = Matrix(*p.spec) + at;
-    std::memcpy(to.data(), from, to.size());
-    // The mapped input's pages are released once the chunk is written, so memory holds chunks,
-    // not the model (a transposed GPT-2 matrix is this state's own copy).
-    if (touched && !p.spec->transpose && src.file) touched->Add(src.file, from, to.size());
+    std::memcpy(to.data(), src.data + at, to.size());
+    // The mapped input's pages are released once the chunk is written, so memory holds chunks, not the model.
+    if (touched && src.file) touched->Add(src.file, src.data + at, to.size());
   }
 }
 
-void HfState::ReadStepped(const Piece& p, uint64_t begin, std::span<uint8_t> out) const {
+void HfState::ReadTransposed(const Piece& p, uint64_t begin, std::span<uint8_t> out) const {
   const size_t es = ckpt::ElementSize(dtype_);
   const uint64_t width = static_cast<uint64_t>(p.spec->width), end = begin + out.size() / es, step = static_cast<uint64_t>(p.step),
-                 row = static_cast<uint64_t>(p.row);
+                 row = static_cast<uint64_t>(p.row), from = static_cast<uint64_t>(p.from);
   // The piece's rows k with row + k * step inside [begin, end) (by whole rows; the ends are clipped below).
   const uint64_t first_row = begin / width, last_row = (end + width - 1) / width;
   uint64_t k = first_row <= row ? 0 : (first_row - row + step - 1) / step;
-  const uint8_t* m = nullptr;
-  for (; k < static_cast<uint64_t>(p.rows) && row + k * step < last_row; ++k) {
+  const uint64_t k_end = std::min<uint64_t>(p.rows, last_row <= row ? 0 : (last_row - row + step - 1) / step);
+  while (k < k_end) {
     const uint64_t at = (row + k * step) * width, lo = std::max(begin, at), hi = std::min(end, at + width);
-    if (lo >= hi) continue;
-    if (!m) m = Matrix(*p.spec);
-    std::memcpy(out.data() + (lo - begin) * es, m + ((static_cast<uint64_t>(p.from) + k) * width + (lo - at)) * es, (hi - lo) * es);
+    uint64_t n = 1;  // a run of whole rows is one block; a clipped row (the range's ends) is one alone
+    if (lo == at && hi == at + width)
+      while (k + n < k_end && (row + (k + n) * step) * width + width <= end) ++n;
+    ReadTransposedBlock(*p.spec, from + k, n, lo - at, hi - at, out.data() + (lo - begin) * es, step * width);
+    k += n;
   }
 }
 

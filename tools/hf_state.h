@@ -13,9 +13,10 @@
 // Logical tensors are rebuilt by inverting ckpt-export's mapping
 // (ckpt::HfTensorsFor in ckpt/spec/model_family.h): q/k/v back into per-head [q;k;v]
 // (or query and per-group [k;v]), gate/up into [gate; up], GPT-2's Conv1D
-// transposed back (one tensor held at a time), a Mixtral's experts (w1, w3,
+// transposed back, a Mixtral's experts (w1, w3,
 // w2 per expert; MixtralForCausalLM, num_local_experts, num_experts_per_tok)
-// transposed back into gate_up_proj and down_proj (two held at a time). Vocab rows past vocab_size
+// transposed back into gate_up_proj and down_proj: each transpose streamed in
+// tiles into the caller's chunk, no matrix held whole. Vocab rows past vocab_size
 // read as zero padding. No optimizer state: the tag is weights only.
 #pragma once
 
@@ -23,7 +24,6 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -116,9 +116,13 @@ class HfState final : public ckpt::LogicalState {
     int64_t step = 1;
   };
   HfState() = default;
-  const uint8_t* Matrix(const HfTensorSpec& spec) const;  // the concatenated matrix of a spec, row-major
-  // Read's copy of a piece of step > 1 (Mixtral's w1 and w3 rows in gate_up_proj), under mu_.
-  void ReadStepped(const Piece& p, uint64_t begin, std::span<uint8_t> out) const;
+  // Read's copy of a transposed piece (GPT-2's Conv1D, Mixtral's experts, whose gate_up_proj rows
+  // alternate between w1 and w3: step 2): runs of its rows in the range, each by ReadTransposedBlock.
+  void ReadTransposed(const Piece& p, uint64_t begin, std::span<uint8_t> out) const;
+  // Rows [r0, r0 + n), columns [c0, c1) of spec's concatenated matrix (the transpose of its source)
+  // into dst, row i at dst + i * stride elements; a tile of at most 1 MiB of source rows at a time,
+  // read with pread (safetensors) or from the mapping (.bin), so nothing is held past the chunk.
+  void ReadTransposedBlock(const HfTensorSpec& spec, uint64_t r0, uint64_t n, uint64_t c0, uint64_t c1, uint8_t* dst, uint64_t stride) const;
 
   std::string dir_;
   ckpt::TagDescription layout_;
@@ -133,15 +137,6 @@ class HfState final : public ckpt::LogicalState {
   ckpt::Value none_;
   std::vector<ckpt::StateBuffer> buffers_;
   std::optional<ckpt::TensorFingerprints> fingerprints_;
-  mutable std::mutex mu_;
-  // The transposed matrices held: two, since a Mixtral expert's gate_up_proj
-  // rows alternate between its w1 and w3 (each read whole once per Read).
-  struct Transposed {
-    std::string name;
-    std::vector<uint8_t> bytes;
-  };
-  mutable Transposed transposed_[2];
-  mutable int transposed_next_ = 0;  // the slot the next one replaces
 };
 
 }  // namespace tools

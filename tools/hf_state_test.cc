@@ -69,15 +69,9 @@ TEST(HfState, AnIndexNamingManyMissingShardsFailsAtTheFirst) {
   EXPECT_LT(SecondsSince(t0), 10.0);  // about a quarter second; finding each shard among all took 53 s
 }
 
-// A Llama folder whose float32 tensors hold 0, 1, 2, ... in file order: its
-// plain pieces are read with pread (Env::NewRandomAccessFile), so an injected
-// read failure reaches the caller naming the file.
-TEST(HfState, PlainPiecesAreReadWithPreadThroughTheEnv) {
-  TempDir d("hf_pread");
-  const nlohmann::json c = {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 16}, {"intermediate_size", 24}, {"num_attention_heads", 4},
-                            {"num_key_value_heads", 2}, {"num_hidden_layers", 2}, {"vocab_size", 32}};
-  std::ofstream(d / "config.json") << c.dump();
-  const auto specs = ckpt::HfTensorsFor(FormatOfHfConfig(c, "config.json"), ckpt::DType::kFloat32);
+// Writes `specs`' tensors as one float32 safetensors file whose elements hold 0, 1, 2, ...
+// in file order; returns its path.
+std::string WriteCountingSafetensors(const std::string& path, const std::vector<HfTensorSpec>& specs) {
   nlohmann::json h = nlohmann::json::object();
   uint64_t at = 0;
   for (const auto& s : specs) {
@@ -87,13 +81,23 @@ TEST(HfState, PlainPiecesAreReadWithPreadThroughTheEnv) {
   const std::string text = h.dump();
   std::vector<float> body(at / 4);
   for (size_t i = 0; i < body.size(); ++i) body[i] = static_cast<float>(i);
-  const std::string path = d / "model.safetensors";
-  {
-    std::ofstream f(path, std::ios::binary);
-    const uint64_t n = text.size();
-    f.write(reinterpret_cast<const char*>(&n), 8).write(text.data(), static_cast<std::streamsize>(n));
-    f.write(reinterpret_cast<const char*>(body.data()), static_cast<std::streamsize>(at));
-  }
+  std::ofstream f(path, std::ios::binary);
+  const uint64_t n = text.size();
+  f.write(reinterpret_cast<const char*>(&n), 8).write(text.data(), static_cast<std::streamsize>(n));
+  f.write(reinterpret_cast<const char*>(body.data()), static_cast<std::streamsize>(at));
+  return path;
+}
+
+// A Llama folder whose float32 tensors hold 0, 1, 2, ... in file order: its
+// plain pieces are read with pread (Env::NewRandomAccessFile), so an injected
+// read failure reaches the caller naming the file.
+TEST(HfState, PlainPiecesAreReadWithPreadThroughTheEnv) {
+  TempDir d("hf_pread");
+  const nlohmann::json c = {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 16}, {"intermediate_size", 24}, {"num_attention_heads", 4},
+                            {"num_key_value_heads", 2}, {"num_hidden_layers", 2}, {"vocab_size", 32}};
+  std::ofstream(d / "config.json") << c.dump();
+  const auto specs = ckpt::HfTensorsFor(FormatOfHfConfig(c, "config.json"), ckpt::DType::kFloat32);
+  const std::string path = WriteCountingSafetensors(d / "model.safetensors", specs);
   ckpt::FaultEnv env(ckpt::Env::Default());
   const auto s = HfState::Open(&env, d.path(), {});
   ASSERT_EQ(specs.front().name, "model.embed_tokens.weight");  // first in the file: elements 0 .. 32 * 16
@@ -107,6 +111,48 @@ TEST(HfState, PlainPiecesAreReadWithPreadThroughTheEnv) {
   env.FailReadAt(1);
   const std::string e = ErrorOf([&] { s->Read(emb, ckpt::StateField::kParam, 0, {reinterpret_cast<uint8_t*>(got.data()), 64}, nullptr); });
   EXPECT_NE(e.find(path + ": read failed"), std::string::npos) << e;
+}
+
+// A Mixtral folder of counting float32 tensors: gate_up_proj[e][h] is [w1[e][:, h]; w3[e][:, h]] and
+// down_proj[e][i] is w2[e][:, i] (the transposes NxD's converter makes), read whole and in ranges
+// that start and end mid-row.
+TEST(HfState, MixtralExpertTransposesAreStreamedIntoAnyRange) {
+  TempDir d("hf_mixtral");
+  const int64_t E = 2, H = 16, I = 24;
+  const nlohmann::json c = {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", H}, {"intermediate_size", I}, {"num_attention_heads", 4},
+                            {"num_key_value_heads", 2}, {"num_hidden_layers", 1}, {"vocab_size", 32}, {"num_local_experts", E},
+                            {"num_experts_per_tok", 1}, {"hidden_act", "silu"}};
+  std::ofstream(d / "config.json") << c.dump();
+  const auto specs = ckpt::HfTensorsFor(FormatOfHfConfig(c, "config.json"), ckpt::DType::kFloat32);
+  WriteCountingSafetensors(d / "model.safetensors", specs);
+  std::map<std::string, float> first;  // each HF tensor's first element: its offset in the file, in floats
+  std::map<std::string, std::string> logical;
+  float at = 0;
+  for (const auto& s : specs) {
+    first[s.name] = at, at += static_cast<float>(s.numel());
+    logical[s.name] = s.blocks.front().name;
+  }
+  const std::string x = "model.layers.0.block_sparse_moe.experts.";
+  const std::string gate_up = logical.at(x + "0.w1.weight"), down = logical.at(x + "0.w2.weight");
+  std::vector<float> want_gate_up(E * H * 2 * I), want_down(E * I * H);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < I; ++j) {
+        const std::string p = x + std::to_string(e);
+        want_gate_up[(e * H + h) * 2 * I + j] = first.at(p + ".w1.weight") + static_cast<float>(j * H + h);
+        want_gate_up[(e * H + h) * 2 * I + I + j] = first.at(p + ".w3.weight") + static_cast<float>(j * H + h);
+        want_down[(e * I + j) * H + h] = first.at(p + ".w2.weight") + static_cast<float>(h * I + j);
+      }
+  const auto s = HfState::Open(ckpt::Env::Default(), d.path(), {});
+  for (const auto& [name, want] : {std::pair{gate_up, want_gate_up}, std::pair{down, want_down}}) {
+    // Whole, then ranges clipping rows at both ends (7 and 13 elements: never a row's width).
+    for (const uint64_t len : {static_cast<uint64_t>(want.size()), uint64_t{7}, uint64_t{13 * 16 + 5}})
+      for (uint64_t begin = 0; begin + len <= want.size(); begin += len == want.size() ? 1 : len + 3) {
+        std::vector<float> got(len, -1.0f);
+        s->Read(name, ckpt::StateField::kParam, begin, {reinterpret_cast<uint8_t*>(got.data()), len * 4}, nullptr);
+        for (uint64_t i = 0; i < len; ++i) ASSERT_EQ(got[i], want[begin + i]) << name << " element " << begin + i << " (read from " << begin << ")";
+      }
+  }
 }
 
 }  // namespace
