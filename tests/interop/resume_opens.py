@@ -111,12 +111,14 @@ class ResumeOpens(TempDirTest):
         opens = self.opens(traced, 2, tag)
         for rel in [rank_file("model", 0, 0, 0), rank_file("optim", 0, 0, 0)]:
             per_rank = [got[rel] for got in opens]
-            # The reshard's own reading opens it alike on every rank (its index; the copy); one rank, and
-            # only one, opens it twice more to check it against the manifest: its checksum, then that it
-            # loads. (Before, rank 0 did that twice, and read its layout besides: 5 more.)
+            # The reshard's own reading opens it on every rank for its index, and once more on a rank that
+            # copies from it (the pread descriptor of ckpt/util/open_file_cache.h; the index maps it); one
+            # rank, and only one, opens it twice more to check it against the manifest: its checksum, then
+            # that it loads. So the ranks differ by 2, or 3 when only the checking rank copies. (Before,
+            # rank 0 did the check twice, and read its layout besides: 5 more.)
             low, high = sorted(per_rank)
             self.assertGreaterEqual(low, 1, f"{rel}: opened {per_rank} times by ranks 0, 1")
-            self.assertEqual(high - low, 2, f"{rel}: opened {per_rank} times by ranks 0, 1")
+            self.assertIn(high - low, (2, 3), f"{rel}: opened {per_rank} times by ranks 0, 1")
 
 if __name__ == "__main__":
     unittest.main()
