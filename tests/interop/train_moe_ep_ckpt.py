@@ -91,6 +91,32 @@ def load(path):
     return torch.load(path, map_location="cpu")
 
 
+def assert_killed_run_resumes_exactly(test, argv, ranks):
+    """Killed after an async xser save, an ep > 1 run of `ranks` ranks resumes to exactly the uninterrupted run:
+    the same losses and every model and optim file byte for byte. `argv(run_dir, *overrides, steps=)`."""
+    extra = ["exp_manager.async_checkpointing=True", "exp_manager.checkpoint_callback_params.every_n_train_steps=5",
+             "exp_manager.checkpoint_callback_params.save_top_k=-1"]
+    steps = 30
+    test.trained(argv("full", *extra, steps=steps), ranks=ranks)
+    p = start_until(test, mpirun(ranks) + [TRAIN, *argv("killed", *extra, steps=steps)], test.dir,
+                    os.path.join(test.dir, "killed", "checkpoints", "*step=5-*", "done"), 120)
+    pids = subprocess.run(["pgrep", "-P", str(p.pid), "-f", "shardkit-train"], capture_output=True, text=True).stdout.split()
+    test.assertEqual(len(pids), ranks)
+    os.kill(int(pids[-1]), signal.SIGKILL)
+    test.assertNotEqual(p.wait(timeout=60), 0)
+    test.assertLess(max(losses(os.path.join(test.dir, "killed"))), steps)
+    r = test.trained(argv("killed", *extra, "exp_manager.resume_if_exists=True", steps=steps), ranks=ranks)
+    test.assertRegex(r.stderr, r"resumed from \S*step=(5|10|15|20|25)-")
+    test.assertEqual(losses(os.path.join(test.dir, "killed")), losses(os.path.join(test.dir, "full")))
+    full, killed = test.tag("full", steps), test.tag("killed", steps)
+    every = sorted(os.path.relpath(os.path.join(r, n), full) for r, _, ns in os.walk(full) for n in ns
+                   if os.path.relpath(r, full).split(os.sep)[0] in ("model", "optim"))
+    test.assertGreater(len(every), 100)  # xser: a file per tensor
+    for rel in every:
+        with open(os.path.join(full, rel), "rb") as f1, open(os.path.join(killed, rel), "rb") as f2:
+            test.assertEqual(f1.read(), f2.read(), f"{rel} differs")
+
+
 class TrainMoeEpCkpt(TempDirTest):
     def setUp(self):
         super().setUp()
@@ -183,27 +209,7 @@ class TrainMoeEpCkpt(TempDirTest):
                 self.assertEqual(tuple(optim["shape_info"][off]), (2, 16, 64))
 
     def test_killed_run_resumes_exactly(self):
-        extra = ["exp_manager.async_checkpointing=True", "exp_manager.checkpoint_callback_params.every_n_train_steps=5",
-                 "exp_manager.checkpoint_callback_params.save_top_k=-1"]
-        steps = 30
-        self.trained(self.argv("full", *extra, steps=steps, xser=True), ranks=4)
-        p = start_until(self, mpirun(4) + [TRAIN, *self.argv("killed", *extra, steps=steps, xser=True)], self.dir,
-                        os.path.join(self.dir, "killed", "checkpoints", "*step=5-*", "done"), 120)
-        ranks = subprocess.run(["pgrep", "-P", str(p.pid), "-f", "shardkit-train"], capture_output=True, text=True).stdout.split()
-        self.assertEqual(len(ranks), 4)
-        os.kill(int(ranks[-1]), signal.SIGKILL)
-        self.assertNotEqual(p.wait(timeout=60), 0)
-        self.assertLess(max(losses(os.path.join(self.dir, "killed"))), steps)
-        r = self.trained(self.argv("killed", *extra, "exp_manager.resume_if_exists=True", steps=steps, xser=True), ranks=4)
-        self.assertRegex(r.stderr, r"resumed from \S*step=(5|10|15|20|25)-")
-        self.assertEqual(losses(os.path.join(self.dir, "killed")), losses(os.path.join(self.dir, "full")))
-        full, killed = self.tag("full", steps), self.tag("killed", steps)
-        every = sorted(os.path.relpath(os.path.join(r, n), full) for r, _, ns in os.walk(full) for n in ns
-                       if os.path.relpath(r, full).split(os.sep)[0] in ("model", "optim"))
-        self.assertGreater(len(every), 100)  # xser: a file per tensor
-        for rel in every:
-            with open(os.path.join(full, rel), "rb") as f1, open(os.path.join(killed, rel), "rb") as f2:
-                self.assertEqual(f1.read(), f2.read(), f"{rel} differs")
+        assert_killed_run_resumes_exactly(self, lambda run_dir, *extra, steps: self.argv(run_dir, *extra, steps=steps, xser=True), 4)
 
     def test_what_does_not_work_is_refused_by_name(self):
         self.trained(self.argv("ep2"), ranks=4)

@@ -34,6 +34,7 @@ from canon import VERIFY, TempDirTest, run
 from indexed_dataset_interop import megatron_write
 from train_resume import losses
 import train_moe  # its tiny HF Mixtral and its shrink of the HF configs (a module: its tests run in their own file)
+import train_moe_ep_ckpt  # its killed-run check at ep > 1 (a module: its tests run in their own file)
 import trainer_refuses  # its shrink of NxDT's configs (imported as a module: its tests run in their own file)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,6 +64,7 @@ class TrainMoeMegatron(TempDirTest):
 
     train = train_moe.TrainMoe.train  # plain functions: these run in this class
     trained = train_moe.TrainMoe.trained
+    tag = train_moe.TrainMoe.tag
 
     def model_file(self, run_dir, step, tp_rank=0):
         (tag,) = glob.glob(os.path.join(self.dir, run_dir, "checkpoints", f"*--step={step}-*.ckpt"))
@@ -150,6 +152,14 @@ class TrainMoeMegatron(TempDirTest):
     def test_killed_run_resumes_exactly(self):
         train_moe.assert_resumes_exactly(self, lambda run_dir, *extra: self.argv(CONFIGS[0], run_dir, *extra, steps=8),
                                          self.model_file)
+
+    def test_killed_run_resumes_exactly_at_ep2(self):
+        """dp 2 ep 2 (two ranks): the Megatron style saves NxD's ep layout (NeuronEPZero1Optimizer files; NxD's
+        load_checkpoint reads such a tag: nxd_mixtral/load_check_train_megatron_ep2.out.txt) and resumes exactly."""
+        ep2 = ["precision.type=fp32", "distributed_strategy.expert_model_parallel_size=2",
+               "exp_manager.create_checkpoint_callback=True", "exp_manager.save_xser=True"]
+        train_moe_ep_ckpt.assert_killed_run_resumes_exactly(
+            self, lambda run_dir, *extra, steps: self.argv(CONFIGS[0], run_dir, *ep2, *extra, devices=2, steps=steps), 2)
 
     def test_what_is_not_built_is_refused_by_name(self):
         cases = [
