@@ -4,7 +4,7 @@ A tiny HF Mixtral (train_moe_ep_ckpt's, fp32) runs 6 steps at layout A on 4 rank
 layout B resumes from the step 3 tag with resume_reshard: every rank reshards it together (ZeRO-1 optimizer
 state included: NxD's NeuronEPZero1Optimizer at ep > 1), then trains to step 6. Its losses and gradient norms
 over steps 4-6 equal the uninterrupted layout-A run within 1e-5 (what the dense resume_reshard test,
-train_parallel.py, asserts; layouts differ by summation order only). Cases: ep 1 tp 1 -> tp 2; ep 2 -> ep 1;
+train_parallel.py, asserts; layouts differ by summation order only). Cases: ep 1 tp 1 -> tp 2; ep 2 -> ep 1; ep 2 tp 2 -> pp 2;
 ep 1 -> ep 2. A tag holding fp32 master weights (mixed precision) is refused at ep > 1 by name: NxD's
 NeuronEPZero1Optimizer state has no place for them.
 """
@@ -25,12 +25,13 @@ STEPS = 6
 
 
 class TrainMoeResumeReshard(TrainMoeEpCkpt):
-    def resume_at(self, run, source, tp, ep):
-        """Run `run` at tp/ep resumes `source`'s step 3 tag with resume_reshard; returns the resharded tag."""
+    def resume_at(self, run, source, tp, ep, pp=1):
+        """Run `run` at tp/ep/pp resumes `source`'s step 3 tag with resume_reshard; returns the resharded tag."""
         tag = self.tag(source, 3)
         r = self.trained(self.argv(run, f"exp_manager.resume_from_checkpoint={tag}", "+exp_manager.resume_reshard=True",
-                                   *EVERY_3, tp=tp, ep=ep, steps=STEPS), ranks=4)
-        new_tag = os.path.join(self.dir, run, f"checkpoints-tp{tp}pp1dp{4 // tp}" + (f"ep{ep}" if ep > 1 else ""),
+                                   f"distributed_strategy.pipeline_model_parallel_size={pp}", *EVERY_3, tp=tp, ep=ep, steps=STEPS),
+                         ranks=4)
+        new_tag = os.path.join(self.dir, run, f"checkpoints-tp{tp}pp{pp}dp{4 // (tp * pp)}" + (f"ep{ep}" if ep > 1 else ""),
                                os.path.basename(tag))
         self.assertIn(f"resharding it into {new_tag}", r.stderr)
         self.assertIn("resumed from " + new_tag, r.stderr)
@@ -58,6 +59,10 @@ class TrainMoeResumeReshard(TrainMoeEpCkpt):
         # ep 1 -> ep 2 (tp 1 dp 4 -> tp 2 dp 2 ep 2): written as NxD's ep layout, its optimizer NeuronEPZero1Optimizer's.
         ep2 = self.resume_at("to_ep2", "ep1", tp=2, ep=2)
         self.assertEqual(files(ep2), files(self.tag("ep2", 3)))
+        # ep 2 at tp 2 -> pp 2 (tp 1 pp 2 dp 2 ep 2): each stage's layer, its experts cut over ep as before.
+        pp2 = self.resume_at("to_pp2", "ep2", tp=1, ep=2, pp=2)
+        self.assertEqual(files(pp2), sorted([f"model/dp_rank_00_ep_rank_0{e}_tp_rank_00_pp_rank_0{p}.pt" for e in (0, 1) for p in (0, 1)] +
+                                            [f"optim/dp_rank_0{d}_tp_rank_00_pp_rank_0{p}.pt" for d in (0, 1) for p in (0, 1)]))
 
     def test_master_weights_are_refused_at_ep_above_1_by_name(self):
         # Mixed precision (the config's own precision), masters saved: the ep 1 tag holds fp32 master weights.
