@@ -47,9 +47,11 @@ output: 1B needs about 61 GiB). --keep keeps the HF folders and tags (outputs ar
 still deleted), and the need counts them.
 """
 import argparse
+import ctypes
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -112,6 +114,29 @@ with open(os.path.join(out, "config.json"), "w") as f:
 '''
 
 
+def die_with_parent():
+    """In a child before exec: the kernel sends it SIGTERM when this process ends (prctl
+    PR_SET_PDEATHSIG), so a killed benchmark leaves no generator writing into a folder its
+    caller may remove (the 7B run's FileNotFoundError for config.json: an orphaned generator
+    that wrote the 12 GB safetensors file into a removed folder, then could not create the next file)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+CHILD = {"preexec_fn": die_with_parent}
+
+
+def stop_on_signal(signum, _frame):
+    """SIGTERM or SIGHUP ends the run through `finally` (a child is killed by subprocess, the work folder removed)."""
+    raise SystemExit(f"stopped by signal {signal.Signals(signum).name}")
+
+
+def require_files(folder, names):
+    """Each of `names` exists in `folder`, or exit naming the first that does not."""
+    for n in names:
+        if not os.path.isfile(os.path.join(folder, n)):
+            raise SystemExit(f"{os.path.join(folder, n)}: missing after its generator exited 0 (was {folder} removed meanwhile?)")
+
+
 def tree_bytes(root):
     if os.path.isfile(root):
         return os.path.getsize(root)
@@ -126,7 +151,7 @@ def params(hidden, ffn, layers, kv=KV):
 def run(cmd, check=True):
     """(seconds, peak RSS, bytes read, bytes written) of a child, from os.wait4."""
     t0 = time.time()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **CHILD)
     err = p.stderr.read().decode(errors="replace")
     _, status, ru = os.wait4(p.pid, 0)
     if check and status != 0:
@@ -140,9 +165,9 @@ def dd_limit(scratch, read_bytes, write_bytes, out):
     settle(out)
     t0 = time.time()
     r = subprocess.Popen(["dd", f"if={scratch}", "of=/dev/null", "iflag=direct", "bs=4M", f"count={-(-read_bytes // (4 * mib))}"],
-                         stderr=subprocess.DEVNULL)
+                         stderr=subprocess.DEVNULL, **CHILD)
     w = subprocess.Popen(["dd", "if=/dev/zero", f"of={out}", "oflag=direct", "bs=4M", f"count={-(-write_bytes // (4 * mib))}",
-                          "conv=fsync"], stderr=subprocess.DEVNULL)
+                          "conv=fsync"], stderr=subprocess.DEVNULL, **CHILD)
     if r.wait() or w.wait():
         raise SystemExit("dd failed")
     secs = time.time() - t0
@@ -207,7 +232,7 @@ class Bench:
         have = os.path.getsize(self.scratch) if os.path.exists(self.scratch) else 0
         if have < nbytes:
             subprocess.run(["dd", "if=/dev/urandom", f"of={self.scratch}", "bs=4M", f"count={-(-nbytes // (4 << 20))}", "oflag=direct"],
-                           check=True, stderr=subprocess.DEVNULL)
+                           check=True, stderr=subprocess.DEVNULL, **CHILD)
 
     def job(self, label, kind, command, argv, src, out, estimate, keep=False, check=None):
         """Runs `command` from a cold cache and measures it, then its dd and cp limits. Its output
@@ -247,7 +272,8 @@ class Bench:
         hf = os.path.join(d, "hf_folder")
         if self.dry is None:
             os.makedirs(d)
-            subprocess.run([PY, "-c", GEN_HF, hf, str(hidden), str(ffn), str(layers), str(HEADS), str(KV), str(VOCAB)], check=True)
+            subprocess.run([PY, "-c", GEN_HF, hf, str(hidden), str(ffn), str(layers), str(HEADS), str(KV), str(VOCAB)], check=True, **CHILD)
+            require_files(hf, ["model.safetensors", "config.json"])
         else:
             self.made(hf, model)
         hf_args = ["--format", "hf", "--model_source", "hf", "--fuse_qkv", "true", "--qkv_linear", "true", "--kv_size_multiplier", "4",
@@ -273,13 +299,13 @@ class Bench:
         if self.dry is None:
             os.makedirs(d)
             # reshard.py's generator: NxD's Megatron-style tag with ZeRO-1 AdamW state and fp32 masters, hidden from its table.
-            subprocess.run([PY, os.path.join(HERE, "reshard.py"), "--generate", tag, str(hidden), str(layers), "8", "1", "2"], check=True)
+            subprocess.run([PY, os.path.join(HERE, "reshard.py"), "--generate", tag, str(hidden), str(layers), "8", "1", "2"], check=True, **CHILD)
         else:
             self.made(tag, optim)
         kind = "optimizer"
 
         def verify(out):
-            v = subprocess.run([self.bin("ckpt-verify"), out, "--against", tag, *map(str, OPTIM_HINTS)], capture_output=True, text=True)
+            v = subprocess.run([self.bin("ckpt-verify"), out, "--against", tag, *map(str, OPTIM_HINTS)], capture_output=True, text=True, **CHILD)
             print(f"      ckpt-verify --against: {'equal' if v.returncode == 0 else 'DIFFERS: ' + v.stdout[-500:] + v.stderr[-500:]}")
 
         self.job(label, kind, "ckpt-reshard", [tag, os.path.join(d, "out"), "--tp", 8, "--pp", 4, "--dp", 1, "--zero1", *OPTIM_HINTS,
@@ -330,6 +356,8 @@ def main():
             raise SystemExit(f"--sizes: '{s}' is not one of {', '.join(SIZES)}")
     if not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         print("note: not root: the page cache is not dropped between jobs (the figures are warm-cache ones)")
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop_on_signal)
     work = tempfile.mkdtemp(prefix="scale_", dir=a.dir)
     b = Bench(a, work)
     print(f"{'size':>5s} {'tag':9s} {'command':13s} {'source':>11s}    {'output':>10s} {'time':>10s} {'peak RSS':>11s}")
