@@ -28,11 +28,11 @@ namespace {
 // Every regular file under `root`, relative, skipping nothing. A folder
 // linked out of `root` (model/, an xser .tensors folder) is an entry of its
 // own, for the caller to refuse, and is never listed.
-void Walk(Env* env, const std::string& root, const std::string& rel, std::vector<std::string>* out) {
+void Walk(Env* env, const std::string& root, const ConfinedTree& tree, const std::string& rel, std::vector<std::string>* out) {
   const std::string dir = rel.empty() ? root : root + "/" + rel;
   for (const auto& name : env->ListDir(dir)) {
     const std::string r = rel.empty() ? name : rel + "/" + name;
-    if (env->IsDirectory(root + "/" + r) && ResolvesInside(root, root + "/" + r)) Walk(env, root, r, out);
+    if (env->IsDirectory(root + "/" + r) && tree.Inside(root + "/" + r)) Walk(env, root, tree, r, out);
     else out->push_back(r);
   }
 }
@@ -189,7 +189,8 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
     return r;
   }
   std::vector<std::string> files;
-  Walk(env, tag_dir, "", &files);
+  const ConfinedTree tree(tag_dir);
+  Walk(env, tag_dir, tree, "", &files);
   const std::set<std::string> present(files.begin(), files.end());
   r.has_done = present.count(kDoneMarker);
   r.has_manifest = present.count(kManifestFile);
@@ -203,7 +204,7 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
   std::set<std::string> outside;
   for (const auto& f : files) {
     std::error_code ec;
-    if (!ResolvesInside(tag_dir, tag_dir + "/" + f)) {
+    if (!tree.Inside(tag_dir + "/" + f)) {
       outside.insert(f);
       problem(f, "resolves to " + ResolvedPath(tag_dir + "/" + f) + ", outside the tag (a symbolic link); not read");
     } else if (!std::filesystem::is_regular_file(tag_dir + "/" + f, ec)) {  // a FIFO would block a reader
@@ -338,13 +339,14 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
 std::vector<TagProblem> VerifyListedContent(Env* env, const std::string& tag_dir, const Manifest& m, const std::vector<std::string>& files) {
   std::vector<TagProblem> problems;
   std::mutex mu;
+  const ConfinedTree tree(tag_dir);
   tbb::parallel_for(size_t{0}, files.size(), [&](size_t i) {
     const std::string& rel = files[i];
     const std::string path = tag_dir + "/" + rel;
     const auto want = m.files.find(rel);
     std::error_code ec;
     // What VerifyTag without checksums reports (unlisted, missing, outside, not regular, wrong size) is not read.
-    if (want == m.files.end() || IsTempPath(rel) || !env->Exists(path) || !ResolvesInside(tag_dir, path) ||
+    if (want == m.files.end() || IsTempPath(rel) || !env->Exists(path) || !tree.Inside(path) ||
         !std::filesystem::is_regular_file(path, ec))
       return;
     std::string what;

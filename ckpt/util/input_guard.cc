@@ -1,5 +1,7 @@
 #include "ckpt/util/input_guard.h"
 
+#include <sys/stat.h>
+
 #include <filesystem>
 #include <vector>
 
@@ -53,6 +55,23 @@ void ConfinedFolder::Require(const std::string& name) const {
   std::error_code ec;
   // Not a link: a name in a folder that resolves inside root is inside root.
   if (fs::is_symlink(fs::symlink_status(path, ec)) || ec) RequireInside(root_, path);
+}
+
+// realpath(folder/name) is realpath(folder)/name when name is no link, so a
+// folder inside the root vouches for its plain files.
+bool ConfinedTree::Inside(const std::string& path) const {
+  const size_t slash = path.rfind('/');
+  const std::string name = slash == std::string::npos ? "" : path.substr(slash + 1);
+  struct stat st;
+  if (name.empty() || name == "." || name == ".." || ::lstat(path.c_str(), &st) != 0 || S_ISLNK(st.st_mode)) return ResolvesInside(root_, path);
+  const std::string folder = slash == 0 ? "/" : path.substr(0, slash);
+  bool inside;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = folders_.find(folder);
+    inside = it != folders_.end() ? it->second : folders_.emplace(folder, ResolvesInside(root_, folder)).first->second;
+  }
+  return inside || ResolvesInside(root_, path);  // outside: the path itself may be the Hugging Face cache's blobs/
 }
 
 }  // namespace ckpt

@@ -5,6 +5,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "ckpt/util/env.h"
 #include "ckpt/util/error.h"
@@ -61,6 +64,43 @@ TEST(InputGuard, AHuggingFaceCacheSnapshotMayLinkIntoItsBlobsOnly) {
   fs::create_directories(plain);
   fs::create_symlink(cache + "/blobs/0123", plain + "/w");
   EXPECT_FALSE(ResolvesInside(plain, plain + "/w"));
+}
+
+// ConfinedTree answers as ResolvesInside does for every kind of path: plain
+// files, links in and out, a linked folder, a missing file, the folder itself
+// named through a link, and a snapshot's blobs (each asked twice: the second
+// answer comes from the folder cache).
+TEST(InputGuard, AConfinedTreeAnswersAsResolvesInside) {
+  TempDir d("inguard");
+  const std::string root = d.path() + "/tag", out = d.path() + "/elsewhere";
+  fs::create_directories(root + "/model/r0.pt.tensors");
+  fs::create_directories(out + "/sub");
+  Touch(root + "/model/r0.pt.tensors/tensor_0.pt");
+  Touch(root + "/model/r0.pt");
+  Touch(out + "/secret");
+  Touch(out + "/sub/tensor_1.pt");
+  fs::create_symlink("../r0.pt", root + "/model/r0.pt.tensors/in.pt");
+  fs::create_symlink(out + "/secret", root + "/model/r0.pt.tensors/out.pt");
+  fs::create_directory_symlink(out + "/sub", root + "/model/r1.pt.tensors");
+  fs::create_directory_symlink(root + "/model", d.path() + "/model_alias");
+  const std::vector<std::pair<std::string, bool>> cases = {
+      {root + "/model/r0.pt.tensors/tensor_0.pt", true}, {root + "/model/r0.pt", true},
+      {root + "/model/r0.pt.tensors/in.pt", true},       {root + "/model/r0.pt.tensors/out.pt", false},
+      {root + "/model/r1.pt.tensors/tensor_1.pt", false}, {root + "/model/r1.pt.tensors", false},
+      {root + "/model/missing.pt", true},                {root + "/model/..", true},
+      {root + "/../elsewhere/secret", false},            {d.path() + "/model_alias/r0.pt", true}};
+  const ConfinedTree tree(root);
+  for (int pass = 0; pass < 2; ++pass)
+    for (const auto& [path, inside] : cases) {
+      EXPECT_EQ(ResolvesInside(root, path), inside) << path;
+      EXPECT_EQ(tree.Inside(path), inside) << path << " (pass " << pass << ")";
+    }
+  const std::string cache = d.path() + "/models--org--m", snap = cache + "/snapshots/abc";
+  fs::create_directories(snap);
+  fs::create_directories(cache + "/blobs");
+  const ConfinedTree snapshot(snap);
+  EXPECT_TRUE(snapshot.Inside(cache + "/blobs"));  // its folder lies outside the snapshot; the path itself is allowed
+  EXPECT_FALSE(snapshot.Inside(cache + "/refs"));
 }
 
 TEST(InputGuard, AFifoIsRefusedByMapFileWithoutBlocking) {
