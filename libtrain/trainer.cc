@@ -1,6 +1,7 @@
 #include "libtrain/trainer.h"
 
 #include "ckpt/mpi/mpi_group.h"
+#include "ckpt/spec/ep_zero1_state.h"
 #include "ckpt/spec/model_family.h"
 
 #include <unistd.h>
@@ -459,8 +460,11 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
                                                        [&](const std::string& dir) { return LayoutMismatch(env, dir, c); },
                                                        ReshardAdvice(reshard, c));
         // At ep > 1 the engine writes NxD's NeuronEPZero1Optimizer state, which has no place for fp32 master weights
-        // (ckpt/shard/reshard.cc TargetEp); a tag holding them is refused here, before every rank starts the reshard.
-        if (plan.kind == ckpt::ResumePlan::Kind::kReshard && c.grid.ep > 1 && !c.weight_init_only && HoldsMasterWeights(env, *tag))
+        // (ckpt/spec/ep_zero1_state.h EpOptimizerBarOf, the engine's check); a tag holding them is refused here, before
+        // every rank starts the reshard.
+        if (plan.kind == ckpt::ResumePlan::Kind::kReshard &&
+            ckpt::EpOptimizerBarOf(c.grid.ep, !c.weight_init_only, c.grid.zero1, HoldsMasterWeights(env, *tag)) ==
+                ckpt::EpOptimizerBar::kMasterWeights)
           throw ckpt::Error(*tag + ": cannot resume_reshard it at distributed_strategy.expert_model_parallel_size " +
                             std::to_string(c.grid.ep) + ": it holds fp32 master weights, which NxD's NeuronEPZero1Optimizer state has no place for; resume it at ep 1, "
                             "or with model.weight_init_only");

@@ -321,14 +321,15 @@ ckpt::ModelFormat TargetFormat(const ckpt::ModelFormat& from, const ReshardArgs&
 
 // The target's ep (the source's unless --ep), inside dp (RankGrid::ep). An
 // expert-parallel target's optimizer is NxD's NeuronEPZero1Optimizer
-// (ckpt/spec/ep_zero1_state.h): ZeRO-1, without master weights.
+// (ckpt/spec/ep_zero1_state.h EpOptimizerBarOf): ZeRO-1, without master weights.
 int TargetEp(const ReshardArgs& a, const ckpt::TagDescription& L, bool zero1, int& dp, std::vector<std::string>& notes) {
   const int ep = a.ep.value_or(L.grid.ep);
   if (ep < 1 || ep > ckpt::kMaxRanks) throw Error("--ep " + std::to_string(ep) + " is not from 1 to " + std::to_string(ckpt::kMaxRanks));
-  if (ep > 1 && L.has_optimizer && !zero1)
+  const ckpt::EpOptimizerBar bar = ckpt::EpOptimizerBarOf(ep, L.has_optimizer, zero1, L.master_weights);
+  if (bar == ckpt::EpOptimizerBar::kPlain)
     throw Error("--ep " + std::to_string(ep) + ": NxD saves an expert-parallel MoE optimizer as NeuronEPZero1Optimizer (ZeRO-1) state; shardkit "
                 "writes no plain optimizer files at ep > 1; keep --zero1 or pass --weights_only");
-  if (ep > 1 && L.has_optimizer && L.master_weights)
+  if (bar == ckpt::EpOptimizerBar::kMasterWeights)
     throw Error("--ep " + std::to_string(ep) + ": the source holds fp32 master weights, which NxD's NeuronEPZero1Optimizer state dict has no "
                 "place for (it saves none); pass --weights_only, or keep ep 1");
   if (dp % ep == 0) return ep;

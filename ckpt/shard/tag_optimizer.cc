@@ -269,9 +269,7 @@ Grouping OptimizerReader::Choose(const std::vector<std::vector<size_t>>& sizes, 
 // initialize_model_parallel lays ranks [PP, DP_exp, EP, TP]). It holds no
 // master weights, so the tag has none.
 void OptimizerReader::ReadEpFile(const OptimizerStage& stage, const OptimizerFileRead& f, const Value& v) {
-  if (!L_.grid.zero1 || !IsEpZero1File(v))
-    throw Error(f.where + ": is not NxD's NeuronEPZero1Optimizer state dict (ep_param_group_offset and its ZeRO-1 parts), which shardkit reads "
-                          "as the optimizer state of an expert-parallel (ep " + std::to_string(L_.grid.ep) + ") tag");
+  if (!L_.grid.zero1 || !IsEpZero1File(v)) throw Error(NotEpZero1Message(f.where, L_.grid.ep));
   const EpZero1File file = ParseEpZero1File(v, f.where);
   std::vector<std::vector<size_t>> sizes;
   for (const OptimizerFile* part : {&file.non_expert, &file.expert}) sizes.push_back(NonEmpty(ParamGroupSizes(part->param_groups, f.where)));

@@ -79,6 +79,17 @@ void CheckOffset(const Dict& top, const char* key, int64_t want, const std::stri
 
 bool IsEpZero1File(const Value& file) { return file.is_dict() && file.as_dict().Find(kGroupOffset) != nullptr; }
 
+std::string NotEpZero1Message(const std::string& where, int ep) {
+  return where + ": is not NxD's NeuronEPZero1Optimizer state dict (ep_param_group_offset and its ZeRO-1 parts), which shardkit reads "
+                 "as the optimizer state of an expert-parallel (ep " + std::to_string(ep) + ") tag";
+}
+
+EpOptimizerBar EpOptimizerBarOf(int ep, bool has_optimizer, bool zero1, bool master_weights) {
+  if (ep <= 1 || !has_optimizer) return EpOptimizerBar::kNone;
+  if (!zero1) return EpOptimizerBar::kPlain;
+  return master_weights ? EpOptimizerBar::kMasterWeights : EpOptimizerBar::kNone;
+}
+
 EpZero1File ParseEpZero1File(const Value& file, const std::string& where) {
   if (!file.is_dict()) throw Error(where + " is a " + file.kind_name() + ", not a dict");
   const Dict& top = file.as_dict();
@@ -194,7 +205,8 @@ std::vector<EpZero1Entry> EpZero1Entries(const EpGroupings& g, const RankGrid& g
 
 std::string EpZero1ShardProblem(const Value& file, int dp, int ep, const std::string& where) {
   if (ep < 1 || dp % ep != 0) return where + ": a grid of dp " + std::to_string(dp) + " and ep " + std::to_string(ep) + ", where NxD lays ep inside dp";
-  if (!IsEpZero1File(file)) return Zero1ShardProblem(file, dp, where);  // an xser info.pt; a plain ZeRO-1 file the reader refuses
+  if (!IsEpZero1File(file))  // an optimizer state dict of another form, or an xser info.pt
+    return file.is_dict() && file.as_dict().Find("param_groups") ? NotEpZero1Message(where, ep) : Zero1ShardProblem(file, dp, where);
   EpZero1File parts;
   try {
     parts = ParseEpZero1File(file, where);

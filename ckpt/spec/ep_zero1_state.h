@@ -43,6 +43,21 @@ struct EpZero1File {
 // Whether `file` is such a combined state dict (it holds ep_param_group_offset).
 bool IsEpZero1File(const Value& file);
 
+// The refusal of optim file `where` of an expert-parallel (ep `ep`) tag when
+// it is not such a combined state dict (a plain ZeRO-1 or torch optimizer
+// file): the one message the tag reader and ckpt-verify give.
+std::string NotEpZero1Message(const std::string& where, int ep);
+
+// What keeps an optimizer from being written at ep `ep` (> 1: NxD's
+// NeuronEPZero1Optimizer, which is ZeRO-1 and whose state_dict carries no
+// master weights), checked in this order: kPlain, a target optimizer that is
+// not ZeRO-1; kMasterWeights, a source optimizer holding fp32 master weights.
+// kNone at ep 1, without an optimizer, or when neither holds. The reshard
+// engine (ckpt-reshard --ep) and the trainer's resume_reshard both ask it;
+// each words its own refusal.
+enum class EpOptimizerBar { kNone, kPlain, kMasterWeights };
+EpOptimizerBar EpOptimizerBarOf(int ep, bool has_optimizer, bool zero1, bool master_weights);
+
 // Parses a combined state dict. Throws ckpt::Error naming `where` and the key
 // for anything state_dict does not write: a missing or extra key, offsets
 // other than those _get_offset gives, a non-empty `state`, ids that do not
@@ -87,9 +102,11 @@ std::vector<EpZero1Entry> EpZero1Entries(const EpGroupings& g, const RankGrid& g
 // The problem of `file`, dp rank's optim file of an expert-parallel tag of
 // dp `dp` and ep `ep`, or "": a combined state dict (IsEpZero1File) that
 // ParseEpZero1File refuses, or a ZeRO-1 shard whose rows are not its chunk
-// (Zero1ShardProblem) of dp (non-expert) or dp / ep (expert) chunks. Any
-// other file is Zero1ShardProblem's over dp (an xser info.pt has none; the
-// tag reader refuses an optim file of another form). Messages name `where`.
+// (Zero1ShardProblem) of dp (non-expert) or dp / ep (expert) chunks. An
+// optimizer state dict of another form (it holds param_groups: a plain
+// ZeRO-1 or torch optimizer file) is NotEpZero1Message's, as the tag reader
+// refuses it; any other file (an xser info.pt) is Zero1ShardProblem's over dp.
+// Messages name `where`.
 std::string EpZero1ShardProblem(const Value& file, int dp, int ep, const std::string& where);
 
 // NxDT's lossy save of an expert-parallel ZeRO-1 optimizer. NxDT

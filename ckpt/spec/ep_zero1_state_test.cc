@@ -205,6 +205,30 @@ TEST(EpZero1ShardProblem, ChecksExpertShardsOverExpertDp) {
   EXPECT_EQ(EpZero1ShardProblem(no_offset, kDp, 2, "f"), "f: missing key 'ep_param_id_offset' of NxD's NeuronEPZero1Optimizer state dict");
 }
 
+// An optim file of another form in an ep tag (the ep 1 tag's NeuronZero1Optimizer file, a plain
+// ZeRO-1 one) is refused by name with the reader's message; a dict that is no optimizer state (an
+// xser info.pt) is left to Zero1ShardProblem. NxD's dp 4 ep 2 files fit.
+TEST(EpZero1ShardProblem, RefusesANonEpOptimizerFileByName) {
+  EXPECT_EQ(EpZero1ShardProblem(OptimFile(TagOf("hf_ep1_pt"), 0, 0), kDp, 2, "optim/f.pt"), NotEpZero1Message("optim/f.pt", 2));
+  EXPECT_EQ(NotEpZero1Message("optim/f.pt", 2),
+            "optim/f.pt: is not NxD's NeuronEPZero1Optimizer state dict (ep_param_group_offset and its ZeRO-1 parts), which shardkit "
+            "reads as the optimizer state of an expert-parallel (ep 2) tag");
+  const Value info = LoadPt(TagOf("hf_ep2_xser") + "/optim/dp_rank_00_tp_rank_00_pp_rank_00.pt.info.pt");
+  EXPECT_EQ(EpZero1ShardProblem(info, kDp, 2, "i"), "");
+  for (int d = 0; d < 4; ++d) EXPECT_EQ(EpZero1ShardProblem(OptimFile(TagOf("hf_tp1_dp4_ep2_pt"), d, 0), 4, 2, "f"), "") << d;
+}
+
+// The one check the reshard engine and the trainer share: at ep > 1 an optimizer must be ZeRO-1
+// (first) and hold no master weights; ep 1 and weights alone are never barred.
+TEST(EpOptimizerBarOf, ZeroOneFirstThenMasterWeights) {
+  EXPECT_EQ(EpOptimizerBarOf(2, true, false, true), EpOptimizerBar::kPlain);
+  EXPECT_EQ(EpOptimizerBarOf(2, true, false, false), EpOptimizerBar::kPlain);
+  EXPECT_EQ(EpOptimizerBarOf(2, true, true, true), EpOptimizerBar::kMasterWeights);
+  EXPECT_EQ(EpOptimizerBarOf(4, true, true, false), EpOptimizerBar::kNone);
+  EXPECT_EQ(EpOptimizerBarOf(2, false, false, true), EpOptimizerBar::kNone);  // --weights_only
+  EXPECT_EQ(EpOptimizerBarOf(1, true, false, true), EpOptimizerBar::kNone);
+}
+
 // A rank's local tensor of `full` (row-major, element bytes), cut by the spec's boxes.
 std::vector<uint8_t> LocalOf(const ShardSpec& spec, const AxisCoords& at, const Tensor& full) {
   const Tensor x = full.Contiguous();
@@ -244,66 +268,80 @@ int64_t CheckShard(const std::vector<uint8_t>& local, const std::vector<int64_t>
   return end - first;
 }
 
-// Every moment of every parameter, from every file of the ep 1 and ep 2 HF tags (plain and xser),
-// equals its place in the gathered full state bit for bit, and the shards cover each local tensor.
-TEST(EpZero1Entries, PutEveryMomentBackBitForBit) {
+// Every moment of every parameter, from every file of HF tag `stem`_pt and `stem`_xser (NxD wrote
+// them at `grid`), put in its place in the gathered full state `full_state` by EpZero1Entries:
+// compared bit for bit, and the shards cover each local tensor. Returns the moments compared.
+int CheckEveryMomentOf(const std::string& stem, const std::string& full_state, const RankGrid& grid) {
   const ModelFormat f = FixtureFormat(ModelFamily::kHfLlama);
   std::map<std::string, const ParamRule*> rules;
-  const auto table = LogicalParameters(f, kTp);
+  const auto table = LogicalParameters(f, grid.tp);
   for (const ParamRule& r : table) rules[r.name] = &r;
+  const Value full = LoadPt(kData + full_state);
+  const Dict& moments = full.as_dict().At("optimizer").as_dict();
   int compared = 0;
-  for (int ep : {1, 2}) {
-    const Value full = LoadPt(kData + "hf_ep" + std::to_string(ep) + "_full_state.pt");
-    const Dict& moments = full.as_dict().At("optimizer").as_dict();
-    const RankGrid grid{.tp = kTp, .pp = 1, .dp = kDp, .zero1 = true, .ep = ep};
-    for (const char* container : {"pt", "xser"}) {
-      const std::string tag = TagOf("hf_ep" + std::to_string(ep) + "_" + container);
-      const Grouping all = FamilyGrouping(f, ParameterNames(tag, ep), GroupingRule::kNxdt);
-      const EpGroupings g = ep > 1 ? FixtureGroupings(f, tag) : EpGroupings{all, {}};
-      std::map<std::pair<std::string, int>, int64_t> covered;  // (parameter, ep rank) -> rows, per tp rank summed
-      for (int d = 0; d < kDp; ++d)
-        for (int t = 0; t < kTp; ++t) {
-          const Value v = OptimFile(tag, d, t);
-          const EpZero1File file = ep > 1 ? ParseEpZero1File(v, tag) : EpZero1File{};
-          const OptimizerFileView plain(v, tag);
-          for (const EpZero1Entry& e : EpZero1Entries(g, grid, d)) {
-            const ParamState* p = nullptr;
-            ParamState one;
-            if (ep > 1) {
-              p = e.expert ? &file.expert.params[e.key - static_cast<int64_t>(file.non_expert.params.size())] : &file.non_expert.params[e.key];
-            } else {
-              const Dict& m = OptimizerFileView::AdamWEntry(*EntryById(plain.Moments(), e.key), tag);
-              one.exp_avg = m.At("exp_avg"), one.exp_avg_sq = m.At("exp_avg_sq");
-              p = &one;
-            }
-            AxisCoords at = AxisCoords::Tp(kTp, t);
-            at[Axis::kEp] = {ep, e.shard.ep_rank};
-            const ParamRule& rule = *rules.at(e.name);
-            const auto local_shape = LocalShapeOf(rule.spec, at);
-            const Dict& want = moments.At(e.name).as_dict();
-            const std::string what = tag + " dp " + std::to_string(d) + " tp " + std::to_string(t) + " " + e.name;
-            if (ep > 1) {
-              EXPECT_EQ(p->shape, local_shape) << what;
-            }
-            int64_t rows = 0;
-            for (const auto& [field, got] : {std::pair{"exp_avg", &p->exp_avg}, std::pair{"exp_avg_sq", &p->exp_avg_sq}}) {
-              rows = CheckShard(LocalOf(rule.spec, at, want.At(field).as_tensor()), local_shape, got->as_tensor(), e.shard, what + " " + field);
-              ++compared;
-            }
-            covered[{e.name, e.shard.ep_rank}] += rows;
+  for (const char* container : {"pt", "xser"}) {
+    const std::string tag = TagOf(stem + "_" + container);
+    const Grouping all = FamilyGrouping(f, ParameterNames(tag, grid.ep), GroupingRule::kNxdt);
+    const EpGroupings g = grid.ep > 1 ? FixtureGroupings(f, tag) : EpGroupings{all, {}};
+    std::map<std::pair<std::string, int>, int64_t> covered;  // (parameter, ep rank) -> rows, per tp rank summed
+    for (int d = 0; d < grid.dp; ++d)
+      for (int t = 0; t < grid.tp; ++t) {
+        const Value v = OptimFile(tag, d, t);
+        const EpZero1File file = grid.ep > 1 ? ParseEpZero1File(v, tag) : EpZero1File{};
+        const OptimizerFileView plain(v, tag);
+        for (const EpZero1Entry& e : EpZero1Entries(g, grid, d)) {
+          ParamState one;
+          if (grid.ep > 1) {
+            one = e.expert ? file.expert.params[e.key - static_cast<int64_t>(file.non_expert.params.size())] : file.non_expert.params[e.key];
+          } else {
+            const Dict& m = OptimizerFileView::AdamWEntry(*EntryById(plain.Moments(), e.key), tag);
+            one.exp_avg = m.At("exp_avg"), one.exp_avg_sq = m.At("exp_avg_sq");
           }
+          AxisCoords at = AxisCoords::Tp(grid.tp, t);
+          at[Axis::kEp] = {grid.ep, e.shard.ep_rank};
+          const ParamRule& rule = *rules.at(e.name);
+          const auto local_shape = LocalShapeOf(rule.spec, at);
+          const Dict& want = moments.At(e.name).as_dict();
+          const std::string what = tag + " dp " + std::to_string(d) + " tp " + std::to_string(t) + " " + e.name;
+          if (grid.ep > 1) {
+            EXPECT_EQ(one.shape, local_shape) << what;
+          }
+          int64_t rows = 0;
+          for (const auto& [field, got] : {std::pair{"exp_avg", &one.exp_avg}, std::pair{"exp_avg_sq", &one.exp_avg_sq}}) {
+            rows = CheckShard(LocalOf(rule.spec, at, want.At(field).as_tensor()), local_shape, got->as_tensor(), e.shard, what + " " + field);
+            ++compared;
+          }
+          covered[{e.name, e.shard.ep_rank}] += rows;
         }
-      for (const ParamRule& r : table) {  // each (ep rank's) local tensor covered once per tp rank
-        const bool expert = r.split == SplitDim::kExperts;
-        for (int e = 0; e < (expert ? ep : 1); ++e) {
-          AxisCoords at = AxisCoords::Tp(kTp, 0);
-          at[Axis::kEp] = {ep, e};
-          EXPECT_EQ((covered[{r.name, e}]), kTp * LocalShapeOf(r.spec, at)[0]) << tag << " " << r.name << " ep rank " << e;
-        }
+      }
+    for (const ParamRule& r : table) {  // each (ep rank's) local tensor covered once per tp rank
+      const bool expert = r.split == SplitDim::kExperts;
+      for (int e = 0; e < (expert ? grid.ep : 1); ++e) {
+        AxisCoords at = AxisCoords::Tp(grid.tp, 0);
+        at[Axis::kEp] = {grid.ep, e};
+        EXPECT_EQ((covered[{r.name, e}]), grid.tp * LocalShapeOf(r.spec, at)[0]) << tag << " " << r.name << " ep rank " << e;
       }
     }
   }
+  return compared;
+}
+
+// The ep 1 and ep 2 HF tags (tp 2 dp 2), plain and xser.
+TEST(EpZero1Entries, PutEveryMomentBackBitForBit) {
+  int compared = 0;
+  for (int ep : {1, 2})
+    compared += CheckEveryMomentOf("hf_ep" + std::to_string(ep), "hf_ep" + std::to_string(ep) + "_full_state.pt",
+                                   RankGrid{.tp = kTp, .pp = 1, .dp = kDp, .zero1 = true, .ep = ep});
   EXPECT_EQ(compared, 2 * 2 * kDp * kTp * 21 * 2);  // ep 1 and 2, pt and xser, 4 files, 21 parameters, 2 moments
+}
+
+// tp 1 dp 4 ep 2 (README "dp 4 ep 2"), where dp rank d's file holds ep rank d % 2's experts as
+// expert-dp chunk d / 2 of 2: the case dp = ep cannot tell from "ep rank d".
+TEST(EpZero1Entries, PutEveryMomentBackBitForBitWhereDpIsNotEp) {
+  const RankGrid grid{.tp = 1, .pp = 1, .dp = 4, .zero1 = true, .ep = 2};
+  EXPECT_EQ(ExpertShardOf(grid, 1), (EpZero1Shard{1, 0, 2}));
+  EXPECT_EQ(ExpertShardOf(grid, 2), (EpZero1Shard{0, 1, 2}));
+  EXPECT_EQ(CheckEveryMomentOf("hf_tp1_dp4_ep2", "hf_tp1_dp4_ep2_full_state.pt", grid), 2 * 4 * 21 * 2);  // pt and xser, 4 files
 }
 
 // NxDT's route (nxdt_ep2_pt): optim/ named by ep rank, ep rank 0's file holding ZeRO-1 state.

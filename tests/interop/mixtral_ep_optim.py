@@ -37,40 +37,44 @@ STYLES = {
 }
 
 
+def assert_tensor(test, got, want, at):
+    test.assertEqual((got.dtype, tuple(got.shape)), (want.dtype, tuple(want.shape)), at)
+    test.assertTrue(torch.equal(bits(got), bits(want)), at)
+
+
+def check_tp1(test, tag, dp, full):
+    """The tp 1 ep 1 tag equals the full state: model, and each dp rank's chunk of every moment."""
+    model = torch.load(os.path.join(tag, TP1_MODEL))
+    test.assertEqual(sorted(model), sorted(full["model"]))
+    for key, want in full["model"].items():
+        assert_tensor(test, model[key], want, key)
+    names = [k for k in model if BUFFER not in k]  # named_parameters order (Megatron's rotary buffer is no parameter)
+    checked = 0
+    for d in range(dp):
+        opt = torch.load(os.path.join(tag, optim_rel(d, 0)))
+        test.assertNotIn("sharded_master_weights", opt)
+        test.assertNotIn("ep_param_group_offset", opt)  # ep 1: NeuronZero1Optimizer's form
+        test.assertEqual(list(opt["base_state"]), list(range(len(names))))
+        for i, key in enumerate(names):
+            test.assertEqual(list(opt["shape_info"][i]), list(full["model"][key].shape), key)
+            for field in ("exp_avg", "exp_avg_sq"):
+                want = full["optimizer"][key][field]
+                rows = -(-want.shape[0] // dp)  # ZeRO-1: chunk d of dim 0, padded to dp chunks
+                with test.subTest(tag=tag, dp=d, tensor=key, field=field):
+                    assert_tensor(test, opt["base_state"][i][field], want[d * rows:(d + 1) * rows], f"{key} {field}")
+                checked += 1
+            test.assertTrue(torch.equal(torch.as_tensor(opt["base_state"][i]["step"]), torch.as_tensor(full["optimizer"][key]["step"])))
+    test.assertEqual(checked, 2 * len(full["optimizer"]) * dp)
+
+
 class MixtralEpOptim(TempDirTest):
     def reshard(self, src, name, *args):
         out = os.path.join(self.dir, name)
         run(RESHARD, src, out, "--pp", 1, "--no_save_xser", *args)
         return out
 
-    def assert_tensor(self, got, want, at):
-        self.assertEqual((got.dtype, tuple(got.shape)), (want.dtype, tuple(want.shape)), at)
-        self.assertTrue(torch.equal(bits(got), bits(want)), at)
-
     def check_tp1(self, tag, dp, style="hf"):
-        """The tp 1 ep 1 tag equals the full state: model, and each dp rank's chunk of every moment."""
-        full = STYLES[style][1]()
-        model = torch.load(os.path.join(tag, TP1_MODEL))
-        self.assertEqual(sorted(model), sorted(full["model"]))
-        for key, want in full["model"].items():
-            self.assert_tensor(model[key], want, key)
-        names = [k for k in model if BUFFER not in k]  # named_parameters order (Megatron's rotary buffer is no parameter)
-        checked = 0
-        for d in range(dp):
-            opt = torch.load(os.path.join(tag, optim_rel(d, 0)))
-            self.assertNotIn("sharded_master_weights", opt)
-            self.assertNotIn("ep_param_group_offset", opt)  # ep 1: NeuronZero1Optimizer's form
-            self.assertEqual(list(opt["base_state"]), list(range(len(names))))
-            for i, key in enumerate(names):
-                self.assertEqual(list(opt["shape_info"][i]), list(full["model"][key].shape), key)
-                for field in ("exp_avg", "exp_avg_sq"):
-                    want = full["optimizer"][key][field]
-                    rows = -(-want.shape[0] // dp)  # ZeRO-1: chunk d of dim 0, padded to dp chunks
-                    with self.subTest(tag=tag, dp=d, tensor=key, field=field):
-                        self.assert_tensor(opt["base_state"][i][field], want[d * rows:(d + 1) * rows], f"{key} {field}")
-                    checked += 1
-                self.assertTrue(torch.equal(torch.as_tensor(opt["base_state"][i]["step"]), torch.as_tensor(full["optimizer"][key]["step"])))
-        self.assertEqual(checked, 2 * len(full["optimizer"]) * dp)
+        check_tp1(self, tag, dp, STYLES[style][1]())
 
     def test_ep2_optimizer_reads_as_the_full_state(self):
         for style, (rels, _, style_hints) in STYLES.items():

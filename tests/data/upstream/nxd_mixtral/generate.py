@@ -88,7 +88,7 @@ torch.set_num_threads(1)
 torch.set_num_interop_threads(1)
 TAGS_GEN = load_nxd_tags_module("generate.py")  # write recorder, tid order, compactness check, env setter, Lightning loops
 
-TP, DP = 2, 2
+TP, DP = 2, 2  # the mesh (set_mesh); tp 2 dp 2 unless --tp / --dp say otherwise
 STEPS = 2
 TAG = "step_2"  # NxD's example tag naming (step_<N>)
 
@@ -122,6 +122,12 @@ ROUTE = dict(  # NxDT precision.type mixed_precision, zero1 True (hf_mixtral_8x7
 )
 
 LOCAL_CHANGES = []
+
+
+def set_mesh(tp, dp):
+    """The mesh every function here runs (world tp x dp, pp 1), set before setup()."""
+    global TP, DP
+    TP, DP = tp, dp
 
 
 def note_change(text):
@@ -636,7 +642,10 @@ def hf_moe_rule():
 
 
 def stem_of(style, ep, moe_frequency):
-    """Tag stem: <style>_ep<E>, or <style>_freq<F>_ep<E> for the moe_frequency variants."""
+    """Tag stem: <style>_ep<E>, or <style>_freq<F>_ep<E> for the moe_frequency variants,
+    or <style>_tp<T>_dp<D>_ep<E> for a mesh other than tp 2 dp 2."""
+    if (TP, DP) != (2, 2):
+        return f"{style}_tp{TP}_dp{DP}_ep{ep}"
     return f"{style}_ep{ep}" if moe_frequency == 1 else f"{style}_freq{moe_frequency}_ep{ep}"
 
 
@@ -677,6 +686,8 @@ def main():
     ap.add_argument("--ep", type=int, choices=[1, 2])
     ap.add_argument("--moe-frequency", type=int, default=1,
                     help="a variant with dense layers between MoE ones (plain .pt only, no NxDT-route tags)")
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size (world = tp x dp)")
+    ap.add_argument("--dp", type=int, default=2, help="data-parallel size; dp 4 ep 2 makes expert-dp 2")
     ap.add_argument("--out", default=HERE)
     ap.add_argument("--list-stubs", action="store_true")
     ap.add_argument("--manifest", action="store_true", help="only (re)write manifest.json")
@@ -686,6 +697,7 @@ def main():
         print(f"manifest.json: {len(m)} files, {sum(v['bytes'] for v in m.values())} bytes")
         return
     ep, freq = args.ep, args.moe_frequency
+    set_mesh(args.tp, args.dp)
     MODEL["moe_frequency"] = freq
     mm, nxd_config, lr_mod, nlp_overrides = setup(ep)
     writes = TAGS_GEN.record_writes()
@@ -694,13 +706,13 @@ def main():
             print(f"- {n}\n    does: {what}\n    why: {why}\n    changes bytes on disk: {aff}")
         return
     out = sys.stdout
-    if freq == 1:
+    if freq == 1 and (TP, DP) == (2, 2):  # recorded once, at the first mesh
         probe_failures(mm, nxd_config, ep, out)
     old = TAGS_GEN.set_env(ROUTE["env"])
     trained = SIM.run_threaded(lambda r: train(*hf_model_and_groups(mm, ep), nxd_config, lr_mod))
     save_and_report(stem_of("hf", ep, freq), trained, ep, args.out, writes, out, hf_moe_rule(),
                     containers=(False, True) if freq == 1 else (False,))
-    if ep == 2 and freq == 1:
+    if ep == 2 and freq == 1 and (TP, DP) == (2, 2):
         save_nxdt_route(trained, nlp_overrides, args.out, writes, out)
     TAGS_GEN.set_env(old)
 

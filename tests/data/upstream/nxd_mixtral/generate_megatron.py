@@ -137,15 +137,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, choices=[1, 2], required=True)
     ap.add_argument("--moe-frequency", type=int, default=1, help="as generate.py's")
+    ap.add_argument("--tp", type=int, default=2, help="as generate.py's")
+    ap.add_argument("--dp", type=int, default=2, help="as generate.py's")
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args()
     ep, out, freq = args.ep, sys.stdout, args.moe_frequency
+    G.set_mesh(args.tp, args.dp)
+    default_mesh = (args.tp, args.dp) == (2, 2)
     MOE["frequency"] = freq
     nxd_config, provider, groups_fn = megatron_setup(ep)
     cfg = config()
     cfg["distributed_strategy"]["expert_model_parallel_size"] = ep
     writes = G.TAGS_GEN.record_writes()
-    if ep > 1 and freq == 1:
+    if ep > 1 and freq == 1 and default_mesh:
         probe_spmd(provider, cfg, sys.modules["neuronx_distributed_training.models.megatron.transformer"], out)
     old = G.TAGS_GEN.set_env(G.ROUTE["env"])
     trained = G.SIM.run_threaded(lambda r: G.train(*model_and_groups(provider, groups_fn, cfg, ep), nxd_config, None))
@@ -154,7 +158,7 @@ def main():
               f"{ {k: v for k, v in g.items() if k != 'params'} }, {len(g['params'])} params", file=out)
     G.save_and_report(G.stem_of("megatron", ep, freq), trained, ep, args.out, writes, out, MOE_RULE,
                       config={"model": dict(cfg["model"]), "padded_vocab_size": VOCAB},
-                      containers=(False, True) if freq == 1 else (False,))
+                      containers=(False, True) if freq == 1 and default_mesh else (False,))
     G.TAGS_GEN.set_env(old)
 
 

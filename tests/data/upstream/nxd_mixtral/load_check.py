@@ -8,7 +8,8 @@ shardkit wrote can be checked the same way.
   load_check.py <checkpoint_dir>/<tag> [--ep N] [--dp N] [--full FULL_STATE.pt] [--weights_only]
 
 Topology: tp from the model/ file names, ep from their ep_rank_EE (1 if none),
-dp from the highest optim/dp_rank_XX; --ep / --dp override.  The model is
+dp from the highest optim/dp_rank_XX; --ep / --dp override.  The mesh runs at
+that tp and dp (generate.py's set_mesh), so tp 1 dp 4 ep 2 tags load too.  The model is
 NxDT's HF Mixtral at generate.py's sizes (MODEL there).
 
 Ranks run one thread each (NxD's xser loader all-reduces between data-parallel
@@ -88,8 +89,7 @@ def main():
     ckpt_dir, tag = os.path.dirname(tag_path), os.path.basename(tag_path)
     tp, _, dp = LC.infer_topology(tag_path)
     ep, dp = args.ep or infer_ep(tag_path), args.dp or dp
-    if (tp, dp) != (generate.TP, generate.DP):
-        raise SystemExit(f"this check runs generate.py's mesh tp {generate.TP} dp {generate.DP}; the tag has tp {tp} dp {dp}")
+    generate.set_mesh(tp, dp)  # the tag's mesh (world tp x dp), as generate.py --tp --dp runs it
     generate.MODEL["moe_frequency"] = args.moe_frequency
     build = model_builder(args.style, ep, args.moe_frequency)
     import neuronx_distributed as nxd
