@@ -136,24 +136,6 @@ class WholeTurns {
   int turn_ = 0;
 };
 
-// The columns of a 2-D logical tensor `name` of `width` the export reads at a
-// time down its rows, or 0 to read whole ranges. A source that splits the
-// columns over n > kFilesPerBand rank files (o_proj and down_proj of a Trn1
-// tp 32 tag: 32 pieces of 128 to 352 bytes a row) serves a whole row from n
-// files, and row after row cycled through more files than the tag reader
-// keeps windows for (ckpt/shard/extent_index.cc ReadPieces: a thread's 8
-// most recent 128 KiB windows), so every piece cost a pread of a window: 2.6
-// million preads and 38 s of CPU for the 1B HF-style tag's 1.9 GiB. A band
-// of kFilesPerBand files' columns, read down the rows, stays in the windows.
-constexpr int kFilesPerBand = 4;
-uint64_t BandOf(const ckpt::LogicalState& src, const std::string& name, int64_t width) {
-  const auto& params = src.params();
-  const auto p = std::find_if(params.begin(), params.end(), [&](const ckpt::ParamRule& r) { return r.name == name; });
-  if (p == params.end() || p->spec.dims.size() != 2 || !p->spec.dims[1]) return 0;
-  const int files = src.layout().grid.size(p->spec.dims[1]->axis);
-  return files > kFilesPerBand ? static_cast<uint64_t>(std::max<int64_t>(1, width * kFilesPerBand / files)) : 0;
-}
-
 // Produces an HfTensor's bytes, a chunk at a time, from any number of
 // threads. A transposed one reads its whole logical matrix at the first chunk
 // asked for and frees it once every byte was produced; with `turns`, it
@@ -166,7 +148,6 @@ class Producer {
     for (const RowBlock& b : t_.blocks) {
       auto m = ckpt::LoraMergeOf(src.layout().format, b.name);
       merges_.push_back(m ? std::make_unique<LoraMerge>(src, std::move(*m), t_.width, t_.dtype) : nullptr);
-      bands_.push_back(BandOf(src, b.name, t_.width));
     }
   }
 
@@ -223,7 +204,8 @@ class Producer {
         if (merges_[i]) {  // a LoRA target (whole rows, step 1): W + scale * B A
           merges_[i]->Read(at, part);
         } else {
-          ReadBanded(b.name, bands_[i], at, part);
+          ckpt::Touched touched(out.size());  // source pages: at most a chunk's worth
+          src_.Read(b.name, ckpt::StateField::kParam, at, part, &touched);
           if (fp_) fp_->Add(b.name, ckpt::StateField::kParam, at * es, part);
         }
         e += take, n -= take, o += take;
@@ -233,24 +215,9 @@ class Producer {
     if (n) throw Error("hf export: " + t_.name + ": elements past its blocks");  // a mapping bug, never input
   }
 
-  // Logical elements [at, at + part.size()/es) of `name`, `band` columns at a
-  // time down the rows when band > 0 (BandOf), else in one Read.
-  void ReadBanded(const std::string& name, uint64_t band, uint64_t at, std::span<uint8_t> part) const {
-    const size_t es = ckpt::ElementSize(t_.dtype);
-    const uint64_t width = static_cast<uint64_t>(t_.width), end = at + part.size() / es;
-    ckpt::Touched touched(part.size());  // source pages: at most a chunk's worth
-    if (band == 0 || end - at <= band) return src_.Read(name, ckpt::StateField::kParam, at, part, &touched);
-    for (uint64_t c = 0; c < width; c += band)
-      for (uint64_t r = at / width; r * width < end; ++r) {
-        const uint64_t lo = std::max(at, r * width + c), hi = std::min(end, r * width + std::min(c + band, width));
-        if (lo < hi) src_.Read(name, ckpt::StateField::kParam, lo, part.subspan((lo - at) * es, (hi - lo) * es), &touched);
-      }
-  }
-
   const ckpt::LogicalState& src_;
   HfTensor t_;
   std::vector<std::unique_ptr<LoraMerge>> merges_;  // per block, null when it is read as it is
-  std::vector<uint64_t> bands_;                     // per block: BandOf
   ckpt::FingerprintCollector* fp_;                   // HfExportOptions::fingerprints
   WholeTurns* turns_;                                // null: no turns to take
   int turn_;
