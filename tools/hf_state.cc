@@ -249,10 +249,12 @@ void TransposeTile(const uint8_t* tile, uint64_t pitch, uint64_t cols, uint64_t 
         for (uint64_t c = c0; c < std::min(cols, c0 + kBlock); ++c) std::memcpy(dst + (r * stride + c) * sizeof(T), t + c * pitch + r, sizeof(T));
 }
 
-// A pread of a cached page costs about as much as copying this many bytes more (the 2-core VM:
-// about 12 us a call, 1 ns a byte): a row piece comes from a band of whole rows, and a transpose
-// reads whole source rows, when the rest of the row costs less than the calls saved.
-constexpr uint64_t kPreadCostBytes = uint64_t{8} << 10;
+// A pread of a cached page, with OpenFileCache's lookup, costs about as much as copying this many
+// bytes more (measured on the 2-core VM: the 1B import's down_proj, 11 KiB rows cut in 352-byte
+// pieces, took 12.2 s of CPU at 8 KiB, 7.3 s with its rows read whole at 16 KiB): a row piece comes
+// from a band of whole rows, and a transpose reads whole source rows, when the rest of the row
+// costs less than the calls saved.
+constexpr uint64_t kPreadCostBytes = uint64_t{16} << 10;
 // A thread keeps two bands (a Mixtral's w1 and w3 alternate row by row in gate_up_proj), together
 // at most this, or the chunk's share of the budget for source bytes when that is less. 16 MiB a
 // band holds an 8x7B expert's columns of one tp 8 rank whole (4096 x 1792 bf16, 14 MiB), whose

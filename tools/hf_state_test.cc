@@ -113,18 +113,25 @@ TEST(HfState, PlainPiecesAreReadWithPreadThroughTheEnv) {
   EXPECT_NE(e.find(path + ": read failed"), std::string::npos) << e;
 }
 
+// A one-layer Mixtral folder in `d` of `experts` experts, hidden size `hidden` and FFN `ffn`, its float32
+// tensors counting (WriteCountingSafetensors); returns its tensors.
+std::vector<HfTensorSpec> WriteCountingMixtral(const TempDir& d, int64_t experts, int64_t hidden, int64_t ffn) {
+  const nlohmann::json c = {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", hidden}, {"intermediate_size", ffn},
+                            {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"num_hidden_layers", 1}, {"vocab_size", 32},
+                            {"num_local_experts", experts}, {"num_experts_per_tok", 1}, {"hidden_act", "silu"}};
+  std::ofstream(d / "config.json") << c.dump();
+  const auto specs = ckpt::HfTensorsFor(FormatOfHfConfig(c, "config.json"), ckpt::DType::kFloat32);
+  WriteCountingSafetensors(d / "model.safetensors", specs);
+  return specs;
+}
+
 // A Mixtral folder of counting float32 tensors: gate_up_proj[e][h] is [w1[e][:, h]; w3[e][:, h]] and
 // down_proj[e][i] is w2[e][:, i] (the transposes NxD's converter makes), read whole and in ranges
 // that start and end mid-row.
 TEST(HfState, MixtralExpertTransposesAreStreamedIntoAnyRange) {
   TempDir d("hf_mixtral");
   const int64_t E = 2, H = 16, I = 24;
-  const nlohmann::json c = {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", H}, {"intermediate_size", I}, {"num_attention_heads", 4},
-                            {"num_key_value_heads", 2}, {"num_hidden_layers", 1}, {"vocab_size", 32}, {"num_local_experts", E},
-                            {"num_experts_per_tok", 1}, {"hidden_act", "silu"}};
-  std::ofstream(d / "config.json") << c.dump();
-  const auto specs = ckpt::HfTensorsFor(FormatOfHfConfig(c, "config.json"), ckpt::DType::kFloat32);
-  WriteCountingSafetensors(d / "model.safetensors", specs);
+  const auto specs = WriteCountingMixtral(d, E, H, I);
   std::map<std::string, float> first;  // each HF tensor's first element: its offset in the file, in floats
   std::map<std::string, std::string> logical;
   float at = 0;
@@ -159,17 +166,12 @@ TEST(HfState, MixtralExpertTransposesAreStreamedIntoAnyRange) {
 // gate_up_proj row per Read: tp 2 of [w1 | w3]) are copied out of a band of the source: one
 // pread per band, not one per row piece or, for a transpose, per element. A chunk whose share of
 // the budget holds no band of a few rows reads them directly: a row piece one pread each, a
-// transposed one its short source rows whole (one pread) or, down_proj's 2100-element source rows
+// transposed one its short source rows whole (one pread) or, down_proj's 4200-element source rows
 // being too long for that, one pread per element.
 TEST(HfState, ColumnSplitReadsComeFromABandWithinTheChunksShare) {
   TempDir d("hf_band");
-  const int64_t E = 2, H = 16, I = 2100;
-  const nlohmann::json c = {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", H}, {"intermediate_size", I}, {"num_attention_heads", 4},
-                            {"num_key_value_heads", 2}, {"num_hidden_layers", 1}, {"vocab_size", 32}, {"num_local_experts", E},
-                            {"num_experts_per_tok", 1}, {"hidden_act", "silu"}};
-  std::ofstream(d / "config.json") << c.dump();
-  const auto specs = ckpt::HfTensorsFor(FormatOfHfConfig(c, "config.json"), ckpt::DType::kFloat32);
-  WriteCountingSafetensors(d / "model.safetensors", specs);
+  const int64_t E = 2, H = 16, I = 4200;
+  const auto specs = WriteCountingMixtral(d, E, H, I);
   std::map<std::string, const HfTensorSpec*> by_name;
   std::map<std::string, float> first;  // each HF tensor's first element: its offset in the file, in floats
   float at = 0;
