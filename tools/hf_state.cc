@@ -1,6 +1,7 @@
 #include "tools/hf_state.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -11,6 +12,7 @@
 #include "ckpt/util/input_guard.h"
 #include "ckpt/pt/value_json.h"
 #include "ckpt/pt/pt_file.h"
+#include "ckpt/shard/stream_budget.h"
 
 namespace tools {
 
@@ -118,8 +120,10 @@ std::map<std::string, SafetensorsEntry> ParseSafetensors(std::span<const uint8_t
 
 
 std::unique_ptr<HfState> HfState::Open(ckpt::Env* env, const std::string& src, const HfImportOptions& o) {
+  static std::atomic<uint64_t> serials{0};
   std::unique_ptr<HfState> s(new HfState());
   s->dir_ = src;
+  s->serial_ = ++serials;
   s->reads_ = std::make_unique<ckpt::OpenFileCache>(env);
   const bool one_file = env->Exists(src) && !env->IsDirectory(src);
   // One weights file is read with the config.json given for it; a folder's files all lie inside it.
@@ -232,16 +236,50 @@ const ckpt::Value& HfState::Step(const std::string& name) const {
 
 namespace {
 
-// dst[r * stride + c] = tile[c * n + r] for r < n, c < cols: a tile of source rows (each n
-// elements) written as columns, in 32 x 32 blocks so both sides stay in cache.
+// dst[r * stride + c] = tile[c * pitch + r] for r < n, c < cols: a tile of source rows (each
+// `pitch` elements, of which the first n are wanted) written as columns, in 32 x 32 blocks so both
+// sides stay in cache.
 template <typename T>
-void TransposeTile(const uint8_t* tile, uint64_t cols, uint64_t n, uint8_t* dst, uint64_t stride) {
+void TransposeTile(const uint8_t* tile, uint64_t pitch, uint64_t cols, uint64_t n, uint8_t* dst, uint64_t stride) {
   constexpr uint64_t kBlock = 32;
   const T* t = reinterpret_cast<const T*>(tile);
   for (uint64_t r0 = 0; r0 < n; r0 += kBlock)
     for (uint64_t c0 = 0; c0 < cols; c0 += kBlock)
       for (uint64_t r = r0; r < std::min(n, r0 + kBlock); ++r)
-        for (uint64_t c = c0; c < std::min(cols, c0 + kBlock); ++c) std::memcpy(dst + (r * stride + c) * sizeof(T), t + c * n + r, sizeof(T));
+        for (uint64_t c = c0; c < std::min(cols, c0 + kBlock); ++c) std::memcpy(dst + (r * stride + c) * sizeof(T), t + c * pitch + r, sizeof(T));
+}
+
+// A pread of a cached page, with OpenFileCache's lookup, costs about as much as copying this many
+// bytes more (measured on the 2-core VM: the 1B import's down_proj, 11 KiB rows cut in 352-byte
+// pieces, took 12.2 s of CPU at 8 KiB, 7.3 s with its rows read whole at 16 KiB): a row piece comes
+// from a band of whole rows, and a transpose reads whole source rows, when the rest of the row
+// costs less than the calls saved.
+constexpr uint64_t kPreadCostBytes = uint64_t{16} << 10;
+// A thread keeps two bands (a Mixtral's w1 and w3 alternate row by row in gate_up_proj), together
+// at most this, or the chunk's share of the budget for source bytes when that is less. 16 MiB a
+// band holds an 8x7B expert's columns of one tp 8 rank whole (4096 x 1792 bf16, 14 MiB), whose
+// transpose then reads whole source rows, 1 MiB a pread.
+constexpr int kBands = 2;
+constexpr uint64_t kMaxBandBytes = uint64_t{32} << 20;
+
+// Rows [r0, r1), columns [c0, c1) of one spec's matrix, row-major; `owner` 0 while it holds nothing.
+struct Band {
+  uint64_t owner = 0;
+  const HfTensorSpec* spec = nullptr;
+  uint64_t r0 = 0, r1 = 0, c0 = 0, c1 = 0;
+  std::vector<uint8_t> bytes;  // grows to the largest band this thread read, at most kMaxBandBytes / kBands
+  bool Holds(uint64_t who, const HfTensorSpec* s, uint64_t r, uint64_t n, uint64_t a, uint64_t b) const {
+    return owner == who && spec == s && r0 <= r && r + n <= r1 && c0 <= a && b <= c1;
+  }
+};
+struct ThreadBands {
+  Band band[kBands];
+  int next = 0;  // the one refilled next: the least recently used
+};
+thread_local ThreadBands thread_bands;
+
+uint64_t BandBytes(const ckpt::Touched* touched) {
+  return std::min(kMaxBandBytes, touched ? touched->limit() : ckpt::kMinStreamChunk);
 }
 
 }  // namespace
@@ -252,23 +290,56 @@ void HfState::ReadTransposedBlock(const HfTensorSpec& spec, uint64_t r0, uint64_
   constexpr uint64_t kTileBytes = 1 << 20;
   const Source& src = sources_.at(spec.name);
   const size_t es = ckpt::ElementSize(dtype_);
-  const uint64_t rows = spec.numel() / static_cast<uint64_t>(spec.width), per_tile = std::max<uint64_t>(1, kTileBytes / (n * es));
-  std::vector<uint8_t> tile(std::min(per_tile, c1 - c0) * n * es);
+  const uint64_t rows = spec.numel() / static_cast<uint64_t>(spec.width);
+  // Whole source rows, contiguous (one read a tile), when the rest of each row costs less than its own pread.
+  const bool whole = (rows - n) * es <= kPreadCostBytes;
+  const uint64_t pitch = whole ? rows : n, skip = whole ? r0 : 0, per_tile = std::max<uint64_t>(1, kTileBytes / (pitch * es));
+  std::vector<uint8_t> tile(std::min(per_tile, c1 - c0) * pitch * es);
   for (uint64_t c = c0; c < c1; c += per_tile) {
     const uint64_t cols = std::min(per_tile, c1 - c);
-    for (uint64_t i = 0; i < cols; ++i) {
-      const uint64_t at = ((c + i) * rows + r0) * es;
-      const std::span<uint8_t> to(tile.data() + i * n * es, n * es);
+    for (uint64_t i = 0; i < (whole ? 1 : cols); ++i) {
+      const uint64_t at = ((c + i) * rows + (whole ? 0 : r0)) * es;
+      const std::span<uint8_t> to(tile.data() + i * n * es, (whole ? cols * rows : n) * es);
       if (src.read_at) reads_->ReadAt(src.file->path(), src.offset + at, to);
       else std::memcpy(to.data(), src.data + at, to.size());
     }
     uint8_t* d = dst + (c - c0) * es;
+    const uint8_t* t = tile.data() + skip * es;
     switch (es) {
-      case 2: TransposeTile<uint16_t>(tile.data(), cols, n, d, stride); break;
-      case 4: TransposeTile<uint32_t>(tile.data(), cols, n, d, stride); break;
-      default: TransposeTile<uint64_t>(tile.data(), cols, n, d, stride); break;
+      case 2: TransposeTile<uint16_t>(t, pitch, cols, n, d, stride); break;
+      case 4: TransposeTile<uint32_t>(t, pitch, cols, n, d, stride); break;
+      default: TransposeTile<uint64_t>(t, pitch, cols, n, d, stride); break;
     }
   }
+}
+
+bool HfState::ReadThroughBand(const HfTensorSpec& spec, uint64_t r, uint64_t n, uint64_t c0, uint64_t c1, uint8_t* dst, uint64_t stride,
+                              uint64_t band_bytes) const {
+  const Source& src = sources_.at(spec.name);
+  const uint64_t es = ckpt::ElementSize(dtype_), width = static_cast<uint64_t>(spec.width), rows = spec.numel() / width;
+  // An untransposed band is whole rows (one pread, mapped sources need none); a transposed one the request's columns.
+  if (!spec.transpose && !src.read_at) return false;
+  const uint64_t b0 = spec.transpose ? c0 : 0, b1 = spec.transpose ? c1 : width;
+  const uint64_t capacity = band_bytes / kBands / ((b1 - b0) * es);
+  if (capacity < 4 * n) return false;  // a band must serve several such reads to pay
+  ThreadBands& bands = thread_bands;
+  int at = 0;
+  while (at < kBands && !bands.band[at].Holds(serial_, &spec, r, n, c0, c1)) ++at;
+  if (at == kBands) {
+    at = bands.next;
+    Band& b = bands.band[at];
+    b.owner = 0;  // a read that throws leaves it empty
+    const uint64_t band_rows = std::min(capacity, rows - r);
+    if (b.bytes.size() < band_rows * (b1 - b0) * es) b.bytes.resize(band_rows * (b1 - b0) * es);
+    if (spec.transpose) ReadTransposedBlock(spec, r, band_rows, b0, b1, b.bytes.data(), b1 - b0);
+    else reads_->ReadAt(src.file->path(), src.offset + r * width * es, {b.bytes.data(), band_rows * width * es});
+    b.spec = &spec, b.r0 = r, b.r1 = r + band_rows, b.c0 = b0, b.c1 = b1, b.owner = serial_;
+  }
+  bands.next = (at + 1) % kBands;
+  const Band& b = bands.band[at];
+  for (uint64_t i = 0; i < n; ++i)
+    std::memcpy(dst + i * stride * es, b.bytes.data() + ((r - b.r0 + i) * (b.c1 - b.c0) + (c0 - b.c0)) * es, (c1 - c0) * es);
+  return true;
 }
 
 void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, std::span<uint8_t> out, ckpt::Touched* touched) const {
@@ -277,9 +348,10 @@ void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, 
   const auto& ps = pieces_.at(name);
   const uint64_t width = static_cast<uint64_t>(ps.front().spec->width), end = begin + out.size() / es;
   std::memset(out.data(), 0, out.size());  // rows no piece holds: vocab padding
+  const uint64_t band_bytes = BandBytes(touched);
   for (const Piece& p : ps) {
     if (p.spec->transpose) {
-      ReadTransposed(p, begin, out);
+      ReadTransposed(p, begin, out, band_bytes);
       continue;
     }
     if (p.step != 1) throw Error(dir_ + ": tensor '" + p.spec->name + "' maps to every " + std::to_string(p.step) + "th row untransposed, which no model family has");
@@ -289,6 +361,11 @@ void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, 
     const uint64_t at = (static_cast<uint64_t>(p.from) * width + (lo - static_cast<uint64_t>(p.row) * width)) * es;
     const std::span<uint8_t> to = out.subspan((lo - begin) * es, (hi - lo) * es);
     const Source& src = sources_.at(p.spec->name);
+    // A row piece (a column split) from a band of whole rows, when the rest of the row costs less than a pread.
+    const uint64_t c0 = (lo - static_cast<uint64_t>(p.row) * width) % width;
+    if (src.read_at && c0 + (hi - lo) <= width && (width - (hi - lo)) * es <= kPreadCostBytes &&
+        ReadThroughBand(*p.spec, at / es / width, 1, c0, c0 + (hi - lo), to.data(), width, band_bytes))
+      continue;
     if (src.read_at) {
       reads_->ReadAt(src.file->path(), src.offset + at, to);
       continue;
@@ -299,7 +376,7 @@ void HfState::Read(const std::string& name, ckpt::StateField f, uint64_t begin, 
   }
 }
 
-void HfState::ReadTransposed(const Piece& p, uint64_t begin, std::span<uint8_t> out) const {
+void HfState::ReadTransposed(const Piece& p, uint64_t begin, std::span<uint8_t> out, uint64_t band_bytes) const {
   const size_t es = ckpt::ElementSize(dtype_);
   const uint64_t width = static_cast<uint64_t>(p.spec->width), end = begin + out.size() / es, step = static_cast<uint64_t>(p.step),
                  row = static_cast<uint64_t>(p.row), from = static_cast<uint64_t>(p.from);
@@ -312,7 +389,9 @@ void HfState::ReadTransposed(const Piece& p, uint64_t begin, std::span<uint8_t> 
     uint64_t n = 1;  // a run of whole rows is one block; a clipped row (the range's ends) is one alone
     if (lo == at && hi == at + width)
       while (k + n < k_end && (row + (k + n) * step) * width + width <= end) ++n;
-    ReadTransposedBlock(*p.spec, from + k, n, lo - at, hi - at, out.data() + (lo - begin) * es, step * width);
+    uint8_t* dst = out.data() + (lo - begin) * es;
+    if (!ReadThroughBand(*p.spec, from + k, n, lo - at, hi - at, dst, step * width, band_bytes))
+      ReadTransposedBlock(*p.spec, from + k, n, lo - at, hi - at, dst, step * width);
     k += n;
   }
 }

@@ -16,7 +16,9 @@
 // transposed back, a Mixtral's experts (w1, w3,
 // w2 per expert; MixtralForCausalLM, num_local_experts, num_experts_per_tok)
 // transposed back into gate_up_proj and down_proj: each transpose streamed in
-// tiles into the caller's chunk, no matrix held whole. Vocab rows past vocab_size
+// tiles into the caller's chunk, no matrix held whole. A Read of a small piece
+// (a column split's row piece, a transposed matrix's clipped row) is copied out of
+// a band of the matrix each thread keeps (HfState::ReadThroughBand). Vocab rows past vocab_size
 // read as zero padding. No optimizer state: the tag is weights only.
 #pragma once
 
@@ -118,13 +120,23 @@ class HfState final : public ckpt::LogicalState {
   HfState() = default;
   // Read's copy of a transposed piece (GPT-2's Conv1D, Mixtral's experts, whose gate_up_proj rows
   // alternate between w1 and w3: step 2): runs of its rows in the range, each by ReadTransposedBlock.
-  void ReadTransposed(const Piece& p, uint64_t begin, std::span<uint8_t> out) const;
+  void ReadTransposed(const Piece& p, uint64_t begin, std::span<uint8_t> out, uint64_t band_bytes) const;
   // Rows [r0, r0 + n), columns [c0, c1) of spec's concatenated matrix (the transpose of its source)
   // into dst, row i at dst + i * stride elements; a tile of at most 1 MiB of source rows at a time,
   // read with pread (safetensors) or from the mapping (.bin), so nothing is held past the chunk.
   void ReadTransposedBlock(const HfTensorSpec& spec, uint64_t r0, uint64_t n, uint64_t c0, uint64_t c1, uint8_t* dst, uint64_t stride) const;
+  // Rows [r, r + n), columns [c0, c1) of spec's matrix into dst (row i at dst + i * stride elements),
+  // copied from one of this thread's bands, a band of the rows from r on refilled first when none holds
+  // them: whole rows with one pread for an untransposed spec, the columns [c0, c1) by ReadTransposedBlock
+  // for a transposed one. A column split's Reads then cost one pread per band, not one per row piece
+  // (a transpose's clipped row: one per element). `band_bytes`: what the thread's bands may hold in
+  // all (the chunk's share of the budget for source bytes: ckpt::Touched::limit). False, and nothing
+  // read, when the rectangle is too large to be worth a band (the caller reads it directly).
+  bool ReadThroughBand(const HfTensorSpec& spec, uint64_t r, uint64_t n, uint64_t c0, uint64_t c1, uint8_t* dst, uint64_t stride,
+                       uint64_t band_bytes) const;
 
   std::string dir_;
+  uint64_t serial_ = 0;  // which HfState a thread's band was read from (the bands outlive any one)
   ckpt::TagDescription layout_;
   std::vector<ckpt::ParamRule> params_;
   ckpt::DType dtype_ = ckpt::DType::kFloat32;

@@ -113,18 +113,25 @@ TEST(HfState, PlainPiecesAreReadWithPreadThroughTheEnv) {
   EXPECT_NE(e.find(path + ": read failed"), std::string::npos) << e;
 }
 
+// A one-layer Mixtral folder in `d` of `experts` experts, hidden size `hidden` and FFN `ffn`, its float32
+// tensors counting (WriteCountingSafetensors); returns its tensors.
+std::vector<HfTensorSpec> WriteCountingMixtral(const TempDir& d, int64_t experts, int64_t hidden, int64_t ffn) {
+  const nlohmann::json c = {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", hidden}, {"intermediate_size", ffn},
+                            {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"num_hidden_layers", 1}, {"vocab_size", 32},
+                            {"num_local_experts", experts}, {"num_experts_per_tok", 1}, {"hidden_act", "silu"}};
+  std::ofstream(d / "config.json") << c.dump();
+  const auto specs = ckpt::HfTensorsFor(FormatOfHfConfig(c, "config.json"), ckpt::DType::kFloat32);
+  WriteCountingSafetensors(d / "model.safetensors", specs);
+  return specs;
+}
+
 // A Mixtral folder of counting float32 tensors: gate_up_proj[e][h] is [w1[e][:, h]; w3[e][:, h]] and
 // down_proj[e][i] is w2[e][:, i] (the transposes NxD's converter makes), read whole and in ranges
 // that start and end mid-row.
 TEST(HfState, MixtralExpertTransposesAreStreamedIntoAnyRange) {
   TempDir d("hf_mixtral");
   const int64_t E = 2, H = 16, I = 24;
-  const nlohmann::json c = {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", H}, {"intermediate_size", I}, {"num_attention_heads", 4},
-                            {"num_key_value_heads", 2}, {"num_hidden_layers", 1}, {"vocab_size", 32}, {"num_local_experts", E},
-                            {"num_experts_per_tok", 1}, {"hidden_act", "silu"}};
-  std::ofstream(d / "config.json") << c.dump();
-  const auto specs = ckpt::HfTensorsFor(FormatOfHfConfig(c, "config.json"), ckpt::DType::kFloat32);
-  WriteCountingSafetensors(d / "model.safetensors", specs);
+  const auto specs = WriteCountingMixtral(d, E, H, I);
   std::map<std::string, float> first;  // each HF tensor's first element: its offset in the file, in floats
   std::map<std::string, std::string> logical;
   float at = 0;
@@ -153,6 +160,66 @@ TEST(HfState, MixtralExpertTransposesAreStreamedIntoAnyRange) {
         for (uint64_t i = 0; i < len; ++i) ASSERT_EQ(got[i], want[begin + i]) << name << " element " << begin + i << " (read from " << begin << ")";
       }
   }
+}
+
+// A column split's Reads (a row piece of every row: tp 4 of o_proj; for a Mixtral, a clipped
+// gate_up_proj row per Read: tp 2 of [w1 | w3]) are copied out of a band of the source: one
+// pread per band, not one per row piece or, for a transpose, per element. A chunk whose share of
+// the budget holds no band of a few rows reads them directly: a row piece one pread each, a
+// transposed one its short source rows whole (one pread) or, down_proj's 4200-element source rows
+// being too long for that, one pread per element.
+TEST(HfState, ColumnSplitReadsComeFromABandWithinTheChunksShare) {
+  TempDir d("hf_band");
+  const int64_t E = 2, H = 16, I = 4200;
+  const auto specs = WriteCountingMixtral(d, E, H, I);
+  std::map<std::string, const HfTensorSpec*> by_name;
+  std::map<std::string, float> first;  // each HF tensor's first element: its offset in the file, in floats
+  float at = 0;
+  for (const auto& s : specs) by_name[s.name] = &s, first[s.name] = at, at += static_cast<float>(s.numel());
+  ckpt::FaultEnv env(ckpt::Env::Default());
+  const auto s = HfState::Open(&env, d.path(), {});
+  // Reads `len` floats at each of `begins`, checks each element against want(flat index), returns the preads.
+  auto reads = [&](const std::string& name, const std::vector<uint64_t>& begins, uint64_t len, uint64_t limit, auto want) {
+    const int64_t before = env.reads_at();
+    ckpt::Touched touched(limit);
+    for (const uint64_t b : begins) {
+      std::vector<float> got(len, -1.0f);
+      s->Read(name, ckpt::StateField::kParam, b, {reinterpret_cast<uint8_t*>(got.data()), len * 4}, &touched);
+      for (uint64_t i = 0; i < len; ++i) EXPECT_EQ(got[i], want(b + i)) << name << " element " << b + i;
+    }
+    return env.reads_at() - before;
+  };
+  const std::string o = "model.layers.0.self_attn.o_proj.weight";
+  const std::string o_logical = by_name.at(o)->blocks.front().name;
+  for (int t = 0; t < 4; ++t) {
+    std::vector<uint64_t> begins;
+    for (int64_t r = 0; r < H; ++r) begins.push_back(static_cast<uint64_t>(r * H + t * 4));
+    const auto o_want = [&](uint64_t e) { return first.at(o) + static_cast<float>(e); };
+    // The band outlives the chunk: the other ranks' pieces are in it already.
+    EXPECT_EQ(reads(o_logical, begins, 4, 1 << 20, o_want), t == 0 ? 1 : 0) << "tp rank " << t << ": one band of o_proj's 16 rows";
+    EXPECT_EQ(reads(o_logical, begins, 4, 4 * H * 4, o_want), H) << "tp rank " << t << ": a band of 2 rows is not worth it";
+  }
+  const std::string x = "model.layers.0.block_sparse_moe.experts.";
+  const std::string gate_up = by_name.at(x + "0.w1.weight")->blocks.front().name;
+  const auto gate_up_want = [&](uint64_t flat) {  // gate_up_proj (E, H, 2I): [w1[e][:, h]; w3[e][:, h]]
+    const uint64_t e = flat / (H * 2 * I), h = flat / (2 * I) % H, j = flat % (2 * I);
+    const std::string w = x + std::to_string(e) + (j < I ? ".w1.weight" : ".w3.weight");
+    return first.at(w) + static_cast<float>((j % I) * H + h);
+  };
+  for (int t = 0; t < 2; ++t) {
+    std::vector<uint64_t> begins;  // tp rank t's gate and up columns of every (expert, hidden) row
+    for (int64_t r = 0; r < E * H; ++r)
+      for (int64_t half = 0; half < 2; ++half) begins.push_back(static_cast<uint64_t>(r * 2 * I + half * I + t * I / 2));
+    EXPECT_EQ(reads(gate_up, begins, I / 2, 1 << 20, gate_up_want), 2 * E) << "tp rank " << t << ": one band per w1 and w3";
+    EXPECT_EQ(reads(gate_up, begins, I / 2, 8, gate_up_want), E * H * 2) << "tp rank " << t << ": no band: whole source rows, one pread";
+  }
+  const std::string down = by_name.at(x + "0.w2.weight")->blocks.front().name;
+  const auto down_want = [&](uint64_t flat) {  // down_proj (E, I, H): w2[e][:, i]
+    const uint64_t e = flat / (I * H), i = flat / H % I, h = flat % H;
+    return first.at(x + std::to_string(e) + ".w2.weight") + static_cast<float>(h * I + i);
+  };
+  const std::vector<uint64_t> begins = {0, 20, 40, I * H - 3, I * H + 5, 2 * I * H - 7};
+  EXPECT_EQ(reads(down, begins, 7, 8, down_want), 6 * 7) << "no band, source rows too long to read whole: a pread per element";
 }
 
 }  // namespace

@@ -81,6 +81,9 @@ class Touched {
     for (const Span& s : spans_) n += static_cast<uint64_t>(s.hi - s.lo);
     return n;
   }
+  // The bytes of source a read may keep until the chunk is done: the chunk's share of the budget
+  // (ckpt/shard/stream_budget.h), which a reader that copies with pread may spend on a buffer instead.
+  uint64_t limit() const { return limit_; }
   ~Touched() { Release(); }
 
  private:

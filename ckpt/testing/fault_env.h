@@ -51,6 +51,8 @@ class FaultEnv : public Env {
   }
 
   int64_t bytes_written() const { return written_; }
+  // RandomAccessFile::ReadAt calls so far (preads).
+  int64_t reads_at() const { return reads_at_; }
   int64_t mutating_ops() const { return ops_; }
 
   std::unique_ptr<WritableFile> NewWritableFile(const std::string& path) override;
