@@ -385,10 +385,16 @@ ReshardSummary RunReshard(const ReshardArgs& a, ckpt::Env* env, const LogFn& log
   ReshardSummary sum;
   const SourceTag found = FindSourceTag(a.src, a.verify_source, env, log);
   sum.src_tag = found.tag;
-  SourceCheck check(env, found.tag, a.verify_source && !found.checked && a.group->rank() == 0, a.weights_only);
+  const bool check_here = a.verify_source && !found.checked && a.group->rank() == 0;
+  // A source whose manifest records its files' CRC-32s is checked with what the copy reads of
+  // it (SourceCheck's folded check); one without (NxD's) is loaded whole beside the copy.
+  const bool folded = a.verify_source && !found.checked && env->Exists(found.tag + "/" + ckpt::kManifestFile);
+  ckpt::ReadFold reads;
+  ckpt::FoldingEnv folding(env, &reads);
+  SourceCheck check(env, found.tag, check_here, a.weights_only, folded ? &reads : nullptr, a.group);
   try {
     const ckpt::OpenedSource src = ckpt::SourceRegistry::Default().Open(
-        env, sum.src_tag, {.hints = a.hints, .weights_only = a.weights_only, .trust_first_replica = a.trust_first_replica}, "tag");
+        folded ? &folding : env, sum.src_tag, {.hints = a.hints, .weights_only = a.weights_only, .trust_first_replica = a.trust_first_replica}, "tag");
     if (src.optimizer_skipped) sum.notes.push_back("--weights_only: the source's optimizer state is not read; the target has none");
     for (const auto& n : src.notes) sum.notes.push_back(n);
     sum.bytes_read = src.bytes;

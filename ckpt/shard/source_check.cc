@@ -8,9 +8,11 @@
 
 namespace ckpt {
 
-void VerifySourceTag(Env* env, const std::string& tag, bool weights_only, const LogFn& log) {
+void VerifySourceTag(Env* env, const std::string& tag, bool weights_only, const LogFn& log, const ReadFold* fold) {
   // Read for its weights alone, an MoE tag's model files are the reader's to take or refuse.
-  TagReport rep = VerifyTag(env, tag, {.checksums = true, .moe_left_to_reader = weights_only});
+  VerifyOptions opts{.checksums = true, .moe_left_to_reader = weights_only};
+  if (fold) opts.file_crc = [&](const std::string& path, uint64_t size) { return fold->Crc(env, path, size); };
+  TagReport rep = VerifyTag(env, tag, opts);
   if (weights_only) DropOptimizerProblems(rep, [&](const TagProblem& p) { log("note: " + p.file + ": " + p.what + " (not read: --weights_only)"); });
   std::string what;
   for (const auto& p : rep.problems) what += "\n  " + (p.file.empty() ? "" : p.file + ": ") + p.what;
@@ -20,6 +22,21 @@ void VerifySourceTag(Env* env, const std::string& tag, bool weights_only, const 
 SourceCheck::SourceCheck(Env* env, std::string tag, bool enabled, bool weights_only)
     : env_(env), tag_(std::move(tag)), enabled_(enabled), weights_only_(weights_only) {}
 
+SourceCheck::SourceCheck(Env* env, std::string tag, bool enabled, bool weights_only, ReadFold* fold, WriterGroup* group)
+    : env_(env), tag_(std::move(tag)), enabled_(enabled), weights_only_(weights_only), fold_(fold), group_(group) {}
+
+void SourceCheck::RunFolded() {
+  if (!enabled_ || started_) return;
+  started_ = true;
+  try {
+    // In an arena of kThreads, as beside the copy: memory() counts a 4 MiB gap window per thread.
+    tbb::task_arena arena(kThreads);
+    arena.execute([&] { VerifySourceTag(env_, tag_, weights_only_, [this](const std::string& s) { notes_.push_back(s); }, fold_); });
+  } catch (...) {
+    error_ = std::current_exception();
+  }
+}
+
 uint64_t SourceCheck::memory() const {
   // DigestFile's buffer, and 4 MiB more: what a mapped window's end folios took before the pass
   // read with pread (Env::ReadInPieces), kept as a reserve.
@@ -27,7 +44,7 @@ uint64_t SourceCheck::memory() const {
 }
 
 void SourceCheck::Start() {
-  if (!enabled_ || started_) return;
+  if (!enabled_ || started_ || fold_) return;
   started_ = true;
   thread_ = std::thread([this] {
     try {
@@ -45,6 +62,12 @@ SourceCheck::~SourceCheck() {
 }
 
 void SourceCheck::Wait(const LogFn& log) {
+  if (fold_ && !gathered_ && group_ && group_->size() > 1) {
+    gathered_ = true;
+    const std::vector<std::string> records = group_->Gather(fold_->Encode());
+    for (size_t r = 1; r < records.size(); ++r) fold_->Merge(records[r]);
+  }
+  if (fold_) RunFolded();
   Start();
   if (thread_.joinable()) thread_.join();
   if (!waited_)
@@ -54,6 +77,8 @@ void SourceCheck::Wait(const LogFn& log) {
 }
 
 void SourceCheck::ThrowIfFailed(const LogFn& log) {
+  gathered_ = true;  // an error path: peers may never call Wait
+  if (fold_) RunFolded();
   Start();
   if (thread_.joinable()) thread_.join();
   if (error_) Wait(log);

@@ -13,6 +13,7 @@
 #include "ckpt/shard/reshard.h"
 #include "ckpt/util/crc32.h"
 #include "ckpt/spec/tag_paths.h"
+#include "ckpt/testing/fault_env.h"
 #include "ckpt/testing/test_util.h"
 
 namespace ckpt {
@@ -85,6 +86,49 @@ TEST(SourceCheck, ThrowIfFailedPrefersTheCheckersError) {
   Damage(tag + "/model/" + RankFileName({0, 0, 0}));
   SourceCheck bad(Env::Default(), tag, true, false);
   EXPECT_NE(ErrorOf([&] { bad.ThrowIfFailed(log); }).find("fails verification"), std::string::npos);
+}
+
+// Reads every file the manifest lists through `env`, a range at a time, as a job would.
+void ReadAllThrough(Env* env, const std::string& tag) {
+  const nlohmann::json m = nlohmann::json::parse(std::ifstream(tag + "/manifest.json"));
+  for (const auto& [rel, _] : m.at("files").items()) {
+    const std::string path = tag + "/" + rel;
+    const uint64_t size = env->FileSize(path);
+    auto f = env->NewRandomAccessFile(path);
+    std::vector<uint8_t> buf(1000);
+    for (uint64_t at = 0; at < size; at += buf.size()) f->ReadAt(at, {buf.data(), std::min<uint64_t>(buf.size(), size - at)});
+  }
+}
+
+TEST(SourceCheck, AFoldedCheckReadsOnlyWhatTheJobDidNot) {
+  TempDir dir("source_check");
+  const std::string tag = WriteTag(dir, "tag");
+  const LogFn log = [](const std::string&) {};
+  FaultEnv failing(Env::Default());
+  failing.FailReadAt(1);  // a range read by the check, not the job, would fail it
+  {
+    ReadFold fold;
+    FoldingEnv job(Env::Default(), &fold);
+    ReadAllThrough(&job, tag);
+    SourceCheck check(&failing, tag, true, false, &fold, nullptr);
+    check.Wait(log);
+  }
+  {
+    ReadFold nothing;  // nothing read by the job: the check reads every byte, and passes
+    SourceCheck check(Env::Default(), tag, true, false, &nothing, nullptr);
+    check.Wait(log);
+  }
+  const std::string rank_file = "model/" + RankFileName({0, 1, 0});
+  Damage(tag + "/" + rank_file);
+  for (bool job_read_it : {true, false}) {  // the damaged byte read by the job, or a gap the check reads
+    ReadFold fold;
+    FoldingEnv job(Env::Default(), &fold);
+    if (job_read_it) ReadAllThrough(&job, tag);
+    SourceCheck check(job_read_it ? static_cast<Env*>(&failing) : Env::Default(), tag, true, false, &fold, nullptr);
+    const std::string e = ErrorOf([&] { check.Wait(log); });
+    EXPECT_NE(e.find(tag + ": fails verification, so it is not read"), std::string::npos) << e;
+    EXPECT_NE(e.find(rank_file + ": checksum"), std::string::npos) << e;
+  }
 }
 
 // Drops the per-tensor fingerprints from the tag's manifest (NxD's own tags record none).

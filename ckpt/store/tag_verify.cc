@@ -128,9 +128,10 @@ std::string LoadProblem(Env* env, const std::string& tag_dir, const std::string&
 // The problem of a listed file whose size matches the manifest: its CRC-32
 // differs, or it does not load; or "".
 std::string ContentProblem(Env* env, const std::string& tag_dir, const std::string& rel, const FileDigest& want, int zero1_dp,
-                           bool moe_described, int ep) {
-  const FileDigest got = DigestFile(env, tag_dir + "/" + rel);
-  if (got.crc32 != want.crc32) return "checksum " + CrcHex(got.crc32) + " differs from the manifest's " + CrcHex(want.crc32);
+                           bool moe_described, int ep, const decltype(VerifyOptions::file_crc)& file_crc) {
+  const std::string path = tag_dir + "/" + rel;
+  const uint32_t got = file_crc ? file_crc(path, want.size) : DigestFile(env, path).crc32;
+  if (got != want.crc32) return "checksum " + CrcHex(got) + " differs from the manifest's " + CrcHex(want.crc32);
   // Bytes that match a manifest rewritten to match them (a truncated file
   // and its recomputed record) must still load.
   return IsDirectlyLoaded(rel) ? LoadProblem(env, tag_dir, rel, false, zero1_dp, moe_described, ep) : "";
@@ -243,7 +244,8 @@ TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& o
           if (size != want.size) {
             what = "size " + std::to_string(size) + " differs from the manifest's " + std::to_string(want.size);
           } else if (opts.checksums) {
-            what = ContentProblem(env, tag_dir, rel, want, zero1_dp, opts.moe_left_to_reader || (m.model && m.model->moe()), m.grid.ep);
+            what = ContentProblem(env, tag_dir, rel, want, zero1_dp, opts.moe_left_to_reader || (m.model && m.model->moe()), m.grid.ep,
+                                  opts.file_crc);
             bytes = size;
           }
         } catch (const Error& e) {
@@ -352,7 +354,7 @@ std::vector<TagProblem> VerifyListedContent(Env* env, const std::string& tag_dir
     std::string what;
     try {
       if (env->FileSize(path) != want->second.size) return;
-      what = ContentProblem(env, tag_dir, rel, want->second, m.grid.dp, m.model && m.model->moe(), m.grid.ep);
+      what = ContentProblem(env, tag_dir, rel, want->second, m.grid.dp, m.model && m.model->moe(), m.grid.ep, {});
     } catch (const Error& e) {
       what = e.what();
     }

@@ -45,6 +45,10 @@ struct VerifyOptions {
   // MoE tensors in model files are left to the reader that follows (ckpt::DescribeModel reads an
   // HF-style Mixtral's weights and refuses the rest naming MoE), not reported as a problem.
   bool moe_left_to_reader = false;
+  // With checksums and a manifest: the CRC-32 of a listed file, from its path and size (the
+  // manifest's, which the file's matches). Unset, the whole file is read (DigestFile); a job
+  // that recorded what it read of the source (ckpt/util/read_fold.h) reads only the rest.
+  std::function<uint32_t(const std::string& path, uint64_t size)> file_crc = nullptr;
 };
 
 TagReport VerifyTag(Env* env, const std::string& tag_dir, const VerifyOptions& opts = {});
