@@ -461,8 +461,8 @@ TrainResult RunTraining(const TrainConfig& c, const std::function<void(const std
                                                        ReshardAdvice(reshard, c));
         // At ep > 1 the engine writes NxD's NeuronEPZero1Optimizer state, which has no place for fp32 master weights
         // (ckpt/spec/ep_zero1_state.h EpOptimizerBarOf, the engine's check); a tag holding them is refused here, before
-        // every rank starts the reshard.
-        if (plan.kind == ckpt::ResumePlan::Kind::kReshard &&
+        // every rank starts the reshard. The tag's manifest is read for it only at ep > 1, where the bar can apply.
+        if (plan.kind == ckpt::ResumePlan::Kind::kReshard && c.grid.ep > 1 &&
             ckpt::EpOptimizerBarOf(c.grid.ep, !c.weight_init_only, c.grid.zero1, HoldsMasterWeights(env, *tag)) ==
                 ckpt::EpOptimizerBar::kMasterWeights)
           throw ckpt::Error(*tag + ": cannot resume_reshard it at distributed_strategy.expert_model_parallel_size " +
